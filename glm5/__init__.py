@@ -1,0 +1,45 @@
+"""glm5: GLM-5 on an op IR with pluggable hardware backends.
+
+Everything is imported lazily so that `import glm5` stays fast and pulls in no optional
+dependency: `glm5.ops`, `glm5.Backend`, `glm5.hookimpl`, `glm5.use_backend` ... load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "ops": ("glm5.ops", None),
+    "Backend": ("glm5.backends.api", "Backend"),
+    "hookimpl": ("glm5.backends.api", "hookimpl"),
+    "hookspec": ("glm5.backends.api", "hookspec"),
+    "API_VERSION": ("glm5.backends.api", "API_VERSION"),
+    "BackendError": ("glm5.backends.api", "BackendError"),
+    "use_backend": ("glm5.backends.selection", "use_backend"),
+    "FallbackError": ("glm5.backends.selection", "FallbackError"),
+    "get_registry": ("glm5.backends.registry", "get_registry"),
+    "reset_registry": ("glm5.backends.registry", "reset_registry"),
+    "OpInputError": ("glm5.ir.signature", "OpInputError"),
+    "OpTypeError": ("glm5.ir.signature", "OpTypeError"),
+    "get_op": ("glm5.ir.catalog", "get_op"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        mod, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'glm5' has no attribute {name!r}") from None
+    m = importlib.import_module(mod)
+    value = m if attr is None else getattr(m, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

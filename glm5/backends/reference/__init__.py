@@ -1,0 +1,30 @@
+"""The reference backend: serves every op from its OpDef reference (plain torch, any device,
+float64-capable). It is the oracle of the conformance kit and the explicit last resort of
+selection. Registered through glm5's own `glm5.backends` entry point, like any plugin."""
+
+from __future__ import annotations
+
+from glm5.backends.api import API_VERSION, Backend, hookimpl
+
+GLM5_API_VERSION = API_VERSION
+
+
+def make_backend() -> Backend:
+    from glm5.ir.catalog import OPS
+
+    b = Backend(
+        "reference",
+        vendor="glm5",
+        device_type="any",
+        priority=-1000,
+        description="OpDef references in plain torch eager (the float64 oracle)",
+        settings={"quant_scheme": "none", "collective": "gloo"},
+    )
+    for op in OPS.values():
+        b.kernel(op.name, dtypes=None)(op.reference)
+    return b
+
+
+@hookimpl
+def glm5_register_backends(registry) -> None:
+    registry.register(make_backend())

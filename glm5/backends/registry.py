@@ -1,0 +1,193 @@
+"""Discovery: entry points of group ``glm5.backends`` -> pluggy -> the backend registry.
+
+Every backend, built-in or third party, arrives through the same path. A plugin that fails to
+import, declares another API major version, or raises while registering is recorded with its
+reason and skipped; under ``GLM5_STRICT=1`` the error is re-raised.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from glm5.backends.api import (
+    API_VERSION,
+    ENTRY_POINT_GROUP,
+    PROJECT,
+    Backend,
+    BackendError,
+    hookspec,
+)
+
+
+class HookSpecs:
+    """The hooks a glm5 plugin implements (API version 1)."""
+
+    @hookspec
+    def glm5_register_backends(self, registry: "Registry") -> None:
+        """Call ``registry.register(backend)`` for each backend the plugin ships."""
+
+
+@dataclass
+class PluginRecord:
+    name: str  # entry-point name
+    source: str  # "<distribution> <version>" or a description
+    status: str  # "loaded" | "failed" | "refused" | "disabled"
+    message: str = ""
+    detail: str = ""  # traceback for failures
+    backends: tuple[str, ...] = ()
+
+
+class PluginLoadError(BackendError):
+    """A plugin failed to load (raised only in strict mode)."""
+
+
+def strict_mode() -> bool:
+    return os.environ.get("GLM5_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _major(v: str) -> str:
+    return str(v).split(".")[0].strip()
+
+
+class Registry:
+    """All known backends (available or not) and the record of every plugin."""
+
+    def __init__(self) -> None:
+        self.backends: dict[str, Backend] = {}
+        self.plugins: dict[str, PluginRecord] = {}
+        self._current_source = ""
+        self._current_backends: list[str] = []
+
+    # Called by plugins from their glm5_register_backends hook.
+    def register(self, backend: Backend) -> None:
+        if not isinstance(backend, Backend):
+            raise BackendError(
+                f"glm5 registry.register: expected a glm5.Backend, got {type(backend).__name__}"
+            )
+        if backend.name in self.backends:
+            other = self.backends[backend.name].source
+            raise BackendError(
+                f"glm5 registry.register: a backend named {backend.name!r} is already "
+                f"registered (from {other})"
+            )
+        backend.source = self._current_source or backend.source or "direct"
+        self.backends[backend.name] = backend
+        self._current_backends.append(backend.name)
+
+    def get(self, name: str) -> Backend:
+        try:
+            return self.backends[name]
+        except KeyError:
+            known = ", ".join(sorted(self.backends)) or "none"
+            raise KeyError(f"glm5: unknown backend {name!r}; known backends: {known}") from None
+
+    def errors(self) -> list[PluginRecord]:
+        return [p for p in self.plugins.values() if p.status in ("failed", "refused")]
+
+    # ------------------------------------------------------------------ discovery
+    def load_plugin(self, name: str, obj: Any, source: str, pm: pluggy.PluginManager) -> None:
+        """Check the API version of ``obj``, register it with pluggy and call its hook."""
+        declared = getattr(obj, "GLM5_API_VERSION", None)
+        if declared is None:
+            raise _Refused(
+                f"plugin does not declare GLM5_API_VERSION (this glm5 speaks API {API_VERSION})"
+            )
+        if _major(declared) != _major(API_VERSION):
+            raise _Refused(
+                f"plugin was built for glm5 plugin API {declared}, this glm5 speaks API "
+                f"{API_VERSION} (major versions differ)"
+            )
+        pm.register(obj, name=name)
+        impls = [
+            i for i in pm.hook.glm5_register_backends.get_hookimpls() if i.plugin is obj
+        ]
+        if not impls:
+            raise _Refused("plugin implements no glm5_register_backends hook")
+        self._current_source, self._current_backends = source, []
+        try:
+            for impl in impls:
+                impl.function(registry=self)
+        except Exception:
+            for b in self._current_backends:  # roll back a half-registered plugin
+                self.backends.pop(b, None)
+            raise
+        finally:
+            self._current_source = ""
+        self.plugins[name] = PluginRecord(
+            name, source, "loaded", backends=tuple(self._current_backends)
+        )
+
+    def discover(self, disabled: set[str] | frozenset[str] = frozenset()) -> None:
+        pm = pluggy.PluginManager(PROJECT)
+        pm.add_hookspecs(HookSpecs)
+        eps = sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+        seen: set[str] = set()
+        for ep in eps:
+            if ep.name in seen:  # the same distribution visible twice on sys.path
+                continue
+            seen.add(ep.name)
+            dist = getattr(ep, "dist", None)
+            source = f"{dist.name} {dist.version}" if dist is not None else ep.value
+            if ep.name in disabled:
+                self.plugins[ep.name] = PluginRecord(ep.name, source, "disabled",
+                                                     "disabled in plugins.toml")
+                continue
+            try:
+                obj = ep.load()
+                self.load_plugin(ep.name, obj, source, pm)
+            except _Refused as e:
+                self._record(ep.name, source, "refused", str(e), "")
+            except Exception as e:
+                self._record(ep.name, source, "failed", f"{type(e).__name__}: {e}",
+                             traceback.format_exc())
+        if "reference" not in self.backends:
+            # glm5 itself is not installed (running from a source tree): the oracle must exist.
+            from glm5.backends import reference
+
+            self._current_source = "glm5 (source tree, no entry point)"
+            reference.glm5_register_backends(self)
+            self._current_source = ""
+
+    def _record(self, name: str, source: str, status: str, msg: str, detail: str) -> None:
+        self.plugins[name] = PluginRecord(name, source, status, msg, detail)
+        if strict_mode():
+            raise PluginLoadError(f"glm5: plugin {name!r} ({source}) {status}: {msg}")
+
+
+class _Refused(Exception):
+    pass
+
+
+_lock = threading.Lock()
+_registry: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, discovered on first use."""
+    global _registry
+    if _registry is None:
+        with _lock:
+            if _registry is None:
+                from glm5.backends.policy import get_policy
+
+                reg = Registry()
+                reg.discover(frozenset(get_policy().disabled_plugins))
+                _registry = reg
+    return _registry
+
+
+def reset_registry() -> None:
+    """Forget the registry (tests, or after installing a plugin in-process)."""
+    global _registry
+    from glm5.backends import selection
+
+    with _lock:
+        _registry = None
+    selection.clear_cache()

@@ -1,0 +1,207 @@
+"""`OpDef`: the one definition of an op (signature, reference, shape function, cost, tolerance
+class, decomposition)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from glm5.ir.signature import (
+    OpInputError,
+    OutArg,
+    ScalarArg,
+    TensorArg,
+    bind_arguments,
+    bind_shapes,
+    out_dtype,
+    out_shape,
+)
+
+# `check(values, symbols)` hooks look at tensor *values* (index ranges); they are skipped when
+# the tensors carry no data (meta / fake tensors under tracing).
+
+
+def has_data(t: torch.Tensor) -> bool:
+    if t.device.type == "meta":
+        return False
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # pragma: no cover
+        return True
+    if isinstance(t, FakeTensor):
+        return False
+    return type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)
+
+
+@dataclass
+class OpDef:
+    """One op of OPS.md.
+
+    ``reference(**args)`` is plain torch, dtype-generic, and runs in float64. ``cost(args, syms)``
+    returns ``(flops, bytes)``. ``check(args, syms)`` adds op-specific validation beyond the
+    signature (value ranges, cross-argument rules). ``reduce_len(args, syms)`` is the length of
+    the longest floating reduction, used to scale absolute tolerances. ``decompose(**args)``,
+    for a composite op, computes the op from other ``glm5.ops`` calls.
+    """
+
+    name: str
+    summary: str
+    params: tuple[TensorArg | ScalarArg, ...]
+    outputs: tuple[OutArg, ...]
+    reference: Callable[..., Any]
+    cost: Callable[[dict[str, Any], dict[str, int]], tuple[float, float]]
+    tolerance: str
+    reduce_len: Callable[[dict[str, Any], dict[str, int]], int] = lambda a, s: 1
+    check: Callable[[dict[str, Any], dict[str, int]], None] | None = None
+    decompose: Callable[..., Any] | None = None
+    mutates: tuple[str, ...] = ()
+    selection: bool = False
+    differentiable: bool = True
+    category: str = ""
+    # Names of tensor parameters whose dtype selects the kernel (first floating input by default).
+    dispatch_arg: str | None = None
+    _param_names: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._param_names = tuple(p.name for p in self.params)
+        if self.dispatch_arg is None:
+            for p in self.params:
+                if isinstance(p, TensorArg) and p.dtypes is not None and any(
+                    d.is_floating_point for d in p.dtypes
+                ):
+                    self.dispatch_arg = p.name
+                    break
+
+    # ----------------------------------------------------------------- structure
+    @property
+    def is_composite(self) -> bool:
+        return self.decompose is not None
+
+    @property
+    def tensor_params(self) -> tuple[TensorArg, ...]:
+        return tuple(p for p in self.params if isinstance(p, TensorArg))
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return self._param_names
+
+    # ----------------------------------------------------------------- binding
+    def bind(self, args: tuple = (), kwargs: dict | None = None) -> dict[str, Any]:
+        return bind_arguments(self.name, self.params, args, kwargs or {})
+
+    def validate(
+        self, args: tuple = (), kwargs: dict | None = None
+    ) -> tuple[dict[str, Any], dict[str, int]]:
+        """Bind and check a call; raise ``OpInputError``/``OpTypeError`` naming the argument."""
+        values = self.bind(args, kwargs)
+        syms = bind_shapes(self.name, self.params, values)
+        if self.check is not None:
+            self.check(values, syms)
+        return values, syms
+
+    def symbols(self, values: dict[str, Any]) -> dict[str, int]:
+        return bind_shapes(self.name, self.params, dict(values))
+
+    def acc_dtype(self, values: dict[str, Any]) -> torch.dtype:
+        """float64 when any floating input is float64 (the oracle), else float32."""
+        for p in self.tensor_params:
+            v = values.get(p.name)
+            if isinstance(v, torch.Tensor) and v.dtype == torch.float64:
+                return torch.float64
+        return torch.float32
+
+    def dispatch_dtype(self, values: dict[str, Any]) -> torch.dtype | None:
+        if self.dispatch_arg is None:
+            return None
+        v = values.get(self.dispatch_arg)
+        return v.dtype if isinstance(v, torch.Tensor) else None
+
+    def device(self, values: dict[str, Any]) -> torch.device:
+        for p in self.tensor_params:
+            v = values.get(p.name)
+            if isinstance(v, torch.Tensor):
+                return v.device
+        return torch.device("cpu")
+
+    # ----------------------------------------------------------------- shape function
+    def meta(self, *args: Any, **kwargs: Any) -> Any:
+        """Empty outputs of the right shape and dtype (the torch ``register_fake``)."""
+        values = self.bind(args, kwargs)
+        syms = self.symbols(values)
+        acc = self.acc_dtype(values)
+        like = next(
+            v for p in self.tensor_params if isinstance(v := values.get(p.name), torch.Tensor)
+        )
+        outs = [
+            like.new_empty(out_shape(o.shape, syms, values), dtype=out_dtype(o.dtype, values, acc))
+            for o in self.outputs
+        ]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def output_specs(self, values: dict[str, Any]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        syms = self.symbols(values)
+        acc = self.acc_dtype(values)
+        return [
+            (out_shape(o.shape, syms, values), out_dtype(o.dtype, values, acc))
+            for o in self.outputs
+        ]
+
+    def flops_bytes(self, *args: Any, **kwargs: Any) -> tuple[float, float]:
+        values = self.bind(args, kwargs)
+        return self.cost(values, self.symbols(values))
+
+    # ----------------------------------------------------------------- torch schema
+    def schema(self) -> str:
+        parts = []
+        for p in self.params:
+            if isinstance(p, TensorArg):
+                t = "Tensor"
+                if p.name in self.mutates:
+                    t = "Tensor(a!)"
+                if p.optional:
+                    parts.append(f"{t}? {p.name}=None")
+                else:
+                    parts.append(f"{t} {p.name}")
+            else:
+                t = {int: "int", float: "float", bool: "bool", str: "str"}[p.type]
+                if p.has_default:
+                    dv = p.default
+                    if p.type is str:
+                        dv = f'"{dv}"'
+                    elif p.type is bool:
+                        dv = "True" if dv else "False"
+                    elif dv is None:
+                        t, dv = t + "?", "None"
+                    parts.append(f"{t} {p.name}={dv}")
+                else:
+                    parts.append(f"{t} {p.name}")
+        rets = ", ".join("Tensor" for _ in self.outputs)
+        ret = rets if len(self.outputs) == 1 else f"({rets})"
+        return f"({', '.join(parts)}) -> {ret}"
+
+
+def require(cond: bool, op: str, arg: str, expected: str, got: Any) -> None:
+    """Raise the house-style boundary error when ``cond`` is false."""
+    if not cond:
+        raise OpInputError(f"glm5.{op}: argument {arg!r} expected {expected}, got {got}")
+
+
+def check_index_range(
+    op: str, arg: str, idx: torch.Tensor, low: int, high: int, what: str = ""
+) -> None:
+    """Entries of ``idx`` must be −1 or in ``[low, high)``."""
+    if not has_data(idx) or idx.numel() == 0:
+        return
+    bad = (idx != -1) & ((idx < low) | (idx >= high))
+    if bool(bad.any()):
+        first = idx[bad].flatten()[0].item()
+        raise OpInputError(
+            f"glm5.{op}: argument {arg!r} expected entries in [{low}, {high}) or -1"
+            f"{' ' + what if what else ''}, got {first}"
+        )
+
+
+def seq(x: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple(x)

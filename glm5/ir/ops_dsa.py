@@ -1,0 +1,286 @@
+"""DSA ops: lightning_indexer, topk_indices, indexer_topk (composite), sparse_attention,
+attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from glm5.ir.opdef import OpDef, check_index_range, has_data, require
+from glm5.ir.ops_norm import _bytes, acc_of
+from glm5.ir.signature import FLOAT_DTYPES, INDEX_DTYPES, OpInputError, OutArg, TensorArg, scalar
+
+
+def check_ranges(op: str, k_start: torch.Tensor, k_end: torch.Tensor, S: int) -> None:
+    """0 <= k_start[t] <= k_end[t] <= S."""
+    if not (has_data(k_start) and has_data(k_end)) or k_start.numel() == 0:
+        return
+    if bool((k_start < 0).any()):
+        raise OpInputError(
+            f"glm5.{op}: argument 'k_start' expected entries >= 0, got {int(k_start.min())}"
+        )
+    if bool((k_end > S).any()):
+        raise OpInputError(
+            f"glm5.{op}: argument 'k_end' expected entries <= S={S}, got {int(k_end.max())}"
+        )
+    bad = k_start > k_end
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        raise OpInputError(
+            f"glm5.{op}: argument 'k_end' expected k_start[t] <= k_end[t], got "
+            f"k_start[{t}]={int(k_start[t])} > k_end[{t}]={int(k_end[t])}"
+        )
+
+
+def range_mask(k_start: torch.Tensor, k_end: torch.Tensor, S: int) -> torch.Tensor:
+    """[T, S] bool, True where k_start[t] <= s < k_end[t]. Reference-only helper."""
+    s = torch.arange(S, device=k_start.device)
+    return (s[None, :] >= k_start[:, None].long()) & (s[None, :] < k_end[:, None].long())
+
+
+# --------------------------------------------------------------------------- lightning_indexer
+def lightning_indexer_ref(q, k, w, k_start, k_end):
+    acc = acc_of(q)
+    dots = torch.einsum("thd,sd->ths", q.to(acc), k.to(acc))
+    scores = torch.einsum("ths,th->ts", torch.relu(dots), w.to(acc))
+    valid = range_mask(k_start, k_end, k.shape[0])
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+def _indexer_check(a, s) -> None:
+    check_ranges("lightning_indexer", a["k_start"], a["k_end"], s["S"])
+
+
+_INDEXER_PARAMS = (
+    TensorArg("q", ("T", "Hi", "Di"), doc="indexer queries"),
+    TensorArg("k", ("S", "Di"), doc="indexer keys (one head)"),
+    TensorArg("w", ("T", "Hi"), doc="per-head weights, all scale factors folded in"),
+    TensorArg("k_start", ("T",), INDEX_DTYPES, doc="first valid key per query"),
+    TensorArg("k_end", ("T",), INDEX_DTYPES, doc="one past the last valid key per query"),
+)
+
+
+def _indexer_cost(a, s):
+    T, S, H, D = s["T"], s["S"], s["Hi"], s["Di"]
+    return (2.0 * T * S * H * D + 3.0 * T * S * H, _bytes(a["q"], a["k"], a["w"]) + 4.0 * T * S)
+
+
+LIGHTNING_INDEXER = OpDef(
+    name="lightning_indexer",
+    summary="scores[t,s] = sum_h w[t,h] relu(q[t,h].k[s]) on k_start<=s<k_end, else -inf",
+    params=_INDEXER_PARAMS,
+    outputs=(OutArg("scores", ("T", "S"), "acc"),),
+    reference=lightning_indexer_ref,
+    cost=_indexer_cost,
+    tolerance="matmul",
+    reduce_len=lambda a, s: s["Di"] * s["Hi"],
+    check=_indexer_check,
+    category="dsa",
+)
+
+
+# --------------------------------------------------------------------------- topk_indices
+def topk_indices_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
+    T, S = scores.shape
+    finite = torch.isfinite(scores)
+    keyed = scores.masked_fill(~finite, float("-inf"))
+    # A stable descending sort puts equal scores in ascending index order: ties -> smaller index.
+    vals, order = torch.sort(keyed, dim=-1, descending=True, stable=True)
+    n = min(k, S)
+    idx = order[:, :n].to(torch.int32)
+    ok = torch.gather(finite, 1, order[:, :n])
+    idx = idx.masked_fill(~ok, -1)
+    if k > S:
+        pad = torch.full((T, k - S), -1, dtype=torch.int32, device=scores.device)
+        idx = torch.cat((idx, pad), dim=1)
+    return idx
+
+
+TOPK_INDICES = OpDef(
+    name="topk_indices",
+    summary="k largest finite scores per row, descending, ties to the smaller index, -1 tail",
+    params=(
+        TensorArg("scores", ("T", "S"), FLOAT_DTYPES),
+        scalar("k", int, minimum=1),
+    ),
+    outputs=(OutArg("idx", lambda s, a: (s["T"], a["k"]), torch.int32, differentiable=False),),
+    reference=topk_indices_ref,
+    cost=lambda a, s: (
+        s["T"] * s["S"] * max(1.0, math.log2(max(2, a["k"]))),
+        _bytes(a["scores"]) + 4.0 * s["T"] * a["k"],
+    ),
+    tolerance="selection",
+    reduce_len=lambda a, s: 1,
+    selection=True,
+    differentiable=False,
+    category="dsa",
+)
+
+
+# --------------------------------------------------------------------------- indexer_topk
+def indexer_topk_ref(q, k, w, k_start, k_end, topk):
+    return topk_indices_ref(lightning_indexer_ref(q, k, w, k_start, k_end), topk)
+
+
+def indexer_topk_decompose(q, k, w, k_start, k_end, topk):
+    from glm5 import ops
+
+    return ops.topk_indices(ops.lightning_indexer(q, k, w, k_start, k_end), topk)
+
+
+def _indexer_topk_check(a, s) -> None:
+    check_ranges("indexer_topk", a["k_start"], a["k_end"], s["S"])
+
+
+INDEXER_TOPK = OpDef(
+    name="indexer_topk",
+    summary="composite: topk_indices(lightning_indexer(q, k, w, k_start, k_end), topk)",
+    params=_INDEXER_PARAMS + (scalar("topk", int, minimum=1),),
+    outputs=(OutArg("idx", lambda s, a: (s["T"], a["topk"]), torch.int32, differentiable=False),),
+    reference=indexer_topk_ref,
+    cost=lambda a, s: (
+        _indexer_cost(a, s)[0] + s["T"] * s["S"],
+        _bytes(a["q"], a["k"], a["w"]) + 4.0 * s["T"] * a["topk"],
+    ),
+    tolerance="selection",
+    reduce_len=lambda a, s: s["Di"] * s["Hi"],
+    check=_indexer_topk_check,
+    decompose=indexer_topk_decompose,
+    selection=True,
+    differentiable=False,
+    category="dsa",
+)
+
+
+# --------------------------------------------------------------------------- sparse_attention
+def _softmax_out(scores: torch.Tensor, valid: torch.Tensor, v: torch.Tensor, eq: str):
+    """Masked softmax(scores) @ v with lse; rows without a valid key give 0 and -inf."""
+    scores = scores.masked_fill(~valid, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    empty = torch.isneginf(lse)
+    p = torch.exp(scores - lse.masked_fill(empty, 0.0).unsqueeze(-1))
+    p = p.masked_fill(~valid, 0.0)
+    return torch.einsum(eq, p, v), lse
+
+
+def sparse_attention_ref(q, k, v, idx, scale):
+    acc = acc_of(q)
+    T, H, _ = q.shape
+    S, Hk, _ = k.shape
+    g = H // Hk
+    valid = idx >= 0  # [T, K]
+    safe = idx.long().clamp(min=0)
+    kg = k.to(acc)[safe]  # [T, K, Hk, Dqk]
+    vg = v.to(acc)[safe]  # [T, K, Hk, Dv]
+    qf = q.to(acc).reshape(T, Hk, g, -1)
+    scores = torch.einsum("tjgd,tkjd->tjgk", qf, kg) * scale  # [T, Hk, g, K]
+    out, lse = _softmax_out(scores, valid[:, None, None, :], vg, "tjgk,tkjd->tjgd")
+    return out.reshape(T, H, -1).to(q.dtype), lse.reshape(T, H)
+
+
+def _gqa_check(op: str, s) -> None:
+    require(
+        s["H"] % s["Hk"] == 0,
+        op,
+        "k",
+        f"a head count Hk dividing H={s['H']}",
+        f"Hk={s['Hk']}",
+    )
+
+
+def _sparse_check(a, s) -> None:
+    _gqa_check("sparse_attention", s)
+    require(a["v"].dtype == a["q"].dtype and a["k"].dtype == a["q"].dtype, "sparse_attention",
+            "k", f"q, k and v of one dtype ({a['q'].dtype})", f"{a['k'].dtype}/{a['v'].dtype}")
+    check_index_range("sparse_attention", "idx", a["idx"], 0, s["S"], "(rows of k)")
+
+
+_ATTN_QKV = (
+    TensorArg("q", ("T", "H", "Dqk")),
+    TensorArg("k", ("S", "Hk", "Dqk")),
+    TensorArg("v", ("S", "Hk", "Dv")),
+)
+
+
+def _attn_cost(a, s, n_keys: float):
+    T, H, Dqk, Dv = s["T"], s["H"], s["Dqk"], s["Dv"]
+    flops = 2.0 * T * H * n_keys * (Dqk + Dv)
+    return flops
+
+
+SPARSE_ATTENTION = OpDef(
+    name="sparse_attention",
+    summary="softmax attention of each query over its selected rows idx[t] (-1 = none)",
+    params=_ATTN_QKV + (
+        TensorArg("idx", ("T", "K"), INDEX_DTYPES),
+        scalar("scale", float),
+    ),
+    outputs=(
+        OutArg("out", ("T", "H", "Dv"), "like:q"),
+        OutArg("lse", ("T", "H"), "acc"),
+    ),
+    reference=sparse_attention_ref,
+    cost=lambda a, s: (
+        _attn_cost(a, s, s["K"]),
+        # Each query reads its K rows once per KV head (MQA: the latent row is read once).
+        _bytes(a["q"]) + s["T"] * s["K"] * s["Hk"] * (s["Dqk"] + s["Dv"]) * a["k"].element_size()
+        + 4.0 * s["T"] * s["K"] + s["T"] * s["H"] * (s["Dv"] * a["q"].element_size() + 4),
+    ),
+    tolerance="attention",
+    reduce_len=lambda a, s: max(s["Dqk"], s["K"]),
+    check=_sparse_check,
+    category="dsa",
+)
+
+
+# --------------------------------------------------------------------------- attention
+def attention_ref(q, k, v, k_start, k_end, scale):
+    acc = acc_of(q)
+    T, H, _ = q.shape
+    S, Hk, _ = k.shape
+    g = H // Hk
+    qf = q.to(acc).reshape(T, Hk, g, -1)
+    scores = torch.einsum("tjgd,sjd->tjgs", qf, k.to(acc)) * scale
+    valid = range_mask(k_start, k_end, S)[:, None, None, :]
+    out, lse = _softmax_out(scores, valid, v.to(acc), "tjgs,sjd->tjgd")
+    return out.reshape(T, H, -1).to(q.dtype), lse.reshape(T, H)
+
+
+def _attention_check(a, s) -> None:
+    _gqa_check("attention", s)
+    require(a["v"].dtype == a["q"].dtype and a["k"].dtype == a["q"].dtype, "attention",
+            "k", f"q, k and v of one dtype ({a['q'].dtype})", f"{a['k'].dtype}/{a['v'].dtype}")
+    check_ranges("attention", a["k_start"], a["k_end"], s["S"])
+
+
+def _attention_cost(a, s):
+    n = float((a["k_end"] - a["k_start"]).sum()) / max(1, s["T"]) if has_data(a["k_end"]) else s["S"]
+    esz = a["k"].element_size()
+    return (
+        _attn_cost(a, s, n),
+        _bytes(a["q"], a["k"], a["v"]) + s["T"] * s["H"] * (s["Dv"] * esz + 4),
+    )
+
+
+ATTENTION = OpDef(
+    name="attention",
+    summary="dense attention over k_start[t] <= s < k_end[t] (the baseline DSA is compared with)",
+    params=_ATTN_QKV + (
+        TensorArg("k_start", ("T",), INDEX_DTYPES),
+        TensorArg("k_end", ("T",), INDEX_DTYPES),
+        scalar("scale", float),
+    ),
+    outputs=(
+        OutArg("out", ("T", "H", "Dv"), "like:q"),
+        OutArg("lse", ("T", "H"), "acc"),
+    ),
+    reference=attention_ref,
+    cost=_attention_cost,
+    tolerance="attention",
+    reduce_len=lambda a, s: max(s["Dqk"], s["S"]),
+    check=_attention_check,
+    category="dsa",
+)
+
+OPS = (LIGHTNING_INDEXER, TOPK_INDICES, INDEXER_TOPK, SPARSE_ATTENTION, ATTENTION)

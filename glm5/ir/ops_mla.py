@@ -1,0 +1,122 @@
+"""MLA preprocessing (MLAPO): the composite `mla_prolog`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from glm5.ir.opdef import OpDef, check_index_range, has_data, require
+from glm5.ir.ops_norm import _bytes, acc_of, rms_norm_ref, rope_ref
+from glm5.ir.signature import INDEX_DTYPES, OpInputError, OutArg, TensorArg, scalar
+
+
+def _split_q(q: torch.Tensor, H: int, Dn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q = q.reshape(q.shape[0], H, -1)
+    return q[..., :Dn], q[..., Dn:]
+
+
+def _write_cache(kv_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    keep = slots >= 0
+    kv_cache[slots[keep].long()] = rows[keep].to(kv_cache.dtype)
+
+
+def mla_prolog_ref(x, w_qa, g_qa, w_qb, w_kva, g_kva, w_uk, cos, sin, eps, kv_cache, slots,
+                   absorb):
+    acc = acc_of(x)
+    H, Dn, Rkv = w_uk.shape
+    xf = x.to(acc)
+    c_q = rms_norm_ref(F.linear(xf, w_qa.to(acc)), g_qa, eps)
+    q_nope, q_pe = _split_q(F.linear(c_q, w_qb.to(acc)), H, Dn)
+    q_pe = rope_ref(q_pe, cos, sin, True)
+    q_main = torch.einsum("thd,hdc->thc", q_nope, w_uk.to(acc)) if absorb else q_nope
+    kv = F.linear(xf, w_kva.to(acc))
+    ckv = rms_norm_ref(kv[:, :Rkv], g_kva, eps)
+    k_pe = rope_ref(kv[:, Rkv:], cos, sin, True)
+    _write_cache(kv_cache, slots, torch.cat((ckv, k_pe), dim=-1))
+    dt = x.dtype
+    return q_main.to(dt).contiguous(), q_pe.to(dt).contiguous(), c_q.to(dt)
+
+
+def mla_prolog_decompose(x, w_qa, g_qa, w_qb, w_kva, g_kva, w_uk, cos, sin, eps, kv_cache, slots,
+                         absorb):
+    from glm5 import ops
+
+    H, Dn, Rkv = w_uk.shape
+    c_q = ops.rms_norm(F.linear(x, w_qa), g_qa, eps)
+    q_nope, q_pe = _split_q(F.linear(c_q, w_qb), H, Dn)
+    q_pe = ops.rope(q_pe, cos, sin, True)
+    q_main = torch.einsum("thd,hdc->thc", q_nope, w_uk) if absorb else q_nope.contiguous()
+    kv = F.linear(x, w_kva)
+    ckv = ops.rms_norm(kv[:, :Rkv], g_kva, eps)
+    k_pe = ops.rope(kv[:, Rkv:], cos, sin, True)
+    with torch.no_grad():
+        _write_cache(kv_cache, slots, torch.cat((ckv, k_pe), dim=-1).detach())
+    return q_main, q_pe, c_q
+
+
+def _prolog_check(a, s) -> None:
+    op = "mla_prolog"
+    require(s["Rkv"] == s["Rkv2"], op, "kv_cache",
+            f"rows of Rkv+Dr={s['Rkv'] + s['Dr']} matching w_kva", list(a["kv_cache"].shape))
+    require(s["Dr"] % 2 == 0, op, "cos", "an even rope dim Dr", s["Dr"])
+    for name in ("w_qa", "w_qb", "w_kva", "w_uk"):
+        require(a[name].dtype == a["x"].dtype, op, name, f"the dtype of x ({a['x'].dtype})",
+                a[name].dtype)
+    check_index_range(op, "slots", a["slots"], 0, s["N"], "(cache rows; -1 = skip)")
+    sl = a["slots"]
+    if has_data(sl) and sl.numel():
+        v = sl[sl >= 0]
+        if v.numel() != torch.unique(v).numel():
+            raise OpInputError(f"glm5.{op}: argument 'slots' expected distinct cache rows, "
+                               f"got a repeated slot")
+
+
+def _prolog_shape(s, a):
+    return (s["T"], s["H"], s["Rkv"] if a["absorb"] else s["Dn"])
+
+
+def _prolog_cost(a, s):
+    T, D, Rq, H, Dn, Dr, Rkv = s["T"], s["D"], s["Rq"], s["H"], s["Dn"], s["Dr"], s["Rkv"]
+    flops = 2.0 * T * (D * Rq + Rq * H * (Dn + Dr) + D * (Rkv + Dr))
+    if a["absorb"]:
+        flops += 2.0 * T * H * Dn * Rkv
+    wb = _bytes(a["w_qa"], a["w_qb"], a["w_kva"]) + (_bytes(a["w_uk"]) if a["absorb"] else 0)
+    esz = a["x"].element_size()
+    out = T * H * ((Rkv if a["absorb"] else Dn) + Dr) * esz + T * Rq * esz
+    return flops, wb + _bytes(a["x"]) + out + T * (Rkv + Dr) * a["kv_cache"].element_size()
+
+
+MLA_PROLOG = OpDef(
+    name="mla_prolog",
+    summary="MLA preprocessing: q/kv down-projections, norms, RoPE, absorb, cache write",
+    params=(
+        TensorArg("x", ("T", "D")),
+        TensorArg("w_qa", ("Rq", "D")),
+        TensorArg("g_qa", ("Rq",)),
+        TensorArg("w_qb", ("H*(Dn+Dr)", "Rq")),
+        TensorArg("w_kva", ("Rkv+Dr", "D")),
+        TensorArg("g_kva", ("Rkv",)),
+        TensorArg("w_uk", ("H", "Dn", "Rkv")),
+        TensorArg("cos", ("T", "Dr/2")),
+        TensorArg("sin", ("T", "Dr/2")),
+        scalar("eps", float, minimum=0.0),
+        TensorArg("kv_cache", ("N", "Rkv2+Dr")),
+        TensorArg("slots", ("T",), INDEX_DTYPES),
+        scalar("absorb", bool),
+    ),
+    outputs=(
+        OutArg("q_main", _prolog_shape, "like:x"),
+        OutArg("q_pe", ("T", "H", "Dr"), "like:x"),
+        OutArg("c_q", ("T", "Rq"), "like:x"),
+    ),
+    reference=mla_prolog_ref,
+    cost=_prolog_cost,
+    tolerance="matmul",
+    reduce_len=lambda a, s: max(s["D"], s["Rq"], s["Dn"] if a["absorb"] else 1),
+    check=_prolog_check,
+    decompose=mla_prolog_decompose,
+    mutates=("kv_cache",),
+    category="mla",
+)
+
+OPS = (MLA_PROLOG,)

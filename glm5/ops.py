@@ -1,0 +1,72 @@
+"""Python entry points: `glm5.ops.<name>(...)` for every op of the catalog.
+
+Each call validates its arguments at the boundary (errors name the op, the argument and what was
+expected), then
+- under tracing (`torch.compile`, `torch.export`, fake tensors) calls `torch.ops.glm5.<name>`
+  so the graph holds one node per op;
+- when autograd needs the op, calls `torch.ops.glm5.<name>` (backward = the backend's or the
+  vjp of the reference); a mutating composite (`mla_prolog`) runs its decomposition instead,
+  whose parts are differentiable;
+- otherwise (eager inference) calls the selected kernel directly, skipping the ~40 µs of the
+  torch.library dispatcher.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from glm5.backends import selection
+from glm5.ir import library
+from glm5.ir.catalog import OPS
+from glm5.ir.opdef import OpDef, has_data
+
+_torch_ops = library.bind_all(selection.call)
+
+
+def _tracing(values: dict[str, Any], op: OpDef) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    for p in op.tensor_params:
+        v = values.get(p.name)
+        if isinstance(v, torch.Tensor):
+            return not has_data(v)
+    return False
+
+
+def _needs_grad(values: dict[str, Any], op: OpDef) -> bool:
+    if not op.differentiable or not torch.is_grad_enabled():
+        return False
+    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values.values())
+
+
+def _make(op: OpDef) -> Callable[..., Any]:
+    torch_op = getattr(torch.ops.glm5, op.name)
+    names = op.param_names
+
+    def fn(*args: Any, **kwargs: Any) -> Any:
+        values, _ = op.validate(args, kwargs)
+        if _tracing(values, op):
+            return torch_op(*(values[n] for n in names))
+        if _needs_grad(values, op):
+            if op.mutates:
+                return op.decompose(*(values[n] for n in names))
+            return torch_op(*(values[n] for n in names))
+        return selection.call(op, values)
+
+    fn.__name__ = fn.__qualname__ = op.name
+    sig = ", ".join(p.name for p in op.params)
+    outs = ", ".join(o.name for o in op.outputs)
+    fn.__doc__ = f"glm5.ops.{op.name}({sig}) -> {outs}\n\n{op.summary}\n(see OPS.md)"
+    return fn
+
+
+for _op in OPS.values():
+    globals()[_op.name] = _make(_op)
+
+__all__ = list(OPS)
+
+
+def __getattr__(name: str) -> Any:
+    raise AttributeError(f"glm5.ops has no op {name!r}; known ops: {', '.join(OPS)}")
