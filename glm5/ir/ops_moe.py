@@ -16,7 +16,8 @@ def _stable_topk(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- moe_route
-def moe_route_ref(logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling):
+def moe_route_scores(logits, bias, n_group, topk_group):
+    """(s = sigmoid(logits), sel = s + bias with dropped groups at -inf), in the acc dtype."""
     acc = acc_of(logits)
     s = torch.sigmoid(logits.to(acc))
     sel = s + bias.to(acc)
@@ -27,11 +28,21 @@ def moe_route_ref(logits, bias, top_k, n_group, topk_group, norm_topk_prob, rout
         keep = _stable_topk(gscore, topk_group)
         gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, keep, True)
         sel = grouped.masked_fill(~gmask[..., None], float("-inf")).reshape(T, E)
-    ids = _stable_topk(sel, top_k)
-    w = torch.gather(s, 1, ids)
+    return s, sel
+
+
+def route_weights(s, ids, norm_topk_prob, routed_scaling):
+    """weights = s[ids], normalised by (sum + 1e-20) if asked, times routed_scaling."""
+    w = torch.gather(s, 1, ids.long())
     if norm_topk_prob:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return w * routed_scaling, ids.to(torch.int32)
+    return w * routed_scaling
+
+
+def moe_route_ref(logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling):
+    s, sel = moe_route_scores(logits, bias, n_group, topk_group)
+    ids = _stable_topk(sel, top_k)
+    return route_weights(s, ids, norm_topk_prob, routed_scaling), ids.to(torch.int32)
 
 
 def _route_check(a, s) -> None:

@@ -1,0 +1,108 @@
+"""The parity runner behind `glm5 parity`: every op a backend claims, every dtype it claims,
+N generated examples each, judged against the float64 oracle."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+import torch
+
+from glm5.backends.api import Backend, KernelEntry
+from glm5.ir.catalog import OPS
+from glm5.ir.signature import dtype_name
+from glm5.testing.cases import GENERATORS, RandomDraw, case_dtypes, example_seed
+from glm5.testing.compare import check_example
+
+
+@dataclass
+class Row:
+    backend: str
+    op: str
+    status: str  # pass | fail | skip
+    dtype: str
+    max_abs_err: float
+    max_rel_err: float
+    tolerance: str
+    examples: int  # examples actually checked
+    message: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_op(entry: KernelEntry, dtype: torch.dtype, examples: int, seed: int) -> Row:
+    """Judge one (kernel, dtype) over ``examples`` generated cases."""
+    op = OPS[entry.op]
+    gen = GENERATORS[op.name]
+    row = Row(entry.backend.name, op.name, "pass", dtype_name(dtype), 0.0, 0.0, "", 0)
+    declined = 0
+    for i in range(examples):
+        s = example_seed(seed, op.name, dtype, i)
+        values = gen(RandomDraw(s), dtype)
+        values, _ = op.validate((), values)  # a generator bug shows here, not as a kernel fail
+        args = tuple(values[n] for n in op.param_names)
+        if not entry.accepts(args):
+            declined += 1
+            continue
+        v = check_example(op, entry.fn, values, dtype)
+        row.examples += 1
+        row.tolerance = v.tolerance or row.tolerance
+        row.max_abs_err = max(row.max_abs_err, v.max_abs_err)
+        row.max_rel_err = max(row.max_rel_err, v.max_rel_err)
+        if not v.ok:
+            row.status = "fail"
+            row.message = f"example {i} (seed {s}): {v.message}"
+            break
+    if row.examples == 0:
+        row.status = "skip"
+        row.message = f"supports() declined all {declined} examples"
+    elif declined and row.status == "pass":
+        row.message = f"{declined} examples declined by supports()"
+    return row
+
+
+def run_parity(backend: Backend, ops: Iterable[str] | None = None, examples: int = 20,
+               seed: int = 0) -> list[Row]:
+    """Rows for every op ``backend`` claims (optionally only ``ops``), in catalog order."""
+    wanted = list(OPS) if ops is None else list(ops)
+    unknown = [o for o in wanted if o not in OPS]
+    if unknown:
+        raise KeyError(f"glm5 parity: unknown ops {unknown}; known ops: {', '.join(OPS)}")
+    rows: list[Row] = []
+    ok, reason = backend.is_available()
+    for name in wanted:
+        entry = backend.kernels.get(name)
+        if entry is None:
+            continue
+        dts = case_dtypes(OPS[name], entry.dtypes)
+        if not dts:
+            rows.append(Row(backend.name, name, "skip", "-", 0.0, 0.0, "", 0,
+                            "kernel claims no dtype the op accepts"))
+            continue
+        for dt in dts:
+            if not ok:
+                rows.append(Row(backend.name, name, "skip", dtype_name(dt), 0.0, 0.0, "", 0,
+                                f"backend unavailable: {reason}"))
+                continue
+            rows.append(check_op(entry, dt, examples, seed))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ("backend", "op", "dtype", "status", "examples", "max_abs_err", "max_rel_err",
+            "message")
+    body = [
+        (r.backend, r.op, r.dtype, r.status.upper(), str(r.examples), f"{r.max_abs_err:.2e}",
+         f"{r.max_rel_err:.2e}", r.message)
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
+              for i, h in enumerate(head)]
+    widths[-1] = len(head[-1])
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    out = [line(head), line(tuple("-" * w for w in widths))]
+    out += [line(b) for b in body]
+    n = {s: sum(r.status == s for r in rows) for s in ("pass", "fail", "skip")}
+    out.append(f"\n{n['pass']} passed, {n['fail']} failed, {n['skip']} skipped")
+    return "\n".join(out)
