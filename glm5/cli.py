@@ -1,0 +1,211 @@
+"""`glm5` command line: backends | ops | parity."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+
+def _registry():
+    import glm5
+
+    return glm5.get_registry()
+
+
+# --------------------------------------------------------------------------- backends
+def backend_rows() -> list[dict[str, Any]]:
+    rows = []
+    for b in sorted(_registry().backends.values(), key=lambda b: (-b.priority, b.name)):
+        ok, reason = b.is_available()
+        rows.append({
+            "name": b.name, "vendor": b.vendor, "device_type": b.device_type, "available": ok,
+            "reason": reason, "priority": b.priority, "source": b.source, "ops": b.ops(),
+            "description": b.description,
+        })
+    return rows
+
+
+def plugin_rows(detail: bool) -> list[dict[str, Any]]:
+    out = []
+    for p in _registry().plugins.values():
+        row = {"name": p.name, "source": p.source, "status": p.status, "message": p.message,
+               "backends": list(p.backends)}
+        if detail:
+            row["detail"] = p.detail
+        out.append(row)
+    return out
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    from glm5.backends.policy import get_policy
+    from glm5.backends.selection import strict_mode
+
+    rows, plugins = backend_rows(), plugin_rows(args.diagnose)
+    if args.json:
+        doc: dict[str, Any] = {"backends": rows, "plugins": plugins}
+        if args.diagnose:
+            doc["policy_sources"] = list(get_policy().sources)
+            doc["strict"] = strict_mode()
+        print(json.dumps(doc, indent=2))
+        return 0
+    table = [("backend", "vendor", "device", "available", "priority", "ops", "source", "reason")]
+    for r in rows:
+        table.append((r["name"], r["vendor"], r["device_type"], "yes" if r["available"] else "no",
+                      str(r["priority"]), str(len(r["ops"])), r["source"], r["reason"]))
+    print(_fmt(table))
+    bad = [p for p in plugins if p["status"] in ("failed", "refused")]
+    if bad:
+        print(f"\n{len(bad)} plugin(s) not loaded (see `glm5 backends --diagnose`):")
+        for p in bad:
+            print(f"  {p['name']} ({p['source']}): {p['status']}: {p['message']}")
+    if args.diagnose:
+        import torch
+
+        print("\nplugins:")
+        for p in plugins:
+            print(f"  {p['name']:<14} {p['status']:<9} {p['source']}  {p['message']}")
+            if p.get("detail"):
+                print("    " + p["detail"].rstrip().replace("\n", "\n    "))
+        print(f"\npolicy: {' + '.join(get_policy().sources)}")
+        print(f"strict mode (GLM5_STRICT): {'on' if strict_mode() else 'off'}")
+        print(f"override (GLM5_BACKEND): {os.environ.get('GLM5_BACKEND') or '-'}")
+        print(f"torch {torch.__version__}; cuda available: {torch.cuda.is_available()}; "
+              f"hip: {getattr(torch.version, 'hip', None)}")
+    return 0
+
+
+# --------------------------------------------------------------------------- ops
+def op_rows(backend: str | None, device: str, dtype_name: str) -> list[dict[str, Any]]:
+    import torch
+
+    from glm5.backends import selection
+    from glm5.ir.catalog import OPS
+
+    want = getattr(torch, dtype_name)
+    rows = []
+    ctx = selection.use_backend(backend) if backend else selection.use_backend(None)
+    with ctx:
+        for op in OPS.values():
+            arg = next((p for p in op.tensor_params if p.name == op.dispatch_arg), None)
+            allowed = arg.dtypes if arg is not None and arg.dtypes else None
+            dt = want if allowed is None or want in allowed else sorted(allowed, key=str)[0]
+            plan = selection.resolve(op, device, dt)
+            rows.append({
+                "op": op.name, "category": op.category,
+                "kind": "composite" if op.is_composite else "primitive",
+                "tolerance_class": op.tolerance, "dtype": str(dt).replace("torch.", ""),
+                "served_by": plan.served_by, "mode": plan.mode,
+                "candidates": [c.backend.name for c in plan.candidates],
+                "declined": {n: r for n, r in plan.declined},
+                "summary": op.summary,
+            })
+    return rows
+
+
+def cmd_ops(args: argparse.Namespace) -> int:
+    if args.backend:
+        _registry().get(args.backend)
+    rows = op_rows(args.backend, args.device, args.dtype)
+    if args.json:
+        print(json.dumps({"device": args.device, "backend": args.backend, "ops": rows}, indent=2))
+        return 0
+    table = [("op", "kind", "class", "dtype", "served by", "mode", "candidates")]
+    for r in rows:
+        table.append((r["op"], r["kind"], r["tolerance_class"], r["dtype"], r["served_by"],
+                      r["mode"], ",".join(r["candidates"]) or "-"))
+    print(_fmt(table))
+    fb = [r["op"] for r in rows if r["mode"] == "fallback"]
+    if fb:
+        print(f"\n{len(fb)} op(s) fall back to the reference on {args.device}: {', '.join(fb)}")
+    return 0
+
+
+# --------------------------------------------------------------------------- parity
+def cmd_parity(args: argparse.Namespace) -> int:
+    from glm5.backends.selection import strict_mode
+    from glm5.testing.parity import Row, format_table, run_parity
+
+    reg = _registry()
+    names = sorted(reg.backends) if args.backend == "all" else [args.backend]
+    for n in names:
+        reg.get(n)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
+    rows: list[Row] = []
+    for n in names:
+        b = reg.backends[n]
+        ok, reason = b.is_available()
+        if not ok and strict_mode() and args.backend != "all":
+            rows.append(Row(n, "*", "fail", "-", 0.0, 0.0, "", 0,
+                            f"backend unavailable under GLM5_STRICT=1: {reason}"))
+            continue
+        rows.extend(run_parity(b, ops, args.examples, args.seed))
+    if args.json:
+        print(json.dumps({"backend": args.backend, "seed": args.seed, "examples": args.examples,
+                          "rows": [r.as_dict() for r in rows]}, indent=2))
+    else:
+        print(format_table(rows))
+    return 1 if any(r.status == "fail" for r in rows) else 0
+
+
+# --------------------------------------------------------------------------- main
+def _fmt(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="glm5", description="GLM-5 on an op IR with pluggable "
+                                "hardware backends")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("backends", help="list discovered backends and plugins")
+    b.add_argument("--json", action="store_true")
+    b.add_argument("--diagnose", action="store_true",
+                   help="show every plugin's load status with tracebacks, the policy and env")
+    b.set_defaults(func=cmd_backends)
+
+    o = sub.add_parser("ops", help="the op catalog and which backend serves each op")
+    o.add_argument("--backend", help="show what serves each op with this backend preferred")
+    o.add_argument("--device", default="cpu", help="torch device type (default cpu)")
+    o.add_argument("--dtype", default="bfloat16", help="dispatch dtype (default bfloat16)")
+    o.add_argument("--json", action="store_true")
+    o.set_defaults(func=cmd_ops)
+
+    q = sub.add_parser("parity", help="check a backend's kernels against the float64 oracle")
+    q.add_argument("--backend", required=True, help="backend name, or 'all'")
+    q.add_argument("--ops", default="", help="comma-separated ops (default: all it claims)")
+    q.add_argument("--examples", type=int, default=20, help="examples per (op, dtype)")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_parity)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "examples", 1) < 1:
+        print("glm5 parity: --examples expected a positive integer", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except (KeyError, ValueError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        msg = msg.removeprefix("glm5: ")
+        print(f"glm5 {args.command}: {msg}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        from glm5.backends.registry import PluginLoadError
+
+        if isinstance(e, PluginLoadError):
+            print(f"glm5 {args.command}: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
