@@ -124,9 +124,9 @@ def _ordered_backends(op: str, override: tuple[str, ...]) -> tuple[list[Backend]
 
 
 def resolve(op: OpDef, device_type: str, dtype: torch.dtype | None) -> Plan:
+    env = os.environ
     override = current_override()
-    strict = strict_mode()
-    key = (op.name, device_type, dtype, override, strict, os.environ.get("GLM5_PLUGINS", ""))
+    key = (op.name, device_type, dtype, override, env.get("GLM5_STRICT"), env.get("GLM5_PLUGINS"))
     plan = _cache.get(key)
     if plan is not None:
         return plan
@@ -171,22 +171,23 @@ def _decline_reason(b: Backend, op: str, device_type: str, dtype, allowed: bool)
 
 
 def _fallback(plan: Plan, tried: list[str]) -> KernelEntry:
+    strict = strict_mode()
     key = (plan.op.name, plan.device_type, plan.dtype)
-    why = "; ".join(f"{n}: {r}" for n, r in plan.declined) or "no other backend registered"
-    if tried:
-        why += "; declined by supports(): " + ", ".join(tried)
-    dt = str(plan.dtype).replace("torch.", "")
-    if strict_mode():
-        raise FallbackError(
-            f"glm5.{plan.op.name}: no backend serves it on {plan.device_type} for {dt} "
-            f"({why}); falling back to the reference is an error under GLM5_STRICT=1"
-        )
-    if key not in _fallback_logged:
+    if strict or key not in _fallback_logged or plan.reference is None:
+        why = "; ".join(f"{n}: {r}" for n, r in plan.declined) or "no other backend registered"
+        if tried:
+            why += "; declined by supports(): " + ", ".join(tried)
+        dt = str(plan.dtype).replace("torch.", "")
+        if strict:
+            raise FallbackError(
+                f"glm5.{plan.op.name}: no backend serves it on {plan.device_type} for {dt} "
+                f"({why}); falling back to the reference is an error under GLM5_STRICT=1"
+            )
+        if plan.reference is None:
+            raise FallbackError(f"glm5.{plan.op.name}: no reference backend is registered")
         _fallback_logged.add(key)
         log.warning("glm5.%s on %s/%s falls back to the reference (%s)",
                     plan.op.name, plan.device_type, dt, why)
-    if plan.reference is None:
-        raise FallbackError(f"glm5.{plan.op.name}: no reference backend is registered")
     return plan.reference
 
 

@@ -24,15 +24,10 @@ from glm5.ir.signature import (
 
 
 def has_data(t: torch.Tensor) -> bool:
-    if t.device.type == "meta":
-        return False
-    try:
-        from torch._subclasses.fake_tensor import FakeTensor
-    except ImportError:  # pragma: no cover
-        return True
-    if isinstance(t, FakeTensor):
-        return False
-    return type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)
+    """False for meta, fake and functional (tracing) tensors: their values cannot be read."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return t.device.type != "meta"
+    return False
 
 
 @dataclass
@@ -63,9 +58,11 @@ class OpDef:
     # Names of tensor parameters whose dtype selects the kernel (first floating input by default).
     dispatch_arg: str | None = None
     _param_names: tuple[str, ...] = field(init=False, repr=False)
+    _tensor_params: tuple[TensorArg, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._param_names = tuple(p.name for p in self.params)
+        self._tensor_params = tuple(p for p in self.params if isinstance(p, TensorArg))
         if self.dispatch_arg is None:
             for p in self.params:
                 if isinstance(p, TensorArg) and p.dtypes is not None and any(
@@ -81,7 +78,7 @@ class OpDef:
 
     @property
     def tensor_params(self) -> tuple[TensorArg, ...]:
-        return tuple(p for p in self.params if isinstance(p, TensorArg))
+        return self._tensor_params
 
     @property
     def param_names(self) -> tuple[str, ...]:
