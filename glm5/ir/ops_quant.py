@@ -143,12 +143,13 @@ def moe_experts_quant_decompose(x, ids, weights, w13_packed, w13_scale, w2_packe
     from glm5 import ops
 
     T, D = x.shape
-    y = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    acc = acc_of(x)
+    y = torch.zeros(T, D, dtype=acc, device=x.device)
     for e in torch.unique(ids[ids >= 0]).tolist():
         t, j = (ids == e).nonzero(as_tuple=True)
         h = ops.silu_mul(ops.quant_linear(x[t], w13_packed[e], w13_scale[e], scheme))
-        out = ops.quant_linear(h, w2_packed[e], w2_scale[e], scheme).float()
-        y.index_add_(0, t, out * weights[t, j].float()[:, None])
+        out = ops.quant_linear(h, w2_packed[e], w2_scale[e], scheme).to(acc)
+        y.index_add_(0, t, out * weights[t, j].to(acc)[:, None])
     return y.to(x.dtype)
 
 
