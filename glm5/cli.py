@@ -23,7 +23,7 @@ def backend_rows() -> list[dict[str, Any]]:
         rows.append({
             "name": b.name, "vendor": b.vendor, "device_type": b.device_type, "available": ok,
             "reason": reason, "priority": b.priority, "source": b.source, "ops": b.ops(),
-            "description": b.description,
+            "description": b.description, "settings": b.settings,
         })
     return rows
 

@@ -26,6 +26,10 @@ from glm5.backends.api import (
 )
 
 
+RESERVED = "reference"
+BUILTIN_REFERENCE = "glm5.backends.reference"
+
+
 class HookSpecs:
     """The hooks a glm5 plugin implements (API version 1)."""
 
@@ -64,12 +68,18 @@ class Registry:
         self.plugins: dict[str, PluginRecord] = {}
         self._current_source = ""
         self._current_backends: list[str] = []
+        self._builtin = False  # True only while glm5's own reference plugin registers
 
     # Called by plugins from their glm5_register_backends hook.
     def register(self, backend: Backend) -> None:
         if not isinstance(backend, Backend):
             raise BackendError(
                 f"glm5 registry.register: expected a glm5.Backend, got {type(backend).__name__}"
+            )
+        if backend.name == RESERVED and not self._builtin:
+            raise BackendError(
+                f"glm5 registry.register: the backend name {RESERVED!r} is reserved for glm5's "
+                f"float64 oracle"
             )
         if backend.name in self.backends:
             other = self.backends[backend.name].source
@@ -78,8 +88,14 @@ class Registry:
                 f"registered (from {other})"
             )
         backend.source = self._current_source or backend.source or "direct"
+        from glm5.backends.policy import get_policy, merge
+
+        backend.settings = merge(backend.settings, get_policy().settings_for(backend.name))
         self.backends[backend.name] = backend
         self._current_backends.append(backend.name)
+        from glm5.backends import selection
+
+        selection.clear_cache()
 
     def get(self, name: str) -> Backend:
         try:
@@ -111,6 +127,7 @@ class Registry:
         if not impls:
             raise _Refused("plugin implements no glm5_register_backends hook")
         self._current_source, self._current_backends = source, []
+        self._builtin = getattr(obj, "__name__", "") == BUILTIN_REFERENCE
         try:
             for impl in impls:
                 impl.function(registry=self)
@@ -120,6 +137,7 @@ class Registry:
             raise
         finally:
             self._current_source = ""
+            self._builtin = False
         self.plugins[name] = PluginRecord(
             name, source, "loaded", backends=tuple(self._current_backends)
         )
@@ -127,14 +145,21 @@ class Registry:
     def discover(self, disabled: set[str] | frozenset[str] = frozenset()) -> None:
         pm = pluggy.PluginManager(PROJECT)
         pm.add_hookspecs(HookSpecs)
-        eps = sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
-        seen: set[str] = set()
+        # glm5's own oracle first, so no plugin can take its place; then by name.
+        eps = sorted(md.entry_points(group=ENTRY_POINT_GROUP),
+                     key=lambda e: (e.value != BUILTIN_REFERENCE, e.name))
+        seen: dict[str, tuple[str, str]] = {}
         for ep in eps:
-            if ep.name in seen:  # the same distribution visible twice on sys.path
-                continue
-            seen.add(ep.name)
             dist = getattr(ep, "dist", None)
             source = f"{dist.name} {dist.version}" if dist is not None else ep.value
+            ident = (ep.value, dist.name if dist is not None else "")
+            if ep.name in seen:
+                if seen[ep.name] != ident:  # two distributions claim one plugin name
+                    self._record(f"{ep.name} ({source})", source, "failed",
+                                 f"entry point name {ep.name!r} is already used by "
+                                 f"{seen[ep.name][1] or seen[ep.name][0]}", "")
+                continue  # else: the same distribution visible twice on sys.path
+            seen[ep.name] = ident
             if ep.name in disabled:
                 self.plugins[ep.name] = PluginRecord(ep.name, source, "disabled",
                                                      "disabled in plugins.toml")
@@ -152,8 +177,11 @@ class Registry:
             from glm5.backends import reference
 
             self._current_source = "glm5 (source tree, no entry point)"
-            reference.glm5_register_backends(self)
-            self._current_source = ""
+            self._builtin = True
+            try:
+                reference.glm5_register_backends(self)
+            finally:
+                self._current_source, self._builtin = "", False
 
     def _record(self, name: str, source: str, status: str, msg: str, detail: str) -> None:
         self.plugins[name] = PluginRecord(name, source, status, msg, detail)

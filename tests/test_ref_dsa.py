@@ -1,0 +1,336 @@
+"""Hand-computed cases and invariants for the DSA references: lightning_indexer, topk_indices,
+indexer_topk, sparse_attention, attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import glm5
+from glm5 import ops
+
+F64 = torch.float64
+I32 = torch.int32
+NEG_INF = float("-inf")
+
+
+def ref(name):
+    return glm5.get_op(name).reference
+
+
+def i32(x):
+    return torch.tensor(x, dtype=I32)
+
+
+# --------------------------------------------------------------------------- lightning_indexer
+def _indexer_hand():
+    q = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]] * 2, dtype=F64)  # [T=2, Hi=2, Di=2]
+    k = torch.tensor([[1.0, 2.0], [-1.0, 3.0], [2.0, -1.0], [3.0, 3.0]], dtype=F64)  # [S=4, 2]
+    w = torch.tensor([[0.5, 2.0], [1.0, 1.0]], dtype=F64)
+    return q, k, w
+
+
+def test_lightning_indexer_hand_case():
+    q, k, w = _indexer_hand()
+    # head 0 dots: k[:, 0] = [1, -1, 2, 3] -> relu [1, 0, 2, 3]
+    # head 1 dots: k[:, 1] = [2, 3, -1, 3] -> relu [2, 3, 0, 3]
+    # t=0: 0.5*h0 + 2*h1 = [4.5, 6, 1, 7.5]; restricted to [1, 3)
+    # t=1: h0 + h1 = [3, 3, 2, 6]; full range
+    got = ref("lightning_indexer")(q, k, w, i32([1, 0]), i32([3, 4]))
+    want = torch.tensor([[NEG_INF, 6.0, 1.0, NEG_INF], [3.0, 3.0, 2.0, 6.0]], dtype=F64)
+    assert got.dtype == F64
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # the negative dot of head 0 at s=1 (-1 * 0.5) was dropped by the ReLU: 6, not 5.5
+    assert got[0, 1].item() == 6.0
+    torch.testing.assert_close(ops.lightning_indexer(q, k, w, i32([1, 0]), i32([3, 4])), want,
+                               rtol=0, atol=0)
+
+
+def test_lightning_indexer_empty_range_and_fp32_output():
+    q, k, w = _indexer_hand()
+    got = ref("lightning_indexer")(q.float(), k.float(), w.float(), i32([2, 0]), i32([2, 1]))
+    assert got.dtype == torch.float32
+    assert torch.isneginf(got[0]).all()
+    assert got[1].tolist() == [3.0, NEG_INF, NEG_INF, NEG_INF]
+    gb = ref("lightning_indexer")(q.bfloat16(), k.bfloat16(), w.bfloat16(), i32([0, 0]),
+                                  i32([4, 4]))
+    assert gb.dtype == torch.float32
+    assert gb[0].tolist() == [4.5, 6.0, 1.0, 7.5]
+
+
+def test_lightning_indexer_matches_loop():
+    g = torch.Generator().manual_seed(0)
+    T, Hi, Di, S = 3, 4, 5, 7
+    q = torch.randn(T, Hi, Di, generator=g, dtype=F64)
+    k = torch.randn(S, Di, generator=g, dtype=F64)
+    w = torch.randn(T, Hi, generator=g, dtype=F64)
+    ks, ke = i32([0, 2, 3]), i32([7, 5, 3])
+    got = ref("lightning_indexer")(q, k, w, ks, ke)
+    for t in range(T):
+        for s in range(S):
+            if ks[t] <= s < ke[t]:
+                want = sum(w[t, h].item() * max(0.0, float(q[t, h] @ k[s])) for h in range(Hi))
+                assert got[t, s].item() == pytest.approx(want, abs=1e-12)
+            else:
+                assert got[t, s].item() == NEG_INF
+
+
+# --------------------------------------------------------------------------- topk_indices
+def test_topk_ties_to_smaller_index_descending():
+    s = torch.tensor([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0], [0.0, -1.0, 2.0, 2.0]])
+    got = ref("topk_indices")(s, 3)
+    assert got.dtype == I32
+    assert got.tolist() == [[1, 2, 3], [0, 1, 2], [2, 3, 0]]
+
+
+def test_topk_fewer_finite_than_k():
+    s = torch.tensor([[NEG_INF, 2.0, float("nan"), float("inf"), 1.0],
+                      [NEG_INF] * 5,
+                      [float("nan"), 0.0, float("-inf"), -3.0, float("inf")]])
+    got = ref("topk_indices")(s, 4)
+    assert got.dtype == I32
+    assert got.tolist() == [[1, 4, -1, -1], [-1, -1, -1, -1], [1, 3, -1, -1]]
+
+
+def test_topk_k_larger_than_S():
+    s = torch.tensor([[1.0, 2.0], [NEG_INF, -7.0]], dtype=F64)
+    got = ref("topk_indices")(s, 5)
+    assert got.shape == (2, 5) and got.dtype == I32
+    assert got.tolist() == [[1, 0, -1, -1, -1], [1, -1, -1, -1, -1]]
+    assert ops.topk_indices(s, 5).tolist() == got.tolist()
+
+
+def _brute_topk(row: list[float], k: int) -> list[int]:
+    fin = [(-v, i) for i, v in enumerate(row) if math.isfinite(v)]
+    fin.sort()
+    out = [i for _, i in fin[:k]]
+    return out + [-1] * (k - len(out))
+
+
+_score = st.one_of(st.integers(-3, 3).map(float), st.sampled_from([NEG_INF, float("inf"),
+                                                                  float("nan")]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.lists(st.lists(_score, min_size=6, max_size=6), min_size=1, max_size=4),
+    k=st.integers(1, 9),
+)
+def test_topk_matches_brute_force(rows, k):
+    s = torch.tensor(rows, dtype=torch.float32)
+    got = ref("topk_indices")(s, k)
+    assert got.dtype == I32 and got.shape == (len(rows), k)
+    assert got.tolist() == [_brute_topk(r, k) for r in rows]
+
+
+# --------------------------------------------------------------------------- indexer_topk
+def _indexer_inputs(seed, T=5, Hi=3, Di=4, S=11, integer=True):
+    g = torch.Generator().manual_seed(seed)
+    if integer:  # small integers: exact scores, plenty of ties
+        q = torch.randint(-2, 3, (T, Hi, Di), generator=g).float()
+        k = torch.randint(-2, 3, (S, Di), generator=g).float()
+        w = torch.randint(0, 3, (T, Hi), generator=g).float()
+    else:
+        q = torch.randn(T, Hi, Di, generator=g)
+        k = torch.randn(S, Di, generator=g)
+        w = torch.rand(T, Hi, generator=g)
+    ks = torch.randint(0, S // 2, (T,), generator=g, dtype=I32)
+    ke = (ks + torch.randint(0, S // 2 + 1, (T,), generator=g, dtype=I32)).clamp(max=S).to(I32)
+    return q, k, w, ks, ke
+
+
+@pytest.mark.parametrize("seed,integer,topk", [(0, True, 4), (1, True, 8), (2, False, 3),
+                                               (3, False, 20)])
+def test_indexer_topk_is_the_composition(seed, integer, topk):
+    q, k, w, ks, ke = _indexer_inputs(seed, integer=integer)
+    want = ref("topk_indices")(ref("lightning_indexer")(q, k, w, ks, ke), topk)
+    op = glm5.get_op("indexer_topk")
+    got_ref = op.reference(q, k, w, ks, ke, topk)
+    assert got_ref.dtype == I32 and got_ref.shape == (q.shape[0], topk)
+    assert torch.equal(got_ref, want)
+    assert torch.equal(op.decompose(q, k, w, ks, ke, topk), want)
+    assert torch.equal(ops.indexer_topk(q, k, w, ks, ke, topk), want)
+    # every selected index lies inside [k_start, k_end); the number selected is
+    # min(topk, k_end - k_start) (relu scores are finite)
+    for t in range(q.shape[0]):
+        sel = [i for i in want[t].tolist() if i >= 0]
+        assert all(ks[t] <= i < ke[t] for i in sel)
+        assert len(sel) == min(topk, int(ke[t] - ks[t]))
+
+
+# --------------------------------------------------------------------------- attention
+def _manual_attention(q, k, v, rows_per_t, scale):
+    """Loop over (t, h): softmax over rows_per_t[t] of scale * q.k, times v."""
+    T, H, _ = q.shape
+    Hk = k.shape[1]
+    g = H // Hk
+    out = torch.zeros(T, H, v.shape[-1], dtype=F64)
+    lse = torch.full((T, H), NEG_INF, dtype=F64)
+    for t in range(T):
+        rows = rows_per_t[t]
+        if not rows:
+            continue
+        for h in range(H):
+            kh = h // g
+            sc = torch.stack([scale * (q[t, h] @ k[s, kh]) for s in rows])
+            lse[t, h] = torch.logsumexp(sc, 0)
+            p = torch.softmax(sc, 0)
+            out[t, h] = sum(p[j] * v[s, kh] for j, s in enumerate(rows))
+    return out, lse
+
+
+def test_attention_tiny_hand_case():
+    # scores [0, ln 3] -> softmax [1/4, 3/4]; v = [4, 8] -> out 7, lse ln 4
+    q = torch.tensor([[[1.0]]], dtype=F64)
+    k = torch.tensor([[[0.0]], [[math.log(3.0)]]], dtype=F64)
+    v = torch.tensor([[[4.0]], [[8.0]]], dtype=F64)
+    out, lse = ref("attention")(q, k, v, i32([0]), i32([2]), 1.0)
+    assert out.item() == pytest.approx(7.0, abs=1e-14)
+    assert lse.item() == pytest.approx(math.log(4.0), abs=1e-14)
+    out, lse = ref("sparse_attention")(q, k, v, i32([[1, 0]]), 1.0)
+    assert out.item() == pytest.approx(7.0, abs=1e-14)
+    assert lse.item() == pytest.approx(math.log(4.0), abs=1e-14)
+    # scale multiplies the scores: scale 2 -> scores [0, 2 ln 3] -> weights [1/10, 9/10]
+    out, lse = ref("sparse_attention")(q, k, v, i32([[0, 1]]), 2.0)
+    assert out.item() == pytest.approx(0.4 + 7.2, abs=1e-14)
+    assert lse.item() == pytest.approx(math.log(10.0), abs=1e-14)
+
+
+def _qkv(seed, T, H, Hk, S, Dqk, Dv, mqa=False, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, Dqk, generator=g, dtype=F64)
+    k = torch.randn(S, Hk, Dqk, generator=g, dtype=F64)
+    v = k[..., :Dv] if mqa else torch.randn(S, Hk, Dv, generator=g, dtype=F64)
+    return q.to(dtype), k.to(dtype), (k.to(dtype)[..., :Dv] if mqa else v.to(dtype))
+
+
+CONFIGS = {
+    "mha": dict(H=3, Hk=3, Dqk=8, Dv=5),
+    "gqa_hk1": dict(H=4, Hk=1, Dqk=8, Dv=6),
+    "gqa_hk2": dict(H=4, Hk=2, Dqk=6, Dv=3),
+    "mla_mqa": dict(H=4, Hk=1, Dqk=12, Dv=8, mqa=True),
+}
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_sparse_with_all_rows_equals_dense(cfg):
+    c = CONFIGS[cfg]
+    T, S = 4, 9
+    q, k, v = _qkv(10, T, c["H"], c["Hk"], S, c["Dqk"], c["Dv"], c.get("mqa", False))
+    if c.get("mqa"):
+        assert v.data_ptr() == k.data_ptr() and not v.is_contiguous()
+    scale = c["Dqk"] ** -0.5
+    idx = torch.arange(S, dtype=I32).expand(T, S).contiguous()
+    o_s, l_s = ref("sparse_attention")(q, k, v, idx, scale)
+    o_d, l_d = ref("attention")(q, k, v, i32([0] * T), i32([S] * T), scale)
+    assert o_s.dtype == F64 and l_s.dtype == F64
+    assert o_s.shape == (T, c["H"], c["Dv"]) and l_s.shape == (T, c["H"])
+    torch.testing.assert_close(o_s, o_d, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(l_s, l_d, rtol=1e-12, atol=1e-12)
+    o_m, l_m = _manual_attention(q, k, v, [list(range(S))] * T, scale)
+    torch.testing.assert_close(o_d, o_m, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(l_d, l_m, rtol=1e-12, atol=1e-12)
+    o_op, l_op = ops.sparse_attention(q, k, v, idx, scale)
+    torch.testing.assert_close(o_op, o_s, rtol=0, atol=0)
+    torch.testing.assert_close(l_op, l_s, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_sparse_subset_matches_manual_and_ranged_dense(cfg):
+    c = CONFIGS[cfg]
+    T, S = 3, 10
+    q, k, v = _qkv(11, T, c["H"], c["Hk"], S, c["Dqk"], c["Dv"], c.get("mqa", False))
+    rows = [[7, 2, 5], [0], [9, 8, 3, 1]]
+    K = 5
+    idx = i32([r + [-1] * (K - len(r)) for r in rows])
+    scale = 0.37
+    out, lse = ref("sparse_attention")(q, k, v, idx, scale)
+    o_m, l_m = _manual_attention(q, k, v, rows, scale)
+    torch.testing.assert_close(out, o_m, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, l_m, rtol=1e-12, atol=1e-12)
+    # contiguous ranges: sparse over [ks, ke) == dense attention restricted to [ks, ke)
+    ks, ke = i32([2, 0, 4]), i32([6, 3, 10])
+    idx2 = i32([list(range(a, b)) + [-1] * (S - (b - a)) for a, b in zip(ks.tolist(), ke.tolist())])
+    o1, l1 = ref("sparse_attention")(q, k, v, idx2, scale)
+    o2, l2 = ref("attention")(q, k, v, ks, ke, scale)
+    torch.testing.assert_close(o1, o2, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(l1, l2, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_lse_is_logsumexp_of_scaled_scores():
+    T, H, S, D = 3, 2, 6, 4
+    q, k, v = _qkv(12, T, H, H, S, D, D)
+    scale = 0.5
+    ks, ke = i32([0, 1, 2]), i32([6, 4, 3])
+    _, lse = ref("attention")(q, k, v, ks, ke, scale)
+    for t in range(T):
+        for h in range(H):
+            sc = scale * (k[ks[t]:ke[t], h] @ q[t, h])
+            assert lse[t, h].item() == pytest.approx(torch.logsumexp(sc, 0).item(), abs=1e-13)
+
+
+def test_empty_rows_give_zero_and_neg_inf():
+    T, H, S, D = 3, 2, 5, 4
+    q, k, v = _qkv(13, T, H, 1, S, D, 3)
+    idx = i32([[-1, -1, -1], [4, -1, 0], [-1, -1, -1]])
+    out, lse = ref("sparse_attention")(q, k, v, idx, 0.5)
+    assert torch.equal(out[0], torch.zeros(H, 3, dtype=F64))
+    assert torch.equal(out[2], torch.zeros(H, 3, dtype=F64))
+    assert torch.isneginf(lse[0]).all() and torch.isneginf(lse[2]).all()
+    assert torch.isfinite(lse[1]).all() and torch.isfinite(out).all()
+    out, lse = ref("attention")(q, k, v, i32([2, 0, 5]), i32([2, 5, 5]), 0.5)
+    assert torch.equal(out[0], torch.zeros(H, 3, dtype=F64))
+    assert torch.equal(out[2], torch.zeros(H, 3, dtype=F64))
+    assert torch.isneginf(lse[0]).all() and torch.isneginf(lse[2]).all()
+    assert torch.isfinite(lse[1]).all()
+
+
+def test_permuting_idx_and_dropping_minus_one():
+    T, H, S = 2, 4, 8
+    q, k, v = _qkv(14, T, H, 2, S, 5, 4)
+    idx = i32([[3, 0, 6, 1], [7, 2, 5, 4]])
+    out, lse = ref("sparse_attention")(q, k, v, idx, 0.4)
+    perm = i32([[6, 1, 3, 0], [4, 7, 2, 5]])
+    o2, l2 = ref("sparse_attention")(q, k, v, perm, 0.4)
+    torch.testing.assert_close(o2, out, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(l2, lse, rtol=1e-13, atol=1e-13)
+    # -1 entries mixed in == the row without them
+    mixed = i32([[3, -1, 0, -1, 6, 1], [-1, 7, 2, -1, 5, 4]])
+    o3, l3 = ref("sparse_attention")(q, k, v, mixed, 0.4)
+    torch.testing.assert_close(o3, out, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(l3, lse, rtol=1e-13, atol=1e-13)
+    dropped = i32([[3, -1, 0, -1], [-1, 7, 2, -1]])
+    o4, l4 = ref("sparse_attention")(q, k, v, dropped, 0.4)
+    o5, l5 = ref("sparse_attention")(q, k, v, i32([[3, 0], [7, 2]]), 0.4)
+    torch.testing.assert_close(o4, o5, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(l4, l5, rtol=1e-13, atol=1e-13)
+    assert not torch.allclose(o4, out)  # dropping real rows does change the result
+
+
+def test_gqa_head_mapping():
+    # H=4, Hk=2: heads 0,1 read kv head 0, heads 2,3 read kv head 1
+    T, S = 1, 3
+    q = torch.ones(T, 4, 1, dtype=F64)
+    k = torch.zeros(S, 2, 1, dtype=F64)  # uniform softmax
+    v = torch.zeros(S, 2, 1, dtype=F64)
+    v[:, 0, 0] = torch.tensor([1.0, 2.0, 3.0])
+    v[:, 1, 0] = torch.tensor([10.0, 20.0, 60.0])
+    out, lse = ref("sparse_attention")(q, k, v, i32([[0, 1, 2]]), 1.0)
+    assert out[0, :, 0].tolist() == pytest.approx([2.0, 2.0, 30.0, 30.0], abs=1e-13)
+    assert lse[0].tolist() == pytest.approx([math.log(3.0)] * 4, abs=1e-13)
+
+
+def test_attention_dtypes_bf16():
+    q, k, v = _qkv(15, 2, 2, 1, 4, 8, 4, mqa=True, dtype=torch.bfloat16)
+    idx = i32([[0, 1, 2, 3], [1, 3, -1, -1]])
+    out, lse = ref("sparse_attention")(q, k, v, idx, 0.3)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    o64, l64 = ref("sparse_attention")(q.double(), k.double(), v.double(), idx, 0.3)
+    torch.testing.assert_close(out.double(), o64, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse.double(), l64, rtol=1e-5, atol=1e-5)
+    out, lse = ref("attention")(q, k, v, i32([0, 0]), i32([4, 2]), 0.3)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32

@@ -1,0 +1,186 @@
+"""mla_prolog: the reference against a hand composition, shapes, the in-place cache write, the
+decomposition served by glm5.ops, and autograd through it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import glm5
+from glm5 import ops
+
+F64 = torch.float64
+I32 = torch.int32
+
+T, D, Rq, H, Dn, Dr, Rkv, N = 3, 16, 8, 2, 4, 6, 5, 6
+EPS = 1e-6
+SENTINEL = 7.25
+
+
+def _inputs(seed=0, dtype=F64, slots=(3, -1, 0)):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g, dtype=F64) * s).to(dtype)
+
+    ang = torch.randn(T, Dr // 2, generator=g, dtype=F64)
+    return dict(
+        x=r(T, D),
+        w_qa=r(Rq, D, s=0.3),
+        g_qa=(torch.rand(Rq, generator=g, dtype=F64) + 0.5).to(dtype),
+        w_qb=r(H * (Dn + Dr), Rq, s=0.3),
+        w_kva=r(Rkv + Dr, D, s=0.3),
+        g_kva=(torch.rand(Rkv, generator=g, dtype=F64) + 0.5).to(dtype),
+        w_uk=r(H, Dn, Rkv, s=0.3),
+        cos=torch.cos(ang).to(dtype),
+        sin=torch.sin(ang).to(dtype),
+        eps=EPS,
+        kv_cache=torch.full((N, Rkv + Dr), SENTINEL, dtype=dtype),
+        slots=torch.tensor(slots, dtype=I32),
+    )
+
+
+def _args(a, absorb):
+    return (a["x"], a["w_qa"], a["g_qa"], a["w_qb"], a["w_kva"], a["g_kva"], a["w_uk"], a["cos"],
+            a["sin"], a["eps"], a["kv_cache"], a["slots"], absorb)
+
+
+# Independent hand formulation (no glm5 code): rms_norm and interleaved rope as complex product.
+def _rms(x, g, eps):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * g
+
+
+def _rope_interleaved(x, cos, sin):
+    shp = x.shape
+    z = torch.view_as_complex(x.reshape(*shp[:-1], shp[-1] // 2, 2).contiguous())
+    rot = torch.complex(cos, sin)
+    rot = rot.reshape(rot.shape[0], *([1] * (x.dim() - 2)), rot.shape[-1])
+    return torch.view_as_real(z * rot).reshape(shp)
+
+
+def _hand(a, absorb):
+    x = a["x"]
+    c_q = _rms(x @ a["w_qa"].T, a["g_qa"], a["eps"])
+    q = (c_q @ a["w_qb"].T).reshape(T, H, Dn + Dr)
+    q_nope, q_pe = q[..., :Dn], q[..., Dn:]
+    q_pe = _rope_interleaved(q_pe, a["cos"], a["sin"])
+    if absorb:
+        q_main = torch.stack([q_nope[:, h] @ a["w_uk"][h] for h in range(H)], dim=1)
+    else:
+        q_main = q_nope
+    kv = x @ a["w_kva"].T
+    ckv = _rms(kv[:, :Rkv], a["g_kva"], a["eps"])
+    k_pe = _rope_interleaved(kv[:, Rkv:], a["cos"], a["sin"])
+    rows = torch.cat((ckv, k_pe), -1)
+    return q_main, q_pe, c_q, rows
+
+
+@pytest.mark.parametrize("absorb", [True, False])
+def test_reference_matches_hand_composition(absorb):
+    a = _inputs()
+    q_main, q_pe, c_q = glm5.get_op("mla_prolog").reference(*_args(a, absorb))
+    hq, hpe, hcq, rows = _hand(a, absorb)
+    assert q_main.shape == ((T, H, Rkv) if absorb else (T, H, Dn))
+    assert q_pe.shape == (T, H, Dr) and c_q.shape == (T, Rq)
+    assert q_main.dtype == q_pe.dtype == c_q.dtype == F64
+    torch.testing.assert_close(q_main, hq, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(q_pe, hpe, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(c_q, hcq, rtol=1e-12, atol=1e-12)
+    cache = a["kv_cache"]
+    torch.testing.assert_close(cache[3], rows[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cache[0], rows[2], rtol=1e-12, atol=1e-12)
+
+
+def test_cache_write_slots_and_skip():
+    a = _inputs(seed=1, slots=(5, -1, 2))
+    before = a["kv_cache"].clone()
+    cache_ptr = a["kv_cache"].data_ptr()
+    glm5.get_op("mla_prolog").reference(*_args(a, True))
+    cache = a["kv_cache"]
+    assert cache.data_ptr() == cache_ptr  # written in place
+    _, _, _, rows = _hand(a, True)
+    torch.testing.assert_close(cache[5], rows[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cache[2], rows[2], rtol=1e-12, atol=1e-12)
+    for r in (0, 1, 3, 4):  # untouched rows keep the sentinel
+        assert torch.equal(cache[r], before[r])
+    # token 1 (slot -1) was written nowhere
+    for r in range(N):
+        assert not torch.allclose(cache[r], rows[1])
+
+
+def test_all_slots_skipped_leaves_cache_untouched():
+    a = _inputs(seed=2, slots=(-1, -1, -1))
+    before = a["kv_cache"].clone()
+    out = glm5.get_op("mla_prolog").reference(*_args(a, False))
+    assert torch.equal(a["kv_cache"], before)
+    assert out[0].shape == (T, H, Dn)
+
+
+def test_cache_of_another_dtype_gets_cast_rows():
+    a = _inputs(seed=3, slots=(0, 1, 2))
+    a["kv_cache"] = torch.zeros(N, Rkv + Dr, dtype=torch.float32)
+    glm5.get_op("mla_prolog").reference(*_args(a, True))
+    _, _, _, rows = _hand(a, True)
+    assert a["kv_cache"].dtype == torch.float32
+    torch.testing.assert_close(a["kv_cache"][:3], rows.float(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(a["kv_cache"][3:], torch.zeros(N - 3, Rkv + Dr))
+
+
+@pytest.mark.parametrize("absorb", [True, False])
+def test_ops_decomposition_matches_reference_float64(absorb):
+    a1, a2 = _inputs(seed=4), _inputs(seed=4)
+    r_out = glm5.get_op("mla_prolog").reference(*_args(a1, absorb))
+    d_out = ops.mla_prolog(*_args(a2, absorb))
+    for r, d in zip(r_out, d_out):
+        assert d.dtype == F64 and d.shape == r.shape
+        torch.testing.assert_close(d, r, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(a2["kv_cache"], a1["kv_cache"], rtol=1e-12, atol=1e-12)
+    assert a2["kv_cache"][1, 0].item() == SENTINEL
+    # and the decomposition itself, called directly
+    a3 = _inputs(seed=4)
+    for r, d in zip(r_out, glm5.get_op("mla_prolog").decompose(*_args(a3, absorb))):
+        torch.testing.assert_close(d, r, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(a3["kv_cache"], a1["kv_cache"], rtol=1e-12, atol=1e-12)
+
+
+def test_bf16_shapes_and_dtypes():
+    a = _inputs(seed=5, dtype=torch.bfloat16)
+    outs = ops.mla_prolog(*_args(a, True))
+    assert [o.dtype for o in outs] == [torch.bfloat16] * 3
+    assert outs[0].shape == (T, H, Rkv)
+    r = glm5.get_op("mla_prolog").reference(*_args(_inputs(seed=5, dtype=torch.bfloat16), True))
+    for o, rr in zip(outs, r):
+        torch.testing.assert_close(o.float(), rr.float(), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("absorb", [True, False])
+def test_autograd_through_ops(absorb):
+    names = ("x", "w_qa", "g_qa", "w_qb", "w_kva", "g_kva", "w_uk")
+    a = _inputs(seed=6)
+    for n in names:
+        a[n] = a[n].clone().requires_grad_(True)
+    outs = ops.mla_prolog(*_args(a, absorb))
+    for o in outs:
+        assert o.requires_grad and o.grad_fn is not None
+    assert not a["kv_cache"].requires_grad  # the cache write is not part of the graph
+    assert a["kv_cache"][3].ne(SENTINEL).any()
+    g = torch.Generator().manual_seed(7)
+    cot = [torch.randn(o.shape, generator=g, dtype=F64) for o in outs]
+    torch.autograd.backward(outs, cot)
+    # the outputs do not depend on the kv path (it only feeds the detached cache write), nor on
+    # w_uk without absorb
+    no_grad = {"w_kva", "g_kva"} | (set() if absorb else {"w_uk"})
+    for n in no_grad:
+        assert a[n].grad is None, n
+    got = {n: a[n].grad.clone() for n in names if n not in no_grad}
+
+    # the same gradients from autograd through the hand composition
+    b = _inputs(seed=6)
+    for n in names:
+        b[n] = b[n].clone().requires_grad_(True)
+    hq, hpe, hcq, _ = _hand(b, absorb)
+    torch.autograd.backward([hq, hpe, hcq], cot)
+    for n, gr in got.items():
+        assert b[n].grad is not None
+        assert torch.count_nonzero(gr) > 0, n
+        torch.testing.assert_close(gr, b[n].grad, rtol=1e-10, atol=1e-10)
