@@ -25,6 +25,9 @@ _LAZY = {
     "OpInputError": ("glm5.ir.signature", "OpInputError"),
     "OpTypeError": ("glm5.ir.signature", "OpTypeError"),
     "get_op": ("glm5.ir.catalog", "get_op"),
+    "load_model": ("glm5.core.checkpoint", "load_model"),
+    "GLM5Config": ("glm5.core.config", "GLM5Config"),
+    "GLM5ForCausalLM": ("glm5.core.model", "GLM5ForCausalLM"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -1,0 +1,171 @@
+"""MLA attention with DSA (Lightning Indexer + sparse attention).
+
+Two execution modes, chosen per call by cost (same math):
+- MHA (prefill / training): the latent rows are expanded with kv_b into per-head keys/values;
+- MQA (decode, "absorbed"): queries are moved into the latent space with W_UK, attention runs
+  over the latent cache directly (Dqk = kv_lora + rope, Dv = kv_lora), W_UV is applied after.
+Selection: when every query's causal range fits in index_topk the selection is the whole range,
+so dense `attention` over the range is used; otherwise `indexer_topk` + `sparse_attention` (no
+[T, S] score matrix or [T, H, S] tensor beyond the op's tiles). Layers marked "shared" reuse the
+previous full layer's selection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm5 import ops
+from glm5.core.config import GLM5Config
+from glm5.core.layers import LayerNorm, RMSNorm, linear
+
+MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (transformers: RMSNorm default eps)
+INDEXER_NORM_EPS = 1e-6  # indexer k_norm (LayerNorm)
+
+
+@dataclass
+class Step:
+    """Per-forward layout shared by all layers: rope tables, cache slots, key ranges."""
+
+    cos: torch.Tensor  # [N, R/2]
+    sin: torch.Tensor
+    slots: torch.Tensor  # [N] int32 flat cache rows written by this step
+    k_start: torch.Tensor  # [N] int32
+    k_end: torch.Tensor  # [N] int32
+    max_range: int  # longest causal key range of any query
+
+
+def _rope_head(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
+    """Interleaved rope on the first r dims of the last axis (indexer: rope-first layout)."""
+    if x.shape[-1] == r:
+        return ops.rope(x, cos, sin, True)
+    return torch.cat((ops.rope(x[..., :r].contiguous(), cos, sin, True), x[..., r:]), -1)
+
+
+class Indexer(nn.Module):
+    """The Lightning Indexer of one layer (names as transformers: self_attn.indexer.*)."""
+
+    def __init__(self, cfg: GLM5Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wq_b = linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.wk = linear(cfg.hidden_size, cfg.index_head_dim)
+        self.k_norm = LayerNorm(cfg.index_head_dim, INDEXER_NORM_EPS)
+        self.weights_proj = linear(cfg.hidden_size, cfg.index_n_heads)
+        # softmax scale and H^-0.5 do not change the top-k order but are folded into the head
+        # weights as the published model does (relu(a*c) = c*relu(a) for c > 0).
+        self.w_scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
+
+    def keys(self, x: torch.Tensor, st: Step) -> torch.Tensor:
+        k = self.k_norm(F.linear(x, self.wk.weight))
+        return _rope_head(k, st.cos, st.sin, self.cfg.qk_rope_head_dim)
+
+    def select(self, x: torch.Tensor, c_q: torch.Tensor, key_cache: torch.Tensor,
+               st: Step) -> torch.Tensor:
+        c = self.cfg
+        N = x.shape[0]
+        q = F.linear(c_q, self.wq_b.weight).reshape(N, c.index_n_heads, c.index_head_dim)
+        q = _rope_head(q, st.cos, st.sin, c.qk_rope_head_dim)
+        w = F.linear(x.float(), self.weights_proj.weight.float()) * self.w_scale
+        with torch.no_grad():  # the selection is not differentiable; the indexer is trained apart
+            return ops.indexer_topk(q, key_cache, w, st.k_start, st.k_end, c.index_topk)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GLM5Config, layer_idx: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        H, D = cfg.num_attention_heads, cfg.hidden_size
+        self.q_a_proj = linear(D, cfg.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, MLA_NORM_EPS)
+        self.q_b_proj = linear(cfg.q_lora_rank, H * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = linear(D, cfg.kv_cache_dim)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, MLA_NORM_EPS)
+        self.kv_b_proj = linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = linear(H * cfg.v_head_dim, D)
+        self.shared = cfg.indexer_types[layer_idx] == "shared"
+        self.indexer = None if self.shared else Indexer(cfg)
+
+    # ------------------------------------------------------------------ helpers
+    def _w_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, Dn, Rkv] and W_UV [H, Dv, Rkv] as views of kv_b_proj.weight."""
+        c = self.cfg
+        w = self.kv_b_proj.weight.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim,
+                                       c.kv_lora_rank)
+        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
+
+    def use_absorbed(self, n_queries: int, n_rows: int) -> bool:
+        """MQA (absorbed) when it costs fewer FLOPs than expanding n_rows latent rows."""
+        c = self.cfg
+        H, Dn, Dv, R, Dr = (c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim,
+                            c.kv_lora_rank, c.qk_rope_head_dim)
+        keys = min(n_rows, c.index_topk)
+        mha = 2.0 * n_rows * R * H * (Dn + Dv) + 2.0 * n_queries * keys * H * (Dn + Dr + Dv)
+        mqa = (2.0 * n_queries * H * R * (Dn + Dv)
+               + 2.0 * n_queries * keys * H * (R + Dr + R))
+        return mqa < mha
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, st: Step, latent: torch.Tensor,
+                index_keys: torch.Tensor | None, prev_idx: torch.Tensor | None,
+                rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [N, D] -> ([N, D], the selection [N, topk] or None when the range is dense).
+
+        ``latent`` / ``index_keys`` are this layer's flat caches (written in place at
+        ``st.slots``); ``rows`` [S'] are the cache rows in use (keys are gathered from them in
+        MHA mode).
+        """
+        c = self.cfg
+        H, Dn = c.num_attention_heads, c.qk_nope_head_dim
+        w_uk, w_uv = self._w_kv()
+        absorb = self.use_absorbed(x.shape[0], rows.numel())
+        q_main, q_pe, c_q = ops.mla_prolog(
+            x, self.q_a_proj.weight, self.q_a_layernorm.weight, self.q_b_proj.weight,
+            self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight, w_uk, st.cos, st.sin,
+            MLA_NORM_EPS, latent, st.slots, absorb,
+        )
+        dense = st.max_range <= c.index_topk
+        idx = None
+        if self.indexer is not None:
+            with torch.no_grad():
+                index_keys[st.slots.long()] = self.indexer.keys(x, st).to(index_keys.dtype)
+            if not dense:
+                idx = self.indexer.select(x, c_q, index_keys, st)
+        elif not dense:
+            if prev_idx is None:
+                raise ValueError("glm5: a 'shared' indexer layer needs an earlier 'full' layer")
+            idx = prev_idx
+        # Keys from the cache (after this step's write): the latent rows in use.
+        if absorb:
+            q = torch.cat((q_main, q_pe), -1)  # [N, H, Rkv + Dr]
+            kv = latent.unsqueeze(1)  # [S, 1, Rkv + Dr]; v = the first Rkv columns
+            o_lat = self._attend(q, kv, kv[..., : c.kv_lora_rank], idx, st, None)
+            o = torch.einsum("nhc,hdc->nhd", o_lat, w_uv)
+        else:
+            lat = latent[rows]
+            kvx = F.linear(lat[:, : c.kv_lora_rank], self.kv_b_proj.weight)
+            kvx = kvx.view(-1, H, Dn + c.v_head_dim)
+            k_pe = lat[:, c.kv_lora_rank :].unsqueeze(1).expand(-1, H, -1)
+            k = torch.cat((kvx[..., :Dn], k_pe), -1)
+            v = kvx[..., Dn:]
+            q = torch.cat((q_main, q_pe), -1)
+            o = self._attend(q, k, v, idx, st, rows)
+        return F.linear(o.reshape(x.shape[0], -1), self.o_proj.weight), idx
+
+    def _attend(self, q, k, v, idx, st: Step, rows: torch.Tensor | None) -> torch.Tensor:
+        """Attention over flat cache rows, or over the gathered ``rows`` (indices remapped)."""
+        scale = self.cfg.softmax_scale
+        ks, ke = st.k_start, st.k_end
+        if rows is not None:  # compact row space: position of each flat row inside `rows`
+            remap = torch.full((int(rows.max()) + 1,), -1, dtype=torch.int32, device=rows.device)
+            remap[rows] = torch.arange(rows.numel(), dtype=torch.int32, device=rows.device)
+            ks = remap[ks.long()]
+            ke = remap[(ke - 1).long()] + 1
+            if idx is not None:
+                idx = torch.where(idx >= 0, remap[idx.long().clamp(min=0)], idx)
+        if idx is None:
+            return ops.attention(q, k, v, ks, ke, scale)[0]
+        return ops.sparse_attention(q, k, v, idx, scale)[0]

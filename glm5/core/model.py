@@ -1,0 +1,226 @@
+"""The GLM-5 model on the op IR: decoder layers (MLA + DSA attention, dense MLP or MoE), MTP,
+KV-cached generation. Parameter names mirror transformers' GlmMoeDsaForCausalLM."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm5 import ops
+from glm5.core.attention import Attention, Step
+from glm5.core.cache import KVCache
+from glm5.core.config import GLM5Config
+from glm5.core.layers import MLP, MoE, RMSNorm, linear
+from glm5.core.rope import inv_freq, rope_tables
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: GLM5Config, layer_idx: int, mlp_type: str | None = None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        kind = mlp_type or cfg.mlp_layer_types[layer_idx]
+        self.mlp = MoE(cfg) if kind == "sparse" else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h, st, latent, index_keys, prev_idx, rows):
+        a, idx = self.self_attn(self.input_layernorm(h), st, latent, index_keys, prev_idx, rows)
+        h = h + a
+        return h + self.mlp(self.post_attention_layernorm(h)), idx
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: GLM5Config) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPLayer(nn.Module):
+    """Multi-token prediction (DeepSeek-V3 / GLM-5 checkpoints, `model.layers.{L}.*`):
+    h' = block(eh_proj([enorm(emb(t+1)); hnorm(h)])); logits = lm_head(shared_head.norm(h'))."""
+
+    def __init__(self, cfg: GLM5Config) -> None:
+        super().__init__()
+        D = cfg.hidden_size
+        self.enorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.eh_proj = linear(2 * D, D)
+        mtp_cfg = cfg.replace(num_hidden_layers=1, indexer_types=["full"],
+                              mlp_layer_types=["sparse"])
+        self.block = DecoderLayer(mtp_cfg, 0)
+        self.shared_head = SharedHead(cfg)
+
+
+class GLM5Model(nn.Module):
+    def __init__(self, cfg: GLM5Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class GLM5ForCausalLM(nn.Module):
+    """GLM-5. ``model(input_ids)`` -> logits [B, T, V]; ``generate(...)`` decodes with a KV cache."""
+
+    def __init__(self, cfg: GLM5Config, with_mtp: bool = False) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = GLM5Model(cfg)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers)) \
+            if with_mtp else None
+        freqs, scale = inv_freq(cfg)
+        self.register_buffer("inv_freq", freqs, persistent=False)
+        self.rope_scaling = scale
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache(self.config, batch, max_len, self.dtype, self.device)
+
+    def _step(self, cache: KVCache, T: int) -> tuple[Step, torch.Tensor]:
+        pos, slots, ks, ke = cache.layout(T)
+        cos, sin = rope_tables(self.inv_freq, self.rope_scaling, pos, self.dtype)
+        used = cache.length + T
+        dev = pos.device
+        rows = ((torch.arange(cache.batch, device=dev) * cache.max_len)[:, None]
+                + torch.arange(used, device=dev)[None, :]).reshape(-1)
+        return Step(cos, sin, slots, ks, ke, used), rows
+
+    # ------------------------------------------------------------------ forward
+    def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Final hidden states before the last norm: [B, T, D]. Appends to ``cache``."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"glm5 model: input_ids expected [B, T], got {list(input_ids.shape)}")
+        B, T = input_ids.shape
+        if T == 0:
+            raise ValueError("glm5 model: input_ids expected at least one token")
+        V = self.config.vocab_size
+        if bool(((input_ids < 0) | (input_ids >= V)).any()):
+            raise ValueError(f"glm5 model: input_ids expected ids in [0, {V})")
+        if cache is None:
+            cache = self.new_cache(B, T)
+        elif cache.batch != B:
+            raise ValueError(f"glm5 model: cache holds {cache.batch} sequences, input has {B}")
+        st, rows = self._step(cache, T)
+        h = self.model.embed_tokens(input_ids).reshape(B * T, -1)
+        idx = None  # a "shared" layer returns the selection it was given
+        for i, layer in enumerate(self.model.layers):
+            h, idx = layer(h, st, cache.latent[i], cache.index_keys[i], idx, rows)
+        cache.advance(T)
+        return h.reshape(B, T, -1)
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        h = self.hidden_states(input_ids, cache)
+        return F.linear(self.model.norm(h), self.lm_head.weight)
+
+    def save_pretrained(self, path, max_shard_bytes: int = 5 * 2**30) -> None:
+        """Write config.json + safetensors in the transformers format."""
+        from glm5.core.checkpoint import save_pretrained
+
+        save_pretrained(self, path, max_shard_bytes)
+
+    # ------------------------------------------------------------------ MTP
+    def mtp_logits(self, hidden: torch.Tensor, next_ids: torch.Tensor,
+                   cache: KVCache | None = None, depth: int = 0) -> torch.Tensor:
+        """Logits of the MTP layer ``depth``: ``hidden`` [B, T, D] are the main model's final
+        hidden states at positions i, ``next_ids`` [B, T] the tokens at i + 1; the result
+        predicts the tokens at i + 2. ``cache`` is the MTP layer's own one-layer cache."""
+        if self.mtp is None:
+            raise ValueError("glm5 model: this checkpoint has no MTP layer")
+        m = self.mtp[depth]
+        B, T = next_ids.shape
+        if cache is None:
+            cache = KVCache(self.config, B, T, self.dtype, self.device, n_layers=1,
+                            indexer_layers=[True])
+        st, rows = self._step(cache, T)
+        e = m.enorm(self.model.embed_tokens(next_ids).reshape(B * T, -1))
+        x = F.linear(torch.cat((e, m.hnorm(hidden.reshape(B * T, -1))), -1), m.eh_proj.weight)
+        h, _ = m.block(x, st, cache.latent[0], cache.index_keys[0], None, rows)
+        cache.advance(T)
+        return F.linear(m.shared_head.norm(h), self.lm_head.weight).reshape(B, T, -1)
+
+    # ------------------------------------------------------------------ training helpers
+    def indexer_parameters(self) -> Iterator[nn.Parameter]:
+        for name, p in self.named_parameters():
+            if ".indexer." in name:
+                yield p
+
+    def freeze_indexer(self) -> "GLM5ForCausalLM":
+        """Indexer parameters get no gradient and are left out of `param_groups()`."""
+        for p in self.indexer_parameters():
+            p.requires_grad_(False)
+        return self
+
+    def param_groups(self, weight_decay: float = 0.0) -> list[dict]:
+        """Optimiser groups of the trainable parameters (norms and biases without decay)."""
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if p.dim() < 2 else decay).append(p)
+        return [{"params": decay, "weight_decay": weight_decay},
+                {"params": no_decay, "weight_decay": 0.0}]
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None) -> torch.Tensor:
+        """Greedy or sampled decoding with the KV cache: returns [B, T + max_new_tokens]."""
+        if max_new_tokens < 0:
+            raise ValueError(f"glm5 generate: max_new_tokens expected >= 0, got {max_new_tokens}")
+        if do_sample and not temperature > 0:
+            raise ValueError(f"glm5 generate: temperature expected > 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"glm5 generate: top_p expected in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"glm5 generate: top_k expected >= 0, got {top_k}")
+        B, T = input_ids.shape
+        if max_new_tokens == 0:
+            return input_ids.clone()
+        gen = torch.Generator(device=self.device)
+        if seed is not None:
+            gen.manual_seed(seed)
+        else:
+            gen.seed()
+        cache = self.new_cache(B, T + max_new_tokens)
+        out = [input_ids]
+        logits = self.forward(input_ids, cache)[:, -1]
+        for step in range(max_new_tokens):
+            nxt = sample_next(logits.float(), do_sample, temperature, top_p, top_k, gen)
+            out.append(nxt[:, None])
+            if step + 1 < max_new_tokens:
+                logits = self.forward(nxt[:, None], cache)[:, -1]
+        return torch.cat(out, dim=1)
+
+
+def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float,
+                top_k: int, gen: torch.Generator) -> torch.Tensor:
+    """Next token ids [B] from logits [B, V]: argmax, or temperature / top-k / top-p sampling."""
+    if not do_sample:
+        return logits.argmax(-1)
+    z = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sz, si = torch.sort(z, descending=True, dim=-1)
+        p = torch.softmax(sz, -1)
+        drop = p.cumsum(-1) - p > top_p  # keep the smallest prefix whose mass reaches top_p
+        sz = sz.masked_fill(drop, float("-inf"))
+        z = torch.full_like(z, float("-inf")).scatter(-1, si, sz)
+    probs = torch.softmax(z, -1)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)

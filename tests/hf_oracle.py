@@ -1,0 +1,38 @@
+"""transformers' GlmMoeDsaForCausalLM as the test oracle (dev dependency only)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from glm5.core.config import GLM5Config
+
+GLM5_ONLY = {"dsa_selection", "dsa_block_size", "dsa_block_topk", "num_nextn_predict_layers"}
+
+
+def hf_config(cfg: GLM5Config):
+    from transformers import GlmMoeDsaConfig
+
+    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in GLM5_ONLY}
+    return GlmMoeDsaConfig(**d)
+
+
+def random_hf_model(cfg: GLM5Config, seed: int, std: float = 0.1):
+    """A transformers model with random weights large enough to exercise every path, and a
+    non-zero router correction bias."""
+    from transformers import GlmMoeDsaForCausalLM
+
+    torch.manual_seed(seed)
+    m = GlmMoeDsaForCausalLM(hf_config(cfg)).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+            elif n.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+        for n, b in m.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    return m
