@@ -97,6 +97,14 @@ class Attention(nn.Module):
                                        c.kv_lora_rank)
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
 
+    def _latent_rows(self, x: torch.Tensor, st: Step) -> torch.Tensor:
+        """[ckv | k_pe] of x, as mla_prolog writes them to the cache (differentiable)."""
+        c = self.cfg
+        kv = F.linear(x, self.kv_a_proj_with_mqa.weight)
+        ckv = ops.rms_norm(kv[:, : c.kv_lora_rank], self.kv_a_layernorm.weight, MLA_NORM_EPS)
+        k_pe = ops.rope(kv[:, c.kv_lora_rank :], st.cos, st.sin, True)
+        return torch.cat((ckv, k_pe), -1)
+
     def use_absorbed(self, n_queries: int, n_rows: int) -> bool:
         """MQA (absorbed) when it costs fewer FLOPs than expanding n_rows latent rows."""
         c = self.cfg
@@ -127,6 +135,10 @@ class Attention(nn.Module):
             self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight, w_uk, st.cos, st.sin,
             MLA_NORM_EPS, latent, st.slots, absorb,
         )
+        if torch.is_grad_enabled() and (x.requires_grad or self.kv_a_proj_with_mqa.weight.requires_grad):
+            # Training: the cache write is a side effect without gradient, so this step's
+            # latent rows are recomputed differentiably and put in place of the cached ones.
+            latent = latent.detach().index_put((st.slots.long(),), self._latent_rows(x, st))
         dense = st.max_range <= c.index_topk
         idx = None
         if self.indexer is not None:
