@@ -1,4 +1,4 @@
-"""`glm5` command line: backends | ops | parity."""
+"""`glm5` command line: backends | ops | parity | info."""
 
 from __future__ import annotations
 
@@ -150,6 +150,62 @@ def cmd_parity(args: argparse.Namespace) -> int:
     return 1 if any(r.status == "fail" for r in rows) else 0
 
 
+# --------------------------------------------------------------------------- info
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.1f} B"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from glm5.core.config import ConfigError, GLM5Config, preset
+    from glm5.core.info import model_info
+
+    try:
+        cfg = preset(args.preset) if args.preset else GLM5Config.from_pretrained(args.model)
+    except ConfigError as e:
+        raise ValueError(str(e).removeprefix("glm5 config: ")) from None
+    info = model_info(cfg)
+    source = {"preset": args.preset} if args.preset else {"model": str(args.model)}
+    if args.json:
+        print(json.dumps({"source": source, **info}, indent=2))
+        return 0
+    p, kv = info["params"], info["kv_cache_per_token"]
+    lay = p["layers"]
+    what = f"preset {args.preset}" if args.preset else f"model {args.model}"
+    print(f"GLM-5 model info: {what}")
+    print(f"  {lay['total']} layers ({lay['dense']} dense, {lay['sparse']} MoE; indexer "
+          f"{lay['indexer_full']} full, {lay['indexer_shared']} shared), hidden "
+          f"{cfg.hidden_size}, {cfg.n_routed_experts} routed experts "
+          f"({cfg.num_experts_per_tok} active) + {cfg.n_shared_experts} shared, "
+          f"{lay['mtp']} MTP layer(s)\n")
+    rows = [("parameters", "billions", "exact")]
+    rows.append(("total (without MTP)", _billions(p["total_params"]), f"{p['total_params']:,}"))
+    rows.append(("active per token", _billions(p["active_params"]), f"{p['active_params']:,}"))
+    rows.append(("MTP", _billions(p["mtp_params"]), f"{p['mtp_params']:,}"))
+    rows.append(("MTP active per token", _billions(p["mtp_active_params"]),
+                 f"{p['mtp_active_params']:,}"))
+    print(_fmt(rows))
+    print()
+    rows = [("component", "billions", "exact")]
+    for name, n in p["components"].items():
+        rows.append((name, _billions(n), f"{n:,}"))
+    for name, n in p["mtp"].items():
+        rows.append((f"mtp.{name}", _billions(n), f"{n:,}"))
+    print(_fmt(rows))
+    print(f"\n(total includes {p['buffer_params']:,} e_score_correction_bias buffer elements; "
+          "active = total with routed experts at num_experts_per_tok/n_routed_experts, "
+          "embeddings and lm_head included; MTP shares the embedding and lm_head)\n")
+    b = kv["bytes"]
+    print(f"KV cache per token: {kv['layers']} layers x {kv['latent_per_layer']} latent + "
+          f"{kv['indexer_layers']} indexer layers x {kv['indexer_key_per_layer']} key = "
+          f"{kv['elements']:,} elements")
+    print(f"  bf16: {b['bf16']:,} bytes/token ({b['bf16'] / 2**10:.1f} KiB); "
+          f"fp8: {b['fp8']:,} bytes/token ({b['fp8'] / 2**10:.1f} KiB)")
+    pl = kv["bytes_per_layer"]
+    print(f"  per layer: {kv['elements_per_layer']} elements = {pl['bf16']:,} bytes bf16, "
+          f"{pl['fp8']:,} bytes fp8")
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 def _fmt(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -183,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_parity)
+
+    i = sub.add_parser("info", help="parameter counts and KV-cache size of a model config")
+    src = i.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", help="a built-in config: glm-5, tiny, small")
+    src.add_argument("--model", help="a directory (or file) with a transformers config.json")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_info)
     return p
 
 

@@ -51,6 +51,12 @@ class KVCache:
     def advance(self, T: int) -> None:
         self.length += T
 
+    def rollback(self, n: int) -> None:
+        """Forget the last n tokens (rejected drafts); their rows are overwritten later."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"glm5 KVCache: cannot roll back {n} of {self.length} tokens")
+        self.length -= n
+
     def nbytes(self) -> int:
         ts = [t for t in self.latent + self.index_keys if t is not None]
         return sum(t.numel() * t.element_size() for t in ts)

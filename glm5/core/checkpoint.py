@@ -72,10 +72,14 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu") -> GLM5ForCausalLM:
     """Load a directory written by `GlmMoeDsaForCausalLM.save_pretrained` (or by glm5).
 
-    Tensors are memory-mapped and assigned without a copy where no dtype change is asked, so a
-    large checkpoint never needs twice its size in RAM. The router weight and correction bias
-    stay fp32 (as transformers keeps them).
+    The model is built on the meta device and each tensor is read from the memory-mapped
+    safetensors file one at a time (converted to ``dtype`` at once, experts stacked layer by
+    layer), so loading never needs twice the checkpoint's size in RAM. The router weight and
+    correction bias stay fp32, as transformers keeps them. A missing, unexpected or mis-shaped
+    tensor is a `CheckpointError` naming it.
     """
+    from contextlib import ExitStack
+
     from safetensors import safe_open
 
     p = Path(path)
@@ -84,55 +88,69 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None,
     L = cfg.num_hidden_layers
     with torch.device("meta"):
         model = GLM5ForCausalLM(cfg, with_mtp=_has_mtp(iter(files), L))
-    want = {k: v for k, v in model.state_dict().items()}
+    want = dict(model.state_dict())
     if cfg.tie_word_embeddings:
         want.pop("lm_head.weight", None)
-    loaded: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    plain: dict[str, str] = {}  # module name -> checkpoint name
+    experts: dict[str, dict[int, dict[str, str]]] = {}
     unexpected: list[str] = []
-    by_file: dict[Path, list[str]] = {}
-    for name, f in files.items():
-        by_file.setdefault(f, []).append(name)
-    for f, names in by_file.items():
-        with safe_open(str(f), "pt", device="cpu") as sf:
-            for name in names:
-                m = _EXPERT.match(name)
-                if m:
-                    target = _to_module_name(m.group(1), L)
-                    if target is None:
-                        continue
-                    experts.setdefault(target, {}).setdefault(int(m.group(2)), {})[m.group(3)] = \
-                        sf.get_tensor(name)
-                    continue
-                target = _to_module_name(name, L)
-                if target is None:
-                    continue
-                if target not in want:
-                    unexpected.append(name)
-                    continue
-                loaded[target] = sf.get_tensor(name)
-    for prefix, per in experts.items():
-        E = cfg.n_routed_experts
-        if sorted(per) != list(range(E)) or any(len(v) != 3 for v in per.values()):
-            raise CheckpointError(f"glm5.load_model: {prefix} expected experts 0..{E - 1} each "
-                                  f"with gate_proj, up_proj and down_proj")
-        loaded[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat((per[e]["gate_proj"], per[e]["up_proj"]), 0) for e in range(E)])
-        loaded[f"{prefix}.down_proj"] = torch.stack([per[e]["down_proj"] for e in range(E)])
-    missing = sorted(set(want) - set(loaded))
+    for name in files:
+        m = _EXPERT.match(name)
+        target = _to_module_name(m.group(1) if m else name, L)
+        if target is None:
+            continue
+        if m:
+            experts.setdefault(target, {}).setdefault(int(m.group(2)), {})[m.group(3)] = name
+        elif target in want:
+            plain[target] = name
+        else:
+            unexpected.append(name)
     if unexpected:
         raise CheckpointError(f"glm5.load_model: unexpected tensors in {p}: "
                               f"{', '.join(sorted(unexpected)[:10])}")
+    E = cfg.n_routed_experts
+    for prefix, per in experts.items():
+        if f"{prefix}.gate_up_proj" not in want:
+            raise CheckpointError(f"glm5.load_model: unexpected tensors in {p}: {prefix}.*")
+        if sorted(per) != list(range(E)) or any(len(v) != 3 for v in per.values()):
+            raise CheckpointError(f"glm5.load_model: {prefix} expected experts 0..{E - 1} each "
+                                  f"with gate_proj, up_proj and down_proj")
+    have = set(plain) | {f"{k}.{w}" for k in experts for w in ("gate_up_proj", "down_proj")}
+    missing = sorted(set(want) - have)
     if missing:
         raise CheckpointError(f"glm5.load_model: tensors missing from {p}: "
                               f"{', '.join(missing[:10])}")
-    for k, t in loaded.items():
-        if tuple(t.shape) != tuple(want[k].shape):
-            raise CheckpointError(f"glm5.load_model: tensor {k} has shape {list(t.shape)}, "
-                                  f"expected {list(want[k].shape)}")
-        keep_fp32 = k.endswith(("mlp.gate.weight", "e_score_correction_bias"))
-        if dtype is not None and t.is_floating_point() and not keep_fp32:
-            loaded[k] = t.to(dtype)
+
+    loaded: dict[str, torch.Tensor] = {}
+    with ExitStack() as stack:
+        handles: dict[Path, object] = {}
+
+        def read(name: str, target: str) -> torch.Tensor:
+            f = files[name]
+            if f not in handles:
+                handles[f] = stack.enter_context(safe_open(str(f), "pt", device="cpu"))
+            t = handles[f].get_tensor(name)
+            keep_fp32 = target.endswith(("mlp.gate.weight", "e_score_correction_bias"))
+            if dtype is not None and t.is_floating_point() and not keep_fp32:
+                t = t.to(dtype)
+            return t
+
+        def put(target: str, t: torch.Tensor, what: str) -> None:
+            if tuple(t.shape) != tuple(want[target].shape):
+                raise CheckpointError(f"glm5.load_model: tensor {what} has shape "
+                                      f"{list(t.shape)}, expected {list(want[target].shape)}")
+            loaded[target] = t
+
+        for target, name in plain.items():
+            put(target, read(name, target), name)
+        for prefix, per in experts.items():  # one layer's experts at a time
+            gu = f"{prefix}.gate_up_proj"
+            dn = f"{prefix}.down_proj"
+            put(gu, torch.stack([torch.cat((read(per[e]["gate_proj"], gu),
+                                            read(per[e]["up_proj"], gu)), 0) for e in range(E)]),
+                f"{prefix}.*.gate_proj/up_proj")
+            put(dn, torch.stack([read(per[e]["down_proj"], dn) for e in range(E)]),
+                f"{prefix}.*.down_proj")
     model.load_state_dict(loaded, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

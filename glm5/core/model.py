@@ -123,8 +123,13 @@ class GLM5ForCausalLM(nn.Module):
         return h.reshape(B, T, -1)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        h = self.hidden_states(input_ids, cache)
-        return F.linear(self.model.norm(h), self.lm_head.weight)
+        return self.forward_with_hidden(input_ids, cache)[0]
+
+    def forward_with_hidden(self, input_ids: torch.Tensor, cache: KVCache | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B, T, V], final normed hidden states [B, T, D] — what MTP consumes)."""
+        h = self.model.norm(self.hidden_states(input_ids, cache))
+        return F.linear(h, self.lm_head.weight), h
 
     def save_pretrained(self, path, max_shard_bytes: int = 5 * 2**30) -> None:
         """Write config.json + safetensors in the transformers format."""
@@ -136,7 +141,7 @@ class GLM5ForCausalLM(nn.Module):
     def mtp_logits(self, hidden: torch.Tensor, next_ids: torch.Tensor,
                    cache: KVCache | None = None, depth: int = 0) -> torch.Tensor:
         """Logits of the MTP layer ``depth``: ``hidden`` [B, T, D] are the main model's final
-        hidden states at positions i, ``next_ids`` [B, T] the tokens at i + 1; the result
+        (normed, as vLLM and SGLang feed them) hidden states at positions i, ``next_ids`` [B, T] the tokens at i + 1; the result
         predicts the tokens at i + 2. ``cache`` is the MTP layer's own one-layer cache."""
         if self.mtp is None:
             raise ValueError("glm5 model: this checkpoint has no MTP layer")
@@ -175,11 +180,55 @@ class GLM5ForCausalLM(nn.Module):
                 {"params": no_decay, "weight_decay": 0.0}]
 
     # ------------------------------------------------------------------ generation
+    def _generate_mtp(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        B, T = input_ids.shape
+        if max_new_tokens <= 0:
+            return input_ids.clone()
+        total = T + max_new_tokens + 1
+        cache = self.new_cache(B, total)
+        mcache = KVCache(self.config, B, total, self.dtype, self.device, n_layers=1,
+                         indexer_layers=[True])
+        logits, h = self.forward_with_hidden(input_ids, cache)
+        tok = _argmax(logits[:, -1])
+        out = [tok]
+        ml = self.mtp_logits(h, torch.cat((input_ids[:, 1:], tok[:, None]), 1), mcache)
+        draft = _argmax(ml[:, -1])
+        stats = {"drafted": 0, "accepted": 0}
+        while len(out) < max_new_tokens:
+            logits, h = self.forward_with_hidden(torch.stack((tok, draft), 1), cache)
+            first = _argmax(logits[:, 0])
+            stats["drafted"] += 1
+            if bool((first == draft).all()):  # every sequence accepts the draft
+                stats["accepted"] += 1
+                tok = _argmax(logits[:, 1])
+                out += [draft, tok]
+                ml = self.mtp_logits(h, torch.stack((draft, tok), 1), mcache)
+            else:
+                cache.rollback(1)
+                tok = first
+                out.append(tok)
+                ml = self.mtp_logits(h[:, :1], tok[:, None], mcache)
+            draft = _argmax(ml[:, -1])
+        self.last_mtp_stats = stats
+        return torch.cat((input_ids, torch.stack(out[:max_new_tokens], 1)), 1)
+
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = None) -> torch.Tensor:
-        """Greedy or sampled decoding with the KV cache: returns [B, T + max_new_tokens]."""
+                 seed: int | None = None, use_mtp: bool = False) -> torch.Tensor:
+        """Greedy or sampled decoding with the KV cache: returns [B, T + max_new_tokens].
+
+        ``use_mtp``: greedy self-speculative decoding, the MTP layer drafting one token per
+        step that the main model verifies (same tokens as plain greedy decoding); acceptance
+        counts are left in ``self.last_mtp_stats``.
+        """
+        if use_mtp:
+            if do_sample:
+                raise ValueError("glm5 generate: use_mtp supports greedy decoding only "
+                                 "(do_sample=False)")
+            if self.mtp is None:
+                raise ValueError("glm5 generate: use_mtp needs a checkpoint with an MTP layer")
+            return self._generate_mtp(input_ids, max_new_tokens)
         if max_new_tokens < 0:
             raise ValueError(f"glm5 generate: max_new_tokens expected >= 0, got {max_new_tokens}")
         if do_sample and not temperature > 0:
@@ -205,6 +254,10 @@ class GLM5ForCausalLM(nn.Module):
             if step + 1 < max_new_tokens:
                 logits = self.forward(nxt[:, None], cache)[:, -1]
         return torch.cat(out, dim=1)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float().argmax(-1)
 
 
 def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float,
