@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5 import ops
+from glm5.core.block_select import block_select
 from glm5.core.config import GLM5Config
 from glm5.core.layers import LayerNorm, RMSNorm, linear
 
@@ -36,6 +37,7 @@ class Step:
     k_start: torch.Tensor  # [N] int32
     k_end: torch.Tensor  # [N] int32
     max_range: int  # longest causal key range of any query
+    max_len: int  # rows per sequence in the flat caches
 
 
 def _rope_head(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
@@ -71,6 +73,9 @@ class Indexer(nn.Module):
         q = _rope_head(q, st.cos, st.sin, c.qk_rope_head_dim)
         w = F.linear(x.float(), self.weights_proj.weight.float()) * self.w_scale
         with torch.no_grad():  # the selection is not differentiable; the indexer is trained apart
+            if c.dsa_selection == "block":
+                return block_select(q, w, key_cache, st.k_start, st.k_end, st.max_len,
+                                    c.dsa_block_size, c.dsa_block_topk, c.index_topk)
             return ops.indexer_topk(q, key_cache, w, st.k_start, st.k_end, c.index_topk)
 
 

@@ -97,7 +97,7 @@ class GLM5ForCausalLM(nn.Module):
         dev = pos.device
         rows = ((torch.arange(cache.batch, device=dev) * cache.max_len)[:, None]
                 + torch.arange(used, device=dev)[None, :]).reshape(-1)
-        return Step(cos, sin, slots, ks, ke, used), rows
+        return Step(cos, sin, slots, ks, ke, used, cache.max_len), rows
 
     # ------------------------------------------------------------------ forward
     def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
