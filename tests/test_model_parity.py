@@ -112,3 +112,12 @@ def test_incremental_decode_equals_full_forward(tmp_path, monkeypatch):
             parts.append(m(ids[:, t : t + 1], cache))
     inc = torch.cat(parts, 1)
     torch.testing.assert_close(inc, full, rtol=1e-4, atol=1e-4 * float(full.abs().max()))
+
+
+def test_query_chunking_does_not_change_logits(tmp_path, monkeypatch):
+    cfg = _variants()["shared_indexer"]
+    _, m, ids, full = _tie_free_pair(cfg, tmp_path, monkeypatch)
+    monkeypatch.setattr(attn_mod, "QUERY_CHUNK", 5)
+    with torch.no_grad():
+        chunked = m(ids)
+    torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-5 * float(full.abs().max()))

@@ -27,6 +27,16 @@ MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (transformers: RMSNorm def
 INDEXER_NORM_EPS = 1e-6  # indexer k_norm (LayerNorm)
 
 
+# Long prefills are processed QUERY_CHUNK queries at a time through selection and sparse
+# attention: the working set of any kernel (the reference's [T, Hi, S] indexer products
+# included) stays bounded however long the context is.
+QUERY_CHUNK = 1024
+
+
+def _chunks(n: int) -> list[tuple[int, int]]:
+    return [(a, min(a + QUERY_CHUNK, n)) for a in range(0, n, QUERY_CHUNK)]
+
+
 @dataclass
 class Step:
     """Per-forward layout shared by all layers: rope tables, cache slots, key ranges."""
@@ -38,6 +48,11 @@ class Step:
     k_end: torch.Tensor  # [N] int32
     max_range: int  # longest causal key range of any query
     max_len: int  # rows per sequence in the flat caches
+
+    def rows(self, a: int, b: int) -> "Step":
+        """The layout of queries a..b-1."""
+        return Step(self.cos[a:b], self.sin[a:b], self.slots[a:b], self.k_start[a:b],
+                    self.k_end[a:b], self.max_range, self.max_len)
 
 
 def _rope_head(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
@@ -145,16 +160,18 @@ class Attention(nn.Module):
             # latent rows are recomputed differentiably and put in place of the cached ones.
             latent = latent.detach().index_put((st.slots.long(),), self._latent_rows(x, st))
         dense = st.max_range <= c.index_topk
-        idx = None
         if self.indexer is not None:
             with torch.no_grad():
                 index_keys[st.slots.long()] = self.indexer.keys(x, st).to(index_keys.dtype)
-            if not dense:
-                idx = self.indexer.select(x, c_q, index_keys, st)
-        elif not dense:
-            if prev_idx is None:
+        idx = None
+        if not dense:
+            if self.indexer is not None:
+                idx = torch.cat([self.indexer.select(x[a:b], c_q[a:b], index_keys, st.rows(a, b))
+                                 for a, b in _chunks(x.shape[0])])
+            elif prev_idx is None:
                 raise ValueError("glm5: a 'shared' indexer layer needs an earlier 'full' layer")
-            idx = prev_idx
+            else:
+                idx = prev_idx
         # Keys from the cache (after this step's write): the latent rows in use.
         if absorb:
             q = torch.cat((q_main, q_pe), -1)  # [N, H, Rkv + Dr]
@@ -185,4 +202,5 @@ class Attention(nn.Module):
                 idx = torch.where(idx >= 0, remap[idx.long().clamp(min=0)], idx)
         if idx is None:
             return ops.attention(q, k, v, ks, ke, scale)[0]
-        return ops.sparse_attention(q, k, v, idx, scale)[0]
+        return torch.cat([ops.sparse_attention(q[a:b], k, v, idx[a:b], scale)[0]
+                          for a, b in _chunks(q.shape[0])])
