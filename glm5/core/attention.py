@@ -193,13 +193,15 @@ class Attention(nn.Module):
         """Attention over flat cache rows, or over the gathered ``rows`` (indices remapped)."""
         scale = self.cfg.softmax_scale
         ks, ke = st.k_start, st.k_end
-        if rows is not None:  # compact row space: position of each flat row inside `rows`
-            remap = torch.full((int(rows.max()) + 1,), -1, dtype=torch.int32, device=rows.device)
-            remap[rows] = torch.arange(rows.numel(), dtype=torch.int32, device=rows.device)
-            ks = remap[ks.long()]
-            ke = remap[(ke - 1).long()] + 1
+        if rows is not None:  # compact row space: sequence b's used rows start at b * used
+            L, used = st.max_len, st.max_range
+
+            def compact(r: torch.Tensor) -> torch.Tensor:
+                return (r // L) * used + r % L
+
+            ks, ke = compact(ks), compact(ke - 1) + 1
             if idx is not None:
-                idx = torch.where(idx >= 0, remap[idx.long().clamp(min=0)], idx)
+                idx = torch.where(idx >= 0, compact(idx), idx)
         if idx is None:
             return ops.attention(q, k, v, ks, ke, scale)[0]
         return torch.cat([ops.sparse_attention(q[a:b], k, v, idx[a:b], scale)[0]

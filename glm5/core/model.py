@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5 import ops
+from glm5.ir.opdef import has_data
 from glm5.core.attention import Attention, Step
 from glm5.core.cache import KVCache
 from glm5.core.config import GLM5Config
@@ -108,7 +109,7 @@ class GLM5ForCausalLM(nn.Module):
         if T == 0:
             raise ValueError("glm5 model: input_ids expected at least one token")
         V = self.config.vocab_size
-        if bool(((input_ids < 0) | (input_ids >= V)).any()):
+        if has_data(input_ids) and bool(((input_ids < 0) | (input_ids >= V)).any()):
             raise ValueError(f"glm5 model: input_ids expected ids in [0, {V})")
         if cache is None:
             cache = self.new_cache(B, T)
