@@ -206,6 +206,39 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- export
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from glm5.core.config import ConfigError, preset
+    from glm5.core.export import export_onnx
+    from glm5.core.model import GLM5ForCausalLM
+
+    if args.format != "onnx":
+        raise ValueError(f"--format expected 'onnx', got {args.format!r}")
+    try:
+        if args.preset:
+            if args.preset == "glm-5":
+                raise ValueError("exporting the 744 B glm-5 preset with random weights is not "
+                                 "useful; export a checkpoint with --model")
+            torch.manual_seed(args.seed)
+            model = GLM5ForCausalLM(preset(args.preset))  # random initialisation
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.dim() > 1:
+                        p.normal_(0.0, preset(args.preset).initializer_range)
+        else:
+            from glm5.core.checkpoint import load_model
+
+            model = load_model(args.model)
+    except ConfigError as e:
+        raise ValueError(str(e).removeprefix("glm5 config: ")) from None
+    out = export_onnx(model, args.out, seq_len=args.seq_len, batch=args.batch)
+    print(f"wrote {out} (input_ids [{args.batch}, {args.seq_len}] int64 -> logits; glm5 ops "
+          f"as ONNX functions in domain 'glm5')")
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 def _fmt(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -246,6 +279,17 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", help="a directory (or file) with a transformers config.json")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)
+
+    e = sub.add_parser("export", help="export the model's prefill forward to ONNX")
+    e.add_argument("--format", default="onnx", help="onnx (the only format)")
+    src = e.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", help="a built-in config with random weights (tiny, small)")
+    src.add_argument("--model", help="a transformers-format checkpoint directory")
+    e.add_argument("--seq-len", type=int, default=16, help="tokens per sequence in the graph")
+    e.add_argument("--batch", type=int, default=1)
+    e.add_argument("--seed", type=int, default=0, help="weights seed for --preset")
+    e.add_argument("out", help="output .onnx path")
+    e.set_defaults(func=cmd_export)
     return p
 
 
