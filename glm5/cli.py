@@ -206,6 +206,36 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- bench
+def cmd_bench(args: argparse.Namespace) -> int:
+    from glm5.testing.bench import SHAPES, format_rows, run_bench
+
+    reg = _registry()
+    if args.backend:
+        b = reg.get(args.backend)
+    else:  # the backend that would serve the cpu: the first available non-reference one
+        avail = [x for x in reg.backends.values()
+                 if x.name != "reference" and x.serves_device("cpu") and x.is_available()[0]]
+        b = max(avail, key=lambda x: x.priority) if avail else reg.get("reference")
+    ok, reason = b.is_available()
+    if not ok:
+        raise ValueError(f"backend {b.name!r} is unavailable: {reason}")
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
+    unknown = [o for o in ops or [] if o not in SHAPES]
+    if unknown:
+        raise ValueError(f"no benchmark shapes for {unknown}; ops with shapes: "
+                         f"{', '.join(SHAPES)}")
+    ceil, rows = run_bench(b, ops, with_reference=not args.no_reference, repeat=args.repeat,
+                           quick=args.quick)
+    if args.json:
+        print(json.dumps({"backend": b.name, "ceilings": ceil,
+                          "rows": [r.as_dict() for r in rows]}, indent=2))
+    else:
+        print(f"backend: {b.name}")
+        print(format_rows(ceil, rows))
+    return 0
+
+
 # --------------------------------------------------------------------------- export
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
@@ -279,6 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", help="a directory (or file) with a transformers config.json")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)
+
+    bn = sub.add_parser("bench", help="time a backend's kernels vs the reference and roofline")
+    bn.add_argument("--backend", help="backend (default: the one serving the CPU)")
+    bn.add_argument("--ops", default="", help="comma-separated ops (default: all with shapes)")
+    bn.add_argument("--repeat", type=int, default=3)
+    bn.add_argument("--quick", action="store_true", help="smaller ceiling measurements")
+    bn.add_argument("--no-reference", action="store_true", help="skip timing the reference")
+    bn.add_argument("--json", action="store_true")
+    bn.set_defaults(func=cmd_bench)
 
     e = sub.add_parser("export", help="export the model's prefill forward to ONNX")
     e.add_argument("--format", default="onnx", help="onnx (the only format)")
