@@ -128,6 +128,9 @@ def cmd_parity(args: argparse.Namespace) -> int:
     from glm5.backends.selection import strict_mode
     from glm5.testing.parity import Row, format_table, run_parity
 
+    if args.emulate:
+        # Triton reads this when a kernel module is imported: before any of them is.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     reg = _registry()
     names = sorted(reg.backends) if args.backend == "all" else [args.backend]
     for n in names:
@@ -136,12 +139,14 @@ def cmd_parity(args: argparse.Namespace) -> int:
     rows: list[Row] = []
     for n in names:
         b = reg.backends[n]
-        ok, reason = b.is_available()
+        emulate = args.emulate and n != "reference"
+        ok, reason = b.can_emulate() if emulate else b.is_available()
         if not ok and strict_mode() and args.backend != "all":
+            what = "cannot be emulated" if emulate else "unavailable"
             rows.append(Row(n, "*", "fail", "-", 0.0, 0.0, "", 0,
-                            f"backend unavailable under GLM5_STRICT=1: {reason}"))
+                            f"backend {what} under GLM5_STRICT=1: {reason}", emulate))
             continue
-        rows.extend(run_parity(b, ops, args.examples, args.seed))
+        rows.extend(run_parity(b, ops, args.examples, args.seed, emulate=emulate))
     if args.json:
         print(json.dumps({"backend": args.backend, "seed": args.seed, "examples": args.examples,
                           "rows": [r.as_dict() for r in rows]}, indent=2))
@@ -300,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--ops", default="", help="comma-separated ops (default: all it claims)")
     q.add_argument("--examples", type=int, default=20, help="examples per (op, dtype)")
     q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--emulate", action="store_true",
+                   help="run device kernels on CPU tensors through the backend's emulator "
+                        "(Triton interpreter, contract emulators); rows are marked emulated")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_parity)
 

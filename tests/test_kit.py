@@ -204,3 +204,17 @@ def test_every_op_has_a_generator_that_validates(op):
             values = GENERATORS[op](RandomDraw(s), dt)
             opdef.validate((), values)  # raises on a generator bug
             assert opdef.dispatch_dtype(values) == dt
+
+
+def test_emulated_parity_rows(capsys):
+    b = _backend("t_emul")
+    b.kernel("silu_mul", dtypes=F32)(OPS["silu_mul"].reference)
+    b.availability(lambda: (False, "no device"))
+    rows = run_parity(b, ["silu_mul"], examples=3, emulate=True)
+    assert rows[0].status == "skip" and "cannot emulate" in rows[0].message
+    b.emulation(lambda: (True, "interpreter"))
+    rows = run_parity(b, ["silu_mul"], examples=3, emulate=True)
+    assert rows[0].status == "pass" and rows[0].emulated
+    assert cli.main(["parity", "--backend", "t_emul", "--emulate", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["rows"][0]["emulated"] is True

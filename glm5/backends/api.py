@@ -62,6 +62,7 @@ class Backend:
     source: str = field(default="", init=False)
     _availability: Callable[[], tuple[bool, str]] | None = field(default=None, init=False)
     _available: tuple[bool, str] | None = field(default=None, init=False, repr=False)
+    _emulation: Callable[[], tuple[bool, str]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -116,6 +117,23 @@ class Backend:
         self._availability = fn
         self._available = None
         return fn
+
+    def emulation(self, fn: Callable[[], tuple[bool, str]]) -> Callable[[], tuple[bool, str]]:
+        """Decorator: ``fn() -> (possible, reason)`` — whether this backend's kernels can run on
+        CPU tensors here (e.g. Triton kernels through the Triton interpreter), for
+        ``glm5 parity --emulate``. The caller sets up the environment (TRITON_INTERPRET=1)
+        before any kernel module is imported."""
+        self._emulation = fn
+        return fn
+
+    def can_emulate(self) -> tuple[bool, str]:
+        if self._emulation is None:
+            return False, "the backend declares no emulation mode"
+        try:
+            ok, reason = self._emulation()
+            return bool(ok), str(reason)
+        except Exception as e:
+            return False, f"emulation check raised {type(e).__name__}: {e}"
 
     # ------------------------------------------------------------------ queries
     def is_available(self) -> tuple[bool, str]:

@@ -26,6 +26,7 @@ class Row:
     tolerance: str
     examples: int  # examples actually checked
     message: str = ""
+    emulated: bool = False  # kernels ran on CPU tensors through an emulator, not the device
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,14 +64,19 @@ def check_op(entry: KernelEntry, dtype: torch.dtype, examples: int, seed: int) -
 
 
 def run_parity(backend: Backend, ops: Iterable[str] | None = None, examples: int = 20,
-               seed: int = 0) -> list[Row]:
-    """Rows for every op ``backend`` claims (optionally only ``ops``), in catalog order."""
+               seed: int = 0, emulate: bool = False) -> list[Row]:
+    """Rows for every op ``backend`` claims (optionally only ``ops``), in catalog order.
+
+    ``emulate``: run the kernels on CPU tensors through the backend's emulation mode (see
+    ``Backend.emulation``) instead of requiring its device; rows are marked emulated."""
     wanted = list(OPS) if ops is None else list(ops)
     unknown = [o for o in wanted if o not in OPS]
     if unknown:
         raise KeyError(f"glm5 parity: unknown ops {unknown}; known ops: {', '.join(OPS)}")
     rows: list[Row] = []
-    ok, reason = backend.is_available()
+    ok, reason = backend.can_emulate() if emulate else backend.is_available()
+    if emulate and not ok:
+        reason = f"cannot emulate: {reason}"
     for name in wanted:
         entry = backend.kernels.get(name)
         if entry is None:
@@ -83,9 +89,12 @@ def run_parity(backend: Backend, ops: Iterable[str] | None = None, examples: int
         for dt in dts:
             if not ok:
                 rows.append(Row(backend.name, name, "skip", dtype_name(dt), 0.0, 0.0, "", 0,
-                                f"backend unavailable: {reason}"))
+                                reason if emulate else f"backend unavailable: {reason}",
+                                emulate))
                 continue
-            rows.append(check_op(entry, dt, examples, seed))
+            row = check_op(entry, dt, examples, seed)
+            row.emulated = emulate
+            rows.append(row)
     return rows
 
 
@@ -93,8 +102,8 @@ def format_table(rows: list[Row]) -> str:
     head = ("backend", "op", "dtype", "status", "examples", "max_abs_err", "max_rel_err",
             "message")
     body = [
-        (r.backend, r.op, r.dtype, r.status.upper(), str(r.examples), f"{r.max_abs_err:.2e}",
-         f"{r.max_rel_err:.2e}", r.message)
+        (r.backend + (" (emulated)" if r.emulated else ""), r.op, r.dtype, r.status.upper(),
+         str(r.examples), f"{r.max_abs_err:.2e}", f"{r.max_rel_err:.2e}", r.message)
         for r in rows
     ]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
