@@ -1,9 +1,18 @@
 """Test-suite set-up: hypothesis profiles (`ci` under CI=true, else `dev`) come from the glm5
-pytest plugin; every test starts from a fresh backend registry and selection cache."""
+pytest plugin; every test starts from a fresh backend registry and selection cache; Triton runs
+interpreted when there is no GPU."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Triton kernels run through the interpreter on a machine without a GPU. Triton reads this when
+# a @triton.jit function is defined, so it must be set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
