@@ -1,0 +1,161 @@
+"""@triton.jit kernels behind glm5.kernels.triton.indexer: lightning_indexer, indexer_topk.
+
+Imported on the first kernel call only (Triton reads TRITON_INTERPRET when a @triton.jit function
+is defined).
+
+Order keys: a score s (fp32) at key index j becomes one int64 whose signed order is (s desc,
+j asc): the high 32 bits are the float's bits made order-preserving as a signed int32 (-0.0 is
+folded onto +0.0 first, so the two tie), the low 32 bits are 0xFFFFFFFF - j. Keys are distinct,
+so an unstable bitonic sort yields exactly "descending score, ties to the smaller index". An
+empty slot holds SENT, the key of -inf (below every finite score).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# order key of -inf: bits 0xFF800000 as int32 = -8388608, ^ 0x7FFFFFFF -> -2139095041
+HI_NINF = -2139095041
+SENT = HI_NINF * (1 << 32)  # -9187343243497619456: the key of an empty slot
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_FP32: tl.constexpr):
+    # The interpreter multiplies bf16 bit patterns in tl.dot: upcast there (and for fp32 inputs,
+    # which must not go through TF32 on a GPU).
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _score_tile(q_ptr, k_ptr, w_ptr, t64, t_mask, s64, s_mask, Hi, Di,
+                sqt, sqh, sqd, sks, skd, swt, swh,
+                BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                DOT_FP32: tl.constexpr):
+    """[BLOCK_T, BLOCK_S] fp32: sum_h w[t,h] * relu(q[t,h] . k[s]) (0 where masked)."""
+    acc = tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.float32)
+    d_base = tl.arange(0, BLOCK_D)
+    for h in range(0, Hi):
+        dots = tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.float32)
+        for d0 in range(0, Di, BLOCK_D):
+            d = d0 + d_base
+            dm = d < Di
+            qv = tl.load(q_ptr + t64[:, None] * sqt + h * sqh + d[None, :] * sqd,
+                         mask=t_mask[:, None] & dm[None, :], other=0.0)
+            kv = tl.load(k_ptr + s64[None, :] * sks + d[:, None] * skd,
+                         mask=s_mask[None, :] & dm[:, None], other=0.0)
+            dots = _dot(qv, kv, dots, DOT_FP32)
+        wv = tl.load(w_ptr + t64 * swt + h * swh, mask=t_mask, other=0.0).to(tl.float32)
+        acc += tl.maximum(dots, 0.0) * wv[:, None]
+    return acc
+
+
+@triton.jit
+def _order_key(score, s_idx):
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 and +0.0 tie
+    b = score.to(tl.int32, bitcast=True)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return (b.to(tl.int64) << 32) | (4294967295 - s_idx.to(tl.int64))
+
+
+@triton.jit
+def lightning_indexer_kernel(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, T, S, Hi, Di,
+                             sqt, sqh, sqd, sks, skd, swt, swh, sot, sos,
+                             BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                             BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = t < T
+    s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_mask = s < S
+    t64 = t.to(tl.int64)
+    s64 = s.to(tl.int64)
+    ks = tl.load(ks_ptr + t, mask=t_mask, other=0).to(tl.int32)
+    ke = tl.load(ke_ptr + t, mask=t_mask, other=0).to(tl.int32)
+    valid = (s[None, :] >= ks[:, None]) & (s[None, :] < ke[:, None])
+    score = tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.float32)
+    if tl.sum(valid.to(tl.int32)) > 0:  # a tile outside every query's range costs nothing
+        score = _score_tile(q_ptr, k_ptr, w_ptr, t64, t_mask, s64, s_mask, Hi, Di,
+                            sqt, sqh, sqd, sks, skd, swt, swh,
+                            BLOCK_T, BLOCK_S, BLOCK_D, DOT_FP32)
+    score = tl.where(valid, score, float("-inf"))
+    tl.store(out_ptr + t64[:, None] * sot + s64[None, :] * sos, score,
+             mask=t_mask[:, None] & s_mask[None, :])
+
+
+@triton.jit
+def indexer_topk_kernel(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr,
+                        T, S, Hi, Di, TOPK,
+                        sqt, sqh, sqd, sks, skd, swt, swh, sot, sok,
+                        BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                        CH: tl.constexpr, RANK_MERGE: tl.constexpr,
+                        DOT_FP32: tl.constexpr):
+    """One program per block of BLOCK_T queries, streaming over their key range in chunks of CH
+    columns. Each query's workspace row holds 2*CH order keys: [running top-CH | chunk keys];
+    after a chunk's score tiles are written, the row is sorted (descending) so its first CH keys
+    are again the running top-CH. Only a [BLOCK_T, BLOCK_S] score tile is ever live."""
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = t < T
+    t64 = t.to(tl.int64)
+    ks = tl.load(ks_ptr + t, mask=t_mask, other=0).to(tl.int32)
+    ke = tl.load(ke_ptr + t, mask=t_mask, other=0).to(tl.int32)
+    nonempty = ks < ke
+    lo = tl.min(tl.where(nonempty, ks, S), axis=0)
+    hi = tl.max(tl.where(nonempty, ke, 0), axis=0)
+    W: tl.constexpr = 2 * CH
+    rows = ws_ptr + t64 * W
+    cols = tl.arange(0, CH)
+    tl.store(rows[:, None] + cols[None, :],
+             tl.full([BLOCK_T, CH], -9187343243497619456, tl.int64), mask=t_mask[:, None])
+    tl.debug_barrier()
+    sb = tl.arange(0, BLOCK_S)
+    wcols = tl.arange(0, W)
+    for c0 in range(lo, hi, CH):
+        # 1) score tiles of this chunk -> order keys in the second half of each row
+        for j0 in range(0, CH, BLOCK_S):
+            s = c0 + j0 + sb
+            s_mask = s < hi
+            valid = (s[None, :] >= ks[:, None]) & (s[None, :] < ke[:, None])
+            score = _score_tile(q_ptr, k_ptr, w_ptr, t64, t_mask, s.to(tl.int64), s_mask,
+                                Hi, Di, sqt, sqh, sqd, sks, skd, swt, swh,
+                                BLOCK_T, BLOCK_S, BLOCK_D, DOT_FP32)
+            key = tl.where(valid, _order_key(score, s), -9187343243497619456)
+            tl.store(rows[:, None] + (CH + j0 + sb)[None, :], key, mask=t_mask[:, None])
+        tl.debug_barrier()
+        # 2) merge: keep the best CH keys of each row's 2*CH
+        if RANK_MERGE:
+            # all rows at once, by rank: position of key i = #(greater keys) + #(equal keys
+            # before i). Fewer, larger ops (fast under the interpreter); O(W^2) per row.
+            kv = tl.load(rows[:, None] + wcols[None, :], mask=t_mask[:, None],
+                         other=-9187343243497619456)
+            a = kv[:, :, None]
+            b = kv[:, None, :]
+            before = wcols[None, :] < wcols[:, None]  # [i, j]: j < i
+            rank = tl.sum(((b > a) | ((b == a) & before[None, :, :])).to(tl.int32), axis=2)
+            tl.debug_barrier()
+            tl.store(rows[:, None] + rank, kv, mask=t_mask[:, None])
+        else:
+            # per query whose range meets the chunk: a bitonic sort of its 2*CH keys
+            for i in range(0, BLOCK_T):
+                row = pid * BLOCK_T + i
+                if row < T:
+                    rks = tl.load(ks_ptr + row).to(tl.int32)
+                    rke = tl.load(ke_ptr + row).to(tl.int32)
+                    if (rks < rke) & (rks < c0 + CH) & (rke > c0):
+                        rp = ws_ptr + row.to(tl.int64) * W + wcols
+                        v = tl.load(rp)
+                        v = tl.sort(v, descending=True)
+                        tl.store(rp, v)
+        tl.debug_barrier()
+    # 3) decode the first TOPK keys: index, or -1 for an empty slot
+    key = tl.load(rows[:, None] + cols[None, :], mask=t_mask[:, None],
+                  other=-9187343243497619456)
+    ok = (key >> 32) > -2139095041
+    idx = tl.where(ok, 4294967295 - (key & 4294967295), -1).to(tl.int32)
+    tl.store(out_ptr + t64[:, None] * sot + cols[None, :] * sok, idx,
+             mask=t_mask[:, None] & (cols[None, :] < TOPK))

@@ -1,0 +1,149 @@
+"""Triton Lightning Indexer: `lightning_indexer` (scores) and `indexer_topk` (fused selection).
+
+lightning_indexer: one program per [BLOCK_T queries x BLOCK_S keys] tile; per head a tl.dot over
+Di (fp32 accumulation), ReLU, times w[t,h], summed over heads; -inf outside [k_start, k_end).
+Tiles outside every query's range skip the dots.
+
+indexer_topk (served whole): one program per block of BLOCK_T queries streams over the union
+of their key ranges in chunks of CH = max(next_pow2(topk), BLOCK_S, 16) columns, computing
+[BLOCK_T, BLOCK_S] score tiles with tl.dot and keeping a running top-CH per query in a global
+workspace row [T, 2*CH] of int64 order keys (score desc, index asc packed in one int64, see
+_indexer_kernels). After each chunk a bitonic tl.sort of the row keeps the best CH; at the end
+the first topk keys decode to int32 indices, -1 for empty slots. Everything on the device is
+Triton; the host only allocates the workspace and splits very large T into launches so the
+workspace stays bounded. No [T, S] score matrix is ever formed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "lightning_indexer": {"BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128, "num_warps": 4,
+                          "num_stages": 2},
+    # MERGE: "sort" (bitonic tl.sort per query row), "rank" (rank-by-comparison of a block
+    # of rows, O((2*CH)^2): fast under the interpreter), "auto" = rank interpreted, else sort.
+    # MAX_TOPK bounds the in-register bitonic sort (2*next_pow2(topk) int64 keys per query);
+    # WS_BYTES bounds the workspace (queries are launched in groups that fit).
+    "indexer_topk": {"BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128, "num_warps": 8,
+                     "num_stages": 1, "MERGE": "auto", "MAX_TOPK": 4096, "WS_BYTES": 1 << 28},
+}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_device(op: str, *ts: torch.Tensor) -> None:
+    if not interpreted() and any(t.device.type != "cuda" for t in ts):
+        raise RuntimeError(
+            f"glm5 triton {op}: tensors must be on a CUDA device, or set TRITON_INTERPRET=1 "
+            "before glm5.kernels.triton modules are imported to run CPU tensors interpreted")
+
+
+def launch_opts(p: dict[str, Any]) -> dict[str, Any]:
+    return {k: int(p[k]) for k in ("num_warps", "num_stages") if k in p}
+
+
+def dot_fp32(*dtypes: torch.dtype) -> bool:
+    """fp32 dots when interpreted (bf16 tl.dot is wrong there), for fp32 inputs (IEEE, no TF32)
+    or mixed operand dtypes; otherwise bf16/fp16 tensor-core dots with fp32 accumulation."""
+    return interpreted() or torch.float32 in dtypes or len(set(dtypes)) > 1
+
+
+def _k():
+    from glm5.kernels.triton import _indexer_kernels
+
+    return _indexer_kernels
+
+
+def _tiles(p: dict[str, Any], Di: int) -> tuple[int, int, int]:
+    bt = max(16, _next_pow2(int(p.get("BLOCK_T", 16))))
+    bs = max(16, _next_pow2(int(p.get("BLOCK_S", 64))))
+    bd = max(16, min(_next_pow2(int(p.get("BLOCK_D", 128))), _next_pow2(Di)))
+    return bt, bs, bd
+
+
+def make_lightning_indexer(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
+    def lightning_indexer(q, k, w, k_start, k_end):
+        check_device("lightning_indexer", q, k, w, k_start, k_end)
+        k_start, k_end = k_start.contiguous(), k_end.contiguous()
+        T, Hi, Di = q.shape
+        S = k.shape[0]
+        out = torch.empty((T, S), dtype=torch.float32, device=q.device)
+        if T == 0 or S == 0:
+            return out
+        bt, bs, bd = _tiles(p, Di)
+        grid = (_cdiv(T, bt), _cdiv(S, bs))
+        _k().lightning_indexer_kernel[grid](
+            q, k, w, k_start, k_end, out, T, S, Hi, Di,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+            w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+            BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd, DOT_FP32=dot_fp32(q.dtype, k.dtype),
+            **launch_opts(p))
+        return out
+
+    return lightning_indexer
+
+
+def make_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
+    def indexer_topk(q, k, w, k_start, k_end, topk):
+        check_device("indexer_topk", q, k, w, k_start, k_end)
+        k_start, k_end = k_start.contiguous(), k_end.contiguous()
+        T, Hi, Di = q.shape
+        S = k.shape[0]
+        topk = int(topk)
+        out = torch.empty((T, topk), dtype=torch.int32, device=q.device)
+        if T == 0:
+            return out
+        if S == 0:
+            return out.fill_(-1)
+        bt, bs, bd = _tiles(p, Di)
+        ch = max(_next_pow2(topk), bs, 16)
+        # group queries so the workspace (8 bytes x 2*CH per query) stays within WS_BYTES
+        per = max(bt, (int(p.get("WS_BYTES", 1 << 28)) // (16 * ch)) // bt * bt)
+        rows = min(T, per)
+        ws = torch.empty((rows, 2 * ch), dtype=torch.int64, device=q.device)
+        kern = _k().indexer_topk_kernel
+        merge = str(p.get("MERGE", "auto"))
+        rank = merge == "rank" or (merge == "auto" and interpreted())
+        for t0 in range(0, T, rows):
+            t1 = min(T, t0 + rows)
+            n = t1 - t0
+            qs, ws_, o = q[t0:t1], w[t0:t1], out[t0:t1]
+            kern[(_cdiv(n, bt),)](
+                qs, k, ws_, k_start[t0:t1], k_end[t0:t1], ws, o, n, S, Hi, Di, topk,
+                qs.stride(0), qs.stride(1), qs.stride(2), k.stride(0), k.stride(1),
+                ws_.stride(0), ws_.stride(1), o.stride(0), o.stride(1),
+                BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd, CH=ch, RANK_MERGE=rank,
+                DOT_FP32=dot_fp32(q.dtype, k.dtype),
+                **launch_opts(p))
+        return out
+
+    return indexer_topk
+
+
+def kernels(tuning: Callable[[str], dict[str, Any]]) -> list[tuple]:
+    pt = tuning("indexer_topk")
+    max_topk = int(pt.get("MAX_TOPK", 4096))
+
+    def topk_ok(q, k, w, k_start, k_end, topk) -> bool:
+        return int(topk) <= max_topk
+
+    return [
+        ("lightning_indexer", make_lightning_indexer(tuning("lightning_indexer")), FLOATS, None),
+        ("indexer_topk", make_indexer_topk(pt), FLOATS, topk_ok),
+    ]

@@ -1,0 +1,260 @@
+"""Triton DSA / MLA / MoE kernels (indexer, sparse_attention, mla_prolog, moe): conformance through
+the parity runner (Triton interpreter on CPU tensors when there is no GPU), plus targeted cases:
+tiles crossed and exact ties in indexer_topk, MQA with v a view of k and an all -1 row,
+untouched cache rows in mla_prolog, -1 ids and an idle expert in moe_experts."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import glm5  # noqa: E402
+from glm5.ir.ops_dsa import (attention_ref, indexer_topk_ref, lightning_indexer_ref,  # noqa: E402
+                             sparse_attention_ref)
+from glm5.ir.ops_mla import mla_prolog_ref  # noqa: E402
+from glm5.ir.ops_moe import moe_experts_ref  # noqa: E402
+from glm5.testing.parity import format_table, run_parity  # noqa: E402
+
+MODULES = ("indexer", "sparse_attention", "mla_prolog", "moe")
+OPS = ("lightning_indexer", "indexer_topk", "sparse_attention", "attention", "mla_prolog",
+       "moe_experts")
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERP else "cuda"
+I32 = torch.int32
+
+
+def _mods():
+    return [importlib.import_module(f"glm5.kernels.triton.{m}") for m in MODULES]
+
+
+def _defaults() -> dict:
+    out: dict = {}
+    for m in _mods():
+        out.update(m.DEFAULTS)
+    return out
+
+
+def _backend(overrides: dict | None = None) -> glm5.Backend:
+    b = glm5.Backend("triton_b_test", vendor="t", device_type="cuda")
+    b.emulation(lambda: (True, "interp"))
+    defaults = _defaults()
+    over = overrides or {}
+
+    def tuning(op):
+        return {**defaults.get(op, {}), **over.get(op, {})}
+
+    for m in _mods():
+        for op, fn, dtypes, supports in m.kernels(tuning):
+            b.kernel(op, dtypes=dtypes, supports=supports)(fn)
+    return b
+
+
+def _fn(op: str, overrides: dict | None = None):
+    return _backend(overrides).kernels[op].fn
+
+
+def _i(x) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=I32, device=DEV)
+
+
+# --------------------------------------------------------------------------- structure
+def test_public_modules_do_not_import_triton_at_top_level():
+    root = Path(glm5.__file__).parent / "kernels" / "triton"
+    for name in MODULES:
+        tree = ast.parse((root / f"{name}.py").read_text())
+        for node in tree.body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for n in names:
+                assert n.split(".")[0] != "triton", (name, n)
+                assert not n.endswith("_kernels"), (name, n)
+
+
+def test_rows_and_defaults():
+    ops = set()
+    for m in _mods():
+        rows = m.kernels(lambda op, m=m: m.DEFAULTS.get(op, {}))
+        for op, fn, dtypes, supports in rows:
+            assert op in m.DEFAULTS and callable(fn)
+            assert set(dtypes) == {torch.float32, torch.bfloat16, torch.float16}
+            ops.add(op)
+    assert ops == set(OPS)
+
+
+# --------------------------------------------------------------------------- conformance
+@pytest.mark.skipif(not INTERP, reason="emulated parity needs TRITON_INTERPRET=1")
+def test_parity_emulated():
+    rows = run_parity(_backend(), list(OPS), examples=8, seed=0, emulate=True)
+    assert {r.op for r in rows} == set(OPS)
+    assert len(rows) == 3 * len(OPS)
+    bad = [r for r in rows if r.status != "pass" or not r.emulated]
+    assert not bad, format_table(rows)
+
+
+# --------------------------------------------------------------------------- indexer
+def _tie_inputs(dtype, T=5, S=70, Hi=2, Di=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # small integers: every score is an exact integer in fp32, with many exact ties
+    q = torch.randint(-1, 2, (T, Hi, Di), generator=g).to(dtype)
+    k = torch.randint(-1, 2, (S, Di), generator=g).to(dtype)
+    w = torch.randint(1, 3, (T, Hi), generator=g).to(dtype)
+    ks = torch.tensor([0, 3, 10, 40, 20][:T])
+    ke = torch.tensor([S, 64, 10, S, 23][:T])  # an empty row, a short row (3 keys)
+    return [t.to(DEV) for t in (q, k, w)] + [_i(ks), _i(ke)]
+
+
+@pytest.mark.parametrize("merge", ["rank", "sort"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_topk_ties_across_tiles_exact(merge, dtype):
+    # BLOCK_S 16 and topk 6: chunks of 16 columns, S = 70 crosses five of them
+    over = {"indexer_topk": {"BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_D": 16, "MERGE": merge}}
+    fn = _fn("indexer_topk", over)
+    q, k, w, ks, ke = _tie_inputs(dtype)
+    for topk in ((6, 20) if merge == "rank" else (6,)):
+        got = fn(q, k, w, ks, ke, topk)
+        want = indexer_topk_ref(q.double().cpu(), k.double().cpu(), w.double().cpu(),
+                                ks.cpu(), ke.cpu(), topk)
+        assert got.dtype == torch.int32 and got.shape == (5, topk)
+        assert torch.equal(got.cpu(), want), (got, want)
+        assert (got[2] == -1).all()  # the empty row
+        assert (got[4, 3:] == -1).all() and (got[4, :3] >= 20).all()  # 3 valid keys, then -1
+
+
+def test_indexer_topk_large_topk_and_many_queries():
+    # more queries than one BLOCK_T, topk > S (all valid keys then -1), workspace in groups
+    over = {"indexer_topk": {"BLOCK_S": 16, "WS_BYTES": 16 * 32 * 20}}
+    fn = _fn("indexer_topk", over)
+    g = torch.Generator().manual_seed(1)
+    T, S, Hi, Di = 37, 23, 3, 12
+    q = torch.randn(T, Hi, Di, generator=g).to(DEV)
+    k = torch.randn(S, Di, generator=g).to(DEV)
+    w = torch.randn(T, Hi, generator=g).abs().to(DEV)
+    ks = _i(torch.zeros(T))
+    ke = _i(torch.arange(T).clamp(max=S))  # causal-like, first row empty
+    got = fn(q, k, w, ks, ke, 30)
+    want = indexer_topk_ref(q.double().cpu(), k.double().cpu(), w.double().cpu(), ks.cpu(),
+                            ke.cpu(), 30)
+    assert torch.equal(got.cpu(), want)
+
+
+def test_lightning_indexer_tiles_exact():
+    over = {"lightning_indexer": {"BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_D": 16}}
+    fn = _fn("lightning_indexer", over)
+    q, k, w, ks, ke = _tie_inputs(torch.float16, Di=40)
+    got = fn(q, k, w, ks, ke)
+    want = lightning_indexer_ref(q.double().cpu(), k.double().cpu(), w.double().cpu(),
+                                 ks.cpu(), ke.cpu())
+    assert got.dtype == torch.float32
+    assert torch.equal(got.cpu().double(), want)
+
+
+# --------------------------------------------------------------------------- sparse attention
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_mqa_view_and_empty_row(dtype):
+    # GLM-5-like absorbed MLA in miniature: Hk = 1, v = k[..., :Dv]; K crosses BLOCK_K blocks,
+    # heads cross BLOCK_H blocks, Dv crosses BLOCK_DV blocks
+    over = {"sparse_attention": {"BLOCK_K": 16, "BLOCK_D": 16, "BLOCK_DV": 16,
+                                 "BLOCK_H_MAX": 16}}
+    fn = _fn("sparse_attention", over)
+    g = torch.Generator().manual_seed(2)
+    T, H, S, Dqk, Dv, K = 3, 20, 50, 36, 24, 40
+    q = torch.randn(T, H, Dqk, generator=g).to(dtype).to(DEV)
+    k = torch.randn(S, 1, Dqk, generator=g).to(dtype).to(DEV)
+    v = k[..., :Dv]
+    idx = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)])
+    idx[0, ::3] = -1  # holes anywhere
+    idx[1] = -1  # a query with no valid key
+    idx = idx.to(I32).to(DEV)
+    out, lse = fn(q, k, v, idx, Dqk ** -0.5)
+    ro, rl = sparse_attention_ref(q.double().cpu(), k.double().cpu(), v.double().cpu(),
+                                  idx.cpu(), Dqk ** -0.5)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.cpu().double(), ro, **tol)
+    torch.testing.assert_close(lse.cpu().double(), rl, **tol)
+
+
+def test_attention_gqa_ranges():
+    fn = _fn("attention", {"attention": {"BLOCK_K": 16, "BLOCK_D": 16}})
+    g = torch.Generator().manual_seed(3)
+    T, H, Hk, S, D = 4, 4, 2, 37, 20
+    q = torch.randn(T, H, D, generator=g).to(DEV)
+    k = torch.randn(S, Hk, D, generator=g).to(DEV)
+    v = torch.randn(S, Hk, 12, generator=g).to(DEV)
+    ks, ke = _i([0, 5, 9, 0]), _i([37, 30, 9, 1])
+    out, lse = fn(q, k, v, ks, ke, 0.3)
+    ro, rl = attention_ref(q.double().cpu(), k.double().cpu(), v.double().cpu(), ks.cpu(),
+                           ke.cpu(), 0.3)
+    torch.testing.assert_close(out.cpu().double(), ro, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.cpu().double(), rl, rtol=2e-5, atol=2e-5)
+    assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+
+
+# --------------------------------------------------------------------------- mla_prolog
+@pytest.mark.parametrize("absorb", [False, True])
+def test_mla_prolog_cache_rows(absorb):
+    fn = _fn("mla_prolog")
+    g = torch.Generator().manual_seed(4)
+    T, D, Rq, H, Dn, Dr, Rkv, N = 4, 24, 20, 3, 6, 8, 12, 9
+
+    def r(*s, sc=1.0):
+        return (torch.randn(*s, generator=g) * sc).to(DEV)
+
+    pos = torch.tensor([3.0, 70.0, 1000.0, 5.0])
+    th = pos[:, None] * 10000.0 ** (-torch.arange(Dr // 2) / (Dr // 2))
+    args = dict(x=r(T, D), w_qa=r(Rq, D, sc=D ** -0.5), g_qa=r(Rq), w_qb=r(H * (Dn + Dr), Rq),
+                w_kva=r(Rkv + Dr, D, sc=D ** -0.5), g_kva=r(Rkv), w_uk=r(H, Dn, Rkv),
+                cos=th.cos().to(DEV), sin=th.sin().to(DEV), eps=1e-5)
+    cache = r(N, Rkv + Dr)
+    before = cache.clone()
+    slots = _i([7, -1, 0, 4])
+    got = fn(*args.values(), cache, slots, absorb)
+    ref_cache = before.double().cpu()
+    want = mla_prolog_ref(*(v.double().cpu() if isinstance(v, torch.Tensor) else v
+                            for v in args.values()), ref_cache, slots.cpu(), absorb)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == torch.float32 and a.is_contiguous()
+        torch.testing.assert_close(a.cpu().double(), b, rtol=1e-5, atol=1e-5)
+    written = [7, 0, 4]
+    untouched = [i for i in range(N) if i not in written]
+    assert torch.equal(cache[untouched], before[untouched])  # bit-for-bit
+    torch.testing.assert_close(cache[written].cpu().double(), ref_cache[written],
+                               rtol=1e-5, atol=1e-5)
+    assert not torch.equal(cache[written], before[written])
+
+
+# --------------------------------------------------------------------------- moe_experts
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_moe_experts_padding_and_idle_expert(dtype):
+    fn = _fn("moe_experts", {"moe_experts": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16,
+                                             "BLOCK_D": 16}})
+    g = torch.Generator().manual_seed(5)
+    T, D, I, E, k = 21, 40, 24, 4, 2
+    ids = torch.stack([torch.randperm(3, generator=g)[:k] for _ in range(T)])
+    ids = torch.where(ids == 1, torch.full_like(ids, 3), ids)  # experts 0, 2, 3; 1 idle
+    ids[::4, 1] = -1  # expert-parallel padding
+    ids[5] = -1  # a token with no expert at all
+    ids = ids.to(I32).to(DEV)
+    x = torch.randn(T, D, generator=g).to(dtype).to(DEV)
+    wts = torch.rand(T, k, generator=g).to(DEV)
+    w13 = (torch.randn(E, 2 * I, D, generator=g) * D ** -0.5).to(dtype).to(DEV)
+    w2 = (torch.randn(E, D, I, generator=g) * I ** -0.5).to(dtype).to(DEV)
+    y = fn(x, ids, wts, w13, w2)
+    want = moe_experts_ref(x.double().cpu(), ids.cpu(), wts.double().cpu(), w13.double().cpu(),
+                           w2.double().cpu())
+    assert y.dtype == dtype and y.shape == (T, D)
+    assert (y[5] == 0).all()
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=3e-3, atol=3e-3)
+    torch.testing.assert_close(y.cpu().double(), want, **tol)
+    assert torch.equal(fn(x, ids, wts, w13, w2), y)  # deterministic combine, no atomics
