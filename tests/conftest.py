@@ -22,3 +22,25 @@ def _fresh_registry():
     glm5.reset_registry()
     yield
     glm5.reset_registry()
+
+
+BUILTIN_ACCELERATED = ("cpu", "cuda")
+
+
+def accelerators_off_policy(directory) -> str:
+    """A plugins.toml that disables glm5's built-in accelerated backends, for tests that reason
+    about selection among the reference and their own test plugins only."""
+    import pathlib
+
+    p = pathlib.Path(directory) / "accelerators_off.toml"
+    p.write_text("[plugins]\ndisabled = [" + ", ".join(f'"{n}"' for n in BUILTIN_ACCELERATED)
+                 + "]\n")
+    return str(p)
+
+
+@pytest.fixture
+def reference_only(tmp_path, monkeypatch):
+    import glm5
+
+    monkeypatch.setenv("GLM5_PLUGINS", accelerators_off_policy(tmp_path))
+    glm5.reset_registry()

@@ -172,7 +172,7 @@ def test_cli_parity_json_and_exit_codes(capsys):
     assert "unknown backend" in capsys.readouterr().err
 
 
-def test_cli_backends_and_ops(capsys):
+def test_cli_backends_and_ops(capsys, reference_only):
     assert cli.main(["backends", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     ref = next(b for b in doc["backends"] if b["name"] == "reference")

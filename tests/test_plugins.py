@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import glm5
+from conftest import accelerators_off_policy
 from glm5.backends import selection
 from glm5.backends.registry import PluginLoadError
 from glm5.ir.ops_dsa import topk_indices_ref
@@ -63,6 +64,7 @@ def plugin_dir(tmp_path, monkeypatch):
     """A sys.path entry for temporary plugin distributions, and a clean registry around it."""
     for var in GLM5_ENV:
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("GLM5_PLUGINS", accelerators_off_policy(tmp_path))
     before = set(sys.modules)
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
