@@ -159,19 +159,31 @@ def compare_selection(op: OpDef, got: Any, values: dict[str, Any], dtype: torch.
         _row_selection(got[t], scores[t], k, _tie_tol(tol, scores[t], n), v, "idx", t)
 
 
-def check_example(op: OpDef, kernel: Any, values: dict[str, Any], dtype: torch.dtype) -> Verdict:
-    """Run ``kernel`` on ``values`` and judge it against the float64 oracle."""
+def _to(x: Any, device: torch.device) -> Any:
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def check_example(op: OpDef, kernel: Any, values: dict[str, Any], dtype: torch.dtype,
+                  device: torch.device | str | None = None) -> Verdict:
+    """Run ``kernel`` on ``values`` (moved to ``device`` when given: a device backend's real
+    run) and judge it against the float64 oracle on the CPU."""
     v = Verdict()
     scheme = values.get("scheme")
     tol = lookup(op.tolerance, dtype, scheme) if not op.selection else None
     if tol is not None:
         v.tolerance = tol.text()
     kin = clone_inputs(values)
+    if device is not None and torch.device(device).type != "cpu":
+        kin = {k: _to(x, torch.device(device)) for k, x in kin.items()}
     args = tuple(kin[n] for n in op.param_names)
     try:
         got = kernel(*args)
     except Exception as e:  # a kernel crash is this op's failure, not the runner's
         return v.fail(f"kernel raised {type(e).__name__}: {e}")
+    if device is not None:
+        got = tuple(_to(o, torch.device("cpu")) for o in got) if isinstance(got, tuple) \
+            else _to(got, torch.device("cpu"))
+        kin = {k: _to(x, torch.device("cpu")) for k, x in kin.items()}
     # Shape and dtype contract.
     specs = op.output_specs(values)
     outs = _as_tuple(got)

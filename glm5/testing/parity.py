@@ -32,8 +32,10 @@ class Row:
         return asdict(self)
 
 
-def check_op(entry: KernelEntry, dtype: torch.dtype, examples: int, seed: int) -> Row:
-    """Judge one (kernel, dtype) over ``examples`` generated cases."""
+def check_op(entry: KernelEntry, dtype: torch.dtype, examples: int, seed: int,
+             device: str | None = None) -> Row:
+    """Judge one (kernel, dtype) over ``examples`` generated cases (inputs moved to
+    ``device`` for a device backend's real run)."""
     op = OPS[entry.op]
     gen = GENERATORS[op.name]
     row = Row(entry.backend.name, op.name, "pass", dtype_name(dtype), 0.0, 0.0, "", 0)
@@ -46,7 +48,7 @@ def check_op(entry: KernelEntry, dtype: torch.dtype, examples: int, seed: int) -
         if not entry.accepts(args):
             declined += 1
             continue
-        v = check_example(op, entry.fn, values, dtype)
+        v = check_example(op, entry.fn, values, dtype, device)
         row.examples += 1
         row.tolerance = v.tolerance or row.tolerance
         row.max_abs_err = max(row.max_abs_err, v.max_abs_err)
@@ -92,7 +94,8 @@ def run_parity(backend: Backend, ops: Iterable[str] | None = None, examples: int
                                 reason if emulate else f"backend unavailable: {reason}",
                                 emulate))
                 continue
-            row = check_op(entry, dt, examples, seed)
+            dev = None if emulate or backend.device_type in ("cpu", "any") else backend.device_type
+            row = check_op(entry, dt, examples, seed, dev)
             row.emulated = emulate
             rows.append(row)
     return rows

@@ -1,0 +1,645 @@
+#!/usr/bin/env python
+"""GPU suite for the cuda backend (Triton kernels) on one NVIDIA GPU, in one run (< 8 minutes):
+
+1. Parity: every op the "cuda" backend (glm5.get_registry()) claims, every claimed dtype, a few
+   generated examples each, judged against the float64 oracle by glm5.testing.parity.run_parity
+   (no emulation). The parity generators build CPU tensors and run_parity hands them to the
+   kernel as they are, so each kernel is called through a thin adapter that copies the inputs'
+   storages to the GPU (strides, offsets and aliasing such as v = k[..., :Dv] preserved), runs the
+   kernel on the GPU, copies the storages back (ops that write in place, the mla_prolog cache) and
+   returns the outputs on the CPU.
+2. Ceilings measured in the same run: a large bf16 matmul (TFLOP/s) and a device-to-device copy
+   (GB/s), next to the H200 datasheet roofline (989 TFLOP/s dense bf16/fp16, 67 TFLOP/s fp32
+   without tensor cores, 1979 TOP/s int8, 4.8 TB/s HBM3e).
+3. Timing: each op the cuda backend serves, at GLM-5-sized shapes built directly on the GPU,
+   against the op's torch reference on the GPU (and a plain torch baseline where one exists),
+   with CUDA events around each call and the L2 cache flushed between calls; TFLOP/s and GB/s
+   from glm5.get_op(name).flops_bytes(...), % of the datasheet roofline and of the measured one.
+
+Prints a table, writes bench/results/gpu_suite_<timestamp>.json and exits 1 if any parity row
+fails. Without a CUDA device it says "no CUDA device: nothing to time", then checks every GPU
+shape below against its op's signature on the meta device (no data, no GPU) and exits 0 unless
+a shape is malformed.
+
+    python bench/gpu_suite.py [--examples 3] [--ops rms_norm,quant_linear] [--skip-parity]
+                              [--skip-reference] [--budget-s 450]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+# H200 SXM datasheet (dense, no sparsity).
+PEAK_FLOPS = {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "int8": 1979e12}
+PEAK_HBM = 4.8e12
+FLUSH_BYTES = 256 * 2**20  # > the H200's 60 MB L2
+DEV = "cuda"
+
+
+# --------------------------------------------------------------------------- helpers
+def _dtname(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+class Timer:
+    """Median GPU time of fn() with CUDA events, the L2 flushed before each call."""
+
+    def __init__(self) -> None:
+        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=DEV)
+
+    def __call__(self, fn: Callable[[], Any], budget_s: float = 0.4, max_iters: int = 50,
+                 flush: bool = True) -> float:
+        fn()  # warm-up: JIT compile, allocator, autotune caches
+        _sync()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if flush:
+            self.flush.zero_()
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        first = s.elapsed_time(e) / 1e3
+        n = int(min(max_iters, max(0, budget_s / max(first, 1e-7))))
+        if n < 2:
+            return first
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        for i in range(n):
+            if flush:
+                self.flush.zero_()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        _sync()
+        return statistics.median(a.elapsed_time(b) / 1e3 for a, b in zip(starts, ends))
+
+
+def measure_ceilings(timer: Timer) -> dict[str, float]:
+    n = 8192
+    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    t_mm = timer(lambda: torch.matmul(a, b), budget_s=0.5, max_iters=20, flush=False)
+    del a, b
+    nbytes = 2**30
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEV).fill_(1)
+    dst = torch.empty_like(src)
+    t_cp = timer(lambda: dst.copy_(src), budget_s=0.5, max_iters=20, flush=False)
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"bf16_matmul_flops": 2.0 * n**3 / t_mm, "copy_bytes_per_s": 2.0 * nbytes / t_cp,
+            "bf16_matmul_shape": n, "copy_bytes": 2 * nbytes}
+
+
+# --------------------------------------------------------------------------- device adapter
+def on_device(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Call a device kernel with CPU arguments: storages copied to the GPU (layout and aliasing
+    kept), outputs and in-place updates copied back."""
+
+    def call(*args: Any) -> Any:
+        storages: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        dev_args = []
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.device.type == "cpu":
+                st = a.untyped_storage()
+                key = (st.data_ptr(), a.dtype)
+                if key not in storages:
+                    n = st.nbytes() // a.element_size()
+                    host = torch.empty(0, dtype=a.dtype).set_(st, 0, (n,), (1,))
+                    storages[key] = (host, host.to(DEV))
+                dflat = storages[key][1]
+                dev_args.append(dflat.as_strided(a.shape, a.stride(), a.storage_offset()))
+            else:
+                dev_args.append(a)
+        out = fn(*dev_args)
+        _sync()
+        for host, dflat in storages.values():
+            host.copy_(dflat.cpu())
+        if isinstance(out, tuple):
+            return tuple(o.cpu() if isinstance(o, torch.Tensor) else o for o in out)
+        return out.cpu() if isinstance(out, torch.Tensor) else out
+
+    call.__name__ = getattr(fn, "__name__", "kernel")
+    return call
+
+
+def device_proxy(backend: Any) -> Any:
+    from glm5.backends.api import Backend
+
+    proxy = Backend(backend.name, vendor=backend.vendor, device_type=backend.device_type,
+                    description=f"{backend.name} kernels called on {DEV} tensors")
+    for op, e in backend.kernels.items():
+        proxy.kernel(op, dtypes=e.dtypes, supports=e.supports)(on_device(e.fn))
+    return proxy
+
+
+# --------------------------------------------------------------------------- GPU shapes
+def _gen(seed: int) -> torch.Generator | None:
+    if DEV == "meta":  # the dry run: shapes only
+        return None
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def rn(*shape: int, dt: torch.dtype = torch.bfloat16, scale: float = 1.0,
+       seed: int = 0) -> torch.Tensor:
+    t = torch.randn(*shape, device=DEV, dtype=torch.float32, generator=_gen(seed + len(shape)))
+    return (t * scale).to(dt)
+
+
+def causal(T: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    end = (torch.arange(T, device=DEV) + S - T + 1).clamp(1, S).to(torch.int32)
+    return torch.zeros(T, dtype=torch.int32, device=DEV), end
+
+
+def rand_idx(T: int, S: int, K: int, seed: int = 1) -> torch.Tensor:
+    r = torch.rand(T, S, device=DEV, generator=_gen(seed))
+    return r.topk(K, dim=1).indices.to(torch.int32)
+
+
+def angles(T: int, half: int, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.arange(T, device=DEV, dtype=torch.float64)
+    inv = 1e6 ** (-torch.arange(half, device=DEV, dtype=torch.float64) / half)
+    th = pos[:, None] * inv[None, :]
+    return th.cos().to(dt), th.sin().to(dt)
+
+
+def b_norm(T: int, D: int) -> Callable:
+    return lambda dt: {"x": rn(T, D, dt=dt), "weight": rn(D, dt=dt, seed=1), "eps": 1e-5}
+
+
+def b_layer_norm(T: int, D: int) -> Callable:
+    return lambda dt: {"x": rn(T, D, dt=dt), "weight": rn(D, dt=dt, seed=1),
+                       "bias": rn(D, dt=dt, seed=2), "eps": 1e-5}
+
+
+def b_rope(T: int, H: int, R: int, inter: bool) -> Callable:
+    def build(dt):
+        c, s = angles(T, R // 2, dt)
+        return {"x": rn(T, H, R, dt=dt), "cos": c, "sin": s, "interleaved": inter}
+    return build
+
+
+def b_indexer(T: int, S: int, Hi: int, Di: int, topk: int | None = None) -> Callable:
+    def build(dt):
+        ks, ke = causal(T, S)
+        a = {"q": rn(T, Hi, Di, dt=dt), "k": rn(S, Di, dt=dt, seed=1),
+             "w": rn(T, Hi, dt=torch.float32, scale=Hi ** -0.5, seed=2), "k_start": ks,
+             "k_end": ke}
+        if topk is not None:
+            a["topk"] = topk
+        return a
+    return build
+
+
+def b_sparse(T: int, S: int, K: int, H: int, Hk: int, Dqk: int, Dv: int) -> Callable:
+    def build(dt):
+        k = rn(S, Hk, Dqk, dt=dt, seed=1)
+        v = k[..., :Dv] if Hk == 1 and Dv < Dqk else rn(S, Hk, Dv, dt=dt, seed=2)
+        return {"q": rn(T, H, Dqk, dt=dt), "k": k, "v": v, "idx": rand_idx(T, S, K),
+                "scale": Dqk ** -0.5}
+    return build
+
+
+def b_attention(T: int, S: int, H: int, Hk: int, Dqk: int, Dv: int) -> Callable:
+    def build(dt):
+        ks, ke = causal(T, S)
+        return {"q": rn(T, H, Dqk, dt=dt), "k": rn(S, Hk, Dqk, dt=dt, seed=1),
+                "v": rn(S, Hk, Dv, dt=dt, seed=2), "k_start": ks, "k_end": ke,
+                "scale": Dqk ** -0.5}
+    return build
+
+
+def b_mla(T: int, absorb: bool, D=6144, Rq=2048, H=64, Dn=192, Dr=64, Rkv=512) -> Callable:
+    def build(dt):
+        N = T + 128
+        c, s = angles(T, Dr // 2, dt)
+        slots = torch.randperm(N, device=DEV, generator=_gen(3))[:T].to(torch.int32)
+        return {"x": rn(T, D, dt=dt), "w_qa": rn(Rq, D, dt=dt, scale=D ** -0.5, seed=1),
+                "g_qa": rn(Rq, dt=dt, seed=2),
+                "w_qb": rn(H * (Dn + Dr), Rq, dt=dt, scale=Rq ** -0.5, seed=3),
+                "w_kva": rn(Rkv + Dr, D, dt=dt, scale=D ** -0.5, seed=4),
+                "g_kva": rn(Rkv, dt=dt, seed=5),
+                "w_uk": rn(H, Dn, Rkv, dt=dt, scale=Dn ** -0.5, seed=6),
+                "cos": c, "sin": s, "eps": 1e-5,
+                "kv_cache": torch.zeros(N, Rkv + Dr, dtype=dt, device=DEV),
+                "slots": slots, "absorb": absorb}
+    return build
+
+
+def _route_ids(T: int, E: int, k: int) -> torch.Tensor:
+    return rand_idx(T, E, k, seed=4)
+
+
+def b_moe(T: int, k: int, E: int, D: int, I: int) -> Callable:
+    def build(dt):
+        return {"x": rn(T, D, dt=dt), "ids": _route_ids(T, E, k),
+                "weights": torch.rand(T, k, device=DEV, generator=_gen(5)),
+                "w13": rn(E, 2 * I, D, dt=dt, scale=D ** -0.5, seed=1),
+                "w2": rn(E, D, I, dt=dt, scale=I ** -0.5, seed=2)}
+    return build
+
+
+def _qweight(N: int, K: int, scheme: str, seed: int = 7):
+    from glm5.ir.quant_formats import quantize_weight
+
+    return quantize_weight(rn(N, K, dt=torch.float32, scale=K ** -0.5, seed=seed), scheme)
+
+
+def b_quant_linear(M: int, K: int, N: int, scheme: str) -> Callable:
+    def build(dt):
+        wp, ws = _qweight(N, K, scheme)
+        return {"x": rn(M, K, dt=dt), "w_packed": wp, "w_scale": ws, "scheme": scheme,
+                "bias": None}
+    return build
+
+
+def b_moe_quant(T: int, k: int, E: int, D: int, I: int, scheme: str) -> Callable:
+    def build(dt):
+        w13 = [_qweight(2 * I, D, scheme, seed=10 + e) for e in range(E)]
+        w2 = [_qweight(D, I, scheme, seed=1000 + e) for e in range(E)]
+        return {"x": rn(T, D, dt=dt), "ids": _route_ids(T, E, k),
+                "weights": torch.rand(T, k, device=DEV, generator=_gen(5)),
+                "w13_packed": torch.stack([p for p, _ in w13]),
+                "w13_scale": torch.stack([s for _, s in w13]),
+                "w2_packed": torch.stack([p for p, _ in w2]),
+                "w2_scale": torch.stack([s for _, s in w2]), "scheme": scheme}
+    return build
+
+
+def b_logprobs(T: int, D: int, V: int) -> Callable:
+    def build(dt):
+        return {"h": rn(T, D, dt=dt), "w_vocab": rn(V, D, dt=dt, scale=D ** -0.5, seed=1),
+                "targets": torch.randint(0, V, (T,), device=DEV, generator=_gen(2)).to(
+                    torch.int32), "temperature": 1.0}
+    return build
+
+
+def bl_quant_linear(a: dict[str, Any]) -> tuple[str, Callable[[], Any]]:
+    """What serving without a quant kernel does: bf16 linear on the dequantized weight."""
+    from glm5.ir.quant_formats import dequantize_weight
+
+    w = dequantize_weight(a["w_packed"], a["w_scale"], a["scheme"], a["x"].shape[1]).to(
+        a["x"].dtype)
+    x = a["x"]
+    return "torch linear, dequantized W", lambda: torch.nn.functional.linear(x, w)
+
+
+def bl_attention(a: dict[str, Any]) -> tuple[str, Callable[[], Any]]:
+    q, k, v = (a[n].transpose(0, 1)[None] for n in ("q", "k", "v"))
+    return "torch sdpa (causal)", lambda: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=a["scale"], enable_gqa=q.shape[1] != k.shape[1])
+
+
+BF, F32, F16 = torch.bfloat16, torch.float32, torch.float16
+
+# op -> [(label, build(dtype) -> args dict, dtypes, baseline or None)]
+SHAPES: dict[str, list[tuple[str, Callable, tuple, Callable | None]]] = {
+    "rms_norm": [("T=4096 D=6144", b_norm(4096, 6144), (BF, F32), None),
+                 ("T=4096 D=512 (kv latent)", b_norm(4096, 512), (BF,), None)],
+    "layer_norm": [("T=4096 D=6144", b_layer_norm(4096, 6144), (BF,), None)],
+    "rope": [("T=4096 H=64 R=64 interleaved", b_rope(4096, 64, 64, True), (BF,), None),
+             ("T=4096 H=64 R=64 neox", b_rope(4096, 64, 64, False), (BF,), None)],
+    "silu_mul": [("T=4096 I=12288 (dense MLP)", lambda dt: {"x": rn(4096, 24576, dt=dt)},
+                  (BF,), None),
+                 ("T=32768 I=2048 (routed)", lambda dt: {"x": rn(32768, 4096, dt=dt)},
+                  (BF,), None)],
+    "lightning_indexer": [("T=S=8192 Hi=32 Di=128 causal", b_indexer(8192, 8192, 32, 128),
+                           (BF,), None)],
+    "topk_indices": [("T=8192 S=8192 k=2048", lambda dt: {
+        "scores": rn(8192, 8192, dt=dt), "k": 2048}, (F32,), None)],
+    "indexer_topk": [("T=S=8192 Hi=32 Di=128 topk=2048 causal",
+                      b_indexer(8192, 8192, 32, 128, 2048), (BF,), None)],
+    "sparse_attention": [
+        ("decode T=64 S=8192 K=2048 H=64 MQA 576/512",
+         b_sparse(64, 8192, 2048, 64, 1, 576, 512), (BF,), None),
+        ("prefill T=4096 S=8192 K=2048 H=64 MQA 576/512",
+         b_sparse(4096, 8192, 2048, 64, 1, 576, 512), (BF,), None),
+    ],
+    "attention": [("prefill T=S=4096 H=64 256/256 causal",
+                   b_attention(4096, 4096, 64, 64, 256, 256), (BF,), bl_attention)],
+    "mla_prolog": [("prefill T=4096 (no absorb)", b_mla(4096, False), (BF,), None),
+                   ("decode T=64 (absorb)", b_mla(64, True), (BF,), None)],
+    "moe_route": [("T=4096 E=256 k=8", lambda dt: {
+        "logits": rn(4096, 256, dt=F32), "bias": rn(256, dt=F32, scale=0.1, seed=1),
+        "top_k": 8, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+        "routed_scaling": 2.5}, (F32,), None)],
+    "moe_experts": [("T=2048 k=8 E=64 (EP shard) D=6144 I=2048",
+                     b_moe(2048, 8, 64, 6144, 2048), (BF,), None)],
+    "quantize_per_token": [
+        ("M=4096 K=6144 int8", lambda dt: {"x": rn(4096, 6144, dt=dt), "bits": 8}, (BF,), None),
+        ("M=4096 K=6144 int12", lambda dt: {"x": rn(4096, 6144, dt=dt), "bits": 12}, (BF,),
+         None),
+    ],
+    "quant_linear": [
+        *[(f"{s} M=1 K=N=6144", b_quant_linear(1, 6144, 6144, s), (BF,), bl_quant_linear)
+          for s in ("w4a8", "w8a8", "w8a16", "w6a12")],
+        *[(f"{s} M=512 K=N=6144", b_quant_linear(512, 6144, 6144, s), (BF,), bl_quant_linear)
+          for s in ("w4a8", "w8a8", "w8a16", "w6a12")],
+    ],
+    "moe_experts_quant": [("w4a8 T=256 k=8 E=64 D=6144 I=2048",
+                           b_moe_quant(256, 8, 64, 6144, 2048, "w4a8"), (BF,), None)],
+    "token_logprobs": [("T=2048 D=6144 V=154880", b_logprobs(2048, 6144, 154880), (BF,), None),
+                       ("T=256 D=6144 V=154880", b_logprobs(256, 6144, 154880), (BF,), None)],
+    "grpo_advantages": [("N=65536 group=16", lambda dt: {
+        "rewards": rn(65536, dt=dt), "group_size": 16, "std_normalize": True, "eps": 1e-6},
+        (F32,), None)],
+    "policy_loss": [("T=1M", lambda dt: {
+        "logp": -rn(2**20, dt=dt).abs(), "old_logp": -rn(2**20, dt=dt, seed=1).abs(),
+        "adv": rn(2**20, dt=dt, seed=2), "mask": torch.ones(2**20, device=DEV, dtype=dt),
+        "clip_low": 0.2, "clip_high": 0.25, "rollout_logp": None, "tis_cap": 2.0},
+        (F32,), None)],
+}
+
+
+def peak_class(op: str, args: dict[str, Any], dt: torch.dtype) -> str:
+    scheme = args.get("scheme")
+    if op in ("quant_linear", "moe_experts_quant") and scheme in ("w8a8", "w4a8", "w6a12"):
+        return "int8"
+    return {BF: "bf16", F16: "fp16"}.get(dt, "fp32")
+
+
+# --------------------------------------------------------------------------- the suite
+def run_parity_rows(backend: Any, ops: list[str] | None, examples: int, deadline: float):
+    from glm5.ir.catalog import OPS
+    from glm5.testing.parity import Row, run_parity
+
+    proxy = device_proxy(backend)
+    rows = []
+    for name in [o for o in OPS if o in proxy.kernels and (ops is None or o in ops)]:
+        if time.time() > deadline:
+            rows.append(Row(backend.name, name, "skip", "-", 0.0, 0.0, "", 0,
+                            "time budget of the suite spent"))
+            continue
+        t0 = time.time()
+        try:
+            got = run_parity(proxy, [name], examples=examples, seed=0, emulate=False)
+        except Exception as e:  # the runner itself broke: count it as a failure
+            got = [Row(backend.name, name, "fail", "-", 0.0, 0.0, "", 0,
+                       f"run_parity raised {type(e).__name__}: {e}")]
+        for r in got:
+            print(f"  parity {name:20s} {r.dtype:9s} {r.status.upper():4s} "
+                  f"n={r.examples} max_abs={r.max_abs_err:.2e} max_rel={r.max_rel_err:.2e} "
+                  f"({time.time() - t0:.1f}s) {r.message}", flush=True)
+        rows.extend(got)
+    return rows
+
+
+def time_op(timer: Timer, entry: Any, name: str, label: str, build: Callable,
+            dt: torch.dtype, baseline: Callable | None, ceil: dict[str, float],
+            with_reference: bool, budget_s: float) -> dict[str, Any]:
+    import glm5
+    from glm5.ir.catalog import OPS
+
+    op = OPS[name]
+    row: dict[str, Any] = {"op": name, "shape": label, "dtype": _dtname(dt), "ms": None,
+                           "reference_ms": None, "speedup_vs_reference": None, "baseline": "",
+                           "baseline_ms": None, "tflops": None, "gbps": None,
+                           "roofline_pct": None, "measured_roofline_pct": None, "note": ""}
+    args = build(dt)
+    values, _ = op.validate((), args)
+    call = tuple(values[n] for n in op.param_names)
+    if not entry.accepts(call):
+        row["note"] = "supports() declined this shape"
+        return row
+    flops, nbytes = glm5.get_op(name).flops_bytes(*call)
+    with torch.inference_mode():
+        t = timer(lambda: entry.fn(*call), budget_s=budget_s)
+        row["ms"] = t * 1e3
+        if with_reference:
+            try:
+                rt = timer(lambda: op.reference(*call), budget_s=budget_s, max_iters=10)
+                row["reference_ms"] = rt * 1e3
+                row["speedup_vs_reference"] = rt / t
+            except torch.cuda.OutOfMemoryError:
+                row["note"] = "reference: out of GPU memory"
+            except Exception as e:
+                row["note"] = f"reference raised {type(e).__name__}: {str(e)[:120]}"
+            torch.cuda.empty_cache()
+        if baseline is not None:
+            try:
+                bname, bfn = baseline(values)
+                row["baseline"] = bname
+                row["baseline_ms"] = timer(bfn, budget_s=budget_s) * 1e3
+            except Exception as e:
+                row["note"] += f" baseline raised {type(e).__name__}: {str(e)[:120]}"
+    pc = peak_class(name, values, dt)
+    roof = max(flops / PEAK_FLOPS[pc], nbytes / PEAK_HBM)
+    mflops = ceil["bf16_matmul_flops"] * PEAK_FLOPS[pc] / PEAK_FLOPS["bf16"]
+    mroof = max(flops / mflops, nbytes / ceil["copy_bytes_per_s"])
+    row.update(tflops=flops / t / 1e12, gbps=nbytes / t / 1e9, roofline_pct=100.0 * roof / t,
+               measured_roofline_pct=100.0 * mroof / t, flops=flops, bytes=nbytes,
+               peak_class=pc, bound="compute" if flops / PEAK_FLOPS[pc] > nbytes / PEAK_HBM
+               else "memory")
+    return row
+
+
+def format_timings(rows: list[dict[str, Any]]) -> str:
+    head = ("op", "shape", "dtype", "ms", "ref ms", "x ref", "baseline ms", "TFLOP/s", "GB/s",
+            "% roof", "% meas", "note")
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    body = [(r["op"], r["shape"], r["dtype"], f(r["ms"], ".3f"), f(r["reference_ms"], ".2f"),
+             f(r["speedup_vs_reference"], ".1f"),
+             f"{r['baseline_ms']:.3f} ({r['baseline']})" if r["baseline_ms"] else "-",
+             f(r["tflops"], ".1f"), f(r["gbps"], ".0f"), f(r["roofline_pct"], ".0f"),
+             f(r["measured_roofline_pct"], ".0f"), r["note"]) for r in rows]
+    w = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    line = lambda c: "  ".join(x.ljust(y) for x, y in zip(c, w)).rstrip()  # noqa: E731
+    return "\n".join([line(head), line(tuple("-" * x for x in w))] + [line(b) for b in body])
+
+
+def dry_run(ops: list[str] | None = None) -> int:
+    """Without a GPU: build every shape on the meta device and check it against its op's
+    signature and cost model (catches a wrong shape before a GPU session is spent on it)."""
+    global DEV
+    from glm5.ir.catalog import OPS
+
+    DEV, n, bad = "meta", 0, 0
+    try:
+        for name, shapes in SHAPES.items():
+            if ops is not None and name not in ops:
+                continue
+            op = OPS[name]
+            for label, build, dtypes, _ in shapes:
+                for dt in dtypes:
+                    try:
+                        args = build(dt)
+                        try:
+                            values, _ = op.validate((), args)
+                        except RuntimeError as e:
+                            if "meta" not in str(e):
+                                raise
+                            # a check that reads values: shapes and cost only
+                            values = op.bind((), args)
+                            print(f"  shape {name} [{label}]: validate() reads tensor values "
+                                  f"({e}); checked shapes and cost only")
+                        op.cost(values, op.symbols(values))
+                        n += 1
+                    except Exception as e:
+                        bad += 1
+                        print(f"  shape {name} [{label}] {_dtname(dt)}: {type(e).__name__}: {e}")
+    finally:
+        DEV = "cuda"
+    print(f"dry run: {n} GPU shapes checked against their op signatures on the meta device, "
+          f"{bad} bad")
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--examples", type=int, default=3, help="parity examples per op and dtype")
+    ap.add_argument("--ops", default="", help="comma-separated ops (default: all served)")
+    ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--skip-reference", action="store_true",
+                    help="do not time the torch references")
+    ap.add_argument("--budget-s", type=float, default=450.0,
+                    help="wall-clock budget; work past it is skipped (default 450)")
+    ap.add_argument("--per-measure-s", type=float, default=0.3,
+                    help="timing budget of one measurement (default 0.3)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    a = ap.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to time")
+        return dry_run(ops=[o.strip() for o in a.ops.split(",") if o.strip()] or None)
+    # Real kernels, not the interpreter (it is read when the kernel modules are imported).
+    if os.environ.pop("TRITON_INTERPRET", None) == "1":
+        print("note: TRITON_INTERPRET=1 was set; unset for this run (compiled kernels)")
+
+    start = time.time()
+    deadline = start + a.budget_s
+    import glm5
+    from glm5.ir.catalog import OPS
+
+    ops = [o.strip() for o in a.ops.split(",") if o.strip()] or None
+    reg = glm5.get_registry()
+    try:
+        backend = reg.get("cuda")
+    except KeyError as e:
+        print(f"{e}; plugin errors: {[(p.name, p.message) for p in reg.errors()]}")
+        return 1
+    ok, reason = backend.is_available()
+    dev_name = torch.cuda.get_device_name(0)
+    print(f"device: {dev_name} | torch {torch.__version__} | cuda backend available: {ok} "
+          f"({reason})")
+    print(f"cuda backend serves: {', '.join(o for o in OPS if o in backend.kernels)}")
+    if not ok:
+        print("the cuda backend is not available here: nothing to check")
+        return 1
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # pragma: no cover
+        triton_version = "?"
+
+    # ---- 1. parity
+    parity_rows = []
+    if not a.skip_parity:
+        print(f"\n== parity: {a.examples} examples per op and dtype (kernels on {DEV}) ==",
+              flush=True)
+        parity_rows = run_parity_rows(backend, ops, a.examples, start + 0.45 * a.budget_s)
+        from glm5.testing.parity import format_table
+
+        print(format_table(parity_rows))
+    n_fail = sum(r.status == "fail" for r in parity_rows)
+
+    # ---- 2. ceilings
+    timer = Timer()
+    ceil = measure_ceilings(timer)
+    print(f"\n== ceilings: bf16 matmul {ceil['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s "
+          f"(datasheet {PEAK_FLOPS['bf16'] / 1e12:.0f}), device copy "
+          f"{ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s (datasheet {PEAK_HBM / 1e9:.0f}) ==",
+          flush=True)
+
+    # ---- 3. timings
+    timings: list[dict[str, Any]] = []
+    for name in OPS:
+        entry = backend.kernels.get(name)
+        if entry is None or (ops is not None and name not in ops):
+            continue
+        shapes = SHAPES.get(name)
+        if not shapes:
+            timings.append({"op": name, "shape": "-", "dtype": "-", "ms": None,
+                            "reference_ms": None, "speedup_vs_reference": None, "baseline": "",
+                            "baseline_ms": None, "tflops": None, "gbps": None,
+                            "roofline_pct": None, "measured_roofline_pct": None,
+                            "note": "no GPU shape defined in gpu_suite.py"})
+            continue
+        for label, build, dtypes, baseline in shapes:
+            for dt in dtypes:
+                if not entry.accepts_dtype(dt):
+                    continue
+                if time.time() > deadline:
+                    timings.append({"op": name, "shape": label, "dtype": _dtname(dt),
+                                    "ms": None, "reference_ms": None,
+                                    "speedup_vs_reference": None, "baseline": "",
+                                    "baseline_ms": None, "tflops": None, "gbps": None,
+                                    "roofline_pct": None, "measured_roofline_pct": None,
+                                    "note": "skipped: time budget spent"})
+                    continue
+                t0 = time.time()
+                try:
+                    r = time_op(timer, entry, name, label, build, dt, baseline, ceil,
+                                not a.skip_reference, a.per_measure_s)
+                except torch.cuda.OutOfMemoryError:
+                    r = {"op": name, "shape": label, "dtype": _dtname(dt), "ms": None,
+                         "reference_ms": None, "speedup_vs_reference": None, "baseline": "",
+                         "baseline_ms": None, "tflops": None, "gbps": None,
+                         "roofline_pct": None, "measured_roofline_pct": None,
+                         "note": "kernel: out of GPU memory"}
+                except Exception as e:
+                    r = {"op": name, "shape": label, "dtype": _dtname(dt), "ms": None,
+                         "reference_ms": None, "speedup_vs_reference": None, "baseline": "",
+                         "baseline_ms": None, "tflops": None, "gbps": None,
+                         "roofline_pct": None, "measured_roofline_pct": None,
+                         "note": f"kernel raised {type(e).__name__}: {str(e)[:160]}",
+                         "traceback": traceback.format_exc(limit=4)}
+                torch.cuda.empty_cache()
+                ms = "-" if r["ms"] is None else f"{r['ms']:.3f} ms"
+                print(f"  time {name:18s} {label:45s} {_dtname(dt):9s} {ms} "
+                      f"({time.time() - t0:.1f}s) {r['note']}", flush=True)
+                timings.append(r)
+
+    print("\n" + format_timings(timings))
+    elapsed = time.time() - start
+    print(f"\nparity: {sum(r.status == 'pass' for r in parity_rows)} passed, {n_fail} failed, "
+          f"{sum(r.status == 'skip' for r in parity_rows)} skipped | {len(timings)} timing rows "
+          f"| {elapsed:.0f} s")
+
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"gpu_suite_{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({
+        "device": dev_name, "host": platform.node(), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "triton": triton_version,
+        "datasheet": {"flops": PEAK_FLOPS, "hbm_bytes_per_s": PEAK_HBM},
+        "measured": ceil, "parity_examples": a.examples,
+        "parity": [r.as_dict() for r in parity_rows], "timings": timings,
+        "elapsed_s": elapsed,
+    }, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o)))
+    print(f"wrote {path}")
+    return 1 if n_fail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Triton token_logprobs: log_softmax(h · w_vocabᵀ / temperature)[t, targets[t]] and the row
+entropy, with an online logsumexp over vocabulary chunks — never a [T, V] logits tensor.
+
+Grid (cdiv(T, BLOCK_T), SPLIT): when there are few token blocks (decode, short RL batches) the
+vocabulary is also split across SPLIT programs (about TARGET_PROGRAMS programs in all on a GPU);
+each writes fp32 partials [SPLIT, T] x 4 that a second small kernel merges. Outputs are fp32.
+The @triton.jit kernels live in ``_logprobs_kernels`` and are imported on first call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from glm5.kernels.triton.norm import FLOATS, _launch_opts, _next_pow2, check_device, interpreted
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "token_logprobs": {
+        "BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_D": 64, "num_warps": 8, "num_stages": 3,
+        # Split V across programs until about this many programs run (GPU); 0 = never split.
+        "TARGET_PROGRAMS": 264,
+        # The interpreter runs programs one after another: splitting only adds work there.
+        "TARGET_PROGRAMS_INTERPRETED": 0,
+    },
+}
+
+
+def _kernels():
+    from glm5.kernels.triton import _logprobs_kernels
+
+    return _logprobs_kernels
+
+
+def make_token_logprobs(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    def token_logprobs(h: torch.Tensor, w_vocab: torch.Tensor, targets: torch.Tensor,
+                       temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        import triton
+
+        check_device(h, w_vocab, targets)
+        T, D = h.shape
+        V = w_vocab.shape[0]
+        dev = h.device
+        logp = torch.empty(T, dtype=torch.float32, device=dev)
+        ent = torch.empty(T, dtype=torch.float32, device=dev)
+        if T == 0:
+            return logp, ent
+        interp = interpreted()
+        bt = max(16, _next_pow2(int(p.get("BLOCK_T", 64))))
+        bt = min(bt, max(16, _next_pow2(T)))
+        bv = max(16, _next_pow2(int(p.get("BLOCK_V", 128))))
+        bd = max(16, _next_pow2(int(p.get("BLOCK_D", 64))))
+        bd = min(bd, max(16, _next_pow2(D)))
+        n_tb = triton.cdiv(T, bt)
+        n_chunks = triton.cdiv(V, bv)
+        target = int(p.get("TARGET_PROGRAMS_INTERPRETED" if interp else "TARGET_PROGRAMS", 0))
+        split = 1
+        if "SPLIT_V" in p:
+            split = max(1, int(p["SPLIT_V"]))
+        elif target > n_tb:
+            split = triton.cdiv(target, n_tb)
+        split = max(1, min(split, n_chunks))
+        per = triton.cdiv(n_chunks, split)  # chunks per split; no split is left empty
+        split = triton.cdiv(n_chunks, per)
+        parts = torch.empty(4, split, T, dtype=torch.float32, device=dev)
+        dot_f32 = interp or h.dtype == torch.float32 or w_vocab.dtype == torch.float32
+        k = _kernels()
+        k.token_logprobs_partial_kernel[(n_tb, split)](
+            h, w_vocab, targets, parts[0], parts[1], parts[2], parts[3],
+            T, V, D, 1.0 / float(temperature), per * bv,
+            h.stride(0), h.stride(1), w_vocab.stride(0), w_vocab.stride(1), targets.stride(0),
+            BLOCK_T=bt, BLOCK_V=bv, BLOCK_D=bd, DOT_F32=dot_f32, **_launch_opts(p))
+        cb = max(16, min(1024, _next_pow2(T)))
+        k.token_logprobs_combine_kernel[(triton.cdiv(T, cb),)](
+            parts[0], parts[1], parts[2], parts[3], logp, ent, T, split, BLOCK_T=cb)
+        return logp, ent
+
+    return token_logprobs
+
+
+def kernels(tuning: Callable[[str], dict[str, Any]]) -> list[tuple]:
+    return [("token_logprobs", make_token_logprobs(tuning("token_logprobs")), FLOATS, None)]
