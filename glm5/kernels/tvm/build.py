@@ -1,6 +1,7 @@
 """Build-and-cache for TVM kernels.
 
-A kernel is built once per (op, variant key, target, TVM version): `variant key` holds what the
+A kernel is built once per (op, variant key, target, TVM version, kernel source): `variant key`
+holds what the
 PrimFunc is specialised on (dtypes, static dims such as head sizes); sequence lengths are
 symbolic, so a new length never recompiles. Built libraries are written to the cache directory
 (atomic rename) and loaded from there by later processes; the first build is logged with its
@@ -10,6 +11,7 @@ time.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -28,6 +30,15 @@ def default_cache_dir() -> Path:
     if env:
         return Path(env).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "glm5" / "tvm"
+
+
+def _source_hash(fn: Callable[..., Any]) -> str:
+    """Hash of the file defining the kernel builder: an edited kernel is rebuilt, not reused."""
+    mod = inspect.getmodule(fn)
+    path = getattr(mod, "__file__", None)
+    if not path:
+        return ""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 @dataclass
@@ -54,7 +65,8 @@ class TVMContext:
 
         target = self.host_target()
         ident = json.dumps({"op": op, "key": key, "target": str(target),
-                            "tvm": tvm.__version__}, sort_keys=True, default=str)
+                            "tvm": tvm.__version__, "source": _source_hash(build)},
+                           sort_keys=True, default=str)
         h = hashlib.sha256(ident.encode()).hexdigest()[:20]
         with self._lock:
             if h in self._mem:

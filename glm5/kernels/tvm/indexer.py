@@ -1,0 +1,330 @@
+"""TVM (llvm, host CPU) kernels for the DSA lightning indexer and the fused `indexer_topk`.
+
+One TensorIR kernel computes a tile of indexer scores for a block of queries:
+
+    score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])   for k_start[t] <= s < k_end[t]
+
+It is a register-blocked micro-kernel: the keys are packed once per call into chunks of
+``NS`` keys laid out ``[chunk, Di, NS]`` (fp32), and for one (query, chunk) the kernel keeps an
+``HB x NS`` block of fp32 dot products in vector registers (``q[t, h, d]`` broadcast, one
+vector load of the chunk per ``d``: the vectors run along the keys, so no horizontal reduction
+over ``Di`` is needed), so a chunk of keys is loaded once and reused across all the heads of
+the query; ReLU and the ``w``-weighted head sum are applied to the registers before the next
+block of heads — a ``[T, Hi, S]`` tensor never exists. Chunks outside a query's range are not
+computed (only written as −inf / "invalid"). The parallel loop runs over (query, chunk) pairs.
+
+Sequence lengths are symbolic (``T``, ``S``, the tile bounds), so a new length never
+recompiles. The kernel computes in fp32: bf16/fp16 ``k`` is converted (exactly) when it is
+packed, and ``q`` one query block at a time on the host — converting inside the kernel costs
+four instructions per broadcast and halved its speed. So the variant key is (Hi, Di), compute
+dtype fp32; one module per variant (built once, cached on disk by `TVMContext`) serves both
+ops.
+
+The kernel has two output modes:
+
+* ``scores``: fp32 scores with −inf outside the range (``lightning_indexer``).
+* ``keys``: int64 selection keys (``indexer_topk``): the score's bits mapped to an
+  order-preserving integer (−0.0 folded onto +0.0) in the high 32 bits and ``2**32 − 1 − s`` in
+  the low 32 bits, so every key is distinct and the integer order *is* the op's order (score
+  descending, ties to the smaller index). Invalid entries (out of range, non-finite score) are
+  INT64_MIN. ``torch.topk`` over such keys is exact, with no tie ambiguity.
+
+``indexer_topk`` streams: for each block of ``TILE_T`` queries it walks the union of their key
+ranges in tiles of ``TILE_S`` keys, has the kernel write the tile's keys next to the running
+top-k (``[TILE_T, kb + TILE_S]`` int64, ``kb = min(topk, union range)``), keeps the top ``kb`` of
+the two with ``torch.topk`` (sorted at the last tile), and a second small kernel decodes them
+into the int32 output rows (−1 for invalid; the tail past ``kb`` stays −1). Memory holds that
+scratch, a packed fp32 copy of ``k``, one fp32 query block (bf16/fp16 ``q``) and the
+``[T, topk]`` output — never ``[T, S]`` scores.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+NS = 16  # keys per chunk (two AVX2 fp32 vectors)
+HB_MAX = 4  # heads per register block: HB x NS fp32 accumulators
+TILE_T = 256  # queries per block (indexer_topk and lightning_indexer)
+TILE_S = 8192  # keys per streamed tile (indexer_topk); a multiple of NS
+REV = 6  # bump when the kernel source changes (part of the on-disk cache key)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # q/k dtypes served
+INT64_MIN = -(2**63)
+
+
+# --------------------------------------------------------------------------- the TensorIR kernel
+@functools.lru_cache(maxsize=None)
+def _generic_score_tile(mode: str) -> Any:
+    """The kernel with Hi and Di as trailing scalar parameters, parsed once per mode;
+    `build_score_tile` specialises them to constants (cheaper than parsing per variant)."""
+    from tvm.script import tirx as T
+
+    assert mode in ("scores", "keys")
+    HB = HB_MAX
+    out_dtype = "float32" if mode == "scores" else "int64"
+    keys = mode == "keys"
+    NEG = float("-inf")
+
+    @T.prim_func
+    def score_tile(q_h: T.handle, kp_h: T.handle, w_h: T.handle, ks_h: T.handle,
+                   ke_h: T.handle, out_h: T.handle, t0: T.int32, s0: T.int32,
+                   ncols: T.int32, coff: T.int32, clear: T.int32, Hi: T.int32, Di: T.int32):
+        T.func_attr({"global_symbol": "score_tile", "tir.noalias": True})
+        Tn = T.int32()
+        NC = T.int32()
+        Tb = T.int32()
+        W = T.int32()
+        q = T.match_buffer(q_h, (Tb, Hi, Di), "float32")  # the block's queries
+        kp = T.match_buffer(kp_h, (NC, Di, NS), "float32")
+        w = T.match_buffer(w_h, (Tn, Hi), "float32")
+        ks = T.match_buffer(ks_h, (Tn,), "int32")
+        ke = T.match_buffer(ke_h, (Tn,), "int32")
+        out = T.match_buffer(out_h, (Tb, W), out_dtype)
+        for p in T.parallel(Tb * ((ncols + NS - 1) // NS)):
+            acc = T.alloc_buffer((HB, NS), "float32", scope="global")
+            sc = T.alloc_buffer((NS,), "float32", scope="global")
+            tt = T.bind(p // ((ncols + NS - 1) // NS))
+            c = T.bind(p % ((ncols + NS - 1) // NS))
+            t = T.bind(t0 + tt)
+            lo = T.bind(ks[t])
+            hi = T.bind(ke[t])
+            sb = T.bind(s0 + c * NS)
+            if keys:
+                if clear != 0 and c == 0:
+                    for j in range(coff):
+                        out[tt, j] = T.min_value("int64")
+            if sb < hi and sb + NS > lo:
+                for j in T.vectorized(NS):
+                    sc[j] = T.float32(0)
+                # Full blocks of HB heads, then one block of the Hi % HB remaining heads: an
+                # HB x NS (or smaller) block of dot products lives in vector registers.
+                for hb in range(Hi // HB):
+                    for i in T.unroll(HB):
+                        for j in T.vectorized(NS):
+                            acc[i, j] = T.float32(0)
+                    for d in range(Di):
+                        for i in T.unroll(HB):
+                            for j in T.vectorized(NS):
+                                acc[i, j] = acc[i, j] + q[tt, hb * HB + i, d] * kp[
+                                    sb // NS, d, j]
+                    for i in T.unroll(HB):
+                        for j in T.vectorized(NS):
+                            # relu as a select that keeps NaN (like torch.relu)
+                            sc[j] = sc[j] + w[t, hb * HB + i] * T.if_then_else(
+                                acc[i, j] < T.float32(0), T.float32(0), acc[i, j])
+                if Hi % HB > 0:
+                    for i in T.unroll(Hi % HB):
+                        for j in T.vectorized(NS):
+                            acc[i, j] = T.float32(0)
+                    for d in range(Di):
+                        for i in T.unroll(Hi % HB):
+                            for j in T.vectorized(NS):
+                                acc[i, j] = acc[i, j] + q[tt, Hi // HB * HB + i, d] * kp[
+                                    sb // NS, d, j]
+                    for i in T.unroll(Hi % HB):
+                        for j in T.vectorized(NS):
+                            sc[j] = sc[j] + w[t, Hi // HB * HB + i] * T.if_then_else(
+                                acc[i, j] < T.float32(0), T.float32(0), acc[i, j])
+                for j in range(NS):
+                    if c * NS + j < ncols:
+                        if keys:
+                            out[tt, coff + c * NS + j] = T.if_then_else(
+                                sb + j >= lo and sb + j < hi
+                                and (T.reinterpret("int32", sc[j]) & 0x7F800000) != 0x7F800000,
+                                T.Cast("int64", T.if_then_else(
+                                    sc[j] == T.float32(0), 0,
+                                    T.if_then_else(T.reinterpret("int32", sc[j]) < 0,
+                                                   T.reinterpret("int32", sc[j]) ^ 0x7FFFFFFF,
+                                                   T.reinterpret("int32", sc[j]))))
+                                * T.int64(4294967296) + T.int64(4294967295)
+                                - T.Cast("int64", sb + j),
+                                T.min_value("int64"))
+                        else:
+                            out[tt, coff + c * NS + j] = T.if_then_else(
+                                sb + j >= lo and sb + j < hi, sc[j], T.float32(NEG))
+            else:
+                for j in range(NS):
+                    if c * NS + j < ncols:
+                        if keys:
+                            out[tt, coff + c * NS + j] = T.min_value("int64")
+                        else:
+                            out[tt, coff + c * NS + j] = T.float32(NEG)
+
+    return score_tile
+
+
+def build_score_tile(Hi: int, Di: int, mode: str) -> Any:
+    """The PrimFunc ``score_tile(q, kp, w, ks, ke, out, t0, s0, ncols, coff, clear)`` for
+    static Hi and Di.
+
+    ``q`` [Tb, Hi, Di] fp32 holds the block's queries, rows ``t0 .. t0 + Tb`` of
+    ``w``/``ks``/``ke``; ``out`` has Tb rows; keys ``s0 .. s0 + ncols``
+    (``s0`` a multiple of NS); the tile is written to ``out[:, coff : coff + ncols]``, and
+    ``out[:, :coff]`` is set to INT64_MIN when ``clear`` (keys mode: an empty running top-k).
+    ``kp`` is the packed key tensor ``[S_pad / NS, Di, NS]`` fp32.
+    """
+    f = _generic_score_tile(mode)
+    hi_var, di_var = f.params[-2], f.params[-1]
+    return f.specialize({hi_var: Hi, di_var: Di})
+
+
+def build_decode() -> Any:
+    """``decode(keys, idx, t0)``: ``idx[t0 + i, j]`` = the key index of ``keys[i, j]`` as int32,
+    −1 for INT64_MIN, for ``j < keys.shape[1]`` (``idx`` may be wider)."""
+    from tvm.script import tirx as T
+
+    @T.prim_func
+    def decode(keys_h: T.handle, idx_h: T.handle, t0: T.int32):
+        T.func_attr({"global_symbol": "decode", "tir.noalias": True})
+        Tb = T.int32()
+        K = T.int32()
+        Tn = T.int32()
+        Kout = T.int32()
+        keys = T.match_buffer(keys_h, (Tb, K), "int64")
+        idx = T.match_buffer(idx_h, (Tn, Kout), "int32")
+        for tt in T.parallel(Tb):
+            for j in range(K):
+                idx[t0 + tt, j] = T.if_then_else(
+                    keys[tt, j] == T.min_value("int64"), -1,
+                    # the low 32 bits hold 2**32 - 1 - s, i.e. -1 - s as an int32
+                    T.int32(-1) - T.Cast("int32", keys[tt, j]))
+
+    return decode
+
+
+def build_module(Hi: int, Di: int) -> Any:
+    """One module per variant, serving both ops: ``score_tile`` (fp32 scores), ``key_tile``
+    (selection keys) and ``decode``."""
+    import tvm
+
+    return tvm.IRModule({
+        "score_tile": build_score_tile(Hi, Di, "scores"),
+        "key_tile": build_score_tile(Hi, Di, "keys").with_attr("global_symbol", "key_tile"),
+        "decode": build_decode(),
+    })
+
+
+def _kernels(context: Callable[[], Any], Hi: int, Di: int,
+             *symbols: str) -> list[Callable[..., Any]]:
+    key = {"Hi": Hi, "Di": Di, "dtype": "float32", "ns": NS, "hb": HB_MAX, "rev": REV}
+    ctx = context()
+    return [ctx.kernel("indexer", key, lambda: build_module(Hi, Di), sym) for sym in symbols]
+
+
+# --------------------------------------------------------------------------- host-side helpers
+def pack_keys(k: torch.Tensor) -> torch.Tensor:
+    """k [S, Di] -> [ceil(S / NS), Di, NS] fp32 (zero padded): one chunk is contiguous."""
+    S, Di = k.shape
+    nc = max(1, -(-S // NS))
+    kp = torch.zeros(nc * NS, Di, dtype=torch.float32)
+    kp[:S] = k
+    return kp.view(nc, NS, Di).transpose(1, 2).contiguous()
+
+
+def _prep(k, w, k_start, k_end):
+    return (pack_keys(k), w.to(torch.float32).contiguous(),
+            k_start.to(torch.int32).contiguous(), k_end.to(torch.int32).contiguous())
+
+
+def _q_block(q: torch.Tensor, t0: int, tb: int) -> torch.Tensor:
+    """The block's queries, fp32 contiguous (a view for contiguous fp32 q; bf16/fp16 are
+    converted exactly, one block at a time)."""
+    return q[t0: t0 + tb].to(torch.float32).contiguous()
+
+
+def _supports(q, k, w, k_start, k_end, *rest) -> bool:
+    return (
+        q.dtype in DTYPES and k.dtype == q.dtype and w.dtype in (torch.float32, q.dtype)
+        and all(x.device.type == "cpu" for x in (q, k, w, k_start, k_end))
+        and q.dim() == 3 and q.shape[1] > 0 and q.shape[2] > 0
+        and k.shape[0] < 2**31 - NS
+    )
+
+
+# --------------------------------------------------------------------------- the ops
+def lightning_indexer(context: Callable[[], Any], q, k, w, k_start, k_end) -> torch.Tensor:
+    T_, Hi, Di = q.shape
+    S = k.shape[0]
+    out = torch.empty(T_, S, dtype=torch.float32)
+    if T_ == 0 or S == 0:
+        return out
+    (fn,) = _kernels(context, Hi, Di, "score_tile")
+    kp, wc, ks, ke = _prep(k, w, k_start, k_end)
+    for t0 in range(0, T_, TILE_T):
+        rows = out[t0: t0 + TILE_T]  # contiguous row block
+        fn(_q_block(q, t0, rows.shape[0]), kp, wc, ks, ke, rows, t0, 0, S, 0, 0)
+    return out
+
+
+def _block_ranges(ks: torch.Tensor, ke: torch.Tensor, tile_t: int) -> list[tuple[int, int]]:
+    """Per query block: the union [lo, hi) of its non-empty ranges ((0, 0) when none)."""
+    T_ = ks.shape[0]
+    nb = -(-T_ // tile_t)
+    pad = nb * tile_t - T_
+    ks64, ke64 = ks.long(), ke.long()
+    nonempty = ke64 > ks64
+    lo = torch.where(nonempty, ks64, torch.iinfo(torch.int64).max)
+    hi = torch.where(nonempty, ke64, 0)
+    if pad:
+        lo = torch.cat((lo, lo.new_full((pad,), torch.iinfo(torch.int64).max)))
+        hi = torch.cat((hi, hi.new_zeros(pad)))
+    lo_b = lo.view(nb, tile_t).min(dim=1).values
+    hi_b = hi.view(nb, tile_t).max(dim=1).values
+    return [(int(a), int(b)) if b > 0 else (0, 0) for a, b in zip(lo_b.tolist(), hi_b.tolist())]
+
+
+def indexer_topk(context: Callable[[], Any], q, k, w, k_start, k_end, topk: int) -> torch.Tensor:
+    T_, Hi, Di = q.shape
+    S = k.shape[0]
+    idx = torch.full((T_, topk), -1, dtype=torch.int32)
+    if T_ == 0 or S == 0:
+        return idx
+    fn, decode = _kernels(context, Hi, Di, "key_tile", "decode")
+    kp, wc, ks, ke = _prep(k, w, k_start, k_end)
+    tile_t = min(TILE_T, T_)
+    tile_s = max(NS, TILE_S - TILE_S % NS)
+    kmax = min(topk, S)  # no row has more valid keys than S: the rest of the row stays −1
+    # Flat scratch, viewed per block as [tb, kb + tile_s] (running top-k | tile) and [tb, kb].
+    cand = torch.empty(tile_t * (kmax + tile_s), dtype=torch.int64)
+    vals = torch.empty(tile_t * kmax, dtype=torch.int64)  # torch.topk outputs, reused
+    pos = torch.empty(tile_t * kmax, dtype=torch.int64)
+    for b, (lo, hi) in enumerate(_block_ranges(ks, ke, tile_t)):
+        if hi <= lo:
+            continue  # no query of the block has a key: all −1
+        t0 = b * tile_t
+        tb = min(tile_t, T_ - t0)
+        kb = min(kmax, hi - lo)  # no row of the block has more valid keys than its union range
+        buf = cand[: tb * (kb + tile_s)].view(tb, kb + tile_s)
+        best, where = vals[: tb * kb].view(tb, kb), pos[: tb * kb].view(tb, kb)
+        qb = _q_block(q, t0, tb)
+        start = lo - lo % NS
+        tiles = list(range(start, hi, tile_s))
+        for i, s0 in enumerate(tiles):
+            ncols = min(tile_s, hi - s0)
+            last = i == len(tiles) - 1
+            alone = i == 0 and ncols >= kb  # nothing selected yet: the tile alone
+            fn(qb, kp, wc, ks, ke, buf, t0, s0, ncols, kb, int(i == 0 and not alone))
+            region = buf[:, kb: kb + ncols] if alone else buf[:, : kb + ncols]
+            torch.topk(region, kb, dim=1, sorted=last, out=(best, where))
+            if last:
+                decode(best, idx, t0)
+            else:
+                buf[:, :kb] = best
+    return idx
+
+
+# --------------------------------------------------------------------------- registration
+def kernels(context: Callable[[], Any]) -> list[tuple[str, Callable, tuple | None, Any]]:
+    def _lightning_indexer(q, k, w, k_start, k_end):
+        return lightning_indexer(context, q, k, w, k_start, k_end)
+
+    def _indexer_topk(q, k, w, k_start, k_end, topk):
+        return indexer_topk(context, q, k, w, k_start, k_end, topk)
+
+    return [
+        ("lightning_indexer", _lightning_indexer, DTYPES, _supports),
+        ("indexer_topk", _indexer_topk, DTYPES, _supports),
+    ]

@@ -1,0 +1,186 @@
+"""TVM (llvm) lightning_indexer / fused indexer_topk kernels against the references.
+
+One module-scoped backend on a temporary build cache: each kernel variant compiles once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("tvm")
+
+import glm5  # noqa: E402
+from glm5.ir.ops_dsa import indexer_topk_ref, lightning_indexer_ref  # noqa: E402
+from glm5.kernels.tvm import indexer as ix  # noqa: E402
+from glm5.kernels.tvm.build import TVMContext  # noqa: E402
+from glm5.testing.parity import format_table, run_parity  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    return TVMContext(cache_dir=tmp_path_factory.mktemp("tvm_indexer_cache"))
+
+
+@pytest.fixture(scope="module")
+def backend(ctx):
+    b = glm5.Backend("cpu_idx_test", vendor="t", device_type="cpu")
+    for op, fn, dtypes, supports in ix.kernels(lambda: ctx):
+        b.kernel(op, dtypes=dtypes, supports=supports)(fn)
+    return b
+
+
+@pytest.fixture(scope="module")
+def fns(backend):
+    return backend.kernels["lightning_indexer"].fn, backend.kernels["indexer_topk"].fn
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(ix, "TILE_S", 48)  # a multiple of NS = 16
+    monkeypatch.setattr(ix, "TILE_T", 8)
+
+
+def _inputs(T, S, Hi, Di, dtype=torch.float32, seed=0, ints=False):
+    g = torch.Generator().manual_seed(seed)
+    if ints:  # small integers: every score is exact in fp32, in any summation order
+        q = torch.randint(-2, 3, (T, Hi, Di), generator=g).to(dtype)
+        k = torch.randint(-2, 3, (S, Di), generator=g).to(dtype)
+        w = torch.randint(-2, 3, (T, Hi), generator=g).float()
+    else:
+        q = torch.randn(T, Hi, Di, generator=g).to(dtype)
+        k = torch.randn(S, Di, generator=g).to(dtype)
+        w = torch.randn(T, Hi, generator=g) * Hi ** -0.5
+    return q, k, w
+
+
+def _causal(T, S):
+    ks = torch.zeros(T, dtype=torch.int32)
+    ke = (torch.arange(T) + (S - T) + 1).clamp(0, S).to(torch.int32)
+    return ks, ke
+
+
+def _check_selection(idx, q, k, w, ks, ke, topk):
+    """Same -1 pattern as the reference and the same multiset of oracle scores."""
+    ref = indexer_topk_ref(q, k, w, ks, ke, topk)
+    assert idx.dtype == torch.int32 and idx.shape == ref.shape
+    assert torch.equal(idx < 0, ref < 0)
+    sc = lightning_indexer_ref(q.double(), k.double(), w.double(), ks, ke)
+    fin = torch.isfinite(sc)
+    sc = sc.masked_fill(~fin, 0.0)
+    got = torch.gather(sc, 1, idx.long().clamp(min=0)).masked_fill(idx < 0, 0.0)
+    want = torch.gather(sc, 1, ref.long().clamp(min=0)).masked_fill(ref < 0, 0.0)
+    tol = 1e-4 * float(sc.abs().max()) + 1e-6
+    assert float((got - want).abs().max()) <= tol
+    return ref
+
+
+def test_parity(backend):
+    rows = run_parity(backend, ["lightning_indexer", "indexer_topk"], examples=25, seed=0)
+    assert {(r.op, r.dtype) for r in rows} == {
+        (op, dt) for op in ("lightning_indexer", "indexer_topk")
+        for dt in ("float32", "bfloat16", "float16")}
+    assert all(r.status == "pass" and r.examples == 25 for r in rows), format_table(rows)
+
+
+def test_streams_many_tiles(fns, small_tiles):
+    """S far beyond the tile (48 keys), top-k spanning tiles, query blocks of 8."""
+    _, topk_fn = fns
+    T, S, Hi, Di = 21, 700, 4, 16
+    q, k, w = _inputs(T, S, Hi, Di, seed=1)
+    ks, ke = _causal(T, S)
+    ks[3], ke[3] = 100, 500  # a middle range
+    ks[5], ke[5] = 7, 7  # empty
+    for topk in (1, 50, 130, 690, 800):
+        idx = topk_fn(q, k, w, ks, ke, topk)
+        ref = _check_selection(idx, q, k, w, ks, ke, topk)
+        assert torch.equal(idx, ref)  # random scores: no ties, the order is exact too
+        assert bool((idx[5] == -1).all())
+
+
+def test_scores_match_reference(fns, small_tiles):
+    li_fn, _ = fns
+    T, S, Hi, Di = 19, 333, 5, 8  # Hi = 5: one register block of 4 heads plus a tail head
+    q, k, w = _inputs(T, S, Hi, Di, torch.bfloat16, seed=2)
+    ks = torch.randint(0, 200, (T,), dtype=torch.int32)
+    ke = (ks + torch.randint(0, 200, (T,), dtype=torch.int32)).clamp(max=S)
+    out = li_fn(q, k, w, ks, ke)
+    ref = lightning_indexer_ref(q.double(), k.double(), w.double(), ks, ke)
+    assert out.dtype == torch.float32 and out.shape == (T, S) and out.is_contiguous()
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(out), fin) and bool(torch.isneginf(out[~fin]).all())
+    assert torch.allclose(out.double()[fin], ref[fin], rtol=1e-5, atol=1e-5)
+
+
+def test_exact_ties(fns, small_tiles):
+    """Many equal scores (integer inputs, duplicated keys, all-zero scores): indices must be
+    exactly the reference's, ties to the smaller index, across tile boundaries."""
+    _, topk_fn = fns
+    T, S, Hi, Di = 10, 300, 2, 4
+    q, k, w = _inputs(T, S, Hi, Di, seed=3, ints=True)
+    k[150:] = k[:150]  # every key twice
+    k[40:60] = 0  # a run of zero scores (+0.0 and -0.0 when w < 0)
+    w[0] = -1.0
+    ks, ke = _causal(T, S)
+    ks[1] = 10
+    for topk in (5, 64, 170, 299, 310):
+        idx = topk_fn(q, k, w, ks, ke, topk)
+        ref = indexer_topk_ref(q, k, w, ks, ke, topk)
+        assert torch.equal(idx, ref), topk
+    # Every score equal: the selection is the range's first topk indices.
+    q1 = torch.ones(3, Hi, Di)
+    k1 = torch.ones(S, Di)
+    w1 = torch.ones(3, Hi)
+    ks1 = torch.tensor([0, 37, 250], dtype=torch.int32)
+    ke1 = torch.tensor([S, 290, 251], dtype=torch.int32)
+    idx = topk_fn(q1, k1, w1, ks1, ke1, 100)
+    assert torch.equal(idx, indexer_topk_ref(q1, k1, w1, ks1, ke1, 100))
+    assert idx[1].tolist() == list(range(37, 137))
+
+
+def test_rows_without_keys_and_small_shapes(fns):
+    li_fn, topk_fn = fns
+    Hi, Di = 4, 16
+    # No query has a valid key: all −1 (and all −inf scores).
+    q, k, w = _inputs(4, 30, Hi, Di, seed=4)
+    ks = torch.tensor([0, 5, 30, 12], dtype=torch.int32)
+    idx = topk_fn(q, k, w, ks, ks.clone(), 8)
+    assert idx.shape == (4, 8) and bool((idx == -1).all())
+    assert bool(torch.isneginf(li_fn(q, k, w, ks, ks.clone())).all())
+    # T = 1 (decode), topk > S (a -1 tail), and topk > the range.
+    q, k, w = _inputs(1, 9, Hi, Di, seed=5)
+    ks, ke = torch.tensor([2], dtype=torch.int32), torch.tensor([9], dtype=torch.int32)
+    idx = topk_fn(q, k, w, ks, ke, 12)
+    ref = _check_selection(idx, q, k, w, ks, ke, 12)
+    assert torch.equal(idx, ref) and idx[0, 7:].tolist() == [-1] * 5
+    # A topk far beyond S: the scratch is sized by min(topk, S), the rest of each row is −1.
+    idx = topk_fn(q, k, w, ks, ke, 100_000)
+    assert idx.shape == (1, 100_000) and torch.equal(idx[:, :12], ref)
+    assert bool((idx[:, 7:] == -1).all())
+    # Model-style call: bf16 q/k with fp32 w.
+    q, k, w = _inputs(3, 40, Hi, Di, torch.bfloat16, seed=6)
+    ks, ke = _causal(3, 40)
+    idx = topk_fn(q, k, w, ks, ke, 16)
+    _check_selection(idx, q, k, w, ks, ke, 16)
+
+
+def test_claims_and_declines(backend):
+    e = backend.kernels["indexer_topk"]
+    assert e.dtypes == frozenset({torch.float32, torch.bfloat16, torch.float16})
+    q, k, w = _inputs(2, 5, 2, 4)
+    r = torch.zeros(2, dtype=torch.int32)
+    assert e.accepts((q, k, w, r, r, 3))
+    assert not e.accepts((q.double(), k.double(), w.double(), r, r, 3))
+    assert not e.accepts((q, k.bfloat16(), w, r, r, 3))  # mixed q/k dtypes
+    assert not e.accepts((q, k, w.double(), r, r, 3))
+
+
+def test_builds_once(ctx, fns):
+    """Symbolic T and S: new lengths reuse the built kernel."""
+    _, topk_fn = fns
+    n = len(ctx.builds)
+    for T, S in ((3, 17), (9, 60), (2, 5)):
+        q, k, w = _inputs(T, S, 3, 8, seed=T)
+        ks, ke = _causal(T, S)
+        topk_fn(q, k, w, ks, ke, 4)
+    assert len(ctx.builds) - n <= 1  # at most the first (Hi=3, Di=8, fp32) variant
