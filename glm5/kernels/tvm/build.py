@@ -1,9 +1,8 @@
 """Build-and-cache for TVM kernels.
 
-A kernel is built once per (op, variant key, target, TVM version, kernel source): `variant key`
-holds what the
-PrimFunc is specialised on (dtypes, static dims such as head sizes); sequence lengths are
-symbolic, so a new length never recompiles. Built libraries are written to the cache directory
+A kernel is built once per (op, variant key, target, TVM version, kernel source): the variant
+key holds what the PrimFunc is specialised on (dtypes, static dims such as head sizes); sequence
+lengths are symbolic, so a new length never recompiles. Built libraries are written to the cache directory
 (atomic rename) and loaded from there by later processes; the first build is logged with its
 time.
 """
