@@ -166,17 +166,21 @@ def _softmax_out(scores: torch.Tensor, valid: torch.Tensor, v: torch.Tensor, eq:
 
 def sparse_attention_ref(q, k, v, idx, scale):
     acc = acc_of(q)
-    T, H, _ = q.shape
+    T, H, Dqk = q.shape
     S, Hk, _ = k.shape
+    Dv = v.shape[-1]
     g = H // Hk
+    if S == 0:  # every index is -1: empty rows
+        return (q.new_zeros(T, H, Dv), torch.full((T, H), float("-inf"), dtype=acc,
+                                                  device=q.device))
     valid = idx >= 0  # [T, K]
     safe = idx.long().clamp(min=0)
     kg = k.to(acc)[safe]  # [T, K, Hk, Dqk]
     vg = v.to(acc)[safe]  # [T, K, Hk, Dv]
-    qf = q.to(acc).reshape(T, Hk, g, -1)
+    qf = q.to(acc).reshape(T, Hk, g, Dqk)
     scores = torch.einsum("tjgd,tkjd->tjgk", qf, kg) * scale  # [T, Hk, g, K]
     out, lse = _softmax_out(scores, valid[:, None, None, :], vg, "tjgk,tkjd->tjgd")
-    return out.reshape(T, H, -1).to(q.dtype), lse.reshape(T, H)
+    return out.reshape(T, H, Dv).to(q.dtype), lse.reshape(T, H)
 
 
 def _gqa_check(op: str, s) -> None:
@@ -237,14 +241,14 @@ SPARSE_ATTENTION = OpDef(
 # --------------------------------------------------------------------------- attention
 def attention_ref(q, k, v, k_start, k_end, scale):
     acc = acc_of(q)
-    T, H, _ = q.shape
+    T, H, Dqk = q.shape
     S, Hk, _ = k.shape
     g = H // Hk
-    qf = q.to(acc).reshape(T, Hk, g, -1)
+    qf = q.to(acc).reshape(T, Hk, g, Dqk)
     scores = torch.einsum("tjgd,sjd->tjgs", qf, k.to(acc)) * scale
     valid = range_mask(k_start, k_end, S)[:, None, None, :]
     out, lse = _softmax_out(scores, valid, v.to(acc), "tjgs,sjd->tjgd")
-    return out.reshape(T, H, -1).to(q.dtype), lse.reshape(T, H)
+    return out.reshape(T, H, v.shape[-1]).to(q.dtype), lse.reshape(T, H)
 
 
 def _attention_check(a, s) -> None:

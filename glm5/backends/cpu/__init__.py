@@ -8,9 +8,8 @@ target) and declares which ops and dtypes it serves.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
-
-import torch
 
 from glm5.backends.api import API_VERSION, Backend, hookimpl
 
@@ -23,6 +22,12 @@ def context():
     """The backend's TVM build context (cache dir from settings / GLM5_TVM_CACHE)."""
     global _ctx
     if _ctx is None:
+        # TVM sizes its pool as hardware_concurrency / 2 on x86 (assuming hyper-threads): on a
+        # 2-vCPU machine that is one thread. Use every CPU unless the user said otherwise; this
+        # must happen before TVM's runtime starts.
+        os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))
+                                                     if hasattr(os, "sched_getaffinity")
+                                                     else os.cpu_count() or 1))
         from glm5.kernels.tvm.build import TVMContext, default_cache_dir
 
         cache = BACKEND.settings.get("compile_cache") or default_cache_dir()

@@ -1,0 +1,448 @@
+"""TVM (llvm, host CPU) kernels for `sparse_attention` and `attention` (OPS.md, DSA section).
+
+One hand-scheduled TensorIR generator serves both ops (loop-level TIR: ``T.parallel``,
+``T.vectorized``, ``T.unroll`` and register-scoped ``local`` tiles are written into the loops
+directly instead of being applied with ``s_tir.Schedule`` afterwards). The ops differ only in
+where a query's key rows come from:
+
+* sparse_attention: the rows are ``idx[t, :]``. Each query first compacts its row of ``idx``
+  (drops the −1 holes) into an int32 list padded with a valid row to a whole key block, so the
+  inner loops never test for −1 and never spend work on a skipped slot. The selected k / v rows
+  are gathered *inside* the kernel (read straight from k's and v's buffers by row number):
+  nothing of size T×K×D is materialised; work and memory are ∝ T·H·K·D.
+* attention: the rows are ``k_start[t] + j`` for ``j < k_end[t] − k_start[t]``: each query loops
+  over its own range only, never over S (and nothing of size T×S×H exists).
+
+Work item = one query t with all its H heads (``T.parallel`` over T, visited in zig-zag order
+0, T−1, 1, T−2, ... so that the contiguous per-thread chunks balance causal work); when there
+are fewer queries than threads (decode) a runtime argument splits each query's heads into
+chunks of head tiles, one work item each. The key rows are consumed flash-style in blocks of
+KB keys with an online softmax held in fp32; the g = H/Hk query heads that share a KV head are
+processed together (absorbed MLA: the 64 heads read each 576-wide latent row once per block):
+
+1. scores P[h, j] = scale · q[t, h] · k[row j, hk] by a register-tiled micro-kernel: an
+   HB-heads × JB-keys tile of VL-lane fp32 accumulators (≤ 12 of the 16 AVX2 registers), the
+   head dim streamed VL lanes at a time with contiguous vector loads of q and of the gathered k
+   row, fully unrolled so LLVM keeps the tile in registers; one horizontal sum per score;
+2. per head: block max, P = exp(S − m) with a vectorised polynomial exp (Cephes expf, ~2 ulp,
+   exp(−inf) = 0 exactly), l = α·l + ΣP with α = exp(m_old − m_new);
+3. acc[h, :] = α·acc + P · v[rows] by an HB2-heads × DVB-vectors register tile streaming over
+   the block's keys (broadcast p, contiguous vector loads of the gathered v row); the α rescale
+   rides on the tile load, so acc is touched once per block.
+
+out = acc / l in q's dtype, lse = m + log(l) (natural log); a query with no valid key gives 0
+and −inf. Inputs are read in their own dtype and widened to fp32 in registers: bfloat16 is
+bound as its uint16 bits (a free view of the same memory) and widened with a shift; the output
+is rounded to nearest even in-kernel; q of a 16-bit dtype is widened once per query into an
+fp32 scratch block. All accumulation is fp32.
+
+T, S and K are symbolic (a new length never recompiles); the variant key is (H, Hk, Dqk, Dv,
+dtype). q / k / v are bound with symbolic outer strides and a unit inner stride, so a view such
+as ``v = k[..., :Dv]`` (absorbed MLA) is read in place from k's buffer: no copy of k at all.
+Only a tensor whose last dim is not unit-stride is made contiguous (k once, v then stays a view
+of that copy).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+# Bump when the generated code changes: it is part of the build-cache key.
+REV = 4
+
+_TVM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# The dtypes the backend claims. The generator also handles float16 (it passes the parity kit
+# too), but fp16 is left to other backends: it would add a third set of builds per variant to
+# the compile budget for a dtype CPUs have no arithmetic for.
+DTYPES = (torch.float32, torch.bfloat16)
+
+LOG2E = 1.4426950408889634
+
+
+def _lanes(d: int) -> int:
+    for v in (8, 4, 2):
+        if d % v == 0:
+            return v
+    return 1
+
+
+def _largest_divisor(n: int, options: tuple[int, ...]) -> int:
+    for o in options:
+        if n % o == 0:
+            return o
+    return 1
+
+
+def plan(H: int, Hk: int, Dqk: int, Dv: int, **over: Any) -> dict[str, Any]:
+    """Tile sizes for one variant, sized for AVX2's 16 256-bit registers (≤ 12 accumulators
+    per tile, 8 fp32 lanes; LLVM splits the vectors on narrower ISAs). ``over`` overrides."""
+    g = H // Hk
+    hb = _largest_divisor(g, (4, 2, 1))
+    jb = {4: 3, 2: 6, 1: 8}[hb]
+    unit = math.lcm(jb, 8)
+    vlv = _lanes(Dv)
+    p = {"g": g, "vl": _lanes(Dqk), "hb": hb, "jb": jb,
+         "kb": unit * max(1, round(64 / unit)),  # ~64 keys per softmax block, a multiple of 8
+         "vlv": vlv, "dvb": min(Dv // vlv, 12 // hb)}
+    p.update(over)
+    return p
+
+
+def build(mode: str, H: int, Hk: int, Dqk: int, Dv: int, dtype: str, name: str,
+          **over: Any) -> Any:
+    """The PrimFunc ``name`` for ``mode`` in ("sparse", "dense")."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    p = plan(H, Hk, Dqk, Dv, **over)
+    g, VL, HB, JB, KB = p["g"], p["vl"], p["hb"], p["jb"], p["kb"]
+    VLV, DVB = p["vlv"], p["dvb"]
+    NHT = H // HB  # head tiles (HB | g: a tile never straddles two KV heads)
+    NQ = Dqk // VL  # vector steps over the qk head dim
+    NVT = (Dv // VLV) // DVB  # full PV tiles along Dv
+    REM = (Dv // VLV) % DVB  # vectors in the last, narrower PV tile
+    NEG_INF = float("-inf")
+    SPARSE = mode == "sparse"
+    BF16 = dtype == "bfloat16"
+    sdt = "uint16" if BF16 else dtype  # bf16 is bound as its uint16 bits (see f32 / to_out)
+
+    def i64(x: int) -> Any:
+        return tirx.IntImm("int64", x)
+
+    def f32(x):
+        """Widen a stored element to fp32 (bf16: its 16 bits are the high half of an fp32)."""
+        if BF16:
+            return T.reinterpret("float32", T.shift_left(T.Cast("uint32", x), T.uint32(16)))
+        return x if dtype == "float32" else T.Cast("float32", x)
+
+    def to_out(x):
+        """Narrow fp32 to the stored dtype; bf16 rounds to nearest even (NaN stays NaN)."""
+        if BF16:
+            bits = T.reinterpret("uint32", x)
+            rne = T.shift_right(
+                bits + T.uint32(0x7FFF) + (T.shift_right(bits, T.uint32(16)) & T.uint32(1)),
+                T.uint32(16))
+            return T.Cast("uint16", T.Select(x != x, T.uint32(0x7FC0), rne))
+        return x if dtype == "float32" else T.Cast(dtype, x)
+
+    def fexp(x):
+        """Vectorisable expf (Cephes polynomial, ~2 ulp); exp(-inf) = 0 exactly."""
+        xc = T.max(T.min(x, T.float32(88.3762626647949)), T.float32(-87.33654475))
+        fx = T.floor(xc * T.float32(LOG2E) + T.float32(0.5))
+        r = xc - fx * T.float32(0.693359375) - fx * T.float32(-2.12194440e-4)
+        y = (((((T.float32(1.9875691500e-4) * r + T.float32(1.3981999507e-3)) * r
+                + T.float32(8.3334519073e-3)) * r + T.float32(4.1665795894e-2)) * r
+              + T.float32(1.6666665459e-1)) * r + T.float32(5.0000001201e-1)) * (r * r) \
+            + r + T.float32(1.0)
+        e = T.reinterpret("float32", T.shift_left(T.Cast("int32", fx) + 127, 23))
+        return T.Select(x == T.float32(NEG_INF), T.float32(0.0), y * e)
+
+    WIDEN_Q = dtype != "float32"  # widen q once per query into an fp32 scratch row block
+
+    def q_at(Q, Qf, t, h, d):
+        return Qf[h, d] if WIDEN_Q else Q[t, h, d]
+
+    def first_row(ARG, t):
+        """dense: k_start[t], the row of key 0 (sparse reads its rows from the compacted list)"""
+        return T.int32(0) if SPARSE else ARG[t, 0]
+
+    def row_of(rows, base, n, j):
+        """The k / v row of the query's j-th key (j may run past n into the padding)."""
+        if SPARSE:
+            return rows[j]
+        return base + T.min(j, n - 1)
+
+    # One PrimFunc per mode, no T.macro (macro expansion costs TVMScript a stack walk per use).
+    # ARG is idx [T, K] (sparse) or the ranges [T, 2] = (k_start, k_end) (dense).
+    @T.prim_func
+    def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, a_h: T.handle, scale: T.float32,
+               o_h: T.handle, lse_h: T.handle, nc: T.int32):
+        # noalias: k and v may be the same memory (absorbed MLA) but are only read; out / lse,
+        # the only buffers written, are fresh.
+        T.func_attr({"tirx.noalias": True})
+        Tn = T.int64()
+        S = T.int64()
+        Kn = T.int64()
+        sq0 = T.int64()
+        sq1 = T.int64()
+        sk0 = T.int64()
+        sk1 = T.int64()
+        sv0 = T.int64()
+        sv1 = T.int64()
+        Q = T.match_buffer(q_h, (Tn, i64(H), i64(Dqk)), sdt, strides=(sq0, sq1, i64(1)))
+        Kt = T.match_buffer(k_h, (S, i64(Hk), i64(Dqk)), sdt, strides=(sk0, sk1, i64(1)))
+        V = T.match_buffer(v_h, (S, i64(Hk), i64(Dv)), sdt, strides=(sv0, sv1, i64(1)))
+        ARG = T.match_buffer(a_h, (Tn, Kn), "int32")
+        OUT = T.match_buffer(o_h, (Tn, i64(H), i64(Dv)), sdt)
+        LSE = T.match_buffer(lse_h, (Tn, i64(H)), "float32")
+        for p_ in T.parallel(Tn * T.Cast("int64", nc)):
+            # work item = (query, chunk of head tiles [lo, hi)); nc = 1 unless T is below the
+            # thread count. Queries in zig-zag order (0, T-1, 1, T-2, ...): each thread's
+            # contiguous share of the parallel loop mixes early and late queries, so causal
+            # work stays balanced.
+            tq = p_ // T.Cast("int64", nc)
+            cc = T.Cast("int32", p_ % T.Cast("int64", nc))
+            t = T.Select(tq % 2 == 0, tq // 2, Tn - 1 - tq // 2)
+            lo = cc * NHT // nc
+            hi = (cc + 1) * NHT // nc
+            # ---- this query's key rows: n of them, row_of(rows, base, n, j) for j < n
+            rows = T.alloc_buffer((Kn + i64(KB) if SPARSE else 1,), "int32")
+            cnt = T.alloc_buffer((1,), "int32", scope="local")
+            if SPARSE:
+                # compact idx[t] (drop -1) into rows, padded by a block of a valid row
+                cnt[0] = 0
+                for j in range(Kn):
+                    if ARG[t, j] >= 0:
+                        rows[cnt[0]] = ARG[t, j]
+                        cnt[0] = cnt[0] + 1
+                for j in range(KB):
+                    rows[cnt[0] + j] = rows[0]
+            else:
+                cnt[0] = ARG[t, 1] - ARG[t, 0]
+            n = cnt[0]
+            base = first_row(ARG, t)
+            # ---- per-query state for all H heads
+            m = T.alloc_buffer((H,), "float32")
+            lsum = T.alloc_buffer((H,), "float32")
+            alpha = T.alloc_buffer((H,), "float32")
+            acc = T.alloc_buffer((H, Dv), "float32")
+            P = T.alloc_buffer((H, KB), "float32")
+            Qf = T.alloc_buffer((H if WIDEN_Q else 1, Dqk), "float32")
+            if WIDEN_Q:
+                for h in range(lo * HB, hi * HB):
+                    for d in T.vectorized(Dqk):
+                        Qf[h, d] = f32(Q[t, h, d])
+            for h in range(lo * HB, hi * HB):
+                m[h] = T.float32(NEG_INF)
+                lsum[h] = T.float32(0.0)
+                for d in T.vectorized(Dv):
+                    acc[h, d] = T.float32(0.0)
+            for b in range(T.ceildiv(n, KB)):
+                # ---- P[h, j] = scale * q[t, h] . k[row j, hk] (-inf past n): register tiles of
+                # HB heads x JB keys x VL lanes, one horizontal sum per score
+                for jt in range(KB // JB):
+                    for gt in range(lo, hi):
+                        c = T.alloc_buffer((HB, JB, VL), "float32", scope="local")
+                        for hh in T.unroll(HB):
+                            for jj in T.unroll(JB):
+                                for ll in T.vectorized(VL):
+                                    c[hh, jj, ll] = T.float32(0.0)
+                        for dq in range(NQ):
+                            for hh in T.unroll(HB):
+                                for jj in T.unroll(JB):
+                                    for ll in T.vectorized(VL):
+                                        c[hh, jj, ll] = c[hh, jj, ll] + q_at(
+                                            Q, Qf, t, gt * HB + hh, dq * VL + ll
+                                        ) * f32(Kt[row_of(rows, base, n, b * KB + jt * JB + jj),
+                                                   (gt * HB) // g, dq * VL + ll])
+                        for hh in T.unroll(HB):
+                            for jj in T.unroll(JB):
+                                s = T.alloc_buffer((1,), "float32", scope="local")
+                                s[0] = T.float32(0.0)
+                                for ll in T.unroll(VL):
+                                    s[0] = s[0] + c[hh, jj, ll]
+                                P[gt * HB + hh, jt * JB + jj] = T.Select(
+                                    b * KB + jt * JB + jj < n, s[0] * scale,
+                                    T.float32(NEG_INF))
+                # ---- online softmax: running max m, P = exp(S - m), l = alpha l + sum P
+                for h in range(lo * HB, hi * HB):
+                    mv = T.alloc_buffer((8,), "float32", scope="local")
+                    for ll in T.vectorized(8):
+                        mv[ll] = m[h]
+                    for jo in range(KB // 8):
+                        for ll in T.vectorized(8):
+                            mv[ll] = T.max(mv[ll], P[h, jo * 8 + ll])
+                    mx = T.alloc_buffer((1,), "float32", scope="local")
+                    mx[0] = m[h]
+                    for ll in T.unroll(8):
+                        mx[0] = T.max(mx[0], mv[ll])
+                    for ll in T.vectorized(8):
+                        mv[ll] = T.float32(0.0)
+                    for jo in range(KB // 8):
+                        for ll in T.vectorized(8):
+                            P[h, jo * 8 + ll] = fexp(P[h, jo * 8 + ll] - mx[0])
+                            mv[ll] = mv[ll] + P[h, jo * 8 + ll]
+                    alpha[h] = fexp(m[h] - mx[0])
+                    ss = T.alloc_buffer((1,), "float32", scope="local")
+                    ss[0] = T.float32(0.0)
+                    for ll in T.unroll(8):
+                        ss[0] = ss[0] + mv[ll]
+                    lsum[h] = lsum[h] * alpha[h] + ss[0]
+                    m[h] = mx[0]
+                # ---- acc = alpha acc + P . v[rows]: register tiles of HB heads x DVB vectors
+                # (the rescale rides on the tile load), then one narrower tile of REM vectors
+                for dt in range(NVT):
+                    for gt in range(lo, hi):
+                        r = T.alloc_buffer((HB, DVB, VLV), "float32", scope="local")
+                        for hh in T.unroll(HB):
+                            for dd in T.unroll(DVB):
+                                for ll in T.vectorized(VLV):
+                                    r[hh, dd, ll] = acc[
+                                        gt * HB + hh, (dt * DVB + dd) * VLV + ll
+                                    ] * alpha[gt * HB + hh]
+                        for j in range(KB):
+                            for hh in T.unroll(HB):
+                                for dd in T.unroll(DVB):
+                                    for ll in T.vectorized(VLV):
+                                        r[hh, dd, ll] = r[hh, dd, ll] + P[
+                                            gt * HB + hh, j] * f32(V[
+                                                row_of(rows, base, n, b * KB + j), (gt * HB) // g,
+                                                (dt * DVB + dd) * VLV + ll])
+                        for hh in T.unroll(HB):
+                            for dd in T.unroll(DVB):
+                                for ll in T.vectorized(VLV):
+                                    acc[gt * HB + hh,
+                                        (dt * DVB + dd) * VLV + ll] = r[hh, dd, ll]
+                if REM > 0:
+                    for gt in range(lo, hi):
+                        r = T.alloc_buffer((HB, REM, VLV), "float32", scope="local")
+                        for hh in T.unroll(HB):
+                            for dd in T.unroll(REM):
+                                for ll in T.vectorized(VLV):
+                                    r[hh, dd, ll] = acc[
+                                        gt * HB + hh, (NVT * DVB + dd) * VLV + ll
+                                    ] * alpha[gt * HB + hh]
+                        for j in range(KB):
+                            for hh in T.unroll(HB):
+                                for dd in T.unroll(REM):
+                                    for ll in T.vectorized(VLV):
+                                        r[hh, dd, ll] = r[hh, dd, ll] + P[
+                                            gt * HB + hh, j] * f32(V[
+                                                row_of(rows, base, n, b * KB + j), (gt * HB) // g,
+                                                (NVT * DVB + dd) * VLV + ll])
+                        for hh in T.unroll(HB):
+                            for dd in T.unroll(REM):
+                                for ll in T.vectorized(VLV):
+                                    acc[gt * HB + hh,
+                                        (NVT * DVB + dd) * VLV + ll] = r[hh, dd, ll]
+            # ---- out = acc / l, lse = m + log l; no valid key: 0 and -inf
+            for h in range(lo * HB, hi * HB):
+                if n > 0:
+                    inv = T.float32(1.0) / lsum[h]
+                    for d in T.vectorized(Dv):
+                        OUT[t, h, d] = to_out(acc[h, d] * inv)
+                    LSE[t, h] = m[h] + T.log(lsum[h])
+                else:
+                    for d in T.vectorized(Dv):
+                        OUT[t, h, d] = to_out(T.float32(0.0))
+                    LSE[t, h] = T.float32(NEG_INF)
+
+    return kernel.with_attr("global_symbol", name)
+
+
+# --------------------------------------------------------------------------- torch-facing side
+def _unit_inner(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dim is unit-stride (any outer strides are bound symbolically),
+    else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """bf16 tensors go to the kernel as a uint16 view of the same memory (no copy)."""
+    return x.view(torch.uint16) if x.dtype == torch.bfloat16 else x
+
+
+def _kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v as the kernel reads them. v a prefix view of k (absorbed MLA) stays a view of
+    the k the kernel reads, so k's rows are never copied twice (usually not at all)."""
+    prefix_view = (
+        v.data_ptr() == k.data_ptr() and v.shape[:2] == k.shape[:2]
+        and v.stride() == k.stride() and v.shape[2] <= k.shape[2]
+    )
+    kk = _unit_inner(k)
+    if prefix_view:
+        return kk, kk[..., : v.shape[2]]
+    return kk, _unit_inner(v)
+
+
+def _empty_result(q: torch.Tensor, Dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    T, H = q.shape[0], q.shape[1]
+    return (torch.zeros(T, H, Dv, dtype=q.dtype),
+            torch.full((T, H), float("-inf"), dtype=torch.float32))
+
+
+def _variant(context: Callable[[], Any], op: str, mode: str, q: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> Callable[..., Any]:
+    H, Dqk, Hk, Dv = q.shape[1], q.shape[2], k.shape[1], v.shape[2]
+    dt = _TVM_DTYPES[q.dtype]
+    key = {"H": H, "Hk": Hk, "Dqk": Dqk, "Dv": Dv, "dtype": dt, "rev": REV}
+    sym = f"glm5_{mode}_attention"
+    return context().kernel(op, key, lambda: build(mode, H, Hk, Dqk, Dv, dt, sym), sym)
+
+
+_num_threads: Callable[[], int] | None = None
+
+
+def threads() -> int:
+    """Worker threads of TVM's pool. TVM sizes it from TVM_NUM_THREADS, else from
+    hardware_concurrency / 2 on x86 (it assumes SMT): 1 thread on a 2-vCPU VM."""
+    global _num_threads
+    if _num_threads is None:
+        import tvm
+
+        _num_threads = tvm.get_global_func("runtime.NumThreads")
+    return int(_num_threads())
+
+
+def head_chunks(T: int, H: int, Hk: int, Dqk: int, Dv: int) -> int:
+    """Work items per query: 1, or (fewer queries than threads: decode) enough chunks of
+    head tiles to give every thread work."""
+    n = threads()
+    if T >= n:
+        return 1
+    return max(1, min(H // plan(H, Hk, Dqk, Dv)["hb"], -(-n // T)))
+
+
+def _supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any) -> bool:
+    """CPU tensors of a dtype the kernels read, with non-empty head dims."""
+    ts = [q, k, v] + [a for a in rest if isinstance(a, torch.Tensor)]
+    return (all(t.device.type == "cpu" for t in ts) and q.dtype in _TVM_DTYPES
+            and q.dim() == 3 and k.dim() == 3 and v.dim() == 3
+            and min(q.shape[1], q.shape[2], k.shape[1], v.shape[2]) > 0)
+
+
+def make_sparse_attention(context: Callable[[], Any]) -> Callable[..., Any]:
+    def sparse_attention(q, k, v, idx, scale):
+        T, H, _ = q.shape
+        Dv = v.shape[2]
+        if T == 0 or k.shape[0] == 0 or idx.shape[1] == 0:
+            return _empty_result(q, Dv)
+        fn = _variant(context, "sparse_attention", "sparse", q, k, v)
+        kk, vv = _kv(k, v)
+        out = torch.empty(T, H, Dv, dtype=q.dtype)
+        lse = torch.empty(T, H, dtype=torch.float32)
+        nc = head_chunks(T, H, k.shape[1], q.shape[2], Dv)
+        fn(_bits(_unit_inner(q)), _bits(kk), _bits(vv), idx.to(torch.int32).contiguous(),
+           float(scale), _bits(out), lse, nc)
+        return out, lse
+
+    return sparse_attention
+
+
+def make_attention(context: Callable[[], Any]) -> Callable[..., Any]:
+    def attention(q, k, v, k_start, k_end, scale):
+        T, H, _ = q.shape
+        Dv = v.shape[2]
+        if T == 0 or k.shape[0] == 0:
+            return _empty_result(q, Dv)
+        fn = _variant(context, "attention", "dense", q, k, v)
+        kk, vv = _kv(k, v)
+        out = torch.empty(T, H, Dv, dtype=q.dtype)
+        lse = torch.empty(T, H, dtype=torch.float32)
+        ranges = torch.stack((k_start, k_end), dim=1).to(torch.int32)
+        nc = head_chunks(T, H, k.shape[1], q.shape[2], Dv)
+        fn(_bits(_unit_inner(q)), _bits(kk), _bits(vv), ranges, float(scale), _bits(out), lse, nc)
+        return out, lse
+
+    return attention
+
+
+def kernels(context: Callable[[], Any]) -> list[tuple[str, Callable, tuple | None, Any]]:
+    """Rows for the cpu backend: (op, fn, dtypes, supports)."""
+    return [
+        ("sparse_attention", make_sparse_attention(context), DTYPES, _supports),
+        ("attention", make_attention(context), DTYPES, _supports),
+    ]

@@ -1,0 +1,174 @@
+"""TVM (llvm) kernels for sparse_attention / attention: parity against the float64 oracle,
+the build cache (load instead of rebuild, no rebuild for a new length), the absorbed-MLA case
+where v is a view of k, odd head dims and the head-chunk split for few queries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("tvm")
+
+import glm5  # noqa: E402
+from glm5.ir.catalog import get_op  # noqa: E402
+from glm5.ir.ops_dsa import attention_ref, sparse_attention_ref  # noqa: E402
+from glm5.kernels.tvm import sparse_attention as sa  # noqa: E402
+from glm5.kernels.tvm.build import TVMContext  # noqa: E402
+from glm5.testing.compare import check_example  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tvm_cache")
+
+
+@pytest.fixture(scope="module")
+def ctx(cache_dir):
+    return TVMContext(cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="module")
+def fns(ctx):
+    return {op: fn for op, fn, _, _ in sa.kernels(lambda: ctx)}
+
+
+def _backend(ctx):
+    b = glm5.Backend("cpu_tvm_test", vendor="t", device_type="cpu")
+    for op, fn, dtypes, supports in sa.kernels(lambda: ctx):
+        b.kernel(op, dtypes=dtypes, supports=supports)(fn)
+    return b
+
+
+def test_kernel_rows_shape(ctx):
+    rows = sa.kernels(lambda: ctx)
+    assert [r[0] for r in rows] == ["sparse_attention", "attention"]
+    for _, fn, dtypes, supports in rows:
+        assert callable(fn) and set(dtypes) == {torch.float32, torch.bfloat16}
+        assert callable(supports)
+
+
+def test_parity(ctx):
+    from glm5.testing.parity import format_table, run_parity
+
+    rows = run_parity(_backend(ctx), ["sparse_attention", "attention"], examples=25, seed=0)
+    assert {(r.op, r.dtype) for r in rows} == {
+        (op, dt) for op in ("sparse_attention", "attention") for dt in ("float32", "bfloat16")}
+    assert all(r.status == "pass" and r.examples == 25 for r in rows), format_table(rows)
+
+
+def _mqa(dtype, T=3, S=40, H=8, Dqk=576, Dv=512, K=100, seed=1):
+    """Absorbed MLA at GLM-5's head dims (8 of the 64 heads): v = the first Dv columns of k.
+    Dv = 512 is 64 vectors, 21 PV tiles of 3 and a narrower last tile of 1."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, Dqk, generator=g).to(dtype)
+    k = torch.randn(S, 1, Dqk, generator=g).to(dtype)
+    idx = torch.randint(-1, S, (T, K), generator=g, dtype=torch.int32)
+    idx[-1] = -1  # a query with no valid key
+    return q, k, k[..., :Dv], idx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mqa_v_view_of_k(fns, dtype):
+    q, k, v, idx = _mqa(dtype)
+    assert v.data_ptr() == k.data_ptr() and not v.is_contiguous()
+    kv, vv = sa._kv(k, v)
+    assert kv.data_ptr() == k.data_ptr() and vv.data_ptr() == k.data_ptr()  # read in place
+    scale = q.shape[-1] ** -0.5
+    op = get_op("sparse_attention")
+    vals = {"q": q, "k": k, "v": v, "idx": idx, "scale": scale}
+    verdict = check_example(op, fns["sparse_attention"], vals, dtype)
+    assert verdict.ok, verdict.message
+    out, lse = fns["sparse_attention"](q, k, v, idx, scale)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    assert bool(torch.isneginf(lse[-1]).all())
+    # the same rows through dense attention over a range
+    ks = torch.tensor([0, 5, 7], dtype=torch.int32)
+    ke = torch.tensor([40, 5, 30], dtype=torch.int32)  # query 1: an empty range
+    verdict = check_example(get_op("attention"), fns["attention"],
+                            {"q": q, "k": k, "v": v, "k_start": ks, "k_end": ke,
+                             "scale": scale}, dtype)
+    assert verdict.ok, verdict.message
+
+
+def test_mqa_view_of_noncontiguous_k(fns):
+    # k with a non-unit inner stride is copied once; v (a prefix view of it) follows the copy.
+    base = torch.randn(20, 1, 64)
+    k = base[..., ::2]
+    v = k[..., :16]
+    kv, vv = sa._kv(k, v)
+    assert kv.is_contiguous() and vv.data_ptr() == kv.data_ptr()
+    q = torch.randn(2, 2, 32)
+    idx = torch.randint(0, 20, (2, 7), dtype=torch.int32)
+    out, lse = fns["sparse_attention"](q, k, v, idx, 0.2)
+    ro, rl = sparse_attention_ref(q.double(), k.double(), v.double(), idx, 0.2)
+    torch.testing.assert_close(out.double(), ro, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), rl, rtol=1e-5, atol=1e-5)
+
+
+def test_odd_head_dims(fns):
+    # Dqk = 6 (2-lane vectors), Dv = 3 (scalar), 3 query heads per KV head (1-head tiles)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(4, 6, 6, generator=g)
+    k = torch.randn(19, 2, 6, generator=g)
+    v = torch.randn(19, 2, 3, generator=g)
+    idx = torch.randint(-1, 19, (4, 70), generator=g, dtype=torch.int32)
+    out, lse = fns["sparse_attention"](q, k, v, idx, 0.4)
+    ro, rl = sparse_attention_ref(q.double(), k.double(), v.double(), idx, 0.4)
+    torch.testing.assert_close(out.double(), ro, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), rl, rtol=1e-5, atol=1e-5)
+
+
+def test_new_length_does_not_rebuild(ctx, fns):
+    H, Hk, Dqk, Dv = 4, 2, 16, 8
+    g = torch.Generator().manual_seed(3)
+    n_builds = None
+    for T, S, K in ((2, 9, 5), (7, 33, 20), (1, 130, 100), (11, 4, 3)):
+        q = torch.randn(T, H, Dqk, generator=g)
+        k = torch.randn(S, Hk, Dqk, generator=g)
+        v = torch.randn(S, Hk, Dv, generator=g)
+        idx = torch.randint(-1, S, (T, K), generator=g, dtype=torch.int32)
+        out, lse = fns["sparse_attention"](q, k, v, idx, 0.3)
+        ro, rl = sparse_attention_ref(q.double(), k.double(), v.double(), idx, 0.3)
+        torch.testing.assert_close(out.double(), ro, rtol=1e-5, atol=1e-5)
+        ks = torch.randint(0, S + 1, (T,), generator=g, dtype=torch.int32)
+        ke = torch.maximum(ks, torch.randint(0, S + 1, (T,), generator=g, dtype=torch.int32))
+        out, lse = fns["attention"](q, k, v, ks, ke, 0.3)
+        ro, rl = attention_ref(q.double(), k.double(), v.double(), ks, ke, 0.3)
+        torch.testing.assert_close(out.double(), ro, rtol=1e-5, atol=1e-5)
+        if n_builds is None:
+            n_builds = len(ctx.builds)  # the first lengths built (or loaded) the variants
+    assert len(ctx.builds) == n_builds
+
+
+def test_second_context_loads_from_cache(ctx, fns, cache_dir):
+    q, k, v, idx = _mqa(torch.float32)
+    fns["sparse_attention"](q, k, v, idx, 0.25)  # built (or already built) in ctx
+    ctx2 = TVMContext(cache_dir=cache_dir)
+    fn2 = dict((op, fn) for op, fn, _, _ in sa.kernels(lambda: ctx2))["sparse_attention"]
+    out2, lse2 = fn2(q, k, v, idx, 0.25)
+    assert [b["how"] for b in ctx2.builds] == ["loaded"]
+    out, lse = fns["sparse_attention"](q, k, v, idx, 0.25)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 5])
+def test_head_chunks_when_few_queries(fns, monkeypatch, T):
+    # Fewer queries than threads: each query's head tiles are split over work items (3 head
+    # tiles here, split 3 / 2 ways, also unevenly); the result must not change.
+    monkeypatch.setattr(sa, "threads", lambda: 8)
+    H, Hk, Dqk, Dv, S = 12, 3, 16, 8, 50
+    assert sa.head_chunks(T, H, Hk, Dqk, Dv) == min(3, -(-8 // T))
+    g = torch.Generator().manual_seed(T)
+    q = torch.randn(T, H, Dqk, generator=g)
+    k = torch.randn(S, Hk, Dqk, generator=g)
+    v = torch.randn(S, Hk, Dv, generator=g)
+    idx = torch.randint(-1, S, (T, 30), generator=g, dtype=torch.int32)
+    out, lse = fns["sparse_attention"](q, k, v, idx, 0.3)
+    ro, rl = sparse_attention_ref(q.double(), k.double(), v.double(), idx, 0.3)
+    torch.testing.assert_close(out.double(), ro, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), rl, rtol=1e-5, atol=1e-5)
+    ks = torch.zeros(T, dtype=torch.int32)
+    ke = torch.full((T,), S, dtype=torch.int32)
+    out, lse = fns["attention"](q, k, v, ks, ke, 0.3)
+    ro, rl = attention_ref(q.double(), k.double(), v.double(), ks, ke, 0.3)
+    torch.testing.assert_close(out.double(), ro, rtol=1e-5, atol=1e-5)
