@@ -506,13 +506,13 @@ def _hop_cache_arg(node: torch.fx.Node) -> Any:
         return kw["kv_cache"]
     if node.target is hops.auto_functionalized_v2:
         if any(k.startswith("_kv_cache_") and k != "_kv_cache_base_index" for k in kw):
-            raise NotImplementedError(
+            raise ValueError(
                 "glm5.ir.onnx_export: glm5.mla_prolog writing into a view of a larger tensor "
                 "(kv_cache with size/stride/storage offset) cannot be exported; pass the whole "
                 "cache tensor")
         bases = kw["_all_bases"]
         if len(bases) != 1:
-            raise NotImplementedError(
+            raise ValueError(
                 f"glm5.ir.onnx_export: functionalised glm5.mla_prolog with {len(bases)} bases")
         return bases[kw["_kv_cache_base_index"]]
     return None

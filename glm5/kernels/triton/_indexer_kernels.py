@@ -15,19 +15,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from glm5.kernels.triton._common import dot as _dot
+
 # order key of -inf: bits 0xFF800000 as int32 = -8388608, ^ 0x7FFFFFFF -> -2139095041
 HI_NINF = -2139095041
 SENT = HI_NINF * (1 << 32)  # -9187343243497619456: the key of an empty slot
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_FP32: tl.constexpr):
-    # The interpreter multiplies bf16 bit patterns in tl.dot: upcast there (and for fp32 inputs,
-    # which must not go through TF32 on a GPU).
-    if DOT_FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
 
 
 @triton.jit
