@@ -4,7 +4,8 @@ side in one run.
     python bench/long_context.py [--contexts 2048,8192,16384,32768] [--json out.json]
 
 The `small` preset (index_topk 256) with random weights is saved once by transformers and loaded
-by both. For each context: one forward pass (batch 1), wall time, peak RSS growth during the pass
+by both. For each context, after a 256-token warm-up pass (imports, kernel loading), one forward
+pass (batch 1): wall time, peak RSS growth during the pass
 (measured in a fresh subprocess per run, so one run's memory does not hide another's), time per
 token, and glm5's time inside `sparse_attention` per token (the DSA attention proper, which
 should stay flat as the context grows; the indexer is O(L) per token by design). transformers is
@@ -55,6 +56,12 @@ else:
     from transformers import GlmMoeDsaForCausalLM
     m = GlmMoeDsaForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     run = lambda: m(ids, use_cache=False).logits
+with torch.inference_mode():  # warm-up on 256 tokens: imports, kernel loads, allocator
+    warm = ids
+    ids = ids[:, :256]
+    run()
+    ids = warm
+op_time.clear()
 base = rss()
 th = threading.Thread(target=watch, daemon=True); th.start()
 with torch.inference_mode():
