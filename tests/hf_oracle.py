@@ -36,3 +36,16 @@ def random_hf_model(cfg: GLM5Config, seed: int, std: float = 0.1):
             if n.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
     return m
+
+
+def randomize(model, seed: int = 0, std: float = 0.1):
+    """Random weights for a glm5 model (norm weights around 1), non-zero router bias."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std + (1.0 if p.dim() == 1 and
+                                                               n.endswith("weight") else 0.0))
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * std)
+    return model

@@ -14,6 +14,7 @@ import glm5
 from glm5.core.checkpoint import CheckpointError
 from glm5.core.config import preset
 from glm5.core.model import GLM5ForCausalLM
+from hf_oracle import randomize
 
 
 @pytest.fixture(autouse=True)
@@ -21,21 +22,9 @@ def _quiet():
     logging.getLogger("glm5").setLevel(logging.ERROR)
 
 
-def _randomize(m: GLM5ForCausalLM, seed: int = 0) -> GLM5ForCausalLM:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if p.dim() == 1 and
-                                                              n.endswith("weight") else 0.0))
-        for n, b in m.named_buffers():
-            if n.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-    return m
-
-
 def _mtp_model(seed=0):
     cfg = preset("tiny").replace(index_n_heads=8)
-    return _randomize(GLM5ForCausalLM(cfg, with_mtp=True), seed).eval()
+    return randomize(GLM5ForCausalLM(cfg, with_mtp=True), seed).eval()
 
 
 def test_sharded_round_trip_with_mtp(tmp_path):
@@ -93,7 +82,7 @@ def test_mtp_copies_of_shared_tensors_are_ignored(tmp_path):
     ("expert", "experts 0..7"),
 ])
 def test_checkpoint_errors_name_the_tensor(tmp_path, damage, match):
-    m = _randomize(GLM5ForCausalLM(preset("tiny")))
+    m = randomize(GLM5ForCausalLM(preset("tiny")))
     m.save_pretrained(tmp_path)
     f = tmp_path / "model.safetensors"
     sd = load_file(str(f))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from glm5.core.config import preset
 from glm5.core.model import GLM5ForCausalLM
+from hf_oracle import randomize
 
 
 @pytest.fixture(autouse=True)
@@ -22,16 +23,7 @@ def _quiet():
 def _model(seed=0, **changes):
     cfg = preset("tiny").replace(index_n_heads=8, **changes)
     torch.manual_seed(seed)
-    m = GLM5ForCausalLM(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if p.dim() == 1 and
-                                                              n.endswith("weight") else 0.0))
-        for n, b in m.named_buffers():
-            if n.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-    return m
+    return randomize(GLM5ForCausalLM(cfg), seed)
 
 
 def _loss(m, ids):
