@@ -22,23 +22,17 @@ import sys
 import tempfile
 import time
 
+from glm5.testing.measure import mem_available
+
 CHILD = r"""
-import json, logging, os, resource, sys, time, threading
+import json, logging, sys, time
 import torch
 logging.getLogger("glm5").setLevel(logging.ERROR)
 which, path, L = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.manual_seed(0)
 ids = torch.randint(0, 4096, (1, L))
 
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-peak = [0]
-stop = False
-def watch():
-    while not stop:
-        peak[0] = max(peak[0], rss()); time.sleep(0.005)
+from glm5.testing.measure import PeakRSS
 
 op_time = {}
 if which == "glm5":
@@ -62,13 +56,9 @@ with torch.inference_mode():  # warm-up on 256 tokens: imports, kernel loads, al
     run()
     ids = warm
 op_time.clear()
-base = rss()
-th = threading.Thread(target=watch, daemon=True); th.start()
-with torch.inference_mode():
+with torch.inference_mode(), PeakRSS() as pk:
     t = time.perf_counter(); out = run(); dt = time.perf_counter() - t
-stop = True; th.join()
-peak[0] = max(peak[0], rss())
-print(json.dumps({"seconds": dt, "peak_bytes": peak[0] - base, "op_seconds": op_time,
+print(json.dumps({"seconds": dt, "peak_bytes": pk.peak, "op_seconds": op_time,
                   "logit0": float(out[0, -1, 0])}))
 """
 
@@ -83,14 +73,6 @@ def run_child(which: str, path: str, L: int, timeout: int) -> dict:
         tail = (out.stderr or "").strip().splitlines()[-1:] or ["?"]
         return {"error": f"exit {out.returncode}: {tail[0][:200]}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def main() -> None:

@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 
+from glm5.testing.measure import mem_available
+
 HI, DI, TOPK = 32, 128, 2048
 
 CHILD = r"""
@@ -111,14 +113,6 @@ def child(which: str, n: int, dtype: str, out_path: str, timeout: float) -> dict
         return {"which": which, "n": n, "dtype": dtype,
                 "error": (r.stderr or r.stdout).strip().splitlines()[-1:]}
     return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def ref_bytes(n: int) -> float:

@@ -77,3 +77,15 @@ def memory_bandwidth(nbytes: int = 256 * 2**20, repeat: int = 3) -> float:
     dst = torch.empty_like(src)
     t = time_it(lambda: dst.copy_(src), repeat=repeat)
     return 2.0 * nbytes / t
+
+
+def mem_available() -> int:
+    """MemAvailable from /proc/meminfo, in bytes (0 where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
