@@ -53,7 +53,7 @@ import onnx
 import onnx_ir as ir
 import onnxscript
 import torch
-from onnxscript import BFLOAT16, DOUBLE, FLOAT, FLOAT16, INT32, INT64
+from onnxscript import BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, INT32, INT64
 from onnxscript import opset18 as op
 
 DOMAIN = "glm5"
@@ -172,6 +172,22 @@ def indexer_topk(q: TFloat, k: TFloat2, w: TFloat3, k_start: TIdx, k_end: TIdx2,
 
 
 @onnxscript.script(GLM5, default_opset=op)
+def masked_softmax_pv(sc: TAcc, mask: BOOL, v: TAcc2) -> tuple[TAcc, TAcc]:
+    """softmax(sc) over the last axis where mask (broadcast), times v, and the natural-log lse;
+    a row with no valid key gives 0 and lse -inf. Shared by the two attention functions."""
+    sc = op.Where(mask, sc, op.CastLike(op.Constant(value_float=NEG_INF), sc))
+    m = op.ReduceMax(sc, op.Constant(value_ints=[-1]), keepdims=1)
+    zf = op.CastLike(op.Constant(value_float=0.0), sc)
+    m = op.Where(op.IsInf(m), zf, m)
+    e = op.Exp(op.Sub(sc, m))
+    total = op.ReduceSum(e, op.Constant(value_ints=[-1]), keepdims=1)
+    lse = op.Add(op.Log(total), m)
+    p = op.Div(e, op.Where(op.Equal(total, zf), op.CastLike(op.Constant(value_float=1.0), sc),
+                           total))
+    return op.MatMul(p, v), lse
+
+
+@onnxscript.script(GLM5, default_opset=op)
 def sparse_attention(q: TFloat, k: TFloat2, v: TFloat3, idx: TIdx, scale: float,
                      acc: int) -> tuple[TFloat, TAcc]:
     """Softmax attention of q[t, h] over the rows idx[t] (-1 = none) of k/v[S, Hk, *]."""
@@ -189,17 +205,8 @@ def sparse_attention(q: TFloat, k: TFloat2, v: TFloat3, idx: TIdx, scale: float,
     vg = op.Transpose(op.Gather(op.Cast(v, to=acc), safe, axis=0), perm=[0, 2, 1, 3])  # [T,Hk,K,Dv]
     sc = op.Mul(op.MatMul(q4, kg), op.CastLike(op.Constant(value_float=scale), qf))
     mask = op.Unsqueeze(valid, op.Constant(value_ints=[1, 2]))  # [T, 1, 1, K]
-    # masked softmax with lse; a row with no valid key gives p = 0 and lse = -inf
-    sc = op.Where(mask, sc, op.CastLike(op.Constant(value_float=NEG_INF), sc))
-    m = op.ReduceMax(sc, op.Constant(value_ints=[-1]), keepdims=1)
-    zf = op.CastLike(op.Constant(value_float=0.0), sc)
-    m = op.Where(op.IsInf(m), zf, m)
-    e = op.Exp(op.Sub(sc, m))
-    total = op.ReduceSum(e, op.Constant(value_ints=[-1]), keepdims=1)
-    lse = op.Add(op.Log(total), m)
-    p = op.Div(e, op.Where(op.Equal(total, zf), op.CastLike(op.Constant(value_float=1.0), sc),
-                           total))
-    out = op.Reshape(op.MatMul(p, vg), op.Concat(t, h, op.Constant(value_ints=[-1]), axis=0))
+    o, lse = masked_softmax_pv(sc, mask, vg)
+    out = op.Reshape(o, op.Concat(t, h, op.Constant(value_ints=[-1]), axis=0))
     return op.CastLike(out, q), op.Reshape(lse, op.Concat(t, h, axis=0))
 
 
@@ -222,16 +229,8 @@ def attention(q: TFloat, k: TFloat2, v: TFloat3, k_start: TIdx, k_end: TIdx2, sc
     ke = op.Unsqueeze(op.Cast(k_end, to=7), op.Constant(value_ints=[1]))
     valid = op.And(op.GreaterOrEqual(pos, ks), op.Less(pos, ke))  # [T, S]
     mask = op.Unsqueeze(valid, op.Constant(value_ints=[1, 2]))  # [T, 1, 1, S]
-    sc = op.Where(mask, sc, op.CastLike(op.Constant(value_float=NEG_INF), sc))
-    m = op.ReduceMax(sc, op.Constant(value_ints=[-1]), keepdims=1)
-    zf = op.CastLike(op.Constant(value_float=0.0), sc)
-    m = op.Where(op.IsInf(m), zf, m)
-    e = op.Exp(op.Sub(sc, m))
-    total = op.ReduceSum(e, op.Constant(value_ints=[-1]), keepdims=1)
-    lse = op.Add(op.Log(total), m)
-    p = op.Div(e, op.Where(op.Equal(total, zf), op.CastLike(op.Constant(value_float=1.0), sc),
-                           total))
-    out = op.Reshape(op.MatMul(p, vt), op.Concat(t, h, op.Constant(value_ints=[-1]), axis=0))
+    o, lse = masked_softmax_pv(sc, mask, vt)
+    out = op.Reshape(o, op.Concat(t, h, op.Constant(value_ints=[-1]), axis=0))
     return op.CastLike(out, q), op.Reshape(lse, op.Concat(t, h, axis=0))
 
 
@@ -338,14 +337,18 @@ def mla_prolog(x: TFloat, w_qa: TFloat, g_qa: TFloat2, w_qb: TFloat, w_kva: TFlo
 FUNCTIONS: dict[str, onnxscript.OnnxFunction] = {
     f.name: f
     for f in (rms_norm, layer_norm, rope, silu_mul, lightning_indexer, topk_indices, indexer_topk,
-              sparse_attention, attention, moe_route, moe_experts, mla_prolog)
+              sparse_attention, attention, moe_route, moe_experts, mla_prolog,
+              masked_softmax_pv)
 }
 # glm5 functions called from inside another function's body
 DEPENDENCIES: dict[str, tuple[str, ...]] = {
     "indexer_topk": ("lightning_indexer", "topk_indices"),
     "mla_prolog": ("rms_norm", "rope"),
+    "sparse_attention": ("masked_softmax_pv",),
+    "attention": ("masked_softmax_pv",),
 }
-COVERED = tuple(FUNCTIONS)
+HELPERS = ("masked_softmax_pv",)  # functions that are not glm5 ops
+COVERED = tuple(n for n in FUNCTIONS if n not in HELPERS)
 
 
 # --------------------------------------------------------------------------- translations
