@@ -1,9 +1,11 @@
 """MLA attention with DSA (Lightning Indexer + sparse attention).
 
-Two execution modes, chosen per call by cost (same math):
-- MHA (prefill / training): the latent rows are expanded with kv_b into per-head keys/values;
-- MQA (decode, "absorbed"): queries are moved into the latent space with W_UK, attention runs
-  over the latent cache directly (Dqk = kv_lora + rope, Dv = kv_lora), W_UV is applied after.
+Two execution modes, chosen per call by cost (same math; `Attention.use_absorbed`):
+- MHA (short dense prefill / training): the latent rows are expanded with kv_b into per-head
+  keys/values;
+- MQA ("absorbed": decode, and sparse prefill, where each query gathers its own rows): queries
+  are moved into the latent space with W_UK, attention runs over the latent cache directly
+  (Dqk = kv_lora + rope, Dv = kv_lora), W_UV is applied after.
 Selection: when every query's causal range fits in index_topk the selection is the whole range,
 so dense `attention` over the range is used; otherwise `indexer_topk` + `sparse_attention` (no
 [T, S] score matrix or [T, H, S] tensor beyond the op's tiles). Layers marked "shared" reuse the
@@ -21,7 +23,7 @@ from torch import nn
 from glm5 import ops
 from glm5.core.block_select import block_select
 from glm5.core.config import GLM5Config
-from glm5.core.layers import LayerNorm, RMSNorm, linear
+from glm5.core.layers import LayerNorm, QuantLinear, RMSNorm, apply_linear, linear
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (transformers: RMSNorm default eps)
 INDEXER_NORM_EPS = 1e-6  # indexer k_norm (LayerNorm)
@@ -31,6 +33,10 @@ INDEXER_NORM_EPS = 1e-6  # indexer k_norm (LayerNorm)
 # attention: the working set of any kernel (the reference's [T, Hi, S] indexer products
 # included) stays bounded however long the context is.
 QUERY_CHUNK = 1024
+
+# A gathered byte costs about as much as this many FLOPs (random row gathers miss the caches;
+# CPUs sustain ~10 FLOP per byte of such traffic, GPUs/NPUs far more): used to choose the MLA mode.
+GATHER_FLOPS_PER_BYTE = 8.0
 
 
 def _chunks(n: int) -> list[tuple[int, int]]:
@@ -77,14 +83,14 @@ class Indexer(nn.Module):
         self.w_scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
 
     def keys(self, x: torch.Tensor, st: Step) -> torch.Tensor:
-        k = self.k_norm(F.linear(x, self.wk.weight))
+        k = self.k_norm(apply_linear(self.wk, x))
         return _rope_head(k, st.cos, st.sin, self.cfg.qk_rope_head_dim)
 
     def select(self, x: torch.Tensor, c_q: torch.Tensor, key_cache: torch.Tensor,
                st: Step) -> torch.Tensor:
         c = self.cfg
         N = x.shape[0]
-        q = F.linear(c_q, self.wq_b.weight).reshape(N, c.index_n_heads, c.index_head_dim)
+        q = apply_linear(self.wq_b, c_q).reshape(N, c.index_n_heads, c.index_head_dim)
         q = _rope_head(q, st.cos, st.sin, c.qk_rope_head_dim)
         w = F.linear(x.float(), self.weights_proj.weight.float()) * self.w_scale
         with torch.no_grad():  # the selection is not differentiable; the indexer is trained apart
@@ -120,13 +126,45 @@ class Attention(nn.Module):
     def _latent_rows(self, x: torch.Tensor, st: Step) -> torch.Tensor:
         """[ckv | k_pe] of x, as mla_prolog writes them to the cache (differentiable)."""
         c = self.cfg
-        kv = F.linear(x, self.kv_a_proj_with_mqa.weight)
+        kv = apply_linear(self.kv_a_proj_with_mqa, x)
         ckv = ops.rms_norm(kv[:, : c.kv_lora_rank], self.kv_a_layernorm.weight, MLA_NORM_EPS)
         k_pe = ops.rope(kv[:, c.kv_lora_rank :], st.cos, st.sin, True)
         return torch.cat((ckv, k_pe), -1)
 
-    def use_absorbed(self, n_queries: int, n_rows: int) -> bool:
-        """MQA (absorbed) when it costs fewer FLOPs than expanding n_rows latent rows."""
+    def quantized_prolog(self) -> bool:
+        """True when q_a / q_b / kv_a are quantized: the prolog then runs decomposed."""
+        return QuantLinear in (type(self.q_a_proj), type(self.q_b_proj),
+                               type(self.kv_a_proj_with_mqa))
+
+    def _prolog_quant(self, x: torch.Tensor, w_uk: torch.Tensor, st: Step,
+                      latent: torch.Tensor, absorb: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mla_prolog by its OPS.md decomposition with quantized projections (quant_linear for
+        q_a / q_b / kv_a): same outputs, same in-place cache write at ``st.slots``."""
+        c = self.cfg
+        H, Dn, R = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
+        c_q = ops.rms_norm(apply_linear(self.q_a_proj, x), self.q_a_layernorm.weight,
+                           MLA_NORM_EPS)
+        q = apply_linear(self.q_b_proj, c_q).view(x.shape[0], H, -1)
+        q_pe = ops.rope(q[..., Dn:].contiguous(), st.cos, st.sin, True)
+        q_nope = q[..., :Dn]
+        q_main = torch.einsum("thd,hdc->thc", q_nope, w_uk) if absorb else q_nope.contiguous()
+        rows = self._latent_rows(x, st)
+        keep = st.slots >= 0  # slot -1 is skipped, as in mla_prolog
+        with torch.no_grad():
+            latent[st.slots[keep].long()] = rows[keep].detach().to(latent.dtype)
+        return q_main, q_pe, c_q
+
+    def use_absorbed(self, n_queries: int, n_rows: int, sparse: bool,
+                     elem_bytes: int = 4) -> bool:
+        """MQA (absorbed) when it costs less than expanding n_rows latent rows (MHA).
+
+        Cost = FLOPs + GATHER_FLOPS_PER_BYTE x bytes gathered by the sparse kernel. Dense
+        attention streams keys in tiles shared by many queries, so only FLOPs count there. A
+        sparse query gathers its own top-k rows: H x (Dqk + Dv) values per row in MHA mode, one
+        latent row (Rkv + Dr) shared by all heads in MQA mode, H times fewer bytes; that is why
+        sparse prefill kernels (FlashMLA's, Ascend's) run in MQA mode.
+        """
         c = self.cfg
         H, Dn, Dv, R, Dr = (c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim,
                             c.kv_lora_rank, c.qk_rope_head_dim)
@@ -134,6 +172,9 @@ class Attention(nn.Module):
         mha = 2.0 * n_rows * R * H * (Dn + Dv) + 2.0 * n_queries * keys * H * (Dn + Dr + Dv)
         mqa = (2.0 * n_queries * H * R * (Dn + Dv)
                + 2.0 * n_queries * keys * H * (R + Dr + R))
+        if sparse:
+            mha += GATHER_FLOPS_PER_BYTE * n_queries * keys * H * (Dn + Dr + Dv) * elem_bytes
+            mqa += GATHER_FLOPS_PER_BYTE * n_queries * keys * (R + Dr) * elem_bytes
         return mqa < mha
 
     # ------------------------------------------------------------------ forward
@@ -149,17 +190,22 @@ class Attention(nn.Module):
         c = self.cfg
         H, Dn = c.num_attention_heads, c.qk_nope_head_dim
         w_uk, w_uv = self._w_kv()
-        absorb = self.use_absorbed(x.shape[0], rows.numel())
-        q_main, q_pe, c_q = ops.mla_prolog(
-            x, self.q_a_proj.weight, self.q_a_layernorm.weight, self.q_b_proj.weight,
-            self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight, w_uk, st.cos, st.sin,
-            MLA_NORM_EPS, latent, st.slots, absorb,
-        )
-        if torch.is_grad_enabled() and (x.requires_grad or self.kv_a_proj_with_mqa.weight.requires_grad):
+        dense = st.max_range <= c.index_topk
+        absorb = self.use_absorbed(x.shape[0], rows.numel(), not dense, latent.element_size())
+        if self.quantized_prolog():
+            q_main, q_pe, c_q = self._prolog_quant(x, w_uk, st, latent, absorb)
+        else:
+            q_main, q_pe, c_q = ops.mla_prolog(
+                x, self.q_a_proj.weight, self.q_a_layernorm.weight, self.q_b_proj.weight,
+                self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight, w_uk, st.cos,
+                st.sin, MLA_NORM_EPS, latent, st.slots, absorb,
+            )
+        kva = self.kv_a_proj_with_mqa
+        if torch.is_grad_enabled() and (x.requires_grad or (type(kva) is not QuantLinear
+                                                            and kva.weight.requires_grad)):
             # Training: the cache write is a side effect without gradient, so this step's
             # latent rows are recomputed differentiably and put in place of the cached ones.
             latent = latent.detach().index_put((st.slots.long(),), self._latent_rows(x, st))
-        dense = st.max_range <= c.index_topk
         if self.indexer is not None:
             with torch.no_grad():
                 index_keys[st.slots.long()] = self.indexer.keys(x, st).to(index_keys.dtype)
@@ -187,7 +233,7 @@ class Attention(nn.Module):
             v = kvx[..., Dn:]
             q = torch.cat((q_main, q_pe), -1)
             o = self._attend(q, k, v, idx, st, rows)
-        return F.linear(o.reshape(x.shape[0], -1), self.o_proj.weight), idx
+        return apply_linear(self.o_proj, o.reshape(x.shape[0], -1)), idx
 
     def _attend(self, q, k, v, idx, st: Step, rows: torch.Tensor | None) -> torch.Tensor:
         """Attention over flat cache rows, or over the gathered ``rows`` (indices remapped)."""
