@@ -274,6 +274,29 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- plan
+def cmd_plan(args: argparse.Namespace) -> int:
+    import re
+
+    from glm5.core.config import GLM5Config, preset
+    from glm5.core.plan import format_plan, plan
+
+    try:
+        cfg = preset(args.preset) if args.preset else GLM5Config.from_pretrained(args.model)
+        p = plan(cfg, args.chip, args.quant, args.batch, args.context, tp=args.tp, ep=args.ep,
+                 kv_dtype=args.kv_dtype, reserve_gb=args.reserve_gb, mtp=args.mtp)
+    except ValueError as e:  # PlanError, ConfigError: name the command-line option
+        msg = str(e).removeprefix("glm5.plan: ").removeprefix("glm5 config: ")
+        raise ValueError(re.sub(r"argument '(\w+)'",
+                                lambda m: "--" + m[1].replace("_", "-"), msg)) from None
+    source = {"preset": args.preset} if args.preset else {"model": str(args.model)}
+    if args.json:
+        print(json.dumps({"source": source, **p}, indent=2))
+    else:
+        print(format_plan(p))
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 def _fmt(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -337,6 +360,24 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0, help="weights seed for --preset")
     e.add_argument("out", help="output .onnx path")
     e.set_defaults(func=cmd_export)
+
+    pl = sub.add_parser("plan", help="memory and roofline time of a model on a chip, per device")
+    src = pl.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", help="a built-in config: glm-5, tiny, small")
+    src.add_argument("--model", help="a directory (or file) with a transformers config.json")
+    pl.add_argument("--chip", required=True, help="ascend-910b, mlu590, mtt-s4000, hygon-k100, "
+                    "h100-sxm, h200")
+    pl.add_argument("--quant", default="bf16", help="bf16 (none), w8a16, w8a8, w4a8, w6a12")
+    pl.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    pl.add_argument("--context", type=int, default=8192, help="tokens per sequence")
+    pl.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    pl.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
+    pl.add_argument("--kv-dtype", default="bf16", help="KV-cache element: bf16 or fp8")
+    pl.add_argument("--reserve-gb", type=float, default=None,
+                    help="activation/workspace reserve per device (default 10%% of memory)")
+    pl.add_argument("--mtp", action="store_true", help="add the MTP layer to each decode step")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
     return p
 
 

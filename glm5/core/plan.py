@@ -1,0 +1,710 @@
+"""Per-chip deployment planner (`glm5 plan`): memory per device and a roofline time estimate for
+a decode step and a prefill of GLM-5 on one accelerator type, with tensor / expert parallelism.
+
+Nothing is allocated and nothing runs: the model's layers are built on the meta device (their
+parameter names and shapes are the model's own), and every op the model runs is costed with its
+``OpDef.cost`` (glm5/ir) on meta tensors of the shapes one device sees. docs/planner.md states
+the formulas and assumptions; the main ones:
+
+* time of an op = max(flops / peak(dtype of the op), bytes / HBM bandwidth); a phase's compute
+  time is the sum over its ops (no overlap between ops), communication is added on top:
+  TP all-reduce = 2 (N-1)/N * bytes / link (ring), EP all-to-all = (N-1)/N * bytes / link.
+* parallel layout on ``devices = max(tp, ep)`` devices: attention heads, the dense / shared MLP
+  columns and the vocabulary are split ``tp`` ways (the MLA latent cache cannot be split by head,
+  so each TP rank keeps the whole latent cache of its sequences); ``devices / tp`` data-parallel
+  attention groups each serve ``ceil(batch / dp)`` sequences; routed experts are split ``ep``
+  ways by expert and ``devices / ep`` ways by column, so every device holds 1/devices of them.
+* decode at batch B touches, on one device, E/ep * (1 - (1 - k/E)^B) experts in expectation
+  (uniform routing; each token picks k distinct experts of E): the expert weight bytes read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from glm5.core.chips import Chip, get_chip
+from glm5.core.config import GLM5Config
+from glm5.core.info import KV_DTYPES, count_params, kv_cache_per_token
+from glm5.core.quant_policy import is_quantized
+from glm5.ir.catalog import get_op
+from glm5.ir.quant_formats import SCHEMES, Scheme
+
+#: the unquantized choice of ``--quant``
+NO_QUANT = "bf16"
+QUANT_CHOICES = (NO_QUANT, *SCHEMES)
+#: default activation / workspace reserve: this fraction of device memory
+RESERVE_FRACTION = 0.10
+#: prefill queries are costed in chunks of this many (so causal ranges are approximated by
+#: the chunk end: sum over chunks ~ L^2/2 + L*CHUNK/2 key rows instead of L^2)
+PREFILL_CHUNK = 1024
+FORMULA = ("op time = max(flops / peak_flops(op dtype), bytes / hbm_bandwidth); phase compute "
+           "time = sum over ops; TP all-reduce = 2(N-1)/N * bytes / link_bw_per_direction "
+           "(ring); EP all-to-all = (N-1)/N * bytes / link_bw_per_direction; step time = "
+           "compute + communication (no overlap assumed)")
+
+# Tensors kept in fp32 by the model (the router runs `F.linear(x.float(), weight.float())`, the
+# indexer head weights likewise; quant_policy keeps them out of every scheme).
+_FP32_NAMES = ("e_score_correction_bias", "mlp.gate.weight", "indexer.weights_proj.")
+_TP_NAMES = ("self_attn.q_b_proj.", "self_attn.kv_b_proj.", "self_attn.o_proj.",
+             "mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.", "mlp.shared_experts.",
+             "embed_tokens.", "lm_head.")
+_EXPERT_NAMES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+class PlanError(ValueError):
+    """A planner input is invalid; the message names the argument."""
+
+
+def _err(arg: str, expected: str, got: Any) -> PlanError:
+    return PlanError(f"glm5.plan: argument {arg!r} expected {expected}, got {got!r}")
+
+
+# --------------------------------------------------------------------------- weights
+def _hp_bytes(name: str) -> int:
+    return 4 if any(s in name for s in _FP32_NAMES) else 2
+
+
+def tensor_bytes(name: str, shape: tuple[int, ...], scheme: Scheme | None) -> float:
+    """Stored bytes of the tensor ``name`` of ``shape`` under ``scheme`` (None = bf16).
+
+    A tensor the scheme quantizes (``quant_policy.is_quantized``), viewed as ``[..., N, K]``,
+    takes ``N * packed_k(K)`` code bytes plus 4 bytes per fp32 scale (per output channel, or per
+    group of 128 along K); any other tensor keeps 2 bytes (bf16) per element, or 4 for the fp32
+    router and indexer head weights.
+    """
+    numel = math.prod(shape)
+    if scheme is not None and len(shape) >= 2 and is_quantized(name):
+        lead = math.prod(shape[:-2])
+        n, k = shape[-2], shape[-1]
+        return float(lead * (n * scheme.packed_k(k) + 4 * math.prod(scheme.scale_shape(n, k))))
+    return float(numel * _hp_bytes(name))
+
+
+def shard_class(name: str) -> str:
+    """'tp' (split across tensor-parallel ranks), 'experts' (split across all devices) or
+    'replicated'."""
+    if any(s in name for s in _EXPERT_NAMES):
+        return "experts"
+    if any(s in name for s in _TP_NAMES):
+        return "tp"
+    return "replicated"
+
+
+def _kinds(cfg: GLM5Config) -> dict[tuple[str, str], list[int]]:
+    """(mlp type, indexer type) -> layer indices of that kind."""
+    out: dict[tuple[str, str], list[int]] = {}
+    for i, (m, x) in enumerate(zip(cfg.mlp_layer_types, cfg.indexer_types)):
+        out.setdefault((m, x), []).append(i)
+    return out
+
+
+def _meta_layer(cfg: GLM5Config, idx: int, mlp_type: str | None = None) -> torch.nn.Module:
+    from glm5.core.model import DecoderLayer
+
+    with torch.device("meta"):
+        return DecoderLayer(cfg, idx, mlp_type)
+
+
+def _mtp_cfg(cfg: GLM5Config) -> GLM5Config:
+    return cfg.replace(num_hidden_layers=1, indexer_types=["full"], mlp_layer_types=["sparse"])
+
+
+def named_tensors(cfg: GLM5Config, mtp: bool = False) -> list[tuple[str, tuple[int, ...], int]]:
+    """(checkpoint-style name, shape, number of layers sharing that name pattern) for every
+    saved tensor of the model (parameters + persistent buffers), one layer of each kind built
+    on the meta device. ``mtp`` adds the MTP block(s)."""
+    rows: list[tuple[str, tuple[int, ...], int]] = []
+    V, D = cfg.vocab_size, cfg.hidden_size
+    rows.append(("model.embed_tokens.weight", (V, D), 1))
+    if not cfg.tie_word_embeddings:
+        rows.append(("lm_head.weight", (V, D), 1))
+    rows.append(("model.norm.weight", (D,), 1))
+    for (mlp, _), layers in _kinds(cfg).items():
+        layer = _meta_layer(cfg, layers[0])
+        pre = f"model.layers.{layers[0]}."
+        for n, t in layer.state_dict(keep_vars=True).items():
+            rows.append((pre + n, tuple(t.shape), len(layers)))
+    if mtp:
+        for i in range(cfg.num_nextn_predict_layers):
+            pre = f"model.layers.{cfg.num_hidden_layers + i}."
+            layer = _meta_layer(_mtp_cfg(cfg), 0, "sparse" if "sparse" in cfg.mlp_layer_types
+                                else "dense")
+            for n, t in layer.state_dict(keep_vars=True).items():
+                rows.append((pre + n, tuple(t.shape), 1))
+            for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+                rows.append((pre + n, (D,), 1))
+            rows.append((pre + "eh_proj.weight", (D, 2 * D), 1))
+    return rows
+
+
+def weight_bytes(cfg: GLM5Config, scheme: Scheme | None, mtp: bool = False) -> dict[str, Any]:
+    """Stored weight bytes of the whole model under ``scheme``, split by shard class."""
+    by_class = {"replicated": 0.0, "tp": 0.0, "experts": 0.0}
+    params = 0
+    quantized = 0
+    for name, shape, n in named_tensors(cfg, mtp):
+        b = tensor_bytes(name, shape, scheme) * n
+        by_class[shard_class(name)] += b
+        params += math.prod(shape) * n
+        if scheme is not None and len(shape) >= 2 and is_quantized(name):
+            quantized += math.prod(shape) * n
+    return {"total": sum(by_class.values()), "by_class": by_class, "params": params,
+            "quantized_params": quantized}
+
+
+# --------------------------------------------------------------------------- op costs
+@dataclass
+class OpCost:
+    """One op as one device runs it, ``count`` times per phase."""
+
+    label: str
+    op: str  # OpDef name, or "matmul" / "bmm" for plain torch matmuls
+    flops: float
+    bytes: float
+    dtype: str  # which peak applies: 'bf16' or 'int8'
+    count: float = 1.0
+
+    def seconds(self, chip: Chip) -> float:
+        return self.count * max(self.flops / chip.peak_flops(self.dtype), self.bytes / (
+            chip.hbm_gbs * 1e9))
+
+    def bound(self, chip: Chip) -> str:
+        return "compute" if self.flops / chip.peak_flops(self.dtype) > self.bytes / (
+            chip.hbm_gbs * 1e9) else "memory"
+
+
+def _t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def op_cost(name: str, **kwargs: Any) -> tuple[float, float]:
+    """``OpDef.cost`` of the catalog op ``name`` for these (meta) arguments, after the op's own
+    signature and shape checks."""
+    op = get_op(name)
+    values, syms = op.validate((), kwargs)
+    return op.cost(values, syms)
+
+
+def _chunks(n: int) -> list[tuple[int, int]]:
+    return [(a, min(a + PREFILL_CHUNK, n)) for a in range(0, n, PREFILL_CHUNK)]
+
+
+@dataclass
+class Layout:
+    """What one device sees."""
+
+    batch: int
+    context: int
+    tp: int
+    ep: int
+    devices: int = field(init=False)
+    dp: int = field(init=False)
+    expert_tp: int = field(init=False)
+    local_batch: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.devices = max(self.tp, self.ep)
+        self.dp = self.devices // self.tp
+        self.expert_tp = self.devices // self.ep
+        self.local_batch = -(-self.batch // self.dp)
+
+
+class _Coster:
+    """Builds the per-device op list of one phase."""
+
+    def __init__(self, cfg: GLM5Config, scheme: Scheme | None, lay: Layout) -> None:
+        self.cfg, self.scheme, self.lay = cfg, scheme, lay
+
+    # -- helpers
+    def linear(self, label: str, name: str, M: int, N: int, K: int, count: float = 1.0) -> OpCost:
+        """y[M, N] = x[M, K] W[N, K]^T for the weight ``name``: the quant_linear OpDef cost when
+        the scheme quantizes it, else a bf16 (or fp32) matmul: 2MNK flops, weight + x + y bytes."""
+        sc = self.scheme
+        if sc is None or not is_quantized(name):
+            eb = _hp_bytes(name)
+            return OpCost(label, "matmul", 2.0 * M * N * K, float(N * K * eb + (M * K + M * N) * eb),
+                          "bf16", count)
+        f, b = op_cost("quant_linear", x=_t(M, K), w_packed=_t(N, sc.packed_k(K),
+                       dtype=sc.weight_dtype()), w_scale=_t(*sc.scale_shape(N, K),
+                       dtype=torch.float32), scheme=sc.name)
+        return OpCost(label, "quant_linear", f, b, self.mm_dtype, count)
+
+    @property
+    def mm_dtype(self) -> str:
+        """Peak for a quantized matmul: int8 units for 8-bit activations; w8a16 and w6a12 run on
+        16-bit float units (12-bit codes and 6-bit weights are exact in fp16, and the group sums
+        of 128 products stay below 2^24, exact in the fp32 accumulator)."""
+        sc = self.scheme
+        return "int8" if sc is not None and sc.act_bits == 8 else "bf16"
+
+    # -- one decoder layer
+    def layer(self, tokens: int, sequences: int, phase: str, count: float,
+              attn: torch.nn.Module, pre: str) -> list[OpCost]:
+        c, lay = self.cfg, self.lay
+        D, H = c.hidden_size, c.num_attention_heads
+        Hl = H // lay.tp
+        Dn, Dr, Dv, R, Rq = (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
+                             c.kv_lora_rank, c.q_lora_rank)
+        c_len = lay.context
+        T = tokens
+        a = pre + "self_attn."
+        ops: list[OpCost] = []
+        f, b = op_cost("rms_norm", x=_t(T, D), weight=_t(D), eps=c.rms_norm_eps)
+        ops.append(OpCost("input_layernorm", "rms_norm", f, b, "bf16", count))
+        rows = sequences * c_len
+        sparse = c_len > c.index_topk
+        # the model's own choice; 2-byte (bf16) cache elements
+        absorb = attn.use_absorbed(T, rows, sparse, 2)
+        # MLA prolog: the fused op when nothing is quantized, its parts otherwise
+        if self.scheme is None:
+            f, b = op_cost("mla_prolog", x=_t(T, D), w_qa=_t(Rq, D), g_qa=_t(Rq),
+                           w_qb=_t(Hl * (Dn + Dr), Rq), w_kva=_t(R + Dr, D), g_kva=_t(R),
+                           w_uk=_t(Hl, Dn, R), cos=_t(T, Dr // 2), sin=_t(T, Dr // 2),
+                           eps=1e-6, kv_cache=_t(T, R + Dr), slots=_t(T, dtype=torch.int32),
+                           absorb=absorb)
+            ops.append(OpCost("mla_prolog", "mla_prolog", f, b, "bf16", count))
+        else:
+            ops.append(self.linear("q_a_proj", a + "q_a_proj.weight", T, Rq, D, count))
+            f, b = op_cost("rms_norm", x=_t(T, Rq), weight=_t(Rq), eps=1e-6)
+            ops.append(OpCost("q_a_layernorm", "rms_norm", f, b, "bf16", count))
+            ops.append(self.linear("q_b_proj", a + "q_b_proj.weight", T, Hl * (Dn + Dr), Rq,
+                                   count))
+            f, b = op_cost("rope", x=_t(T, Hl, Dr), cos=_t(T, Dr // 2), sin=_t(T, Dr // 2),
+                           interleaved=True)
+            ops.append(OpCost("q_rope", "rope", f, b, "bf16", count))
+            if absorb:
+                ops.append(OpCost("absorb_w_uk", "bmm", 2.0 * T * Hl * Dn * R,
+                                  2.0 * (Hl * Dn * R + T * Hl * (Dn + R)), "bf16", count))
+            ops.append(self.linear("kv_a_proj", a + "kv_a_proj_with_mqa.weight", T, R + Dr, D,
+                                   count))
+            f, b = op_cost("rms_norm", x=_t(T, R), weight=_t(R), eps=1e-6)
+            ops.append(OpCost("kv_a_layernorm", "rms_norm", f, b, "bf16", count))
+            f, b = op_cost("rope", x=_t(T, Dr), cos=_t(T, Dr // 2), sin=_t(T, Dr // 2),
+                           interleaved=True)
+            ops.append(OpCost("k_rope", "rope", f, b, "bf16", count))
+            ops.append(OpCost("latent_cache_write", "copy", 0.0, 2.0 * T * (R + Dr), "bf16",
+                              count))
+        ops += self.indexer(attn, a, T, sequences, phase, sparse, count)
+        ops += self.attention(absorb, sparse, T, sequences, phase, count, a)
+        ops.append(self.linear("o_proj", a + "o_proj.weight", T, D, Hl * Dv, count))
+        f, b = op_cost("rms_norm", x=_t(T, D), weight=_t(D), eps=c.rms_norm_eps)
+        ops.append(OpCost("post_attention_layernorm", "rms_norm", f, b, "bf16", count))
+        return ops
+
+    def indexer(self, attn: torch.nn.Module, a: str, T: int, sequences: int, phase: str,
+                sparse: bool, count: float) -> list[OpCost]:
+        c = self.cfg
+        if attn.indexer is None:  # a 'shared' layer reuses the previous selection
+            return []
+        D, Rq, Hi, Di, Dr = (c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim,
+                             c.qk_rope_head_dim)
+        x = a + "indexer."
+        ops = [self.linear("indexer.wk", x + "wk.weight", T, Di, D, count)]
+        f, b = op_cost("layer_norm", x=_t(T, Di), weight=_t(Di), bias=_t(Di), eps=1e-6)
+        ops.append(OpCost("indexer.k_norm", "layer_norm", f, b, "bf16", count))
+        f, b = op_cost("rope", x=_t(T, Dr), cos=_t(T, Dr // 2), sin=_t(T, Dr // 2),
+                       interleaved=True)
+        ops.append(OpCost("indexer.k_rope", "rope", f, b, "bf16", count))
+        ops.append(OpCost("indexer_key_cache_write", "copy", 0.0, 2.0 * T * Di, "bf16", count))
+        if not sparse:  # every causal range fits in index_topk: dense attention, no selection
+            return ops
+        ops.append(self.linear("indexer.wq_b", x + "wq_b.weight", T, Hi * Di, Rq, count))
+        f, b = op_cost("rope", x=_t(T, Hi, Dr), cos=_t(T, Dr // 2), sin=_t(T, Dr // 2),
+                       interleaved=True)
+        ops.append(OpCost("indexer.q_rope", "rope", f, b, "bf16", count))
+        ops.append(self.linear("indexer.weights_proj", x + "weights_proj.weight", T, Hi, D,
+                               count))
+        for q_rows, keys, n in self._ranges(phase, sequences):
+            f, b = op_cost("indexer_topk", q=_t(q_rows, Hi, Di), k=_t(keys, Di),
+                           w=_t(q_rows, Hi, dtype=torch.float32),
+                           k_start=_t(q_rows, dtype=torch.int32),
+                           k_end=_t(q_rows, dtype=torch.int32), topk=c.index_topk)
+            ops.append(OpCost("indexer_topk", "indexer_topk", f, b, "bf16", count * n))
+        return ops
+
+    def _ranges(self, phase: str, sequences: int) -> list[tuple[int, int, int]]:
+        """(query rows, key rows, how many such calls) of the causal ranges: decode = one query
+        per sequence over its L keys; prefill = chunks of PREFILL_CHUNK queries over the keys up
+        to the chunk's end, per sequence."""
+        L = self.lay.context
+        if phase == "decode":
+            return [(1, L, sequences)]
+        return [(e - s, e, sequences) for s, e in _chunks(L)]
+
+    def attention(self, absorb: bool, sparse: bool, T: int, sequences: int, phase: str,
+                  count: float, a: str) -> list[OpCost]:
+        c, lay = self.cfg, self.lay
+        Hl = c.num_attention_heads // lay.tp
+        Dn, Dr, Dv, R = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        rows = sequences * lay.context
+        ops: list[OpCost] = []
+        if absorb:  # MQA over the latent cache: Dqk = R + Dr, Dv = R, one KV head
+            hk, dqk, dv = 1, R + Dr, R
+        else:  # MHA: expand the latent rows in use with kv_b_proj first
+            ops.append(self.linear("kv_b_proj(expand)", a + "kv_b_proj.weight", rows,
+                                   Hl * (Dn + Dv), R, count))
+            hk, dqk, dv = Hl, Dn + Dr, Dv
+        scale = c.softmax_scale
+        if sparse:
+            f, b = op_cost("sparse_attention", q=_t(T, Hl, dqk), k=_t(rows, hk, dqk),
+                           v=_t(rows, hk, dv), idx=_t(T, c.index_topk, dtype=torch.int32),
+                           scale=scale)
+            ops.append(OpCost("sparse_attention", "sparse_attention", f, b, "bf16", count))
+        else:
+            for q_rows, keys, n in self._ranges(phase, sequences):
+                f, b = op_cost("attention", q=_t(q_rows, Hl, dqk), k=_t(keys, hk, dqk),
+                               v=_t(keys, hk, dv), k_start=_t(q_rows, dtype=torch.int32),
+                               k_end=_t(q_rows, dtype=torch.int32), scale=scale)
+                ops.append(OpCost("attention", "attention", f, b, "bf16", count * n))
+        if absorb:
+            ops.append(OpCost("absorb_w_uv", "bmm", 2.0 * T * Hl * R * Dv,
+                              2.0 * (Hl * Dv * R + T * Hl * (R + Dv)), "bf16", count))
+        return ops
+
+    # -- MLPs
+    def dense_mlp(self, pre: str, T: int, inter: int, label: str, count: float) -> list[OpCost]:
+        D = self.cfg.hidden_size
+        Il = inter // self.lay.tp
+        return [
+            self.linear(f"{label}.gate_proj", pre + "gate_proj.weight", T, Il, D, count),
+            self.linear(f"{label}.up_proj", pre + "up_proj.weight", T, Il, D, count),
+            OpCost(f"{label}.silu_mul", "silu_mul", *op_cost("silu_mul", x=_t(T, 2 * Il)),
+                   "bf16", count),
+            self.linear(f"{label}.down_proj", pre + "down_proj.weight", T, D, Il, count),
+        ]
+
+    def moe(self, pre: str, T: int, global_tokens: int, count: float) -> list[OpCost]:
+        c, lay, sc = self.cfg, self.lay, self.scheme
+        D, E, k = c.hidden_size, c.n_routed_experts, c.num_experts_per_tok
+        ops = [self.linear("router", pre + "mlp.gate.weight", T, E, D, count)]
+        f, b = op_cost("moe_route", logits=_t(T, E, dtype=torch.float32),
+                       bias=_t(E, dtype=torch.float32), top_k=k, n_group=c.n_group,
+                       topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
+                       routed_scaling=c.routed_scaling_factor)
+        ops.append(OpCost("moe_route", "moe_route", f, b, "bf16", count))
+        slots, touched = expert_load(E, k, global_tokens, lay.ep)
+        Il = c.moe_intermediate_size // lay.expert_tp
+        x, ids, w = (_t(slots, D), _t(slots, 1, dtype=torch.int32),
+                     _t(slots, 1, dtype=torch.float32))
+        if sc is None:
+            f, b = op_cost("moe_experts", x=x, ids=ids, weights=w, w13=_t(touched, 2 * Il, D),
+                           w2=_t(touched, D, Il))
+            ops.append(OpCost("moe_experts", "moe_experts", f, b, "bf16", count))
+        else:
+            wd = sc.weight_dtype()
+            f, b = op_cost("moe_experts_quant", x=x, ids=ids, weights=w,
+                           w13_packed=_t(touched, 2 * Il, sc.packed_k(D), dtype=wd),
+                           w13_scale=_t(touched, *sc.scale_shape(2 * Il, D), dtype=torch.float32),
+                           w2_packed=_t(touched, D, sc.packed_k(Il), dtype=wd),
+                           w2_scale=_t(touched, *sc.scale_shape(D, Il), dtype=torch.float32),
+                           scheme=sc.name)
+            ops.append(OpCost("moe_experts_quant", "moe_experts_quant", f, b, self.mm_dtype,
+                              count))
+        if c.n_shared_experts:
+            ops += self.dense_mlp(pre + "mlp.shared_experts.", T,
+                                  c.moe_intermediate_size * c.n_shared_experts, "shared_expert",
+                                  count)
+        return ops
+
+
+def expert_load(E: int, k: int, tokens: int, ep: int) -> tuple[int, int]:
+    """(routed token slots one expert-parallel rank serves, experts it touches), for ``tokens``
+    tokens routed to k of E experts each, uniformly: slots = ceil(tokens k / ep); touched =
+    ceil(E/ep * (1 - (1 - k/E)^tokens)) (the expected number of distinct experts hit), at most
+    the slots."""
+    slots = -(-tokens * k // ep)
+    p_hit = 1.0 - (1.0 - k / E) ** tokens
+    touched = min(slots, max(1, math.ceil(E / ep * p_hit - 1e-9)))
+    return slots, touched
+
+
+# --------------------------------------------------------------------------- phases
+def _ring_allreduce_s(nbytes: float, n: int, chip: Chip) -> float:
+    return 0.0 if n <= 1 else 2.0 * (n - 1) / n * nbytes / (chip.link_gbs_per_direction * 1e9)
+
+
+def _alltoall_s(nbytes: float, n: int, chip: Chip) -> float:
+    return 0.0 if n <= 1 else (n - 1) / n * nbytes / (chip.link_gbs_per_direction * 1e9)
+
+
+def phase_cost(cfg: GLM5Config, chip: Chip, scheme: Scheme | None, lay: Layout, phase: str,
+               mtp: bool = False) -> dict[str, Any]:
+    """Per-device flops, bytes, op list and times of one decode step or one prefill.
+
+    decode: each of the device's ``local_batch`` sequences adds one token at context L;
+    prefill: each processes L tokens (causal). Logits only for the last token of each sequence.
+    """
+    if phase not in ("decode", "prefill"):
+        raise _err("phase", "'decode' or 'prefill'", phase)
+    seqs = lay.local_batch
+    T = seqs if phase == "decode" else seqs * lay.context
+    global_tokens = lay.batch if phase == "decode" else lay.batch * lay.context
+    co = _Coster(cfg, scheme, lay)
+    D = cfg.hidden_size
+    ops: list[OpCost] = []
+    n_layers = 0
+    moe_layers = 0
+    kinds = [(kind, layers[0], len(layers), cfg) for kind, layers in _kinds(cfg).items()]
+    if mtp:
+        for _ in range(cfg.num_nextn_predict_layers):
+            mk = "sparse" if "sparse" in cfg.mlp_layer_types else "dense"
+            kinds.append(((mk, "full"), 0, 1, _mtp_cfg(cfg)))
+    for (mlp, _idx), first, n, kcfg in kinds:
+        layer = _meta_layer(kcfg, first, mlp)
+        pre = f"model.layers.{first}."
+        co.cfg = kcfg
+        ops += co.layer(T, seqs, phase, float(n), layer.self_attn, pre)
+        if mlp == "sparse":
+            ops += co.moe(pre, T, global_tokens, float(n))
+            moe_layers += n
+        else:
+            ops += co.dense_mlp(pre + "mlp.", T, cfg.intermediate_size, "mlp", float(n))
+        n_layers += n
+    co.cfg = cfg
+    out_rows = seqs  # logits for the last token of each sequence
+    f, b = op_cost("rms_norm", x=_t(out_rows, D), weight=_t(D), eps=cfg.rms_norm_eps)
+    ops.append(OpCost("final_norm", "rms_norm", f, b, "bf16"))
+    heads = 1 + (cfg.num_nextn_predict_layers if mtp else 0)
+    if mtp:
+        mp = f"model.layers.{cfg.num_hidden_layers}."
+        ops.append(co.linear("mtp.eh_proj", mp + "eh_proj.weight", T, D, 2 * D,
+                             cfg.num_nextn_predict_layers))
+    ops.append(co.linear("lm_head", "lm_head.weight", out_rows, cfg.vocab_size // lay.tp, D,
+                         heads))
+    compute_s = sum(o.seconds(chip) for o in ops)
+    # communication: two all-reduces of [T, D] bf16 per layer (after attention, after the MLP)
+    ar_bytes = 2.0 * T * D * 2 * n_layers
+    tp_s = _ring_allreduce_s(ar_bytes, lay.tp, chip)
+    # dispatch + combine of each token's hidden state to its k experts, per MoE layer; each
+    # device sends the tokens it owns (global_tokens / devices)
+    a2a_bytes = 2.0 * moe_layers * (global_tokens / lay.devices) * cfg.num_experts_per_tok * D * 2
+    ep_s = _alltoall_s(a2a_bytes, lay.ep, chip)
+    total_s = compute_s + tp_s + ep_s
+    res: dict[str, Any] = {
+        "tokens_per_device": T,
+        "flops": sum(o.flops * o.count for o in ops),
+        "bytes": sum(o.bytes * o.count for o in ops),
+        "compute_ms": compute_s * 1e3,
+        "tp_allreduce_bytes": ar_bytes if lay.tp > 1 else 0.0,
+        "tp_allreduce_ms": tp_s * 1e3,
+        "ep_alltoall_bytes": a2a_bytes if lay.ep > 1 else 0.0,
+        "ep_alltoall_ms": ep_s * 1e3,
+        "total_ms": total_s * 1e3,
+        "ops": _summarise(ops, chip),
+    }
+    if phase == "decode":
+        res["ms_per_token"] = total_s * 1e3
+        res["tokens_per_s"] = lay.batch / total_s
+    else:
+        res["time_s"] = total_s
+        res["tokens_per_s"] = lay.batch * lay.context / total_s
+    return res
+
+
+def _summarise(ops: list[OpCost], chip: Chip) -> list[dict[str, Any]]:
+    """Ops aggregated by label (over layers and sequences), slowest first."""
+    agg: dict[str, dict[str, Any]] = {}
+    for o in ops:
+        r = agg.setdefault(o.label, {"label": o.label, "op": o.op, "dtype": o.dtype,
+                                     "calls": 0.0, "flops": 0.0, "bytes": 0.0, "ms": 0.0,
+                                     "bound": o.bound(chip)})
+        r["calls"] += o.count
+        r["flops"] += o.flops * o.count
+        r["bytes"] += o.bytes * o.count
+        r["ms"] += o.seconds(chip) * 1e3
+    return sorted(agg.values(), key=lambda r: -r["ms"])
+
+
+# --------------------------------------------------------------------------- the plan
+def check_inputs(cfg: GLM5Config, batch: int, context: int, tp: int, ep: int) -> None:
+    """Raise PlanError naming the argument for nonsense input."""
+    for arg, v in (("batch", batch), ("context", context), ("tp", tp), ("ep", ep)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise _err(arg, "a positive integer", v)
+    if context > cfg.max_position_embeddings:
+        raise _err("context", f"<= max_position_embeddings={cfg.max_position_embeddings}",
+                   context)
+    if cfg.num_attention_heads % tp:
+        raise _err("tp", f"a divisor of num_attention_heads={cfg.num_attention_heads}", tp)
+    if cfg.n_routed_experts % ep:
+        raise _err("ep", f"a divisor of n_routed_experts={cfg.n_routed_experts}", ep)
+    if max(tp, ep) % min(tp, ep):
+        raise _err("ep", f"a multiple or a divisor of tp={tp} (devices = max(tp, ep))", ep)
+    n = max(tp, ep)
+    for what, size in (("intermediate_size", cfg.intermediate_size),
+                       ("moe_intermediate_size", cfg.moe_intermediate_size)):
+        div = tp if what == "intermediate_size" else n // ep
+        if size % div:
+            raise _err("tp", f"a split of {what}={size} into whole columns", tp)
+    if cfg.dsa_selection != "token":
+        raise _err("model", "dsa_selection 'token' (the planner costs the published DSA)",
+                   cfg.dsa_selection)
+
+
+def get_quant(name: str) -> Scheme | None:
+    if name == NO_QUANT:
+        return None
+    if name not in SCHEMES:
+        raise _err("quant", f"one of {', '.join(QUANT_CHOICES)}", name)
+    return SCHEMES[name]
+
+
+def memory(cfg: GLM5Config, chip: Chip, wb: dict[str, Any], lay: Layout, kv_dtype: str,
+           reserve_bytes: float, mtp: bool) -> dict[str, Any]:
+    """Per-device weights + KV cache + reserve against the chip's memory."""
+    cls = wb["by_class"]
+    w_dev = cls["replicated"] + cls["tp"] / lay.tp + cls["experts"] / lay.devices
+    kv = kv_cache_per_token(cfg)
+    per_token = (kv["elements"] + (kv["mtp_elements"] if mtp else 0)) * KV_DTYPES[kv_dtype]
+    kv_dev = float(lay.local_batch * lay.context * per_token)
+    need = w_dev + kv_dev + reserve_bytes
+    cap = chip.memory_bytes
+    return {
+        "weights_bytes_per_device": w_dev,
+        "kv_cache_bytes_per_device": kv_dev,
+        "kv_cache_bytes_per_token": per_token,
+        "reserve_bytes": reserve_bytes,
+        "needed_bytes": need,
+        "capacity_bytes": cap,
+        "fits": need <= cap,
+        "shortfall_bytes": max(0.0, need - cap),
+    }
+
+
+def _candidates(cfg: GLM5Config, max_devices: int = 4096) -> list[tuple[int, int]]:
+    """(tp, ep) pairs in order of device count: powers of two, tp | heads, ep | experts."""
+    out = []
+    n = 1
+    while n <= max_devices:
+        for tp in (2 ** i for i in range(n.bit_length())):
+            eps = [n] if tp < n else [2 ** i for i in range(n.bit_length())]
+            for ep in eps:
+                if (cfg.num_attention_heads % tp == 0 and cfg.n_routed_experts % ep == 0
+                        and cfg.intermediate_size % tp == 0
+                        and cfg.moe_intermediate_size % (n // ep) == 0):
+                    out.append((tp, ep))
+        n *= 2
+    return out
+
+
+def plan(cfg: GLM5Config, chip: str | Chip, quant: str, batch: int, context: int, tp: int = 1,
+         ep: int = 1, kv_dtype: str = "bf16", reserve_gb: float | None = None,
+         mtp: bool = False, suggest: bool = True) -> dict[str, Any]:
+    """The full plan as a JSON-serializable dict (see docs/planner.md for every field)."""
+    ch = chip if isinstance(chip, Chip) else get_chip(chip)
+    sc = get_quant(quant)
+    check_inputs(cfg, batch, context, tp, ep)
+    if kv_dtype not in KV_DTYPES:
+        raise _err("kv_dtype", f"one of {', '.join(KV_DTYPES)}", kv_dtype)
+    if reserve_gb is not None and not (reserve_gb >= 0):
+        raise _err("reserve_gb", "a non-negative number of GB", reserve_gb)
+    reserve = RESERVE_FRACTION * ch.memory_bytes if reserve_gb is None else reserve_gb * 1e9
+    lay = Layout(batch, context, tp, ep)
+    wb = weight_bytes(cfg, sc, mtp)
+    mem = memory(cfg, ch, wb, lay, kv_dtype, reserve, mtp)
+    p = count_params(cfg)
+    out: dict[str, Any] = {
+        "inputs": {"chip": ch.name, "quant": quant, "batch": batch, "context": context,
+                   "tp": tp, "ep": ep, "kv_dtype": kv_dtype, "mtp": mtp,
+                   "reserve_gb": reserve / 1e9},
+        "chip": ch.as_dict(),
+        "layout": asdict(lay),
+        "formula": FORMULA,
+        "model": {"total_params": p["total_params"], "active_params": p["active_params"],
+                  "mtp_params": p["mtp_params"], "weight_bytes_total": wb["total"],
+                  "weight_bytes_by_class": wb["by_class"], "params_counted": wb["params"],
+                  "quantized_params": wb["quantized_params"]},
+        "memory": mem,
+        "decode": phase_cost(cfg, ch, sc, lay, "decode", mtp),
+        "prefill": phase_cost(cfg, ch, sc, lay, "prefill", mtp),
+        "suggestion": None,
+    }
+    if suggest and not mem["fits"]:
+        out["suggestion"] = smallest_fit(cfg, ch, sc, wb, batch, context, kv_dtype, reserve, mtp)
+    return out
+
+
+def smallest_fit(cfg: GLM5Config, chip: Chip, sc: Scheme | None, wb: dict[str, Any], batch: int,
+                 context: int, kv_dtype: str, reserve: float, mtp: bool) -> dict[str, Any] | None:
+    """The (tp, ep) with the fewest devices whose memory fits; among those, the fastest decode
+    step. None when nothing up to 4096 devices fits."""
+    best: tuple[int, float, int, int] | None = None
+    for tp, ep in _candidates(cfg):
+        lay = Layout(batch, context, tp, ep)
+        if best is not None and lay.devices > best[0]:
+            break
+        if not memory(cfg, chip, wb, lay, kv_dtype, reserve, mtp)["fits"]:
+            continue
+        ms = phase_cost(cfg, chip, sc, lay, "decode", mtp)["total_ms"]
+        if best is None or ms < best[1]:
+            best = (lay.devices, ms, tp, ep)
+    if best is None:
+        return None
+    return {"tp": best[2], "ep": best[3], "devices": best[0], "decode_ms": best[1]}
+
+
+# --------------------------------------------------------------------------- text
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.2f} GB"
+
+
+def _num(x: float) -> str:
+    for unit, s in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if abs(x) >= unit:
+            return f"{x / unit:.2f} {s}"
+    return f"{x:.0f} "
+
+
+def format_plan(p: dict[str, Any], top: int = 8) -> str:
+    """The plan as readable text."""
+    i, ch, lay, mem = p["inputs"], p["chip"], p["layout"], p["memory"]
+    est = f" (estimates: {', '.join(ch['estimates'])})" if ch["estimates"] else ""
+    lines = [
+        f"glm5 plan: {ch['vendor']} {ch['name']} (backend {ch['backend']}){est}",
+        f"  quant {i['quant']}, batch {i['batch']}, context {i['context']}, KV cache "
+        f"{i['kv_dtype']}{', MTP on' if i['mtp'] else ''}",
+        f"  layout: tp {lay['tp']}, ep {lay['ep']} on {lay['devices']} device(s); "
+        f"{lay['dp']} attention group(s) of {lay['local_batch']} sequence(s); experts split "
+        f"{lay['ep']} ways by expert x {lay['expert_tp']} by column",
+        "",
+        "memory per device",
+        f"  weights            {_gb(mem['weights_bytes_per_device'])}",
+        f"  KV cache           {_gb(mem['kv_cache_bytes_per_device'])}  "
+        f"({mem['kv_cache_bytes_per_token']:,} B/token)",
+        f"  reserve            {_gb(mem['reserve_bytes'])}  (activations, workspace, runtime)",
+        f"  total / capacity   {_gb(mem['needed_bytes'])} / {_gb(mem['capacity_bytes'])}"
+        f"  -> {'fits' if mem['fits'] else 'DOES NOT FIT'}",
+    ]
+    if not mem["fits"]:
+        lines.append(f"  short by {_gb(mem['shortfall_bytes'])}")
+        s = p["suggestion"]
+        lines.append(f"  smallest layout that fits: tp {s['tp']}, ep {s['ep']} on {s['devices']} "
+                     f"device(s)" if s else "  no layout up to 4096 devices fits")
+    d, f = p["decode"], p["prefill"]
+    lines += [
+        "",
+        "per device        decode step        prefill",
+        f"  FLOPs           {_num(d['flops']):<18} {_num(f['flops'])}",
+        f"  bytes           {_num(d['bytes']) + 'B':<18} {_num(f['bytes'])}B",
+        f"  compute         {d['compute_ms']:<10.3f} ms      {f['compute_ms'] / 1e3:.3f} s",
+        f"  TP all-reduce   {d['tp_allreduce_ms']:<10.3f} ms      "
+        f"{f['tp_allreduce_ms'] / 1e3:.3f} s",
+        f"  EP all-to-all   {d['ep_alltoall_ms']:<10.3f} ms      "
+        f"{f['ep_alltoall_ms'] / 1e3:.3f} s",
+        f"  total           {d['total_ms']:<10.3f} ms      {f['time_s']:.3f} s",
+        f"  tokens/s        {d['tokens_per_s']:<18,.1f} {f['tokens_per_s']:,.1f}",
+        "",
+        f"slowest decode ops (of {len(d['ops'])}):",
+    ]
+    rows = [("op", "calls", "dtype", "FLOPs", "bytes", "ms", "bound")]
+    for r in d["ops"][:top]:
+        rows.append((r["label"], f"{r['calls']:g}", r["dtype"], _num(r["flops"]),
+                     _num(r["bytes"]) + "B", f"{r['ms']:.3f}", r["bound"]))
+    w = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    lines += ["  " + "  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip() for r in rows]
+    lines += ["", f"model: {p['formula']}"]
+    return "\n".join(lines)
