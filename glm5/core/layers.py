@@ -38,6 +38,45 @@ def linear(d_in: int, d_out: int, bias: bool = False) -> nn.Linear:
     return nn.Linear(d_in, d_out, bias=bias)
 
 
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is held in a canonical quantized scheme (OPS.md).
+
+    Buffers (names as in a glm5-quantized checkpoint): ``weight_packed`` [N, P] int8/uint8
+    (the scheme's packed codes), ``weight_scale`` fp32 [N] or [N, ceil(K/128)], optional
+    ``bias`` [N] (fp32; from an imported msModelSlim static W8A8 layer). ``forward`` is
+    ``glm5.ops.quant_linear`` on x flattened to [M, K]; the output takes x's dtype.
+    """
+
+    def __init__(self, d_in: int, d_out: int, scheme: str, bias: bool = False) -> None:
+        super().__init__()
+        from glm5.ir.quant_formats import get_scheme
+
+        sc = get_scheme(scheme, "QuantLinear")
+        self.in_features, self.out_features, self.scheme = d_in, d_out, scheme
+        self.register_buffer("weight_packed",
+                             torch.zeros(d_out, sc.packed_k(d_in), dtype=sc.weight_dtype()))
+        self.register_buffer("weight_scale",
+                             torch.ones(sc.scale_shape(d_out, d_in), dtype=torch.float32))
+        self.register_buffer("bias", torch.zeros(d_out) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = ops.quant_linear(x.reshape(-1, x.shape[-1]), self.weight_packed, self.weight_scale,
+                             self.scheme, self.bias)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}"
+
+
+def apply_linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x·Wᵀ`` through ``mod``: F.linear on an unquantized nn.Linear (the bias-free hot path,
+    no module-call overhead), quant_linear on a QuantLinear."""
+    if type(mod) is QuantLinear:
+        return mod(x)
+    return F.linear(x, mod.weight)
+
+
 class MLP(nn.Module):
     """SwiGLU MLP: down(silu(gate x) * up x)."""
 
@@ -48,8 +87,8 @@ class MLP(nn.Module):
         self.down_proj = linear(inter, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.cat((F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)), -1)
-        return F.linear(ops.silu_mul(h), self.down_proj.weight)
+        h = torch.cat((apply_linear(self.gate_proj, x), apply_linear(self.up_proj, x)), -1)
+        return apply_linear(self.down_proj, ops.silu_mul(h))
 
 
 class Router(nn.Module):
@@ -81,6 +120,31 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
 
+class QuantExperts(nn.Module):
+    """Routed experts in a canonical quantized scheme, stacked like `Experts`: buffers
+    ``gate_up_proj_packed`` [E, 2I, P(D)] with ``gate_up_proj_scale`` ([E, 2I] or
+    [E, 2I, ceil(D/128)], fp32, one scale set per expert) and ``down_proj_packed`` [E, D, P(I)]
+    with ``down_proj_scale``; served by ``glm5.ops.moe_experts_quant``."""
+
+    def __init__(self, cfg: GLM5Config, scheme: str) -> None:
+        super().__init__()
+        from glm5.ir.quant_formats import get_scheme
+
+        sc = get_scheme(scheme, "QuantExperts")
+        E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.scheme = scheme
+        for name, (N, K) in (("gate_up_proj", (2 * I, D)), ("down_proj", (D, I))):
+            self.register_buffer(f"{name}_packed",
+                                 torch.zeros(E, N, sc.packed_k(K), dtype=sc.weight_dtype()))
+            self.register_buffer(f"{name}_scale",
+                                 torch.ones(E, *sc.scale_shape(N, K), dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return ops.moe_experts_quant(x, ids, weights, self.gate_up_proj_packed,
+                                     self.gate_up_proj_scale, self.down_proj_packed,
+                                     self.down_proj_scale, self.scheme)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: GLM5Config) -> None:
         super().__init__()
@@ -90,5 +154,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        y = ops.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        if type(self.experts) is QuantExperts:
+            y = self.experts(x, ids, weights)
+        else:
+            y = ops.moe_experts(x, ids, weights, self.experts.gate_up_proj,
+                                self.experts.down_proj)
         return y + self.shared_experts(x)

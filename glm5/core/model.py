@@ -14,7 +14,7 @@ from glm5.ir.opdef import has_data
 from glm5.core.attention import Attention, Step
 from glm5.core.cache import KVCache
 from glm5.core.config import GLM5Config
-from glm5.core.layers import MLP, MoE, RMSNorm, linear
+from glm5.core.layers import MLP, MoE, RMSNorm, apply_linear, linear
 from glm5.core.rope import inv_freq, rope_tables
 
 
@@ -153,7 +153,7 @@ class GLM5ForCausalLM(nn.Module):
                             indexer_layers=[True])
         st, rows = self._step(cache, T)
         e = m.enorm(self.model.embed_tokens(next_ids).reshape(B * T, -1))
-        x = F.linear(torch.cat((e, m.hnorm(hidden.reshape(B * T, -1))), -1), m.eh_proj.weight)
+        x = apply_linear(m.eh_proj, torch.cat((e, m.hnorm(hidden.reshape(B * T, -1))), -1))
         h, _ = m.block(x, st, cache.latent[0], cache.index_keys[0], None, rows)
         cache.advance(T)
         return F.linear(m.shared_head.norm(h), self.lm_head.weight).reshape(B, T, -1)
