@@ -131,6 +131,15 @@ def test_dense_range_uses_attention_and_prefill_is_chunked():
     assert "kv_b_proj(expand)" not in {r["label"] for r in glm["decode"]["ops"]}
 
 
+def test_expert_load_by_hand():
+    # glm-5 decode, batch 32: 256 * (1 - (248/256)^32) = 163.5 -> 164 experts of 256 slots
+    assert expert_load(256, 8, 32, 1) == (256, 164)
+    # ep 8: 32 experts per rank, 32 * 0.6386 = 20.4 -> 21 of ceil(32*8/8) = 32 slots
+    assert expert_load(256, 8, 32, 8) == (32, 21)
+    # batch 1: exactly k experts
+    assert expert_load(256, 8, 1, 1) == (8, 8)
+
+
 @given(E=st.sampled_from([8, 64, 256]), k=st.integers(1, 8), tokens=st.integers(1, 4096),
        ep=st.sampled_from([1, 2, 4, 8]))
 def test_expert_load_bounds(E, k, tokens, ep):

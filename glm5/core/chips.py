@@ -99,7 +99,8 @@ CHIPS: dict[str, Chip] = {
             "memory_gb": "estimate: 80 GB HBM2e as reported by the trade press; Cambricon "
                          "publishes no MLU590 datasheet",
             "hbm_gbs": "estimate: trade-press figure (no Cambricon datasheet); for scale the "
-                       "official MLU290-M5 is 1.23 TB/s HBM2 (https://21ic.com/article/890568.html)",
+                       "official MLU290-M5 is 1.23 TB/s HBM2 "
+                       "(https://21ic.com/article/890568.html)",
             "bf16_tflops": "estimate: trade-press figure, no Cambricon datasheet",
             "int8_tops": "estimate: 2x the BF16 figure (the MLU290's INT8:INT16 ratio, "
                          "http://t.zoukankan.com/kongchung-p-14746622.html)",

@@ -226,8 +226,8 @@ class _Coster:
         sc = self.scheme
         if sc is None or not is_quantized(name):
             eb = _hp_bytes(name)
-            return OpCost(label, "matmul", 2.0 * M * N * K, float(N * K * eb + (M * K + M * N) * eb),
-                          "bf16", count)
+            nbytes = float(N * K * eb + (M * K + M * N) * eb)
+            return OpCost(label, "matmul", 2.0 * M * N * K, nbytes, "bf16", count)
         f, b = op_cost("quant_linear", x=_t(M, K), w_packed=_t(N, sc.packed_k(K),
                        dtype=sc.weight_dtype()), w_scale=_t(*sc.scale_shape(N, K),
                        dtype=torch.float32), scheme=sc.name)
