@@ -154,8 +154,10 @@ def test_expert_load_bounds(E, k, tokens, ep):
 # --------------------------------------------------------------------------- every chip
 @pytest.mark.parametrize("chip", list(CHIPS))
 def test_every_chip_answers_for_glm5(chip):
+    import glm5
+
     ch = get_chip(chip)
-    assert ch.backend in ("ascend", "cambricon", "mthreads", "hygon", "cuda")
+    assert ch.backend in glm5.get_registry().backends  # a real glm5 backend serves it
     for f in ("memory_gb", "hbm_gbs", "bf16_tflops", "int8_tops", "link_gbs"):
         assert getattr(ch, f) > 0 and ch.sources[f], f
         assert f not in ch.estimates or "estimate" in ch.sources[f]
