@@ -1,0 +1,285 @@
+"""TVM (llvm, host CPU) kernels for `rms_norm`, `rope` and `silu_mul` (OPS.md, normalisation).
+
+Loop-level TensorIR, one work item per row (``T.parallel``), fp32 math in registers:
+
+* rms_norm: ``x[N, D]`` (leading dims flattened) — sum of squares in ``VL`` fp32 lanes plus a
+  scalar tail, one horizontal sum, ``r = 1 / sqrt(mean + eps)``, then ``y = (x · r) · w`` (the
+  reference's order) vectorised the same way. ``w`` goes in as fp32.
+* rope: ``x[T, H, R]`` (middle dims flattened to H, 1 when absent), ``cos``/``sin[T, R/2]`` fp32.
+  NeoX pairs ``(x[i], x[i + R/2])`` are two contiguous vectors; interleaved pairs
+  ``(x[2i], x[2i+1])`` are handled VL/2 pairs at a time on one contiguous VL-lane vector, with the
+  partner lane ``x[r ^ 1]`` and ``cos/sin[r >> 1]`` (LLVM turns these into in-register shuffles).
+* silu_mul: ``x[N, 2I] -> [N, I]``, ``silu(a) = a / (1 + exp(-a))`` with a vectorisable
+  polynomial exp (``fexp``: Cephes expf, ~2 ulp).
+
+Every length (rows, D, R, I) is symbolic: one build per (op, dtype[, interleaved]) serves any
+shape. bf16 is bound as its uint16 bits (a free view) and widened with a shift; the output is
+rounded to nearest even in-kernel (``widen`` / ``narrow``, shared by the other cpu kernels of
+this package). Vectors are ``VL = 16`` fp32 lanes: one AVX-512 register.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+REV = 1  # bump when the generated code changes (part of the build-cache key)
+VL = 16  # fp32 lanes per vector (AVX-512)
+DTYPES = (torch.float32, torch.bfloat16)
+_TVM = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+# --------------------------------------------------------------------------- shared TIR helpers
+def storage(dtype: str) -> str:
+    """The dtype a buffer of ``dtype`` is bound as (bf16 as its uint16 bits)."""
+    return "uint16" if dtype == "bfloat16" else dtype
+
+
+def widen(T: Any, x: Any, dtype: str) -> Any:
+    """A stored element as fp32 (bf16: its 16 bits are the high half of an fp32)."""
+    if dtype == "bfloat16":
+        return T.reinterpret("float32", T.shift_left(T.Cast("uint32", x), T.uint32(16)))
+    return x if dtype == "float32" else T.Cast("float32", x)
+
+
+def narrow(T: Any, x: Any, dtype: str) -> Any:
+    """fp32 to the stored dtype; bf16 rounds to nearest even (NaN stays NaN)."""
+    if dtype == "bfloat16":
+        bits = T.reinterpret("uint32", x)
+        rne = T.shift_right(
+            bits + T.uint32(0x7FFF) + (T.shift_right(bits, T.uint32(16)) & T.uint32(1)),
+            T.uint32(16))
+        return T.Cast("uint16", T.Select(x != x, T.uint32(0x7FC0), rne))
+    return x if dtype == "float32" else T.Cast(dtype, x)
+
+
+def fexp(T: Any, x: Any) -> Any:
+    """Vectorisable expf (Cephes polynomial, ~2 ulp); exp(-inf) = 0, large x saturate."""
+    xc = T.max(T.min(x, T.float32(88.3762626647949)), T.float32(-87.33654475))
+    fx = T.floor(xc * T.float32(1.4426950408889634) + T.float32(0.5))
+    r = xc - fx * T.float32(0.693359375) - fx * T.float32(-2.12194440e-4)
+    y = (((((T.float32(1.9875691500e-4) * r + T.float32(1.3981999507e-3)) * r
+            + T.float32(8.3334519073e-3)) * r + T.float32(4.1665795894e-2)) * r
+          + T.float32(1.6666665459e-1)) * r + T.float32(5.0000001201e-1)) * (r * r) \
+        + r + T.float32(1.0)
+    e = T.reinterpret("float32", T.shift_left(T.Cast("int32", fx) + 127, 23))
+    inf = T.float32(float("inf"))
+    return T.Select(x > T.float32(88.3762626647949), inf,
+                    T.Select(x < T.float32(-87.33654475), T.float32(0.0), y * e))
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """bf16 tensors go to a kernel as a uint16 view of the same memory (no copy)."""
+    return x.view(torch.uint16) if x.dtype == torch.bfloat16 else x
+
+
+# --------------------------------------------------------------------------- builders
+def build_rms_norm(dt: str) -> Any:
+    from tvm.script import tirx as T
+
+    sdt = storage(dt)
+
+    @T.prim_func
+    def rms_norm(x_h: T.handle, w_h: T.handle, y_h: T.handle, eps: T.float32):
+        T.func_attr({"global_symbol": "rms_norm", "tirx.noalias": True})
+        N = T.int32()
+        D = T.int32()
+        X = T.match_buffer(x_h, (N, D), sdt)
+        W = T.match_buffer(w_h, (D,), "float32")
+        Y = T.match_buffer(y_h, (N, D), sdt)
+        for n in T.parallel(N):
+            acc = T.alloc_buffer((VL,), "float32", scope="local")
+            tot = T.alloc_buffer((1,), "float32", scope="local")
+            for ll in T.vectorized(VL):
+                acc[ll] = T.float32(0)
+            for c in range(D // VL):
+                for ll in T.vectorized(VL):
+                    acc[ll] = acc[ll] + widen(T, X[n, c * VL + ll], dt) * widen(
+                        T, X[n, c * VL + ll], dt)
+            tot[0] = T.float32(0)
+            for ll in T.unroll(VL):
+                tot[0] = tot[0] + acc[ll]
+            for j in range(D % VL):
+                tot[0] = tot[0] + widen(T, X[n, D // VL * VL + j], dt) * widen(
+                    T, X[n, D // VL * VL + j], dt)
+            r = T.float32(1) / T.sqrt(tot[0] / T.Cast("float32", D) + eps)
+            for c in range(D // VL):
+                for ll in T.vectorized(VL):
+                    Y[n, c * VL + ll] = narrow(
+                        T, widen(T, X[n, c * VL + ll], dt) * r * W[c * VL + ll], dt)
+            for j in range(D % VL):
+                Y[n, D // VL * VL + j] = narrow(
+                    T, widen(T, X[n, D // VL * VL + j], dt) * r * W[D // VL * VL + j], dt)
+
+    return rms_norm
+
+
+def build_rope(dt: str, interleaved: bool) -> Any:
+    from tvm.script import tirx as T
+
+    sdt = storage(dt)
+
+    if interleaved:
+        @T.prim_func
+        def rope(x_h: T.handle, c_h: T.handle, s_h: T.handle, y_h: T.handle):
+            T.func_attr({"global_symbol": "rope", "tirx.noalias": True})
+            Tn = T.int32()
+            H = T.int32()
+            R2 = T.int32()
+            X = T.match_buffer(x_h, (Tn, H, R2 * 2), sdt)
+            C = T.match_buffer(c_h, (Tn, R2), "float32")
+            S = T.match_buffer(s_h, (Tn, R2), "float32")
+            Y = T.match_buffer(y_h, (Tn, H, R2 * 2), sdt)
+            for p in T.parallel(Tn * H):
+                t = p // H
+                h = p % H
+                # VL lanes = VL/2 pairs; lane r pairs with r ^ 1, even lanes take -sin
+                for c in range(R2 * 2 // VL):
+                    for ll in T.vectorized(VL):
+                        Y[t, h, c * VL + ll] = narrow(T, widen(T, X[t, h, c * VL + ll], dt)
+                                                      * C[t, (c * VL + ll) // 2]
+                                                      + T.Select(ll % 2 == 0, T.float32(-1),
+                                                                 T.float32(1))
+                                                      * widen(T, X[t, h, c * VL + (ll ^ 1)], dt)
+                                                      * S[t, (c * VL + ll) // 2], dt)
+                for i in range(R2 * 2 // VL * (VL // 2), R2):
+                    a = widen(T, X[t, h, 2 * i], dt)
+                    b = widen(T, X[t, h, 2 * i + 1], dt)
+                    Y[t, h, 2 * i] = narrow(T, a * C[t, i] - b * S[t, i], dt)
+                    Y[t, h, 2 * i + 1] = narrow(T, b * C[t, i] + a * S[t, i], dt)
+    else:
+        @T.prim_func
+        def rope(x_h: T.handle, c_h: T.handle, s_h: T.handle, y_h: T.handle):
+            T.func_attr({"global_symbol": "rope", "tirx.noalias": True})
+            Tn = T.int32()
+            H = T.int32()
+            R2 = T.int32()
+            X = T.match_buffer(x_h, (Tn, H, R2 * 2), sdt)
+            C = T.match_buffer(c_h, (Tn, R2), "float32")
+            S = T.match_buffer(s_h, (Tn, R2), "float32")
+            Y = T.match_buffer(y_h, (Tn, H, R2 * 2), sdt)
+            for p in T.parallel(Tn * H):
+                t = p // H
+                h = p % H
+                for c in range(R2 // VL):
+                    for ll in T.vectorized(VL):
+                        Y[t, h, c * VL + ll] = narrow(
+                            T, widen(T, X[t, h, c * VL + ll], dt) * C[t, c * VL + ll]
+                            - widen(T, X[t, h, R2 + c * VL + ll], dt) * S[t, c * VL + ll], dt)
+                        Y[t, h, R2 + c * VL + ll] = narrow(
+                            T, widen(T, X[t, h, R2 + c * VL + ll], dt) * C[t, c * VL + ll]
+                            + widen(T, X[t, h, c * VL + ll], dt) * S[t, c * VL + ll], dt)
+                for i in range(R2 // VL * VL, R2):
+                    a = widen(T, X[t, h, i], dt)
+                    b = widen(T, X[t, h, R2 + i], dt)
+                    Y[t, h, i] = narrow(T, a * C[t, i] - b * S[t, i], dt)
+                    Y[t, h, R2 + i] = narrow(T, b * C[t, i] + a * S[t, i], dt)
+
+    return rope
+
+
+def build_silu_mul(dt: str) -> Any:
+    from tvm.script import tirx as T
+
+    sdt = storage(dt)
+
+    @T.prim_func
+    def silu_mul(x_h: T.handle, y_h: T.handle):
+        T.func_attr({"global_symbol": "silu_mul", "tirx.noalias": True})
+        N = T.int32()
+        I = T.int32()
+        X = T.match_buffer(x_h, (N, I * 2), sdt)
+        Y = T.match_buffer(y_h, (N, I), sdt)
+        for n in T.parallel(N):
+            for c in range(I // VL):
+                for ll in T.vectorized(VL):
+                    Y[n, c * VL + ll] = narrow(
+                        T, widen(T, X[n, c * VL + ll], dt)
+                        / (T.float32(1) + fexp(T, -widen(T, X[n, c * VL + ll], dt)))
+                        * widen(T, X[n, I + c * VL + ll], dt), dt)
+            for i in range(I // VL * VL, I):
+                Y[n, i] = narrow(T, widen(T, X[n, i], dt)
+                                 / (T.float32(1) + fexp(T, -widen(T, X[n, i], dt)))
+                                 * widen(T, X[n, I + i], dt), dt)
+
+    return silu_mul
+
+
+def _fn(context: Callable[[], Any], op: str, dtype: torch.dtype, build: Callable[[], Any],
+        **key: Any) -> Callable[..., Any]:
+    k = {"dtype": _TVM[dtype], "vl": VL, "rev": REV, **key}
+    return context().kernel(op, k, build, op)
+
+
+# --------------------------------------------------------------------------- the ops
+def rms_norm(context: Callable[[], Any], x: torch.Tensor, weight: torch.Tensor,
+             eps: float) -> torch.Tensor:
+    """x [..., D] fp32/bf16, weight [D] -> [..., D] in x's dtype (fp32 math)."""
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D).contiguous()
+    y = torch.empty_like(x2)
+    if x2.numel():
+        fn = _fn(context, "rms_norm", x.dtype, lambda: build_rms_norm(_TVM[x.dtype]))
+        fn(bits(x2), weight.to(torch.float32).contiguous(), bits(y), float(eps))
+    return y.view(x.shape)
+
+
+def rope(context: Callable[[], Any], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         interleaved: bool) -> torch.Tensor:
+    """x [T, ..., R] fp32/bf16, cos/sin [T, R/2] -> like x."""
+    T_, R = x.shape[0], x.shape[-1]
+    x3 = x.reshape(T_, -1, R).contiguous() if x.numel() else x.reshape(T_, 0, R)
+    y = torch.empty_like(x3)
+    if x3.numel():
+        fn = _fn(context, "rope", x.dtype,
+                 lambda: build_rope(_TVM[x.dtype], bool(interleaved)),
+                 interleaved=bool(interleaved))
+        fn(bits(x3), cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous(),
+           bits(y))
+    return y.view(x.shape)
+
+
+def silu_mul(context: Callable[[], Any], x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] fp32/bf16 -> [..., I]."""
+    I = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * I).contiguous()
+    y = torch.empty(x2.shape[0], I, dtype=x.dtype)
+    if y.numel():
+        fn = _fn(context, "silu_mul", x.dtype, lambda: build_silu_mul(_TVM[x.dtype]))
+        fn(bits(x2), bits(y))
+    return y.view(*x.shape[:-1], I)
+
+
+def _cpu(*ts: Any) -> bool:
+    return all(t.device.type == "cpu" for t in ts if isinstance(t, torch.Tensor))
+
+
+def _small(x: torch.Tensor) -> bool:
+    """Row and element counts fit the kernels' int32 indexing."""
+    return x.numel() < 2**31
+
+
+def _rms_supports(x, weight, eps) -> bool:
+    return (x.dtype in DTYPES and weight.dtype in DTYPES + (torch.float64,) and _cpu(x, weight)
+            and x.dim() >= 1 and _small(x))
+
+
+def _rope_supports(x, cos, sin, interleaved) -> bool:
+    return (x.dtype in DTYPES and cos.dtype in DTYPES and sin.dtype in DTYPES
+            and _cpu(x, cos, sin) and x.dim() >= 2 and x.shape[-1] % 2 == 0 and _small(x))
+
+
+def _silu_supports(x) -> bool:
+    return x.dtype in DTYPES and _cpu(x) and x.dim() >= 1 and x.shape[-1] % 2 == 0 and _small(x)
+
+
+def kernels(context: Callable[[], Any]) -> list[tuple[str, Callable, tuple | None, Any]]:
+    """Rows for the cpu backend: (op, fn, dtypes, supports)."""
+    return [
+        ("rms_norm", lambda x, weight, eps: rms_norm(context, x, weight, eps), DTYPES,
+         _rms_supports),
+        ("rope", lambda x, cos, sin, interleaved: rope(context, x, cos, sin, interleaved),
+         DTYPES, _rope_supports),
+        ("silu_mul", lambda x: silu_mul(context, x), DTYPES, _silu_supports),
+    ]

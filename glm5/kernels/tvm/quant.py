@@ -1,0 +1,293 @@
+"""`quant_linear` (all four schemes of OPS.md) and `moe_experts_quant` for the cpu backend.
+
+One TVM kernel per scheme reads the canonical packed weight ``w[N, P]`` directly (no repacking,
+no dequantized copy) and unpacks in registers:
+
+* the packed row is walked in *units*: 1 byte = 1 value (int8), 1 byte = 2 values (int4, low
+  nibble = even k), 3 bytes = 4 values (int6, 24-bit little-endian word, value j in bits
+  6j..6j+5); values are sign-extended with ``(v ^ 2^(b-1)) - 2^(b-1)``;
+* the activation goes in split into the unit's V value streams, ``xs[M, V, U]`` (value j of unit
+  u is ``x[4u + j]`` for int6), so every load in the inner loop is a contiguous VL-lane vector
+  along the units (VL = 16 lanes: one AVX-512 register of fp32 / int32);
+* ``T.parallel`` over the output features n; each weight vector is unpacked once and used for a
+  block of MB activation rows (x is zero padded to a multiple of MB rows).
+
+w8a16 (float activation): ``y[m, n] = Σ_k x[m, k] · (w_q[n, k] · s_w[n])`` in fp32 — the
+dequantized weight of the reference, formed in registers. Activation schemes: the activation is
+quantized per token on the host with the reference's own function (same codes, bit for bit),
+the kernel accumulates ``Σ_{k∈g} x_q · w_q`` per group of 128 in int32 (exact: |sum| < 2^31
+for every scheme at these group sizes; w8a8 is one group of K) and then
+``y = s_x[m] · Σ_g s_w[n, g] · float(isum_g)`` in fp32.
+
+The kernel is a GEMV: it wins where the op is memory-bound (decode, few rows). For many rows
+the GEMM is compute-bound and torch's own CPU kernels win (measured; docs/performance.md
+"quant_linear"): w8a16 -> ``aten._weight_int8pack_mm`` (fp32 x, fp32 scales: exact codes,
+scale applied after the int8·fp32 dot), w8a8 -> ``torch._int_mm`` (exact int32) and the same
+scale products; grouped schemes -> one ``torch._int_mm`` per group on the unpacked int8
+codes (12-bit activations split exactly as ``64·hi + lo`` with int8 halves). ``ROWS_TVM`` holds
+the crossover per scheme. Only M (rows), N and K are runtime values: one build per scheme.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from glm5.ir.quant_formats import GROUP, SCHEMES, get_scheme, n_groups, quantize_per_token_ref, unpack
+
+REV = 1
+VL = 16  # lanes (AVX-512: 16 fp32 / int32)
+MB = 4  # activation rows per weight-vector unpack
+DTYPES = (torch.float32, torch.bfloat16)
+# Rows up to which the TVM GEMV is used; above, torch's kernels (measured crossover, see the
+# module docstring and docs/performance.md).
+ROWS_TVM = {"w8a16": 16, "w8a8": 16, "w4a8": 64, "w6a12": 64}
+
+# (bytes per unit, values per unit) of each weight width
+_UNIT = {8: (1, 1), 4: (1, 2), 6: (3, 4)}
+
+
+def _unpack_tir(T: Any, W: Any, n: Any, u: Any, j: int, bits: int) -> Any:
+    """Value j of packed unit u of row n, as int32 (sign-extended)."""
+    if bits == 8:
+        return T.Cast("int32", W[n, u])
+    if bits == 4:
+        v = T.shift_right(T.Cast("int32", W[n, u]), 4 * j) & 15
+        return (v ^ 8) - 8
+    word = (T.Cast("int32", W[n, 3 * u]) | T.shift_left(T.Cast("int32", W[n, 3 * u + 1]), 8)
+            | T.shift_left(T.Cast("int32", W[n, 3 * u + 2]), 16))
+    v = T.shift_right(word, 6 * j) & 63
+    return (v ^ 32) - 32
+
+
+def build(scheme: str) -> Any:
+    """``qgemv(xs[Mp, V, U], w[N, P], sw[N, G], sx[Mp], y[Mp, N], gu)``: gu = units per group.
+
+    w8a16: xs fp32, sx unused (ones); activation schemes: xs int32 codes."""
+    from tvm.script import tirx as T
+
+    sc = SCHEMES[scheme]
+    bits = sc.weight_bits
+    B, V = _UNIT[bits]
+    wdt = "int8" if bits == 8 else "uint8"
+    FLOAT = sc.act_bits is None
+    adt = "float32" if FLOAT else "int32"
+
+    def zero():
+        return T.float32(0) if FLOAT else T.int32(0)
+
+    def term(X, W, S, m, n, g, u, j):
+        wv = _unpack_tir(T, W, n, u, j, bits)
+        if FLOAT:  # the reference's dequantized weight, then the product
+            return X[m, j, u] * (T.Cast("float32", wv) * S[n, g])
+        return X[m, j, u] * wv
+
+    @T.prim_func
+    def qgemv(x_h: T.handle, w_h: T.handle, s_h: T.handle, sx_h: T.handle, y_h: T.handle,
+              gu: T.int32):
+        T.func_attr({"global_symbol": "qgemv", "tirx.noalias": True})
+        Mp = T.int32()
+        U = T.int32()
+        N = T.int32()
+        P = T.int32()
+        G = T.int32()
+        X = T.match_buffer(x_h, (Mp, V, U), adt)
+        W = T.match_buffer(w_h, (N, P), wdt)
+        S = T.match_buffer(s_h, (N, G), "float32")
+        SX = T.match_buffer(sx_h, (Mp,), "float32")
+        Y = T.match_buffer(y_h, (Mp, N), "float32")
+        for n in T.parallel(N):
+            acc = T.alloc_buffer((MB, VL), adt, scope="local")
+            red = T.alloc_buffer((MB,), adt, scope="local")
+            fac = T.alloc_buffer((MB,), "float32", scope="local")
+            for mb in range(Mp // MB):
+                for mi in T.unroll(MB):
+                    fac[mi] = T.float32(0)
+                for g in range(G):
+                    for mi in T.unroll(MB):
+                        for ll in T.vectorized(VL):
+                            acc[mi, ll] = zero()
+                    cnt = T.min(gu, U - g * gu)
+                    for c in range(cnt // VL):
+                        for mi in T.unroll(MB):
+                            for j in T.unroll(V):
+                                for ll in T.vectorized(VL):
+                                    acc[mi, ll] = acc[mi, ll] + term(
+                                        X, W, S, mb * MB + mi, n, g, g * gu + c * VL + ll, j)
+                    for mi in T.unroll(MB):
+                        red[mi] = zero()
+                        for ll in T.unroll(VL):
+                            red[mi] = red[mi] + acc[mi, ll]
+                    for r in range(cnt // VL * VL, cnt):
+                        for mi in T.unroll(MB):
+                            for j in T.unroll(V):
+                                red[mi] = red[mi] + term(X, W, S, mb * MB + mi, n, g,
+                                                         g * gu + r, j)
+                    for mi in T.unroll(MB):
+                        if FLOAT:
+                            fac[mi] = fac[mi] + red[mi]
+                        else:
+                            fac[mi] = fac[mi] + S[n, g] * T.Cast("float32", red[mi])
+                for mi in T.unroll(MB):
+                    if FLOAT:
+                        Y[mb * MB + mi, n] = fac[mi]
+                    else:
+                        Y[mb * MB + mi, n] = SX[mb * MB + mi] * fac[mi]
+
+    return qgemv
+
+
+def _fn(context: Callable[[], Any], scheme: str) -> Callable[..., Any]:
+    key = {"scheme": scheme, "vl": VL, "mb": MB, "rev": REV}
+    return context().kernel("quant_linear", key, lambda: build(scheme), "qgemv")
+
+
+def _streams(xv: torch.Tensor, V: int, U: int) -> torch.Tensor:
+    """[M, K] -> [Mp, V, U] (rows zero padded to a multiple of MB, K to V·U): value j of
+    unit u is column V·u + j."""
+    M, K = xv.shape
+    Mp = -(-M // MB) * MB
+    out = torch.zeros(Mp, V * U, dtype=xv.dtype)
+    out[:M, :K] = xv
+    return out.view(Mp, U, V).transpose(1, 2).contiguous()
+
+
+def gemv(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
+         w_scale: torch.Tensor, scheme: str) -> torch.Tensor:
+    """The TVM path: fp32 ``[M, N]`` without bias."""
+    sc = SCHEMES[scheme]
+    M, K = x.shape
+    N = w_packed.shape[0]
+    B, V = _UNIT[sc.weight_bits]
+    U = w_packed.shape[1] // B
+    if sc.act_bits is None:
+        xv, sx = x.to(torch.float32), None
+    else:
+        xq, sx = quantize_per_token_ref(x, sc.act_bits)
+        xv = xq.to(torch.int32)
+    xs = _streams(xv, V, U)
+    Mp = xs.shape[0]
+    sxp = torch.ones(Mp, dtype=torch.float32)
+    if sx is not None:
+        sxp[:M] = sx
+    sw = w_scale.to(torch.float32).reshape(N, -1).contiguous()
+    gu = GROUP // V if sc.grouped else max(U, 1)
+    y = torch.empty(Mp, N, dtype=torch.float32)
+    _fn(context, scheme)(xs, w_packed.contiguous(), sw, sxp, y, gu)
+    return y[:M]
+
+
+def _int8_halves(xq: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """Exact int8 pieces of int codes: [(1, xq)] for 8-bit codes; 12-bit codes
+    x = 64·hi + lo with lo in [-32, 31] and hi in [-32, 32] (both int8)."""
+    if xq.dtype == torch.int8:
+        return [(1, xq)]
+    xi = xq.to(torch.int32)
+    lo = ((xi + 32) & 63) - 32
+    hi = (xi - lo) >> 6
+    return [(64, hi.to(torch.int8)), (1, lo.to(torch.int8))]
+
+
+def gemm_torch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
+               scheme: str) -> torch.Tensor:
+    """The torch path (many rows): fp32 ``[M, N]`` without bias."""
+    sc = SCHEMES[scheme]
+    K = x.shape[1]
+    if sc.act_bits is None:
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.float32).contiguous(),
+                                                  w_packed.contiguous(),
+                                                  w_scale.to(torch.float32).contiguous())
+    xq, sx = quantize_per_token_ref(x, sc.act_bits)
+    wq = w_packed if sc.weight_bits == 8 else unpack(w_packed, sc, K).to(torch.int8)
+    pieces = _int8_halves(xq)
+    if not sc.grouped:
+        isum = sum(f * torch._int_mm(p.contiguous(), wq.T) for f, p in pieces)
+        return sx[:, None] * (isum.to(torch.float32) * w_scale.to(torch.float32)[None])
+    y = torch.zeros(x.shape[0], w_packed.shape[0], dtype=torch.float32)
+    sw = w_scale.to(torch.float32)
+    for g in range(n_groups(K)):
+        k0, k1 = g * GROUP, min(K, (g + 1) * GROUP)
+        wg = wq[:, k0:k1].T
+        isum = sum(f * torch._int_mm(p[:, k0:k1].contiguous(), wg) for f, p in pieces)
+        y += isum.to(torch.float32) * sw[None, :, g]
+    return sx[:, None] * y
+
+
+def quant_linear(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
+                 w_scale: torch.Tensor, scheme: str, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """x [M, K] fp32/bf16, canonical packed weight [N, P] with scales -> [M, N] in x's dtype."""
+    get_scheme(scheme, "quant_linear")
+    M, K = x.shape
+    N = w_packed.shape[0]
+    if M == 0 or N == 0 or K == 0:
+        y = torch.zeros(M, N, dtype=torch.float32)
+    elif M <= ROWS_TVM[scheme]:
+        y = gemv(context, x, w_packed, w_scale, scheme)
+    else:
+        y = gemm_torch(x, w_packed, w_scale, scheme)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)
+
+
+def moe_experts_quant(context: Callable[[], Any], x, ids, weights, w13_packed, w13_scale,
+                      w2_packed, w2_scale, scheme: str) -> torch.Tensor:
+    """`moe_experts` with quantized experts: the rows sorted by expert (as `moe.moe_experts`),
+    `quant_linear` per expert run, TVM silu_mul, the TVM j-ordered weighted combine."""
+    from glm5.kernels.tvm import moe
+
+    T_, D = x.shape
+    E = w13_packed.shape[0]
+    I = w13_packed.shape[1] // 2
+    y = torch.empty(T_, D, dtype=x.dtype)
+    if T_ == 0 or D == 0:
+        return y
+    combine, silu = moe._fns(context, x.dtype)
+    tok, pos, counts = moe.route_rows(ids, E)
+    R = tok.shape[0]
+    xs = x.contiguous()[tok]
+    o = torch.zeros(R, D, dtype=torch.float32)
+    a = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        h13 = quant_linear(context, xs[a: a + n], w13_packed[e], w13_scale[e], scheme)
+        hs = torch.empty(n, I, dtype=torch.float32)
+        if I:
+            silu(h13.to(torch.float32).contiguous(), hs)
+            # the second GEMM's input is in x's dtype, as in the reference
+            o[a: a + n] = quant_linear(context, hs.to(x.dtype), w2_packed[e], w2_scale[e],
+                                       scheme).to(torch.float32)
+        a += n
+    combine(o, pos, weights.to(torch.float32).contiguous(), moe.bits(y))
+    return y
+
+
+def _cpu(*ts: Any) -> bool:
+    return all(t.device.type == "cpu" for t in ts if isinstance(t, torch.Tensor))
+
+
+def _ql_supports(x, w_packed, w_scale, scheme, bias=None) -> bool:
+    return (x.dtype in DTYPES and scheme in SCHEMES and _cpu(x, w_packed, w_scale, bias)
+            and x.shape[1] < 2**24 and w_packed.numel() < 2**31)
+
+
+def _meq_supports(x, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, scheme) -> bool:
+    return (x.dtype in DTYPES and scheme in SCHEMES
+            and _cpu(x, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale)
+            and x.numel() < 2**31 and w13_packed.shape[1] % 2 == 0)
+
+
+def kernels(context: Callable[[], Any]) -> list[tuple[str, Callable, tuple | None, Any]]:
+    """Rows for the cpu backend: (op, fn, dtypes, supports)."""
+    def _ql(x, w_packed, w_scale, scheme, bias=None):
+        return quant_linear(context, x, w_packed, w_scale, scheme, bias)
+
+    def _meq(x, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, scheme):
+        return moe_experts_quant(context, x, ids, weights, w13_packed, w13_scale, w2_packed,
+                                 w2_scale, scheme)
+
+    return [("quant_linear", _ql, DTYPES, _ql_supports),
+            ("moe_experts_quant", _meq, DTYPES, _meq_supports)]
