@@ -1,40 +1,41 @@
 """The cuda backend: NVIDIA GPUs (CUDA, not ROCm) served by the Triton kernel library, with
 launch parameters from this backend's tuning table (tuning.json beside this file, falling back
 op by op to the kernels' defaults). `glm5 parity --backend cuda --emulate` runs the same
-kernels on CPU tensors through the Triton interpreter."""
+kernels on CPU tensors through the Triton interpreter. Shared device-backend machinery (the
+GLM5_DEVICE override, CUDA-vs-HIP detection, tuning tables, emulation) is glm5.backends.vendor.
+"""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 
-from glm5.backends.api import API_VERSION, Backend, hookimpl
+from glm5.backends import vendor
+from glm5.backends.api import API_VERSION, hookimpl
 
 GLM5_API_VERSION = API_VERSION
 TUNING = Path(__file__).with_name("tuning.json")
 
-BACKEND = Backend(
-    "cuda",
-    vendor="NVIDIA",
-    device_type="cuda",
-    priority=20,
-    description="Triton kernels on NVIDIA CUDA GPUs",
-    settings={"quant_scheme": "w4a8", "collective": "nccl", "tuning_table": str(TUNING)},
+SPEC = vendor.VendorSpec(
+    name="cuda", vendor="NVIDIA", device_type="cuda", collective="nccl", quant_scheme="w4a8",
+    priority=20, description="Triton kernels on NVIDIA CUDA GPUs", tuning=TUNING,
+    aliases=("nvidia",), install="pip install 'glm5[cuda]'",
 )
+BACKEND = vendor.make_backend(SPEC)
 
 
 def detect() -> tuple[bool, str]:
     """NVIDIA CUDA, told apart from ROCm/DTK (Hygon, AMD) which also shows up as `cuda`."""
-    forced = os.environ.get("GLM5_DEVICE", "").strip().lower()
-    if forced and forced not in ("cuda", "nvidia"):
-        return False, f"GLM5_DEVICE={forced} selects another device"
-    if importlib.util.find_spec("triton") is None:
+    ov = vendor.override(SPEC)
+    if ov is not None and not ov[0]:
+        return ov
+    if not vendor.module_present("triton"):
         return False, "triton is not installed (pip install 'glm5[cuda]')"
     import torch
 
     if getattr(torch.version, "hip", None):
-        return False, f"torch is a ROCm build (hip {torch.version.hip}): see the hygon backend"
+        kind, why = vendor.rocm_vendor(torch)
+        see = "the hygon backend" if kind == "hygon" else "AMD GPUs have no glm5 backend yet"
+        return False, f"torch is a ROCm build (hip {torch.version.hip}; {why}): see {see}"
     if torch.version.cuda is None:
         return False, "torch is a CPU-only build (no CUDA runtime)"
     if not torch.cuda.is_available():
@@ -49,19 +50,11 @@ def _available() -> tuple[bool, str]:
 
 @BACKEND.emulation
 def _emulation() -> tuple[bool, str]:
-    if importlib.util.find_spec("triton") is None:
-        return False, "triton is not installed"
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return False, "TRITON_INTERPRET=1 must be set before the kernels are imported"
-    return True, "Triton interpreter on CPU tensors"
+    return vendor.triton_emulation()
 
 
 @hookimpl
 def glm5_register_backends(registry) -> None:
     if not BACKEND.kernels:
-        from glm5.kernels.triton import registry as kreg
-
-        tuning = kreg.load_table(BACKEND.settings.get("tuning_table") or TUNING)
-        for op, fn, dtypes, supports in kreg.kernels(tuning):
-            BACKEND.kernel(op, dtypes=dtypes, supports=supports)(fn)
+        vendor.register_rows(BACKEND, vendor.triton_rows(BACKEND))
     registry.register(BACKEND)

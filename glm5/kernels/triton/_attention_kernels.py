@@ -16,19 +16,44 @@ from glm5.kernels.triton._common import dot as _dot
 def attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
                      G, Dqk, Dv, K, N_HB, qk_scale,
                      sqt, sqh, sqd, sks, skh, skd, svs, svh, svd, sit, sik,
-                     sot, soh, sod, slt, slh,
+                     sot, soh, sod, slt, slh, N_TILES, NUM_PROGRAMS, GRID_1, GRID_2,
                      SPARSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_FP32: tl.constexpr):
+                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_FP32: tl.constexpr,
+                     PERSISTENT: tl.constexpr):
+    """Tiles (T, Hk * N_HB, cdiv(Dv, BLOCK_DV)), see _attention_tile; PERSISTENT: program p
+    walks the tiles p, p + NUM_PROGRAMS, ... of that grid folded row-major."""
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _attention_tile(q_ptr, k_ptr, v_ptr, idx_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
+                            G, Dqk, Dv, K, N_HB, qk_scale,
+                            sqt, sqh, sqd, sks, skh, skd, svs, svh, svd, sit, sik,
+                            sot, soh, sod, slt, slh,
+                            (tile // GRID_2) // GRID_1, (tile // GRID_2) % GRID_1, tile % GRID_2,
+                            SPARSE, BLOCK_H, BLOCK_K, BLOCK_D, BLOCK_DV, DOT_FP32)
+    else:
+        _attention_tile(q_ptr, k_ptr, v_ptr, idx_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
+                        G, Dqk, Dv, K, N_HB, qk_scale,
+                        sqt, sqh, sqd, sks, skh, skd, svs, svh, svd, sit, sik,
+                        sot, soh, sod, slt, slh,
+                        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                        SPARSE, BLOCK_H, BLOCK_K, BLOCK_D, BLOCK_DV, DOT_FP32)
+
+
+@triton.jit
+def _attention_tile(q_ptr, k_ptr, v_ptr, idx_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
+                    G, Dqk, Dv, K, N_HB, qk_scale,
+                    sqt, sqh, sqd, sks, skh, skd, svs, svh, svd, sit, sik,
+                    sot, soh, sod, slt, slh, pid_t, pid_h, pid_v,
+                    SPARSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_FP32: tl.constexpr):
     """One program per (query t, KV head j, block of BLOCK_H of its G query heads, block of Dv).
 
     Each key row (gathered by idx when SPARSE, else k_start <= s < k_end) is loaded once for all
     the program's heads: [BLOCK_H, Dqk] x [Dqk, BLOCK_K] scores (Dqk in BLOCK_D chunks), online
     softmax in base 2 (qk_scale = scale * log2 e), P in v's dtype times V [BLOCK_K, BLOCK_DV].
     Rows with no valid key give out 0 and lse -inf."""
-    t = tl.program_id(0).to(tl.int64)
-    pid_h = tl.program_id(1)
-    pid_v = tl.program_id(2)
-    j = (pid_h // N_HB).to(tl.int64)
+    t = tl.cast(pid_t, tl.int64)  # a Python int under the interpreter's persistent loop
+    j = tl.cast(pid_h // N_HB, tl.int64)
     hb = pid_h % N_HB
     hg = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = hg < G

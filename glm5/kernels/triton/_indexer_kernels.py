@@ -56,10 +56,27 @@ def _order_key(score, s_idx):
 @triton.jit
 def lightning_indexer_kernel(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, T, S, Hi, Di,
                              sqt, sqh, sqd, sks, skd, swt, swh, sot, sos,
+                             N_TILES, NUM_PROGRAMS, GRID_1,
                              BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-                             BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
-    pid_t = tl.program_id(0)
-    pid_s = tl.program_id(1)
+                             BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+                             PERSISTENT: tl.constexpr):
+    """Tiles (cdiv(T, BLOCK_T), cdiv(S, BLOCK_S)); PERSISTENT: program p walks tiles p, p + P, ..."""
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _indexer_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, T, S, Hi, Di,
+                          sqt, sqh, sqd, sks, skd, swt, swh, sot, sos,
+                          tile // GRID_1, tile % GRID_1, BLOCK_T, BLOCK_S, BLOCK_D, DOT_FP32)
+    else:
+        _indexer_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, T, S, Hi, Di,
+                      sqt, sqh, sqd, sks, skd, swt, swh, sot, sos,
+                      tl.program_id(0), tl.program_id(1), BLOCK_T, BLOCK_S, BLOCK_D, DOT_FP32)
+
+
+@triton.jit
+def _indexer_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, T, S, Hi, Di,
+                  sqt, sqh, sqd, sks, skd, swt, swh, sot, sos, pid_t, pid_s,
+                  BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                  BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < T
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -82,15 +99,31 @@ def lightning_indexer_kernel(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, T, S,
 @triton.jit
 def indexer_topk_kernel(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr,
                         T, S, Hi, Di, TOPK,
-                        sqt, sqh, sqd, sks, skd, swt, swh, sot, sok,
+                        sqt, sqh, sqd, sks, skd, swt, swh, sot, sok, N_TILES, NUM_PROGRAMS,
                         BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                         CH: tl.constexpr, RANK_MERGE: tl.constexpr,
-                        DOT_FP32: tl.constexpr):
-    """One program per block of BLOCK_T queries, streaming over their key range in chunks of CH
+                        DOT_FP32: tl.constexpr, PERSISTENT: tl.constexpr):
+    """One tile per block of BLOCK_T queries, streaming over their key range in chunks of CH
     columns. Each query's workspace row holds 2*CH order keys: [running top-CH | chunk keys];
     after a chunk's score tiles are written, the row is sorted (descending) so its first CH keys
-    are again the running top-CH. Only a [BLOCK_T, BLOCK_S] score tile is ever live."""
-    pid = tl.program_id(0)
+    are again the running top-CH. Only a [BLOCK_T, BLOCK_S] score tile is ever live.
+    PERSISTENT: program p walks query blocks p, p + NUM_PROGRAMS, ..."""
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, T, S, Hi, Di, TOPK,
+                       sqt, sqh, sqd, sks, skd, swt, swh, sot, sok, tile,
+                       BLOCK_T, BLOCK_S, BLOCK_D, CH, RANK_MERGE, DOT_FP32)
+    else:
+        _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, T, S, Hi, Di, TOPK,
+                   sqt, sqh, sqd, sks, skd, swt, swh, sot, sok, tl.program_id(0),
+                   BLOCK_T, BLOCK_S, BLOCK_D, CH, RANK_MERGE, DOT_FP32)
+
+
+@triton.jit
+def _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, T, S, Hi, Di, TOPK,
+               sqt, sqh, sqd, sks, skd, swt, swh, sot, sok, pid,
+               BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+               CH: tl.constexpr, RANK_MERGE: tl.constexpr, DOT_FP32: tl.constexpr):
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < T
     t64 = t.to(tl.int64)
@@ -139,7 +172,7 @@ def indexer_topk_kernel(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr,
                     rks = tl.load(ks_ptr + row).to(tl.int32)
                     rke = tl.load(ke_ptr + row).to(tl.int32)
                     if (rks < rke) & (rks < c0 + CH) & (rke > c0):
-                        rp = ws_ptr + row.to(tl.int64) * W + wcols
+                        rp = ws_ptr + tl.cast(row, tl.int64) * W + wcols
                         v = tl.load(rp)
                         v = tl.sort(v, descending=True)
                         tl.store(rp, v)

@@ -18,12 +18,32 @@ import triton.language as tl
 def token_logprobs_partial_kernel(
     h_ptr, w_ptr, tgt_ptr, m_ptr, s_ptr, zs_ptr, zt_ptr,
     T, V, D, inv_temp, v_per_split,
-    stride_ht, stride_hd, stride_wv, stride_wd, stride_tgt,
+    stride_ht, stride_hd, stride_wv, stride_wd, stride_tgt, N_TILES, NUM_PROGRAMS, GRID_1,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_F32: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    """Tiles (token block, split); PERSISTENT: program p walks tiles p, p + NUM_PROGRAMS, ..."""
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _partial_tile(h_ptr, w_ptr, tgt_ptr, m_ptr, s_ptr, zs_ptr, zt_ptr,
+                          T, V, D, inv_temp, v_per_split,
+                          stride_ht, stride_hd, stride_wv, stride_wd, stride_tgt,
+                          tile // GRID_1, tile % GRID_1, BLOCK_T, BLOCK_V, BLOCK_D, DOT_F32)
+    else:
+        _partial_tile(h_ptr, w_ptr, tgt_ptr, m_ptr, s_ptr, zs_ptr, zt_ptr,
+                      T, V, D, inv_temp, v_per_split,
+                      stride_ht, stride_hd, stride_wv, stride_wd, stride_tgt,
+                      tl.program_id(0), tl.program_id(1), BLOCK_T, BLOCK_V, BLOCK_D, DOT_F32)
+
+
+@triton.jit
+def _partial_tile(
+    h_ptr, w_ptr, tgt_ptr, m_ptr, s_ptr, zs_ptr, zt_ptr,
+    T, V, D, inv_temp, v_per_split,
+    stride_ht, stride_hd, stride_wv, stride_wd, stride_tgt, pid_t, split,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    split = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     rows64 = rows.to(tl.int64)
@@ -66,7 +86,7 @@ def token_logprobs_partial_kernel(
         hit = vrows64[None, :] == tgt[:, None]
         zt += tl.sum(tl.where(hit, zf, 0.0), axis=1)
 
-    out = split.to(tl.int64) * T + rows64
+    out = tl.cast(split, tl.int64) * T + rows64
     tl.store(m_ptr + out, m, mask=rmask)
     tl.store(s_ptr + out, ssum, mask=rmask)
     tl.store(zs_ptr + out, zsum, mask=rmask)
@@ -75,9 +95,23 @@ def token_logprobs_partial_kernel(
 
 @triton.jit
 def token_logprobs_combine_kernel(m_ptr, s_ptr, zs_ptr, zt_ptr, logp_ptr, ent_ptr, T, SPLIT,
-                                  BLOCK_T: tl.constexpr):
-    """Merge the SPLIT partial (max, sum exp, sum exp·z, target logit) rows of each token."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+                                  N_TILES, NUM_PROGRAMS,
+                                  BLOCK_T: tl.constexpr, PERSISTENT: tl.constexpr):
+    """Merge the SPLIT partial (max, sum exp, sum exp·z, target logit) rows of each token, one
+    tile per BLOCK_T tokens (PERSISTENT: program p walks tiles p, p + NUM_PROGRAMS, ...)."""
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _combine_rows(m_ptr, s_ptr, zs_ptr, zt_ptr, logp_ptr, ent_ptr, T, SPLIT, tile,
+                          BLOCK_T)
+    else:
+        _combine_rows(m_ptr, s_ptr, zs_ptr, zt_ptr, logp_ptr, ent_ptr, T, SPLIT,
+                      tl.program_id(0), BLOCK_T)
+
+
+@triton.jit
+def _combine_rows(m_ptr, s_ptr, zs_ptr, zt_ptr, logp_ptr, ent_ptr, T, SPLIT, pid,
+                  BLOCK_T: tl.constexpr):
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     rows64 = rows.to(tl.int64)
     m = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)

@@ -14,14 +14,30 @@ from glm5.kernels.triton._common import dot as _dot
 
 @triton.jit
 def moe_gemm13_kernel(x_ptr, w13_ptr, h_ptr, tok_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
-                      D, I, sxt, sxd, swe, swn, swd, shr, shi,
+                      D, I, sxt, sxd, swe, swn, swd, shr, shi, N_TILES, NUM_PROGRAMS, GRID_1,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      DOT_FP32: tl.constexpr):
-    """Program (tile, n-block): rows lo..hi-1 of the expert-sorted routed tokens, all of expert e:
+                      DOT_FP32: tl.constexpr, PERSISTENT: tl.constexpr):
+    """Tiles (row tile, n-block), see _gemm13_tile; PERSISTENT: program p walks the tiles
+    p, p + NUM_PROGRAMS, ... of that grid folded row-major."""
+    if PERSISTENT:
+        for t in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _gemm13_tile(x_ptr, w13_ptr, h_ptr, tok_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
+                         D, I, sxt, sxd, swe, swn, swd, shr, shi, t // GRID_1, t % GRID_1,
+                         BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+    else:
+        _gemm13_tile(x_ptr, w13_ptr, h_ptr, tok_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
+                     D, I, sxt, sxd, swe, swn, swd, shr, shi, tl.program_id(0), tl.program_id(1),
+                     BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+
+
+@triton.jit
+def _gemm13_tile(x_ptr, w13_ptr, h_ptr, tok_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
+                 D, I, sxt, sxd, swe, swn, swd, shr, shi, tile, pn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_FP32: tl.constexpr):
+    """Tile (tile, n-block): rows lo..hi-1 of the expert-sorted routed tokens, all of expert e:
     h[r, n] = silu(x[tok[r]] . w13[e, n]) * (x[tok[r]] . w13[e, I + n]). Padding tiles (e < 0)
     do nothing."""
-    tile = tl.program_id(0)
-    pn = tl.program_id(1)
     e = tl.load(tile_e_ptr + tile).to(tl.int64)
     if e >= 0:
         lo = tl.load(tile_lo_ptr + tile)
@@ -54,12 +70,27 @@ def moe_gemm13_kernel(x_ptr, w13_ptr, h_ptr, tok_ptr, tile_e_ptr, tile_lo_ptr, t
 
 @triton.jit
 def moe_gemm2_kernel(h_ptr, w2_ptr, y_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
-                     D, I, shr, shi, swe, swn, swi, syr, syd,
+                     D, I, shr, shi, swe, swn, swi, syr, syd, N_TILES, NUM_PROGRAMS, GRID_1,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_FP32: tl.constexpr):
-    """Program (tile, n-block): y[r, n] = h[r] . w2[e, n] (fp32, unweighted) for the tile's rows."""
-    tile = tl.program_id(0)
-    pn = tl.program_id(1)
+                     DOT_FP32: tl.constexpr, PERSISTENT: tl.constexpr):
+    """Tiles (row tile, n-block), see _gemm2_tile; PERSISTENT as in moe_gemm13_kernel."""
+    if PERSISTENT:
+        for t in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _gemm2_tile(h_ptr, w2_ptr, y_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
+                        D, I, shr, shi, swe, swn, swi, syr, syd, t // GRID_1, t % GRID_1,
+                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+    else:
+        _gemm2_tile(h_ptr, w2_ptr, y_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
+                    D, I, shr, shi, swe, swn, swi, syr, syd, tl.program_id(0), tl.program_id(1),
+                    BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+
+
+@triton.jit
+def _gemm2_tile(h_ptr, w2_ptr, y_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
+                D, I, shr, shi, swe, swn, swi, syr, syd, tile, pn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                DOT_FP32: tl.constexpr):
+    """Tile (tile, n-block): y[r, n] = h[r] . w2[e, n] (fp32, unweighted) for the tile's rows."""
     e = tl.load(tile_e_ptr + tile).to(tl.int64)
     if e >= 0:
         lo = tl.load(tile_lo_ptr + tile)
@@ -87,11 +118,26 @@ def moe_gemm2_kernel(h_ptr, w2_ptr, y_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
 
 @triton.jit
 def moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, w_ptr, out_ptr, D, KTOP,
-                       syr, syd, sit, sik, swt, swk, sot, sod, BLOCK_D: tl.constexpr):
+                       syr, syd, sit, sik, swt, swk, sot, sod, N_TILES, NUM_PROGRAMS, GRID_1,
+                       BLOCK_D: tl.constexpr, PERSISTENT: tl.constexpr):
+    """Tiles (token, D-block), see _combine_tile; PERSISTENT as in moe_gemm13_kernel."""
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _combine_tile(y_ptr, inv_ptr, ids_ptr, w_ptr, out_ptr, D, KTOP,
+                          syr, syd, sit, sik, swt, swk, sot, sod, tile // GRID_1, tile % GRID_1,
+                          BLOCK_D)
+    else:
+        _combine_tile(y_ptr, inv_ptr, ids_ptr, w_ptr, out_ptr, D, KTOP,
+                      syr, syd, sit, sik, swt, swk, sot, sod, tl.program_id(0), tl.program_id(1),
+                      BLOCK_D)
+
+
+@triton.jit
+def _combine_tile(y_ptr, inv_ptr, ids_ptr, w_ptr, out_ptr, D, KTOP,
+                  syr, syd, sit, sik, swt, swk, sot, sod, pid_t, pd, BLOCK_D: tl.constexpr):
     """out[t] = sum_j weights[t, j] * y[inv[t*KTOP + j]] over j with ids[t, j] >= 0, in j order
     (deterministic, no atomics), fp32 accumulation."""
-    t = tl.program_id(0).to(tl.int64)
-    pd = tl.program_id(1)
+    t = tl.cast(pid_t, tl.int64)  # a Python int under the interpreter's persistent loop
     d = pd * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)

@@ -13,9 +13,23 @@ import triton.language as tl
 
 @triton.jit
 def rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_xr, stride_xd, stride_w, stride_yr, eps,
-                    BLOCK_D: tl.constexpr, ONE_PASS: tl.constexpr):
-    """One program per row: y = x * rsqrt(mean(x^2) + eps) * w (fp32 math)."""
-    row = tl.program_id(0).to(tl.int64)
+                    N_TILES, NUM_PROGRAMS,
+                    BLOCK_D: tl.constexpr, ONE_PASS: tl.constexpr, PERSISTENT: tl.constexpr):
+    """One tile per row: y = x * rsqrt(mean(x^2) + eps) * w (fp32 math). PERSISTENT: program p
+    handles rows p, p + NUM_PROGRAMS, ... (glm5.kernels.triton._grid)."""
+    if PERSISTENT:
+        for row in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _rms_norm_row(x_ptr, w_ptr, y_ptr, D, stride_xr, stride_xd, stride_w, stride_yr,
+                          eps, row, BLOCK_D, ONE_PASS)
+    else:
+        _rms_norm_row(x_ptr, w_ptr, y_ptr, D, stride_xr, stride_xd, stride_w, stride_yr, eps,
+                      tl.program_id(0), BLOCK_D, ONE_PASS)
+
+
+@triton.jit
+def _rms_norm_row(x_ptr, w_ptr, y_ptr, D, stride_xr, stride_xd, stride_w, stride_yr, eps, pid,
+                  BLOCK_D: tl.constexpr, ONE_PASS: tl.constexpr):
+    row = tl.cast(pid, tl.int64)  # a Python int under the interpreter's persistent loop
     x_row = x_ptr + row * stride_xr
     y_row = y_ptr + row * stride_yr
     cols = tl.arange(0, BLOCK_D)
@@ -45,11 +59,23 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_xr, stride_xd, stride_w, stri
 
 
 @triton.jit
-def silu_mul_kernel(x_ptr, y_ptr, I, stride_xr, stride_xc, stride_yr,
-                    BLOCK_I: tl.constexpr):
+def silu_mul_kernel(x_ptr, y_ptr, I, stride_xr, stride_xc, stride_yr, N_TILES, NUM_PROGRAMS,
+                    GRID_1, BLOCK_I: tl.constexpr, PERSISTENT: tl.constexpr):
     """Grid (rows, cdiv(I, BLOCK_I)): y[r, i] = silu(x[r, i]) * x[r, I + i] (fp32 math)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _silu_mul_tile(x_ptr, y_ptr, I, stride_xr, stride_xc, stride_yr,
+                           tile // GRID_1, tile % GRID_1, BLOCK_I)
+    else:
+        _silu_mul_tile(x_ptr, y_ptr, I, stride_xr, stride_xc, stride_yr,
+                       tl.program_id(0), tl.program_id(1), BLOCK_I)
+
+
+@triton.jit
+def _silu_mul_tile(x_ptr, y_ptr, I, stride_xr, stride_xc, stride_yr, pid0, pid1,
+                   BLOCK_I: tl.constexpr):
+    row = tl.cast(pid0, tl.int64)
+    cols = pid1 * BLOCK_I + tl.arange(0, BLOCK_I)
     m = cols < I
     x_row = x_ptr + row * stride_xr
     a = tl.load(x_row + cols * stride_xc, mask=m, other=0.0).to(tl.float32)
@@ -61,15 +87,32 @@ def silu_mul_kernel(x_ptr, y_ptr, I, stride_xr, stride_xc, stride_yr,
 @triton.jit
 def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, M, HALF,
                 stride_xt, stride_xm, stride_xr, stride_ct, stride_cr, stride_st, stride_sr,
-                stride_yt, stride_ym,
-                INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+                stride_yt, stride_ym, N_TILES, NUM_PROGRAMS, GRID_1,
+                INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                PERSISTENT: tl.constexpr):
     """Grid (T, cdiv(M, BLOCK_M)) over x viewed as [T, M, R]: rotate the R/2 pairs of each row.
 
     Interleaved pairs are (x[2i], x[2i+1]); NeoX pairs are (x[i], x[i + R/2]).
     (a, b) -> (a c - b s, b c + a s), written to the same positions of y.
     """
-    t = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _rope_tile(x_ptr, cos_ptr, sin_ptr, y_ptr, M, HALF, stride_xt, stride_xm, stride_xr,
+                       stride_ct, stride_cr, stride_st, stride_sr, stride_yt, stride_ym,
+                       tile // GRID_1, tile % GRID_1, INTERLEAVED, BLOCK_M, BLOCK_H)
+    else:
+        _rope_tile(x_ptr, cos_ptr, sin_ptr, y_ptr, M, HALF, stride_xt, stride_xm, stride_xr,
+                   stride_ct, stride_cr, stride_st, stride_sr, stride_yt, stride_ym,
+                   tl.program_id(0), tl.program_id(1), INTERLEAVED, BLOCK_M, BLOCK_H)
+
+
+@triton.jit
+def _rope_tile(x_ptr, cos_ptr, sin_ptr, y_ptr, M, HALF,
+               stride_xt, stride_xm, stride_xr, stride_ct, stride_cr, stride_st, stride_sr,
+               stride_yt, stride_ym, pid0, pid1,
+               INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.cast(pid0, tl.int64)
+    rows = pid1 * BLOCK_M + tl.arange(0, BLOCK_M)
     i = tl.arange(0, BLOCK_H)
     mi = i < HALF
     c = tl.load(cos_ptr + t * stride_ct + i * stride_cr, mask=mi, other=0.0).to(tl.float32)

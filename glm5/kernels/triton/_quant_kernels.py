@@ -36,9 +36,24 @@ def _round_half_even(v):
 
 @triton.jit
 def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_xk, stride_qm,
-                         QMAX: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
-    """One program per row: codes q[m, :] (int8 or int16) and scale s[m] (fp32)."""
-    row = tl.program_id(0).to(tl.int64)
+                         N_TILES, NUM_PROGRAMS,
+                         QMAX: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
+                         PERSISTENT: tl.constexpr):
+    """One tile per row: codes q[m, :] (int8 or int16) and scale s[m] (fp32). PERSISTENT:
+    program p handles rows p, p + NUM_PROGRAMS, ..."""
+    if PERSISTENT:
+        for row in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _quantize_row(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_xk, stride_qm, row,
+                          QMAX, BLOCK_K, ONE_PASS)
+    else:
+        _quantize_row(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_xk, stride_qm,
+                      tl.program_id(0), QMAX, BLOCK_K, ONE_PASS)
+
+
+@triton.jit
+def _quantize_row(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_xk, stride_qm, pid,
+                  QMAX: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+    row = tl.cast(pid, tl.int64)  # a Python int under the interpreter's persistent loop
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
     cols = tl.arange(0, BLOCK_K)
@@ -119,12 +134,32 @@ def _group_isum(xq_ptr, w_ptr, offs_m, offs_n, k0, M, N, K, stride_xm, stride_wn
 @triton.jit
 def quant_linear_int_kernel(
     xq_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr,
-    M, N, K, G, stride_xm, stride_wn, stride_swn, stride_ym,
+    M, N, K, G, stride_xm, stride_wn, stride_swn, stride_ym, N_TILES, NUM_PROGRAMS, GRID_1,
+    WBITS: tl.constexpr, ABITS: tl.constexpr, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    """Tiles (M-block, N-block); PERSISTENT: program p walks tiles p, p + NUM_PROGRAMS, ..."""
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _int_tile(xq_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr,
+                      M, N, K, G, stride_xm, stride_wn, stride_swn, stride_ym,
+                      tile // GRID_1, tile % GRID_1,
+                      WBITS, ABITS, GROUPED, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        _int_tile(xq_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr,
+                  M, N, K, G, stride_xm, stride_wn, stride_swn, stride_ym,
+                  tl.program_id(0), tl.program_id(1),
+                  WBITS, ABITS, GROUPED, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _int_tile(
+    xq_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr,
+    M, N, K, G, stride_xm, stride_wn, stride_swn, stride_ym, pid_m, pid_n,
     WBITS: tl.constexpr, ABITS: tl.constexpr, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = offs_m < M
@@ -156,12 +191,32 @@ def quant_linear_int_kernel(
 @triton.jit
 def quant_linear_w8a16_kernel(
     x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr,
-    M, N, K, stride_xm, stride_xk, stride_wn, stride_ym,
+    M, N, K, stride_xm, stride_xk, stride_wn, stride_ym, N_TILES, NUM_PROGRAMS, GRID_1,
+    HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    """Tiles (M-block, N-block); PERSISTENT: program p walks tiles p, p + NUM_PROGRAMS, ..."""
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _w8a16_tile(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr,
+                        M, N, K, stride_xm, stride_xk, stride_wn, stride_ym,
+                        tile // GRID_1, tile % GRID_1,
+                        HAS_BIAS, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        _w8a16_tile(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr,
+                    M, N, K, stride_xm, stride_xk, stride_wn, stride_ym,
+                    tl.program_id(0), tl.program_id(1),
+                    HAS_BIAS, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _w8a16_tile(
+    x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr,
+    M, N, K, stride_xm, stride_xk, stride_wn, stride_ym, pid_m, pid_n,
     HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = offs_m < M

@@ -58,6 +58,14 @@ def launch_opts(p: dict[str, Any]) -> dict[str, Any]:
     return {k: int(p[k]) for k in ("num_warps", "num_stages") if k in p}
 
 
+def launch(kernel: Any, grid: tuple[int, ...], p: dict[str, Any], op: str, *args: Any,
+           **kw: Any) -> None:
+    """Launch under the tuning entry's grid policy (glm5.kernels.triton._grid)."""
+    from glm5.kernels.triton._grid import launch as _launch
+
+    _launch(kernel, grid, p, op, *args, **kw)
+
+
 def dot_fp32(*dtypes: torch.dtype) -> bool:
     """fp32 dots when interpreted (bf16 tl.dot is wrong there), for fp32 inputs (IEEE, no TF32)
     or mixed operand dtypes; otherwise bf16/fp16 tensor-core dots with fp32 accumulation."""
@@ -88,7 +96,8 @@ def make_lightning_indexer(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
             return out
         bt, bs, bd = _tiles(p, Di)
         grid = (_cdiv(T, bt), _cdiv(S, bs))
-        _k().lightning_indexer_kernel[grid](
+        launch(
+            _k().lightning_indexer_kernel, grid, p, "lightning_indexer",
             q, k, w, k_start, k_end, out, T, S, Hi, Di,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
             w.stride(0), w.stride(1), out.stride(0), out.stride(1),
@@ -124,7 +133,8 @@ def make_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
             t1 = min(T, t0 + rows)
             n = t1 - t0
             qs, ws_, o = q[t0:t1], w[t0:t1], out[t0:t1]
-            kern[(_cdiv(n, bt),)](
+            launch(
+                kern, (_cdiv(n, bt),), p, "indexer_topk",
                 qs, k, ws_, k_start[t0:t1], k_end[t0:t1], ws, o, n, S, Hi, Di, topk,
                 qs.stride(0), qs.stride(1), qs.stride(2), k.stride(0), k.stride(1),
                 ws_.stride(0), ws_.stride(1), o.stride(0), o.stride(1),

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from glm5.kernels.triton.indexer import launch
 from glm5.kernels.triton.norm import FLOATS, _launch_opts, _next_pow2, check_device, interpreted
 
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -65,13 +66,14 @@ def make_token_logprobs(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, 
         parts = torch.empty(4, split, T, dtype=torch.float32, device=dev)
         dot_f32 = interp or h.dtype == torch.float32 or w_vocab.dtype == torch.float32
         k = _kernels()
-        k.token_logprobs_partial_kernel[(n_tb, split)](
-            h, w_vocab, targets, parts[0], parts[1], parts[2], parts[3],
+        launch(
+            k.token_logprobs_partial_kernel, (n_tb, split), p, "token_logprobs", h, w_vocab, targets, parts[0], parts[1], parts[2], parts[3],
             T, V, D, 1.0 / float(temperature), per * bv,
             h.stride(0), h.stride(1), w_vocab.stride(0), w_vocab.stride(1), targets.stride(0),
             BLOCK_T=bt, BLOCK_V=bv, BLOCK_D=bd, DOT_F32=dot_f32, **_launch_opts(p))
         cb = max(16, min(1024, _next_pow2(T)))
-        k.token_logprobs_combine_kernel[(triton.cdiv(T, cb),)](
+        launch(
+            k.token_logprobs_combine_kernel, (triton.cdiv(T, cb),), p, "token_logprobs",
             parts[0], parts[1], parts[2], parts[3], logp, ent, T, split, BLOCK_T=cb)
         return logp, ent
 

@@ -1,6 +1,7 @@
 """Triton rms_norm, rope (interleaved and NeoX) and silu_mul.
 
-One program per row (or per block of rows for rope), fp32 math, output in the input's dtype.
+One tile per row (or per block of rows for rope), fp32 math, output in the input's dtype; the
+tuning entry's grid policy maps tiles to programs (glm5.kernels.triton._grid).
 Launchers take the op's arguments as OPS.md lists them and return what the reference returns.
 The @triton.jit kernels live in ``_norm_kernels`` and are imported on first call.
 """
@@ -45,6 +46,13 @@ def _kernels():
     return _norm_kernels
 
 
+def _launch(kernel: Any, grid: tuple[int, ...], p: dict[str, Any], op: str, *args: Any,
+            **kw: Any) -> None:
+    from glm5.kernels.triton._grid import launch
+
+    launch(kernel, grid, p, op, *args, **kw)
+
+
 def _launch_opts(p: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k in ("num_warps", "num_stages"):
@@ -65,9 +73,9 @@ def make_rms_norm(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         y2 = y.view(-1, D)
         cap = _next_pow2(int(p.get("BLOCK_D", 8192)))
         block = max(16, min(_next_pow2(D), cap))
-        _kernels().rms_norm_kernel[(x2.shape[0],)](
-            x2, weight, y2, D, x2.stride(0), x2.stride(1), weight.stride(0), y2.stride(0),
-            float(eps), BLOCK_D=block, ONE_PASS=D <= block, **_launch_opts(p))
+        _launch(_kernels().rms_norm_kernel, (x2.shape[0],), p, "rms_norm",
+                x2, weight, y2, D, x2.stride(0), x2.stride(1), weight.stride(0), y2.stride(0),
+                float(eps), BLOCK_D=block, ONE_PASS=D <= block, **_launch_opts(p))
         return y
 
     return rms_norm
@@ -91,11 +99,11 @@ def make_rope(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         bh = max(16, _next_pow2(half))
         import triton
 
-        _kernels().rope_kernel[(T, triton.cdiv(M, bm))](
-            x3, c2, s2, y3, M, half,
-            x3.stride(0), x3.stride(1), x3.stride(2), c2.stride(0), c2.stride(1),
-            s2.stride(0), s2.stride(1), y3.stride(0), y3.stride(1),
-            INTERLEAVED=bool(interleaved), BLOCK_M=bm, BLOCK_H=bh, **_launch_opts(p))
+        _launch(_kernels().rope_kernel, (T, triton.cdiv(M, bm)), p, "rope",
+                x3, c2, s2, y3, M, half,
+                x3.stride(0), x3.stride(1), x3.stride(2), c2.stride(0), c2.stride(1),
+                s2.stride(0), s2.stride(1), y3.stride(0), y3.stride(1),
+                INTERLEAVED=bool(interleaved), BLOCK_M=bm, BLOCK_H=bh, **_launch_opts(p))
         return y
 
     return rope
@@ -114,9 +122,9 @@ def make_silu_mul(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         block = max(16, min(_next_pow2(I), _next_pow2(int(p.get("BLOCK_I", 1024)))))
         import triton
 
-        _kernels().silu_mul_kernel[(x2.shape[0], triton.cdiv(I, block))](
-            x2, y2, I, x2.stride(0), x2.stride(1), y2.stride(0), BLOCK_I=block,
-            **_launch_opts(p))
+        _launch(_kernels().silu_mul_kernel, (x2.shape[0], triton.cdiv(I, block)), p,
+                "silu_mul", x2, y2, I, x2.stride(0), x2.stride(1), y2.stride(0), BLOCK_I=block,
+                **_launch_opts(p))
         return y
 
     return silu_mul

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from glm5.kernels.triton.indexer import (FLOATS, _cdiv, _next_pow2, check_device, dot_fp32,
-                                         launch_opts)
+                                         launch, launch_opts)
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     # BLOCK_H_MAX: query heads per program (a power of two >= 16; fewer heads are masked);
@@ -63,7 +63,8 @@ def _launch(p: dict[str, Any], q, k, v, idx, k_start, k_end, scale, sparse: bool
         idx = k_start  # unused
         ks, ke = k_start.contiguous(), k_end.contiguous()
     grid = (T, Hk * n_hb, _cdiv(Dv_launch, bdv))
-    _k().attention_kernel[grid](
+    launch(
+        _k().attention_kernel, grid, p, "sparse_attention" if sparse else "attention",
         q, k, v, idx, ks, ke, out, lse, G, Dqk, Dv, K, n_hb, float(scale) * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), sit, sik,
