@@ -27,12 +27,13 @@ The kernel has two output modes:
   order-preserving integer (−0.0 folded onto +0.0) in the high 32 bits and ``2**32 − 1 − s`` in
   the low 32 bits, so every key is distinct and the integer order *is* the op's order (score
   descending, ties to the smaller index). Invalid entries (out of range, non-finite score) are
-  INT64_MIN. ``torch.topk`` over such keys is exact, with no tie ambiguity.
+  INT64_MIN. Selecting the largest keys is exact, with no tie ambiguity.
 
 ``indexer_topk`` streams: for each block of ``TILE_T`` queries it walks the union of their key
 ranges in tiles of ``TILE_S`` keys, has the kernel write the tile's keys next to the running
 top-k (``[TILE_T, kb + TILE_S]`` int64, ``kb = min(topk, union range)``), keeps the top ``kb`` of
-the two with ``torch.topk`` (sorted at the last tile), and a second small kernel decodes them
+the two with the radix-select kernel of ``select.py`` (sorted at the last tile; ~3x faster than
+``torch.topk`` on these rows), and a second small kernel decodes them
 into the int32 output rows (−1 for invalid; the tail past ``kb`` stays −1). Memory holds that
 scratch, a packed fp32 copy of ``k``, one fp32 query block (bf16/fp16 ``q``) and the
 ``[T, topk]`` output — never ``[T, S]`` scores.
@@ -45,11 +46,13 @@ from typing import Any, Callable
 
 import torch
 
+from glm5.kernels.tvm import select
+
 NS = 16  # keys per chunk (two AVX2 fp32 vectors)
 HB_MAX = 4  # heads per register block: HB x NS fp32 accumulators
 TILE_T = 256  # queries per block (indexer_topk and lightning_indexer)
 TILE_S = 8192  # keys per streamed tile (indexer_topk); a multiple of NS
-REV = 6  # bump when the kernel source changes (part of the on-disk cache key)
+REV = 7  # bump when the kernel source changes (part of the on-disk cache key)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # q/k dtypes served
 INT64_MIN = -(2**63)
@@ -172,12 +175,12 @@ def build_score_tile(Hi: int, Di: int, mode: str) -> Any:
 
 
 def build_decode() -> Any:
-    """``decode(keys, idx, t0)``: ``idx[t0 + i, j]`` = the key index of ``keys[i, j]`` as int32,
-    −1 for INT64_MIN, for ``j < keys.shape[1]`` (``idx`` may be wider)."""
+    """``decode(keys, idx, t0, n)``: ``idx[t0 + i, j]`` = the key index of ``keys[i, j]`` as
+    int32, −1 for INT64_MIN, for ``j < min(keys.shape[1], n)`` (``idx`` may be wider)."""
     from tvm.script import tirx as T
 
     @T.prim_func
-    def decode(keys_h: T.handle, idx_h: T.handle, t0: T.int32):
+    def decode(keys_h: T.handle, idx_h: T.handle, t0: T.int32, n: T.int32):
         T.func_attr({"global_symbol": "decode", "tir.noalias": True})
         Tb = T.int32()
         K = T.int32()
@@ -186,7 +189,7 @@ def build_decode() -> Any:
         keys = T.match_buffer(keys_h, (Tb, K), "int64")
         idx = T.match_buffer(idx_h, (Tn, Kout), "int32")
         for tt in T.parallel(Tb):
-            for j in range(K):
+            for j in range(T.min(K, n)):
                 idx[t0 + tt, j] = T.if_then_else(
                     keys[tt, j] == T.min_value("int64"), -1,
                     # the low 32 bits hold 2**32 - 1 - s, i.e. -1 - s as an int32
@@ -287,10 +290,15 @@ def indexer_topk(context: Callable[[], Any], q, k, w, k_start, k_end, topk: int)
     tile_t = min(TILE_T, T_)
     tile_s = max(NS, TILE_S - TILE_S % NS)
     kmax = min(topk, S)  # no row has more valid keys than S: the rest of the row stays −1
-    # Flat scratch, viewed per block as [tb, kb + tile_s] (running top-k | tile) and [tb, kb].
+    if kmax > select.MAX_KP:
+        raise ValueError(f"glm5 cpu indexer_topk: topk expected at most {select.MAX_KP} for "
+                         f"the TVM selection kernel, got {topk}")
+    pick = select.select_kernel(context)
+    # Flat scratch, viewed per block as [tb, kb + tile_s] (running top-k | tile), the
+    # selection's scratch and its [tb, KP] output (KP = kb rounded up to a power of two).
     cand = torch.empty(tile_t * (kmax + tile_s), dtype=torch.int64)
-    vals = torch.empty(tile_t * kmax, dtype=torch.int64)  # torch.topk outputs, reused
-    pos = torch.empty(tile_t * kmax, dtype=torch.int64)
+    scratch = torch.empty(tile_t * (kmax + tile_s), dtype=torch.int64)
+    sel = torch.empty(tile_t * select.pow2_at_least(kmax), dtype=torch.int64)
     for b, (lo, hi) in enumerate(_block_ranges(ks, ke, tile_t)):
         if hi <= lo:
             continue  # no query of the block has a key: all −1
@@ -298,7 +306,8 @@ def indexer_topk(context: Callable[[], Any], q, k, w, k_start, k_end, topk: int)
         tb = min(tile_t, T_ - t0)
         kb = min(kmax, hi - lo)  # no row of the block has more valid keys than its union range
         buf = cand[: tb * (kb + tile_s)].view(tb, kb + tile_s)
-        best, where = vals[: tb * kb].view(tb, kb), pos[: tb * kb].view(tb, kb)
+        kpad = select.pow2_at_least(kb)
+        best = sel[: tb * kpad].view(tb, kpad)
         qb = _q_block(q, t0, tb)
         start = lo - lo % NS
         tiles = list(range(start, hi, tile_s))
@@ -308,11 +317,12 @@ def indexer_topk(context: Callable[[], Any], q, k, w, k_start, k_end, topk: int)
             alone = i == 0 and ncols >= kb  # nothing selected yet: the tile alone
             fn(qb, kp, wc, ks, ke, buf, t0, s0, ncols, kb, int(i == 0 and not alone))
             region = buf[:, kb: kb + ncols] if alone else buf[:, : kb + ncols]
-            torch.topk(region, kb, dim=1, sorted=last, out=(best, where))
+            w_ = region.shape[1]
+            pick(region, scratch[: tb * w_].view(tb, w_), best, kb, int(last))
             if last:
-                decode(best, idx, t0)
+                decode(best, idx, t0, kb)
             else:
-                buf[:, :kb] = best
+                buf[:, :kb] = best[:, :kb]
     return idx
 
 
