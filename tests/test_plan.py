@@ -48,11 +48,13 @@ def test_tiny_decode_golden_w8a8():
     assert q["bytes"] == 3 * (256 * (1 + 48 / 64) + 48 * 64 + 48 * 4)
     # routed experts: slots = 2 tokens * k=2 = 4; touched = ceil(8 * (1 - (1 - 2/8)^2)) = 4.
     # flops per slot 6*D*I + 4*I; bytes = x [4, 64] bf16 read + written (2*512), codes of the
-    # 4 touched experts 4 * (2I*D + D*I) int8, 8 bytes of id+weight per slot.
+    # 4 touched experts 4 * (2I*D + D*I) int8 plus their fp32 per-channel scales 4 * (2I + D),
+    # 8 bytes of id+weight per slot.
     m = _op(d, "moe_experts_quant")
     assert m["calls"] == 2
     assert m["flops"] == 2 * 4 * (6 * 64 * 32 + 4 * 32)
-    assert m["bytes"] == 2 * (2 * 4 * 64 * 2 + 4 * (64 * 64 + 64 * 32) + 8 * 4)
+    assert m["bytes"] == 2 * (2 * 4 * 64 * 2 + 4 * (64 * 64 + 64 * 32 + 4 * (64 + 64))
+                              + 8 * 4)
     # lm_head stays bf16 (quant_policy): 2 tokens x V=128 x D=64
     lm = _op(d, "lm_head")
     assert lm["op"] == "matmul" and lm["dtype"] == "bf16"

@@ -174,7 +174,8 @@ def _meq_cost(a, s):
     T, k, D = s["T"], s["k"], s["D"]
     I = a["w13_packed"].shape[1] // 2
     touched = min(s["E"], T * k)
-    wbytes = touched * (2 * I * sc.packed_k(D) + D * sc.packed_k(I))
+    scales = 4.0 * (a["w13_scale"].numel() + a["w2_scale"].numel()) / max(s["E"], 1)
+    wbytes = touched * (2 * I * sc.packed_k(D) + D * sc.packed_k(I) + scales)
     return T * k * (6.0 * D * I + 4.0 * I), _bytes(a["x"]) * 2 + wbytes + 8.0 * T * k
 
 
