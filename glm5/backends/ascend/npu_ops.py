@@ -186,7 +186,8 @@ def make_sparse_attention(npu: Callable[[], Any]) -> Callable[..., tuple[torch.T
         PA_BSND. glm5 allows -1 anywhere in a row; the op wants valid entries first, so each row
         is compacted stably. ``lse = softmax_max + log(softmax_sum)`` (natural log of the scaled
         scores). Rows with no valid index get out 0 and lse -inf (OPS.md; the vendor pages do
-        not define that case).
+        not define that case). To confirm on A2/A3: the torch_npu page calls the lse outputs
+        "supported only during training when layout_kv is not PA_BSND" (docs/vendors.md).
         """
         T, H, _ = q.shape
         S = k.shape[0]
