@@ -297,6 +297,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- quantize
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from glm5.core.config import ConfigError
+    from glm5.core.quantize import DEFAULT_SHARD_BYTES, import_msmodelslim, quantize_checkpoint
+
+    shard = int(args.max_shard_gb * 2**30) if args.max_shard_gb else DEFAULT_SHARD_BYTES
+    try:
+        if args.from_format == "msmodelslim":
+            if args.scheme:
+                raise ValueError("--scheme does not apply to --from msmodelslim (each tensor's "
+                                 "scheme follows its msModelSlim type)")
+            import_msmodelslim(args.src, args.dst, shard, args.clamp_int8, log=print)
+        else:
+            if not args.scheme:
+                raise ValueError("--scheme is required (w8a16, w8a8, w4a8, w6a12)")
+            if args.clamp_int8:
+                raise ValueError("--clamp-int8 applies only to --from msmodelslim")
+            quantize_checkpoint(args.src, args.dst, args.scheme, shard, log=print)
+    except ConfigError as e:
+        raise ValueError(str(e).removeprefix("glm5 config: ")) from None
+    print(f"wrote {args.dst}")
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 def _fmt(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -360,6 +384,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0, help="weights seed for --preset")
     e.add_argument("out", help="output .onnx path")
     e.set_defaults(func=cmd_export)
+
+    qz = sub.add_parser("quantize", help="quantize a transformers-format checkpoint (or convert "
+                        "an msModelSlim one) into glm5's canonical quantized format")
+    qz.add_argument("--scheme", choices=("w8a16", "w8a8", "w4a8", "w6a12"),
+                    help="quantization scheme (OPS.md); required unless --from msmodelslim")
+    qz.add_argument("--from", dest="from_format", choices=("transformers", "msmodelslim"),
+                    default="transformers", help="SRC format (default transformers)")
+    qz.add_argument("--clamp-int8", action="store_true",
+                    help="msmodelslim: clamp int8 code -128 to -127 instead of failing")
+    qz.add_argument("--max-shard-gb", type=float, default=0.0,
+                    help="largest output shard in GiB (default 5)")
+    qz.add_argument("src", help="source checkpoint directory")
+    qz.add_argument("dst", help="output directory (new or empty)")
+    qz.set_defaults(func=cmd_quantize)
 
     pl = sub.add_parser("plan", help="memory and roofline time of a model on a chip, per device")
     src = pl.add_mutually_exclusive_group(required=True)

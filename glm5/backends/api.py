@@ -3,6 +3,7 @@ the pluggy markers. This is a stable contract (see docs/plugins.md)."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -17,6 +18,10 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 DEVICE_ANY = "any"
+
+# Ops whose weights come in a canonical packed format (OPS.md) that a backend may repack once at
+# load time (`@backend.repack`).
+REPACK_OPS = ("quant_linear", "moe_experts_quant")
 
 
 class BackendError(RuntimeError):
@@ -63,6 +68,8 @@ class Backend:
     _availability: Callable[[], tuple[bool, str]] | None = field(default=None, init=False)
     _available: tuple[bool, str] | None = field(default=None, init=False, repr=False)
     _emulation: Callable[[], tuple[bool, str]] | None = field(default=None, init=False)
+    repackers: dict[str, Callable[..., Any]] = field(default_factory=dict, init=False,
+                                                     repr=False)
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -112,6 +119,32 @@ class Backend:
 
         return deco
 
+    def repack(self, op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator: ``fn(packed, scale, scheme) -> None``, called once per quantized weight
+        at model load time (``glm5.load_model``) when this backend is the one selected for
+        ``op`` ("quant_linear" or "moe_experts_quant") on the weight's device.
+
+        The op contract does not change: kernels still receive the canonical tensors as
+        arguments. A backend that wants its own layout computes it here and keeps it in a cache
+        keyed by the canonical tensor (`RepackCache` holds it weakly), where its kernel looks it
+        up. ``packed``/``scale`` are [N, P]/[N(, G)] for quant_linear and [E, N, P]/[E, N(, G)]
+        (w13, then w2) for moe_experts_quant.
+        """
+        if op not in REPACK_OPS:
+            raise BackendError(
+                f"glm5.Backend({self.name!r}).repack: op expected one of {REPACK_OPS}, got {op!r}"
+            )
+
+        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if op in self.repackers:
+                raise BackendError(
+                    f"glm5.Backend({self.name!r}): a repack for {op!r} is already registered"
+                )
+            self.repackers[op] = fn
+            return fn
+
+        return deco
+
     def availability(self, fn: Callable[[], tuple[bool, str]]) -> Callable[[], tuple[bool, str]]:
         """Decorator: ``fn() -> (available, reason)``, called once, lazily."""
         self._availability = fn
@@ -153,3 +186,27 @@ class Backend:
 
     def ops(self) -> list[str]:
         return list(self.kernels)
+
+
+class RepackCache:
+    """A backend's repacked weights keyed by the canonical tensor's identity, held weakly: an
+    entry disappears when the canonical tensor is freed (so a reused id never returns a stale
+    layout). ``cache.put(packed, value)`` in a ``@backend.repack`` function, ``cache.get(packed)``
+    (None when absent) in the kernel."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def put(self, key: torch.Tensor, value: Any) -> None:
+        k = id(key)
+        ref = weakref.ref(key, lambda _r, k=k: self._entries.pop(k, None))
+        self._entries[k] = (ref, value)
+
+    def get(self, key: torch.Tensor) -> Any:
+        e = self._entries.get(id(key))
+        if e is None or e[0]() is not key:
+            return None
+        return e[1]
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -215,3 +215,29 @@ def kernel_for(op: OpDef, values: dict[str, Any]) -> tuple[str, str]:
     if op.is_composite:
         return "(parts)", "decomposed"
     return REFERENCE, "fallback"
+
+
+def repack(op_name: str, device_type: str, dtype: torch.dtype | None, packed: torch.Tensor,
+           scale: torch.Tensor, scheme: str) -> str | None:
+    """Call the repack hook (``@backend.repack(op_name)``) of the backend selected for
+    ``op_name`` on ``device_type`` with activations of ``dtype``, once, at load time.
+
+    Returns the backend's name, or None when the selected backend has no repack hook (or only
+    the reference / a decomposition serves the op: they take the canonical tensors as they are).
+    """
+    from glm5.backends.api import BackendError
+    from glm5.ir.catalog import get_op
+
+    plan = resolve(get_op(op_name), device_type, dtype)
+    if not plan.candidates:
+        return None
+    b = plan.candidates[0].backend
+    fn = b.repackers.get(op_name)
+    if fn is None:
+        return None
+    try:
+        fn(packed, scale, scheme)
+    except Exception as e:
+        raise BackendError(f"glm5: backend {b.name!r} repack for {op_name} ({scheme}) raised "
+                           f"{type(e).__name__}: {e}") from e
+    return b.name

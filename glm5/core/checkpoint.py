@@ -7,6 +7,10 @@ Name mapping between the checkpoint and glm5's modules:
 - the MTP layer d is stored as `model.layers.{L + d}.*` (DeepSeek-V3 / GLM-5) and held as
   `mtp.{d}.*` (its decoder block as `mtp.{d}.block.*`); its copies of `embed_tokens` and
   `shared_head.head` are the main model's and are not loaded twice.
+
+A directory with `quant_description.json` (written by `glm5 quantize`, see
+glm5/core/quantize.py and docs/quantization.md) holds `X.weight_packed` + `X.weight_scale` in place
+of each quantized `X.weight`; `load_model` builds those layers as `QuantLinear` / `QuantExperts`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from glm5.core.rope import inv_freq
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
+                     r"\.(weight|weight_packed|weight_scale)$")
+_PACKED = ".weight_packed"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
 _MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
@@ -84,10 +90,14 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None,
 
     p = Path(path)
     cfg = GLM5Config.from_pretrained(p)
+    if (p / "quant_model_description.json").exists():
+        raise CheckpointError(f"glm5.load_model: {p} is an msModelSlim checkpoint; convert it "
+                              f"first with `glm5 quantize --from msmodelslim {p} DST`")
     files = _files(p)
     L = cfg.num_hidden_layers
     with torch.device("meta"):
         model = GLM5ForCausalLM(cfg, with_mtp=_has_mtp(iter(files), L))
+        quant = _install_quant_modules(model, p, files, L)
     want = dict(model.state_dict())
     if cfg.tie_word_embeddings:
         want.pop("lm_head.weight", None)
@@ -100,7 +110,8 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None,
         if target is None:
             continue
         if m:
-            experts.setdefault(target, {}).setdefault(int(m.group(2)), {})[m.group(3)] = name
+            key = m.group(3) if m.group(4) == "weight" else f"{m.group(3)}{m.group(4)[6:]}"
+            experts.setdefault(target, {}).setdefault(int(m.group(2)), {})[key] = name
         elif target in want:
             plain[target] = name
         else:
@@ -109,13 +120,23 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None,
         raise CheckpointError(f"glm5.load_model: unexpected tensors in {p}: "
                               f"{', '.join(sorted(unexpected)[:10])}")
     E = cfg.n_routed_experts
+    stacked: dict[str, tuple[str, ...]] = {}  # expert prefix -> stacked tensor suffixes
     for prefix, per in experts.items():
-        if f"{prefix}.gate_up_proj" not in want:
+        if f"{prefix}.gate_up_proj" in want:
+            kinds = ("",)
+        elif f"{prefix}.gate_up_proj_packed" in want:
+            kinds = ("_packed", "_scale")
+        else:
             raise CheckpointError(f"glm5.load_model: unexpected tensors in {p}: {prefix}.*")
-        if sorted(per) != list(range(E)) or any(len(v) != 3 for v in per.values()):
+        stacked[prefix] = kinds
+        need = {f"{w}{k}" for w in ("gate_proj", "up_proj", "down_proj") for k in kinds}
+        if sorted(per) != list(range(E)) or any(set(v) != need for v in per.values()):
             raise CheckpointError(f"glm5.load_model: {prefix} expected experts 0..{E - 1} each "
-                                  f"with gate_proj, up_proj and down_proj")
-    have = set(plain) | {f"{k}.{w}" for k in experts for w in ("gate_up_proj", "down_proj")}
+                                  f"with gate_proj, up_proj and down_proj"
+                                  + (" (weight_packed and weight_scale)" if kinds != ("",)
+                                     else ""))
+    have = set(plain) | {f"{k}.{w}{s}" for k, kinds in stacked.items() for s in kinds
+                         for w in ("gate_up_proj", "down_proj")}
     missing = sorted(set(want) - have)
     if missing:
         raise CheckpointError(f"glm5.load_model: tensors missing from {p}: "
@@ -130,7 +151,8 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None,
             if f not in handles:
                 handles[f] = stack.enter_context(safe_open(str(f), "pt", device="cpu"))
             t = handles[f].get_tensor(name)
-            keep_fp32 = target.endswith(("mlp.gate.weight", "e_score_correction_bias"))
+            keep_fp32 = target.endswith(("mlp.gate.weight", "e_score_correction_bias",
+                                         "_scale"))  # quantization scales are fp32 by format
             if dtype is not None and t.is_floating_point() and not keep_fp32:
                 t = t.to(dtype)
             return t
@@ -144,18 +166,80 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None,
         for target, name in plain.items():
             put(target, read(name, target), name)
         for prefix, per in experts.items():  # one layer's experts at a time
-            gu = f"{prefix}.gate_up_proj"
-            dn = f"{prefix}.down_proj"
-            put(gu, torch.stack([torch.cat((read(per[e]["gate_proj"], gu),
-                                            read(per[e]["up_proj"], gu)), 0) for e in range(E)]),
-                f"{prefix}.*.gate_proj/up_proj")
-            put(dn, torch.stack([read(per[e]["down_proj"], dn) for e in range(E)]),
-                f"{prefix}.*.down_proj")
+            for k in stacked[prefix]:  # packed codes and scales stack like weights (rows)
+                gu = f"{prefix}.gate_up_proj{k}"
+                dn = f"{prefix}.down_proj{k}"
+                put(gu, torch.stack([torch.cat((read(per[e][f"gate_proj{k}"], gu),
+                                                read(per[e][f"up_proj{k}"], gu)), 0)
+                                     for e in range(E)]),
+                    f"{prefix}.*.gate_proj/up_proj{'.weight' + k if k else ''}")
+                put(dn, torch.stack([read(per[e][f"down_proj{k}"], dn) for e in range(E)]),
+                    f"{prefix}.*.down_proj{'.weight' + k if k else ''}")
     model.load_state_dict(loaded, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = inv_freq(cfg)[0]  # non-persistent buffer: rebuilt, not loaded
-    return model.to(device)
+    model = model.to(device)
+    if quant is not None:
+        from glm5.core.quantize import repack_model
+
+        quant["repacked"] = repack_model(model)
+        model.quantization = quant
+    return model
+
+
+def _install_quant_modules(model: GLM5ForCausalLM, p: Path, files: dict[str, Path],
+                           L: int) -> dict | None:
+    """Replace the layers a quantized checkpoint stores as packed codes with QuantLinear /
+    QuantExperts (on the meta device, before loading). None for an unquantized checkpoint."""
+    from glm5.core.layers import QuantExperts, QuantLinear
+    from glm5.core.quant_policy import high_precision_reason
+    from glm5.core.quantize import read_description
+
+    desc = read_description(p)
+    if desc is None:
+        return None
+    schemes = desc["tensors"]
+    expert_schemes: dict[str, set[str]] = {}
+    for name in files:
+        if not name.endswith(_PACKED) and not name.endswith("_proj_packed"):
+            continue
+        scheme = schemes.get(name)
+        if scheme is None or scheme == "FLOAT":
+            raise CheckpointError(f"glm5.load_model: {name} has no quantization scheme in "
+                                  f"{p / 'quant_description.json'}")
+        weight = name[: -len(_PACKED)] + ".weight" if name.endswith(_PACKED) else name[:-7]
+        why = high_precision_reason(weight)
+        if why is not None:
+            raise CheckpointError(f"glm5.load_model: {name} is quantized but glm5 keeps "
+                                  f"{weight} in high precision ({why})")
+        m = _EXPERT.match(name)
+        if m or name.endswith("_proj_packed"):
+            prefix = _to_module_name(m.group(1) if m else name.rsplit(".", 1)[0], L)
+            expert_schemes.setdefault(prefix, set()).add(scheme)
+            continue
+        target = _to_module_name(name, L)[: -len(_PACKED)]
+        parent_name, _, attr = target.rpartition(".")
+        try:
+            old = model.get_submodule(target)
+        except AttributeError:
+            old = None
+        if not isinstance(old, torch.nn.Linear):
+            raise CheckpointError(f"glm5.load_model: unexpected tensors in {p}: {name}")
+        bias = f"{name[: -len(_PACKED)]}.bias" in files
+        setattr(model.get_submodule(parent_name), attr,
+                QuantLinear(old.in_features, old.out_features, scheme, bias=bias))
+    for prefix, sset in expert_schemes.items():
+        if len(sset) != 1:
+            raise CheckpointError(f"glm5.load_model: {prefix} mixes schemes {sorted(sset)}; "
+                                  f"one layer's routed experts share one scheme")
+        parent_name, _, attr = prefix.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name)
+        except AttributeError:
+            raise CheckpointError(f"glm5.load_model: unexpected tensors in {p}: {prefix}.*")
+        setattr(parent, attr, QuantExperts(parent.gate.cfg, sset.pop()))
+    return {"scheme": desc["scheme"], "format_version": desc["format_version"]}
 
 
 def _checkpoint_tensors(model: GLM5ForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
