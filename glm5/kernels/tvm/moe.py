@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from glm5.kernels.tvm.norm import VL, bits, build_silu_mul, narrow, storage
+from glm5.kernels.tvm.norm import VL, bits, build_silu_mul, cached, narrow, storage
 
 REV = 1
 DTYPES = (torch.float32, torch.bfloat16)
@@ -82,7 +82,8 @@ def _fns(context: Callable[[], Any], dtype: torch.dtype) -> tuple[Callable, Call
     dt = _TVM[dtype]
     key = {"dtype": dt, "vl": VL, "rev": REV}
     ctx = context()
-    return tuple(ctx.kernel("moe_experts", key, lambda: build_module(dt), s)
+    return tuple(cached(ctx, ("moe_experts", dt, s),
+                        lambda s=s: ctx.kernel("moe_experts", key, lambda: build_module(dt), s))
                  for s in ("combine", "silu_mul"))
 
 

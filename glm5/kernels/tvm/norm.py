@@ -206,10 +206,22 @@ def build_silu_mul(dt: str) -> Any:
     return silu_mul
 
 
+def cached(ctx: Any, key: tuple, get: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+    """``get()`` once per (context, key), memoised on the context: `TVMContext.kernel` hashes
+    the kernel's source file on every lookup, which costs more than a small kernel call."""
+    fns = ctx.__dict__.setdefault("_glm5_fns", {})
+    fn = fns.get(key)
+    if fn is None:
+        fn = fns[key] = get()
+    return fn
+
+
 def _fn(context: Callable[[], Any], op: str, dtype: torch.dtype, build: Callable[[], Any],
         **key: Any) -> Callable[..., Any]:
+    ctx = context()
     k = {"dtype": _TVM[dtype], "vl": VL, "rev": REV, **key}
-    return context().kernel(op, k, build, op)
+    return cached(ctx, (op, _TVM[dtype], tuple(sorted(key.items()))),
+                  lambda: ctx.kernel(op, k, build, op))
 
 
 # --------------------------------------------------------------------------- the ops

@@ -12,8 +12,9 @@ no dequantized copy) and unpacks in registers:
 * ``T.parallel`` over the output features n; each weight vector is unpacked once and used for a
   block of MB activation rows (x is zero padded to a multiple of MB rows).
 
-w8a16 (float activation): ``y[m, n] = Σ_k x[m, k] · (w_q[n, k] · s_w[n])`` in fp32 — the
-dequantized weight of the reference, formed in registers. Activation schemes: the activation is
+w8a16 (float activation): ``y[m, n] = s_w[n] · Σ_k x[m, k] · w_q[n, k]`` in fp32 (the scale
+factored out of the sum: one multiply per output instead of per weight; the reordering is far
+inside the fp32 tolerance). Activation schemes: the activation is
 quantized per token on the host with the reference's own function (same codes, bit for bit),
 the kernel accumulates ``Σ_{k∈g} x_q · w_q`` per group of 128 in int32 (exact: |sum| < 2^31
 for every scheme at these group sizes; w8a8 is one group of K) and then
@@ -34,11 +35,19 @@ from typing import Any, Callable
 
 import torch
 
-from glm5.ir.quant_formats import GROUP, SCHEMES, get_scheme, n_groups, quantize_per_token_ref, unpack
+from glm5.ir.quant_formats import (
+    GROUP,
+    SCHEMES,
+    get_scheme,
+    n_groups,
+    quantize_per_token_ref,
+    unpack,
+)
+from glm5.kernels.tvm.norm import cached
 
 REV = 1
 VL = 16  # lanes (AVX-512: 16 fp32 / int32)
-MB = 4  # activation rows per weight-vector unpack
+MB = 4  # activation rows per weight-vector unpack (fewer rows than MB: a 1-row build)
 DTYPES = (torch.float32, torch.bfloat16)
 # Rows up to which the TVM GEMV is used; above, torch's kernels (measured crossover, see the
 # module docstring and docs/performance.md).
@@ -61,7 +70,7 @@ def _unpack_tir(T: Any, W: Any, n: Any, u: Any, j: int, bits: int) -> Any:
     return (v ^ 32) - 32
 
 
-def build(scheme: str) -> Any:
+def build(scheme: str, MB: int = MB) -> Any:
     """``qgemv(xs[Mp, V, U], w[N, P], sw[N, G], sx[Mp], y[Mp, N], gu)``: gu = units per group.
 
     w8a16: xs fp32, sx unused (ones); activation schemes: xs int32 codes."""
@@ -77,10 +86,14 @@ def build(scheme: str) -> Any:
     def zero():
         return T.float32(0) if FLOAT else T.int32(0)
 
+    # Lanes per accumulator: with one activation row the accumulators are the only
+    # independent FMA chains, so a 1-row build keeps several vectors of them in flight.
+    L = VL if MB > 1 else {8: 4 * VL, 4: 4 * VL, 6: 2 * VL}[bits]
+
     def term(X, W, S, m, n, g, u, j):
         wv = _unpack_tir(T, W, n, u, j, bits)
-        if FLOAT:  # the reference's dequantized weight, then the product
-            return X[m, j, u] * (T.Cast("float32", wv) * S[n, g])
+        if FLOAT:
+            return X[m, j, u] * T.Cast("float32", wv)
         return X[m, j, u] * wv
 
     @T.prim_func
@@ -98,7 +111,7 @@ def build(scheme: str) -> Any:
         SX = T.match_buffer(sx_h, (Mp,), "float32")
         Y = T.match_buffer(y_h, (Mp, N), "float32")
         for n in T.parallel(N):
-            acc = T.alloc_buffer((MB, VL), adt, scope="local")
+            acc = T.alloc_buffer((MB, L), adt, scope="local")
             red = T.alloc_buffer((MB,), adt, scope="local")
             fac = T.alloc_buffer((MB,), "float32", scope="local")
             for mb in range(Mp // MB):
@@ -106,27 +119,31 @@ def build(scheme: str) -> Any:
                     fac[mi] = T.float32(0)
                 for g in range(G):
                     for mi in T.unroll(MB):
-                        for ll in T.vectorized(VL):
+                        for ll in T.vectorized(L):
                             acc[mi, ll] = zero()
                     cnt = T.min(gu, U - g * gu)
-                    for c in range(cnt // VL):
+                    for c in range(cnt // L):
                         for mi in T.unroll(MB):
                             for j in T.unroll(V):
-                                for ll in T.vectorized(VL):
+                                for ll in T.vectorized(L):
                                     acc[mi, ll] = acc[mi, ll] + term(
-                                        X, W, S, mb * MB + mi, n, g, g * gu + c * VL + ll, j)
+                                        X, W, S, mb * MB + mi, n, g, g * gu + c * L + ll, j)
                     for mi in T.unroll(MB):
+                        # fold the L lanes to 8 with vector adds, then 8 scalar adds
+                        for f in T.unroll(L // 8 - 1):
+                            for ll in T.vectorized(8):
+                                acc[mi, ll] = acc[mi, ll] + acc[mi, (f + 1) * 8 + ll]
                         red[mi] = zero()
-                        for ll in T.unroll(VL):
+                        for ll in T.unroll(8):
                             red[mi] = red[mi] + acc[mi, ll]
-                    for r in range(cnt // VL * VL, cnt):
+                    for r in range(cnt // L * L, cnt):
                         for mi in T.unroll(MB):
                             for j in T.unroll(V):
                                 red[mi] = red[mi] + term(X, W, S, mb * MB + mi, n, g,
                                                          g * gu + r, j)
                     for mi in T.unroll(MB):
-                        if FLOAT:
-                            fac[mi] = fac[mi] + red[mi]
+                        if FLOAT:  # one group: s_w[n] · Σ x · w_q
+                            fac[mi] = fac[mi] + S[n, g] * red[mi]
                         else:
                             fac[mi] = fac[mi] + S[n, g] * T.Cast("float32", red[mi])
                 for mi in T.unroll(MB):
@@ -138,16 +155,20 @@ def build(scheme: str) -> Any:
     return qgemv
 
 
-def _fn(context: Callable[[], Any], scheme: str) -> Callable[..., Any]:
-    key = {"scheme": scheme, "vl": VL, "mb": MB, "rev": REV}
-    return context().kernel("quant_linear", key, lambda: build(scheme), "qgemv")
+def _fn(context: Callable[[], Any], scheme: str, mb: int) -> Callable[..., Any]:
+    ctx = context()
+    key = {"scheme": scheme, "vl": VL, "mb": mb, "rev": REV}
+    return cached(ctx, ("quant_linear", scheme, mb),
+                  lambda: ctx.kernel("quant_linear", key, lambda: build(scheme, mb), "qgemv"))
 
 
-def _streams(xv: torch.Tensor, V: int, U: int) -> torch.Tensor:
-    """[M, K] -> [Mp, V, U] (rows zero padded to a multiple of MB, K to V·U): value j of
+def _streams(xv: torch.Tensor, V: int, U: int, mb: int) -> torch.Tensor:
+    """[M, K] -> [Mp, V, U] (rows zero padded to a multiple of mb, K to V·U): value j of
     unit u is column V·u + j."""
     M, K = xv.shape
-    Mp = -(-M // MB) * MB
+    Mp = -(-M // mb) * mb
+    if Mp == M and V * U == K:  # nothing to pad: a view (int8 / fp32 rows as they are)
+        return xv.contiguous().view(M, U, V).transpose(1, 2).contiguous()
     out = torch.zeros(Mp, V * U, dtype=xv.dtype)
     out[:M, :K] = xv
     return out.view(Mp, U, V).transpose(1, 2).contiguous()
@@ -166,15 +187,18 @@ def gemv(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
     else:
         xq, sx = quantize_per_token_ref(x, sc.act_bits)
         xv = xq.to(torch.int32)
-    xs = _streams(xv, V, U)
+    mb = MB if M >= MB else 1
+    xs = _streams(xv, V, U, mb)
     Mp = xs.shape[0]
-    sxp = torch.ones(Mp, dtype=torch.float32)
-    if sx is not None:
+    if sx is None:
+        sxp = torch.ones(Mp, dtype=torch.float32)
+    else:
+        sxp = torch.zeros(Mp, dtype=torch.float32)
         sxp[:M] = sx
     sw = w_scale.to(torch.float32).reshape(N, -1).contiguous()
     gu = GROUP // V if sc.grouped else max(U, 1)
     y = torch.empty(Mp, N, dtype=torch.float32)
-    _fn(context, scheme)(xs, w_packed.contiguous(), sw, sxp, y, gu)
+    _fn(context, scheme, mb)(xs, w_packed.contiguous(), sw, sxp, y, gu)
     return y[:M]
 
 
