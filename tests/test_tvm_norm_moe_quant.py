@@ -1,0 +1,171 @@
+"""TVM (llvm) cpu kernels: rms_norm, rope, silu_mul, moe_experts, quant_linear (all schemes, the
+TVM GEMV and the torch GEMM paths) and moe_experts_quant, against the float64 oracle.
+
+One module-scoped backend on a temporary build cache: each kernel variant compiles once
+(about a second each) and every test reuses it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("tvm")
+
+import glm5  # noqa: E402
+from glm5.ir.catalog import OPS  # noqa: E402
+from glm5.ir.quant_formats import SCHEMES, quantize_weight  # noqa: E402
+from glm5.kernels.tvm import moe, norm, quant  # noqa: E402
+from glm5.kernels.tvm.build import TVMContext  # noqa: E402
+from glm5.testing.compare import check_example  # noqa: E402
+from glm5.testing.parity import format_table, run_parity  # noqa: E402
+
+OPS_SERVED = ("rms_norm", "rope", "silu_mul", "moe_experts", "quant_linear", "moe_experts_quant")
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    return TVMContext(cache_dir=tmp_path_factory.mktemp("tvm_nmq_cache"))
+
+
+@pytest.fixture(scope="module")
+def backend(ctx):
+    b = glm5.Backend("cpu_nmq_test", vendor="t", device_type="cpu")
+    for mod in (norm, moe, quant):
+        for op, fn, dtypes, supports in mod.kernels(lambda: ctx):
+            b.kernel(op, dtypes=dtypes, supports=supports)(fn)
+    return b
+
+
+def _check(backend, op: str, values: dict, dtype=torch.float32) -> None:
+    v = check_example(OPS[op], backend.kernels[op].fn, values, dtype)
+    assert v.ok, f"{op}: {v.message} (max rel err {v.max_rel_err:.2e}, {v.tolerance})"
+
+
+def test_parity(backend):
+    rows = run_parity(backend, list(OPS_SERVED), examples=8, seed=0)
+    assert {(r.op, r.dtype) for r in rows} == {
+        (op, dt) for op in OPS_SERVED for dt in ("float32", "bfloat16")}
+    assert all(r.status == "pass" and r.examples == 8 for r in rows), format_table(rows)
+
+
+def test_quant_torch_paths(backend, monkeypatch):
+    """Every row count above the crossover goes to torch's kernels: same parity."""
+    monkeypatch.setattr(quant, "ROWS_TVM", {s: 0 for s in SCHEMES})
+    rows = run_parity(backend, ["quant_linear", "moe_experts_quant"], examples=8, seed=1)
+    assert all(r.status == "pass" for r in rows), format_table(rows)
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_quant_paths_agree_across_blocks(ctx, backend, scheme):
+    """Rows not a multiple of the 4-row block, K with a short last group and a partial packing
+    unit, 12-bit codes at the extremes: the GEMV and the torch path both match the oracle."""
+    g = torch.Generator().manual_seed(3)
+    K, N = 331, 37
+    wp, ws = quantize_weight(torch.randn(N, K, generator=g) * K ** -0.5, scheme)
+    for M in (1, 3, 6, 9):
+        x = torch.randn(M, K, generator=g) * 3
+        x[0, 0] = 50.0  # one large value: the row's amax, codes at ±qmax
+        vals = {"x": x, "w_packed": wp, "w_scale": ws, "scheme": scheme, "bias": None}
+        _check(backend, "quant_linear", vals)
+        got_tvm = quant.gemv(lambda: ctx, x, wp, ws, scheme)
+        got_torch = quant.gemm_torch(x, wp, ws, scheme)
+        # two exact-integer paths differ only in fp32 scale products
+        torch.testing.assert_close(got_tvm, got_torch, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_halves_exact():
+    xq = torch.arange(-2047, 2048, dtype=torch.int16)
+    (fh, hi), (fl, lo) = quant._int8_halves(xq)
+    assert hi.dtype == lo.dtype == torch.int8
+    assert torch.equal(fh * hi.to(torch.int32) + fl * lo.to(torch.int32), xq.to(torch.int32))
+
+
+def test_shapes_and_edges(backend):
+    g = torch.Generator().manual_seed(5)
+    for dt in (torch.float32, torch.bfloat16):
+        # rope on 2-D x [T, R], NeoX with R/2 not a multiple of the vector width
+        x = torch.randn(3, 40, generator=g).to(dt)
+        ang = torch.rand(3, 20, generator=g)
+        for il in (True, False):
+            _check(backend, "rope", {"x": x, "cos": ang.cos().to(dt), "sin": ang.sin().to(dt),
+                                     "interleaved": il}, dt)
+        # rms_norm with D past one vector plus a tail, 3-D leading dims
+        _check(backend, "rms_norm", {"x": torch.randn(2, 3, 37, generator=g).to(dt),
+                                     "weight": torch.randn(37, generator=g).to(dt),
+                                     "eps": 1e-6}, dt)
+        # silu_mul: large |x| saturates exp without inf/NaN
+        x = torch.tensor([[-100.0, -3.0, 0.0, 95.0, 1.0, 2.0, 3.0, 4.0]]).to(dt)
+        _check(backend, "silu_mul", {"x": x}, dt)
+
+
+def test_moe_skips_and_empty_experts(backend):
+    g = torch.Generator().manual_seed(7)
+    T, D, I, E, k = 6, 20, 12, 5, 3
+    x = torch.randn(T, D, generator=g)
+    ids = torch.tensor([[0, 4, -1], [4, 0, 2], [-1, -1, -1], [2, 2, 0], [4, -1, 0],
+                        [0, 4, 2]], dtype=torch.int32)  # expert 1, 3 unused; row 2 all skipped
+    vals = {"x": x, "ids": ids, "weights": torch.rand(T, k, generator=g),
+            "w13": torch.randn(E, 2 * I, D, generator=g) * D ** -0.5,
+            "w2": torch.randn(E, D, I, generator=g) * I ** -0.5}
+    _check(backend, "moe_experts", vals)
+    y = backend.kernels["moe_experts"].fn(*(vals[n] for n in OPS["moe_experts"].param_names))
+    assert torch.equal(y[2], torch.zeros(D))
+    # deterministic: same bits on a second call
+    y2 = backend.kernels["moe_experts"].fn(*(vals[n] for n in OPS["moe_experts"].param_names))
+    assert torch.equal(y, y2)
+    vals["ids"] = torch.full((T, k), -1, dtype=torch.int32)
+    _check(backend, "moe_experts", vals)
+
+
+def test_claims_and_declines(backend):
+    x = torch.randn(2, 8)
+    w = torch.randn(8)
+    e = backend.kernels["rms_norm"]
+    assert e.dtypes == frozenset({torch.float32, torch.bfloat16})
+    assert e.accepts((x, w, 1e-5))
+    assert not e.accepts((x.to("meta"), w, 1e-5))
+    r = backend.kernels["rope"]
+    assert not r.accepts((torch.randn(2, 3), torch.randn(2, 1), torch.randn(2, 1), True))
+    m = backend.kernels["moe_experts"]
+    ids = torch.zeros(2, 1, dtype=torch.int32)
+    w13, w2 = torch.randn(1, 4, 8), torch.randn(1, 8, 2)
+    assert m.accepts((x, ids, torch.ones(2, 1), w13, w2))
+    assert not m.accepts((x, ids, torch.ones(2, 1), w13.bfloat16(), w2))  # mixed dtypes
+    q = backend.kernels["quant_linear"]
+    wp, ws = quantize_weight(torch.randn(4, 8), "w4a8")
+    assert q.accepts((x, wp, ws, "w4a8", None))
+    assert not q.accepts((x, wp, ws, "w5a5", None))
+    with pytest.raises(ValueError, match="quant_linear.*scheme"):
+        q.fn(x, wp, ws, "w5a5", None)
+
+
+def test_symbolic_shapes_build_once(ctx, backend):
+    """Rows, D, R, I, M, N, K are runtime values: new shapes reuse the built kernels."""
+    g = torch.Generator().manual_seed(9)
+    for T, D in ((1, 5), (7, 70), (33, 16)):
+        backend.kernels["rms_norm"].fn(torch.randn(T, D, generator=g), torch.randn(D), 1e-5)
+        backend.kernels["rope"].fn(torch.randn(T, 2, 2 * D, generator=g), torch.randn(T, D),
+                                   torch.randn(T, D), True)
+        backend.kernels["silu_mul"].fn(torch.randn(T, 2 * D, generator=g))
+    n = len(ctx.builds)
+    for T, D in ((2, 9), (40, 130)):
+        backend.kernels["rms_norm"].fn(torch.randn(T, D, generator=g), torch.randn(D), 1e-5)
+        backend.kernels["rope"].fn(torch.randn(T, 3, 2 * D, generator=g), torch.randn(T, D),
+                                   torch.randn(T, D), True)
+        backend.kernels["silu_mul"].fn(torch.randn(T, 2 * D, generator=g))
+        wp, ws = quantize_weight(torch.randn(T + 3, 2 * D, generator=g), "w4a8")
+        backend.kernels["quant_linear"].fn(torch.randn(5, 2 * D, generator=g), wp, ws, "w4a8",
+                                           None)
+    # only the first w4a8 builds (1-row and 4-row) may be new; norms / rope / silu none
+    new = [b["op"] for b in ctx.builds[n:]]
+    assert all(op == "quant_linear" for op in new) and len(new) <= 1, new
+
+
+def test_disk_cache_hit(ctx, backend):
+    """A fresh context on the same directory loads the built library instead of compiling."""
+    backend.kernels["rms_norm"].fn(torch.randn(2, 4), torch.randn(4), 1e-5)
+    fresh = TVMContext(cache_dir=ctx.cache_dir)
+    y = norm.rms_norm(lambda: fresh, torch.randn(3, 4), torch.randn(4), 1e-5)
+    assert y.shape == (3, 4)
+    assert [b["how"] for b in fresh.builds] == ["loaded"]
