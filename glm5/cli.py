@@ -72,6 +72,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
         print(f"\npolicy: {' + '.join(get_policy().sources)}")
         print(f"strict mode (GLM5_STRICT): {'on' if strict_mode() else 'off'}")
         print(f"override (GLM5_BACKEND): {os.environ.get('GLM5_BACKEND') or '-'}")
+        print(f"device override (GLM5_DEVICE): {os.environ.get('GLM5_DEVICE') or '-'}")
         print(f"torch {torch.__version__}; cuda available: {torch.cuda.is_available()}; "
               f"hip: {getattr(torch.version, 'hip', None)}")
     return 0
