@@ -78,6 +78,25 @@ def test_scheme_within_accuracy_budget(fp32_dir, scheme):
     assert r["cosine"] < 1.0 - 1e-9  # it really ran quantized
 
 
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("quant_small")
+    cfg = preset("small")
+    randomize(GLM5ForCausalLM(cfg, with_mtp=True), 0, cfg.initializer_range).save_pretrained(
+        d / "fp32")
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_small_preset_within_accuracy_budget(small_dir, scheme):
+    model = glm5.load_model(small_dir / "fp32").eval()
+    r = evaluate_scheme(model, small_dir, scheme, accuracy_batch(model.config.vocab_size))
+    b = BUDGETS["small"][scheme]
+    assert r["cosine"] >= b["cosine"] and r["top1"] >= b["top1"], r
+    assert r["bytes_per_param"] <= b["bytes_per_param"], r
+
+
 # --------------------------------------------------------------------------- format
 def test_output_format_every_tensor_described(fp32_dir, tmp_path):
     dst = tmp_path / "q"
@@ -122,6 +141,13 @@ def test_loaded_modules_and_errors(fp32_dir, tmp_path):
     assert type(m.model.layers[1].mlp.experts) is QuantExperts
     assert type(m.mtp[0].eh_proj) is QuantLinear and type(m.lm_head) is torch.nn.Linear
     assert m.quantization["scheme"] == "w8a8"
+    mb = glm5.load_model(dst, dtype=torch.bfloat16).eval()
+    assert mb.model.layers[1].self_attn.q_a_proj.weight_scale.dtype == torch.float32
+    with torch.no_grad():
+        lb = mb(accuracy_batch(mb.config.vocab_size, seq=12))
+        lf = m.eval()(accuracy_batch(m.config.vocab_size, seq=12))
+    assert lb.dtype == torch.bfloat16
+    assert logit_agreement(lf, lb)["cosine"] > TINY["w8a8"]["cosine"]
     desc = json.loads((dst / DESCRIPTION).read_text())
     desc["format_version"] = 99
     (dst / DESCRIPTION).write_text(json.dumps(desc))
@@ -263,7 +289,8 @@ def _ms_kind(name: str) -> str | None:
     return "W8A16" if is_quantized(name) else None
 
 
-def _write_msmodelslim(model: GLM5ForCausalLM, path, int64_deq: bool = False) -> None:
+def _write_msmodelslim(model: GLM5ForCausalLM, path, int64_deq: bool = False,
+                       bias_layer: str = "") -> None:
     from glm5.core.checkpoint import _checkpoint_tensors
 
     g = torch.Generator().manual_seed(0)
@@ -277,7 +304,7 @@ def _write_msmodelslim(model: GLM5ForCausalLM, path, int64_deq: bool = False) ->
             desc[name] = "FLOAT"
             continue
         stem = name[: -len(".weight")]
-        for k, v in _ms_linear(t.detach(), kind, g).items():
+        for k, v in _ms_linear(t.detach(), kind, g, cancel_bias=stem != bias_layer).items():
             if k == "deq_scale" and int64_deq:
                 v = v.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
             sd[f"{stem}.{k}"] = v
@@ -291,6 +318,10 @@ def test_msmodelslim_import_end_to_end(tmp_path, int64_deq):
     model = _model(seed=2, mtp=False)
     _write_msmodelslim(model, tmp_path / "ms", int64_deq)
     s = import_msmodelslim(tmp_path / "ms", tmp_path / "q")
+    assert cli(["quantize", "--from", "msmodelslim", str(tmp_path / "ms"),
+                str(tmp_path / "q_cli")]) == 0
+    assert (tmp_path / "q_cli" / DESCRIPTION).read_text() == \
+        (tmp_path / "q" / DESCRIPTION).read_text()
     assert s.schemes == {"w8a16", "w8a8"} and s.dequantized == model.config.num_hidden_layers
     q = glm5.load_model(tmp_path / "q").eval()
     attn = q.model.layers[0].self_attn
@@ -373,3 +404,26 @@ def test_msmodelslim_errors_name_the_tensor(tmp_path, damage, match):
         assert int(out[f"{name}.weight_packed"][0, 0]) == -127
     with pytest.raises(CheckpointError, match="--from msmodelslim"):
         glm5.load_model(tmp_path / "ms")
+
+
+def test_msmodelslim_static_bias_reaches_the_loaded_layer(tmp_path):
+    """A static W8A8 layer whose quant_bias does not cancel the input offset loads as a
+    QuantLinear with the derived float bias, and computes msModelSlim's formula."""
+    model = _model(seed=4, mtp=False)
+    stem = "model.layers.0.self_attn.o_proj"
+    _write_msmodelslim(model, tmp_path / "ms", bias_layer=stem)
+    import_msmodelslim(tmp_path / "ms", tmp_path / "q")
+    q = glm5.load_model(tmp_path / "q")
+    layer = q.model.layers[0].self_attn.o_proj
+    assert layer.bias is not None and bool((layer.bias != 0).any())
+    ms = load_file(str(tmp_path / "ms" / "quant_model_weight.safetensors"))
+    W, dq = ms[f"{stem}.weight"].double(), ms[f"{stem}.deq_scale"].double()
+    s_in, o_in = float(ms[f"{stem}.input_scale"]), float(ms[f"{stem}.input_offset"])
+    x = accuracy_batch(8, seed=5, batch=3, seq=W.shape[1]).double() / 8 - 0.5
+    want = ((x / s_in + o_in) @ W.T + ms[f"{stem}.quant_bias"].double()) * dq
+    with torch.no_grad():
+        got = layer(x.float()).double()
+    # per-token int8 activations: error <= half a step of each row's scale times sum |w|
+    step = x.abs().amax(1, keepdim=True) / 127
+    bound = 0.5 * step * (W.abs() * (dq / s_in)[:, None]).sum(1)[None] + 1e-4
+    assert bool(((got - want).abs() <= bound).all())
