@@ -60,7 +60,8 @@ def lightning_indexer_kernel(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, T, S,
                              BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
                              BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
                              PERSISTENT: tl.constexpr):
-    """Tiles (cdiv(T, BLOCK_T), cdiv(S, BLOCK_S)); PERSISTENT: program p walks tiles p, p + P, ..."""
+    """Tiles (cdiv(T, BLOCK_T), cdiv(S, BLOCK_S)); PERSISTENT: program p walks tiles p,
+    p + NUM_PROGRAMS, ..."""
     if PERSISTENT:
         for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
             _indexer_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, T, S, Hi, Di,

@@ -67,7 +67,8 @@ def make_token_logprobs(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, 
         dot_f32 = interp or h.dtype == torch.float32 or w_vocab.dtype == torch.float32
         k = _kernels()
         launch(
-            k.token_logprobs_partial_kernel, (n_tb, split), p, "token_logprobs", h, w_vocab, targets, parts[0], parts[1], parts[2], parts[3],
+            k.token_logprobs_partial_kernel, (n_tb, split), p, "token_logprobs",
+            h, w_vocab, targets, parts[0], parts[1], parts[2], parts[3],
             T, V, D, 1.0 / float(temperature), per * bv,
             h.stride(0), h.stride(1), w_vocab.stride(0), w_vocab.stride(1), targets.stride(0),
             BLOCK_T=bt, BLOCK_V=bv, BLOCK_D=bd, DOT_F32=dot_f32, **_launch_opts(p))

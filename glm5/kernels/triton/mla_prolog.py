@@ -59,7 +59,8 @@ def make_mla_prolog(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, ...]
         c_q = torch.empty((T, Rq), dtype=cd, device=dev)
         sl = slots.contiguous()
         launch(
-            k.prolog_token_kernel, (T,), p, "mla_prolog", cq_raw, g_qa, c_q, kv, g_kva, cos, sin, sl, kv_cache, Rq, Rkv, R2, float(eps),
+            k.prolog_token_kernel, (T,), p, "mla_prolog",
+            cq_raw, g_qa, c_q, kv, g_kva, cos, sin, sl, kv_cache, Rq, Rkv, R2, float(eps),
             cq_raw.stride(0), cq_raw.stride(1), g_qa.stride(0), c_q.stride(0), c_q.stride(1),
             kv.stride(0), kv.stride(1), g_kva.stride(0), cos.stride(0), cos.stride(1),
             sin.stride(0), sin.stride(1), kv_cache.stride(0), kv_cache.stride(1),
@@ -68,7 +69,8 @@ def make_mla_prolog(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, ...]
         q = c_q @ w_qb.to(cd).t()  # [T, H * (Dn + Dr)]
         qn_out = q_pe if absorb else q_main  # q_pe: an unused placeholder when absorbing
         launch(
-            k.prolog_q_kernel, (T, H), p, "mla_prolog", q, cos, sin, qn_out, q_pe, Dn, R2, Dn + Dr,
+            k.prolog_q_kernel, (T, H), p, "mla_prolog",
+            q, cos, sin, qn_out, q_pe, Dn, R2, Dn + Dr,
             q.stride(0), q.stride(1), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
             qn_out.stride(0), qn_out.stride(1), qn_out.stride(2),
             q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),

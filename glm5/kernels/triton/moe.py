@@ -90,7 +90,8 @@ def make_moe_experts(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         if I > 0:
             bn1 = max(16, min(bn, _next_pow2(I)))
             launch(
-                k.moe_gemm13_kernel, (nt, _cdiv(I, bn1)), p, "moe_experts", x, w13, h, tok, tile_e, lo, hi, D, I,
+                k.moe_gemm13_kernel, (nt, _cdiv(I, bn1)), p, "moe_experts",
+                x, w13, h, tok, tile_e, lo, hi, D, I,
                 x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
                 h.stride(0), h.stride(1),
                 BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=max(16, min(bk, _next_pow2(D))),
@@ -99,14 +100,16 @@ def make_moe_experts(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
             h.zero_()
         bn2 = max(16, min(bn, _next_pow2(D)))
         launch(
-            k.moe_gemm2_kernel, (nt, _cdiv(D, bn2)), p, "moe_experts", h, w2, y, tile_e, lo, hi, D, I,
+            k.moe_gemm2_kernel, (nt, _cdiv(D, bn2)), p, "moe_experts",
+            h, w2, y, tile_e, lo, hi, D, I,
             h.stride(0), h.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
             y.stride(0), y.stride(1),
             BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=max(16, min(bk, _next_pow2(max(I, 1)))),
             DOT_FP32=fp32, **opts)
         bd = max(16, min(bdc, _next_pow2(D)))
         launch(
-            k.moe_combine_kernel, (T, _cdiv(D, bd)), p, "moe_experts", y, inv, ids, weights, out, D, kt,
+            k.moe_combine_kernel, (T, _cdiv(D, bd)), p, "moe_experts",
+            y, inv, ids, weights, out, D, kt,
             y.stride(0), y.stride(1), ids.stride(0), ids.stride(1),
             weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),
             BLOCK_D=bd, **opts)

@@ -52,7 +52,8 @@ def quantize_per_token(x: torch.Tensor, bits: int,
     block = max(16, min(_next_pow2(K), _next_pow2(int(p.get("QUANT_BLOCK_K", 8192)))))
     opts = {"num_warps": int(p.get("quant_num_warps", 8))}
     launch(
-        _kernels().quantize_rows_kernel, (M,), p, "quant_linear", x, q, s, K, x.stride(0), x.stride(1), q.stride(0),
+        _kernels().quantize_rows_kernel, (M,), p, "quant_linear",
+        x, q, s, K, x.stride(0), x.stride(1), q.stride(0),
         QMAX=ACT_QMAX[bits], BLOCK_K=block, ONE_PASS=K <= block, **opts)
     return q, s
 
@@ -92,13 +93,15 @@ def make_quant_linear(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
             dot_f32 = interpreted() or x.dtype == torch.float32
             bk16 = max(16, min(_next_pow2(int(p.get("BLOCK_K", 128))), _next_pow2(K)))
             launch(
-                k.quant_linear_w8a16_kernel, grid, p, "quant_linear", x, wp, ws, b, y, M, N, K, x.stride(0), x.stride(1), wp.stride(0), y.stride(0),
+                k.quant_linear_w8a16_kernel, grid, p, "quant_linear",
+                x, wp, ws, b, y, M, N, K, x.stride(0), x.stride(1), wp.stride(0), y.stride(0),
                 HAS_BIAS=bias is not None, DOT_F32=dot_f32,
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk16, **opts)
             return y
         xq, sx = quantize_per_token(x, sc.act_bits, p)
         launch(
-            k.quant_linear_int_kernel, grid, p, "quant_linear", xq, sx, wp, ws, b, y, M, N, K, n_groups(K), xq.stride(0), wp.stride(0),
+            k.quant_linear_int_kernel, grid, p, "quant_linear",
+            xq, sx, wp, ws, b, y, M, N, K, n_groups(K), xq.stride(0), wp.stride(0),
             ws.stride(0), y.stride(0),
             WBITS=sc.weight_bits, ABITS=sc.act_bits, GROUPED=sc.grouped,
             HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **opts)
