@@ -471,6 +471,9 @@ def import_msmodelslim(src: str | Path, dst: str | Path,
     hp_dtype = _float_dtype(cfg, reader, desc)
     prefixes: dict[str, str] = {}
     for name, kind in desc.items():
+        if name in present and kind != FLOAT and kind not in MSMODELSLIM_TYPES:
+            raise QuantizeError(f"glm5 quantize: {name} has msModelSlim type {kind!r}; "
+                                f"supported: {', '.join(MSMODELSLIM_TYPES)} and FLOAT")
         if not isinstance(kind, str) or kind == FLOAT or not name.endswith(".weight"):
             continue
         if name not in present:
