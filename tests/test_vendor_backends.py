@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import sys
 import types
 
@@ -365,6 +366,7 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import importlib
+import importlib.util
 from glm5.backends import vendor
 from glm5.kernels.triton import registry as kreg
 from glm5.ir.catalog import OPS
