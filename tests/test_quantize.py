@@ -427,3 +427,30 @@ def test_msmodelslim_static_bias_reaches_the_loaded_layer(tmp_path):
     step = x.abs().amax(1, keepdim=True) / 127
     bound = 0.5 * step * (W.abs() * (dq / s_in)[:, None]).sum(1)[None] + 1e-4
     assert bool(((got - want).abs() <= bound).all())
+
+
+def test_stacked_expert_checkpoint_quantizes_per_expert(fp32_dir, tmp_path):
+    """A source holding experts stacked ([E, 2I, D] / [E, D, I], glm5's module names) is
+    quantized expert by expert and loads to the same model as the per-expert layout."""
+    src = tmp_path / "stacked"
+    src.mkdir()
+    (src / "config.json").write_text((fp32_dir / "fp32" / "config.json").read_text())
+    sd = load_file(str(fp32_dir / "fp32" / "model.safetensors"))
+    pre = "model.layers.1.mlp.experts"
+    E = preset("tiny").n_routed_experts
+    sd[f"{pre}.gate_up_proj"] = torch.stack([torch.cat((sd.pop(f"{pre}.{e}.gate_proj.weight"),
+                                                        sd.pop(f"{pre}.{e}.up_proj.weight")))
+                                             for e in range(E)])
+    sd[f"{pre}.down_proj"] = torch.stack([sd.pop(f"{pre}.{e}.down_proj.weight")
+                                          for e in range(E)])
+    save_file(sd, str(src / "model.safetensors"))
+    quantize_checkpoint(src, tmp_path / "qs", "w6a12")
+    quantize_checkpoint(fp32_dir / "fp32", tmp_path / "qe", "w6a12")
+    desc = json.loads((tmp_path / "qs" / DESCRIPTION).read_text())["tensors"]
+    assert desc[f"{pre}.gate_up_proj_packed"] == "w6a12"
+    a, b = glm5.load_model(tmp_path / "qs"), glm5.load_model(tmp_path / "qe")
+    ea, eb = a.model.layers[1].mlp.experts, b.model.layers[1].mlp.experts
+    for k in ("gate_up_proj_packed", "gate_up_proj_scale", "down_proj_packed", "down_proj_scale"):
+        assert torch.equal(getattr(ea, k), getattr(eb, k)), k
+    with pytest.raises(QuantizeError, match="already quantized"):
+        quantize_checkpoint(tmp_path / "qs", tmp_path / "again", "w8a8")

@@ -242,7 +242,6 @@ def _put_quantized(w: _ShardWriter, base: str, packed: torch.Tensor, scale: torc
     summary.schemes.add(scheme)
 
 
-
 def _keep(w: _ShardWriter, name: str, t: torch.Tensor, summary: Summary) -> None:
     w.add(name, t)
     summary.tensors[name] = FLOAT
@@ -269,6 +268,12 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str,
     (w8a16 | w8a8 | w4a8 | w6a12). Tensors that `quant_policy.is_quantized` selects become
     packed codes + fp32 scales; every other tensor is copied. Streams tensor by tensor."""
     get_scheme(scheme, "quantize")
+    for already in (DESCRIPTION, MSMODELSLIM_DESCRIPTION):
+        if (Path(src) / already).exists():
+            raise QuantizeError(f"glm5 quantize: {src} is already quantized ({already}); "
+                                f"quantize an unquantized checkpoint"
+                                + (" or use --from msmodelslim" if already != DESCRIPTION
+                                   else ""))
     s, d = _prepare(src, dst)
     reader = _Reader(source_files(s))
     writer = _ShardWriter(d, max_shard_bytes)
