@@ -24,7 +24,7 @@ def _fresh_registry():
     glm5.reset_registry()
 
 
-BUILTIN_ACCELERATED = ("cpu", "cuda")
+BUILTIN_ACCELERATED = ("cpu", "cuda", "ascend", "cambricon", "mthreads", "hygon")
 
 
 def accelerators_off_policy(directory) -> str:

@@ -165,9 +165,10 @@ def _backend(name: str, priority: int, ops=("rms_norm", "silu_mul")) -> glm5.Bac
 
 
 @pytest.fixture
-def two_backends():
+def two_backends(reference_only):
     """pa (priority 5) and pb (priority 1) both serve rms_norm and silu_mul; pa alone serves
-    nothing else; registered directly into the live registry."""
+    nothing else; registered directly into the live registry (glm5's accelerated built-ins
+    are disabled, so only these compete)."""
     reg = glm5.get_registry()
     reg.register(_backend("pa", 5))
     reg.register(_backend("pb", 1))
