@@ -52,7 +52,9 @@ class Backend:
 
     ``Backend(name, vendor, device_type, priority=0, description="")``; attach kernels with
     ``@backend.kernel("<op>", dtypes=(...), supports=None)`` and detection with
-    ``@backend.availability`` (a function returning ``(bool, reason)``). ``settings`` holds the
+    ``@backend.availability`` (a function returning ``(bool, reason)``); optionally
+    ``@backend.repack("quant_linear")`` to repack quantized weights once at load time.
+    ``settings`` holds the
     backend's own defaults (``quant_scheme``, ``collective``, ``compile_cache``,
     ``tuning_table``); plugins.toml overrides them key by key.
     """

@@ -23,13 +23,13 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
 from glm5.core.checkpoint import INDEX, SINGLE, CheckpointError
 from glm5.core.quant_policy import high_precision_reason, is_quantized
-from glm5.ir.quant_formats import SCHEMES, dequantize_weight, get_scheme, quantize_weight
+from glm5.ir.quant_formats import SCHEMES, get_scheme, quantize_weight
 
 METHOD = "glm5"
 FORMAT_VERSION = 1
