@@ -141,6 +141,10 @@ def test_loaded_modules_and_errors(fp32_dir, tmp_path):
     assert type(m.model.layers[1].mlp.experts) is QuantExperts
     assert type(m.mtp[0].eh_proj) is QuantLinear and type(m.lm_head) is torch.nn.Linear
     assert m.quantization["scheme"] == "w8a8"
+    fp = glm5.load_model(fp32_dir / "fp32")  # the unquantized model keeps the fused prolog
+    assert not fp.model.layers[1].self_attn.quantized_prolog()
+    assert not any(type(x) in (QuantLinear, QuantExperts) for x in fp.modules())
+    assert not hasattr(fp, "quantization")
     mb = glm5.load_model(dst, dtype=torch.bfloat16).eval()
     assert mb.model.layers[1].self_attn.q_a_proj.weight_scale.dtype == torch.float32
     with torch.no_grad():
