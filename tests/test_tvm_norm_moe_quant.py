@@ -74,11 +74,11 @@ def test_quant_paths_agree_across_blocks(ctx, backend, scheme):
         torch.testing.assert_close(got_tvm, got_torch, rtol=1e-5, atol=1e-5)
 
 
-def test_int8_halves_exact():
-    xq = torch.arange(-2047, 2048, dtype=torch.int16)
-    (fh, hi), (fl, lo) = quant._int8_halves(xq)
-    assert hi.dtype == lo.dtype == torch.int8
-    assert torch.equal(fh * hi.to(torch.int32) + fl * lo.to(torch.int32), xq.to(torch.int32))
+def test_exact_chunks():
+    """The torch path's fp32 GEMM chunks hold every integer partial sum exactly (< 2^24)."""
+    for sc in SCHEMES.values():
+        if sc.act_bits is not None:
+            assert quant.exact_chunk(sc) * sc.act_qmax * sc.weight_qmax < 2**24
 
 
 def test_shapes_and_edges(backend):
@@ -136,6 +136,8 @@ def test_claims_and_declines(backend):
     wp, ws = quantize_weight(torch.randn(4, 8), "w4a8")
     assert q.accepts((x, wp, ws, "w4a8", None))
     assert not q.accepts((x, wp, ws, "w5a5", None))
+    w8, s8 = quantize_weight(torch.randn(1, 140000), "w8a8")  # int32 group sum could overflow
+    assert not q.accepts((torch.randn(1, 140000), w8, s8, "w8a8", None))
     with pytest.raises(ValueError, match="quant_linear.*scheme"):
         q.fn(x, wp, ws, "w5a5", None)
 

@@ -84,6 +84,46 @@ def _ql_baseline(a: dict[str, Any]) -> Callable[[], Any]:
     return lambda: F.linear(x, w)
 
 
+def _moe_baseline(a: dict[str, Any]) -> Callable[[], Any]:
+    """A good torch composition: slots sorted by expert, per-expert F.linear on contiguous
+    slices, one index_add_ per expert (fp32, as the reference)."""
+    x, ids, wts, w13, w2 = (a[n] for n in ("x", "ids", "weights", "w13", "w2"))
+    E, k = w13.shape[0], ids.shape[1]
+
+    def run() -> torch.Tensor:
+        flat = ids.reshape(-1).long()
+        key = torch.where(flat >= 0, flat, E)
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=E + 1).tolist()
+        xs = x.float()[order[: len(flat) - counts[E]] // k]
+        y = torch.zeros(x.shape, dtype=torch.float32)
+        a0 = 0
+        for e in range(E):
+            n = counts[e]
+            if n:
+                sl = order[a0: a0 + n]
+                h = F.linear(xs[a0: a0 + n], w13[e].float())
+                i = h.shape[1] // 2
+                o = F.linear(F.silu(h[:, :i]) * h[:, i:], w2[e].float())
+                y.index_add_(0, sl // k, o * wts.reshape(-1)[sl, None])
+                a0 += n
+        return y.to(x.dtype)
+
+    return run
+
+
+def _moeq(T, k, E, D, I, scheme):
+    def build(dt):
+        a = _moe(T, k, E, D, I)(F32)
+        packs = [[quantize_weight(w[e], scheme) for e in range(E)] for w in (a["w13"], a["w2"])]
+        return {"x": a["x"].to(dt), "ids": a["ids"], "weights": a["weights"],
+                "w13_packed": torch.stack([p for p, _ in packs[0]]),
+                "w13_scale": torch.stack([s for _, s in packs[0]]),
+                "w2_packed": torch.stack([p for p, _ in packs[1]]),
+                "w2_scale": torch.stack([s for _, s in packs[1]]), "scheme": scheme}
+    return build
+
+
 def _attn_baseline(a: dict[str, Any]) -> Callable[[], Any]:
     q, k, v = (a[n].permute(1, 0, 2)[None] for n in ("q", "k", "v"))
     rep = q.shape[1] // k.shape[1]
@@ -97,10 +137,19 @@ def _attn_baseline(a: dict[str, Any]) -> Callable[[], Any]:
 SHAPES: dict[str, list[Shape]] = {
     "rms_norm": [Shape("T=2048 D=6144", lambda dt: {"x": _randn(2048, 6144, dtype=dt),
                                                     "weight": _randn(6144, dtype=dt),
-                                                    "eps": 1e-5})],
+                                                    "eps": 1e-5}),
+                 Shape("decode T=4 D=6144", lambda dt: {"x": _randn(4, 6144, dtype=dt),
+                                                        "weight": _randn(6144, dtype=dt),
+                                                        "eps": 1e-5})],
     "rope": [Shape("T=2048 H=64 R=64", lambda dt: {
         "x": _randn(2048, 64, 64, dtype=dt), "cos": _randn(2048, 32, dtype=dt),
-        "sin": _randn(2048, 32, dtype=dt), "interleaved": True})],
+        "sin": _randn(2048, 32, dtype=dt), "interleaved": True}),
+        Shape("NeoX T=2048 H=64 R=64", lambda dt: {
+            "x": _randn(2048, 64, 64, dtype=dt), "cos": _randn(2048, 32, dtype=dt),
+            "sin": _randn(2048, 32, dtype=dt), "interleaved": False}),
+        Shape("decode T=4 H=64 R=64", lambda dt: {
+            "x": _randn(4, 64, 64, dtype=dt), "cos": _randn(4, 32, dtype=dt),
+            "sin": _randn(4, 32, dtype=dt), "interleaved": True})],
     "silu_mul": [Shape("T=2048 I=2048", lambda dt: {"x": _randn(2048, 4096, dtype=dt)})],
     "lightning_indexer": [Shape("T=512 S=4096 Hi=32 Di=128", lambda dt: {
         "q": _randn(512, 32, 128, dtype=dt), "k": _randn(4096, 128, dtype=dt),
@@ -124,12 +173,31 @@ SHAPES: dict[str, list[Shape]] = {
     "moe_route": [Shape("T=4096 E=256 k=8", lambda dt: {
         "logits": _randn(4096, 256), "bias": _randn(256, scale=0.1), "top_k": 8, "n_group": 1,
         "topk_group": 1, "norm_topk_prob": True, "routed_scaling": 2.5}, dtypes=(F32,))],
-    "moe_experts": [Shape("T=256 k=8 E=64 D=1024 I=512", _moe(256, 8, 64, 1024, 512))],
+    "moe_experts": [
+        Shape("T=256 k=8 E=64 D=1024 I=512", _moe(256, 8, 64, 1024, 512),
+              baseline=_moe_baseline, baseline_name="torch sorted"),
+        # the `small` preset at 8K context (prefill) and its decode steps
+        Shape("small 8K T=8192 k=4 E=16 D=512 I=256", _moe(8192, 4, 16, 512, 256), (F32,),
+              baseline=_moe_baseline, baseline_name="torch sorted"),
+        Shape("small decode T=64 k=4 E=16 D=512 I=256", _moe(64, 4, 16, 512, 256), (F32,),
+              baseline=_moe_baseline, baseline_name="torch sorted"),
+        Shape("small decode T=1 k=4 E=16 D=512 I=256", _moe(1, 4, 16, 512, 256), (F32,),
+              baseline=_moe_baseline, baseline_name="torch sorted"),
+    ],
+    "moe_experts_quant": [
+        Shape(f"{s} T=64 k=4 E=16 D=512 I=256", _moeq(64, 4, 16, 512, 256, s), (F32,))
+        for s in ("w8a16", "w4a8")],
     "quant_linear": [
         Shape("w8a16 M=1 K=N=4096", _ql(1, 4096, 4096, "w8a16"), baseline=_ql_baseline,
               baseline_name="fp32 linear"),
         Shape("w8a8 M=64 K=N=4096", _ql(64, 4096, 4096, "w8a8"), baseline=_ql_baseline,
               baseline_name="fp32 linear"),
+        *[Shape(f"{s} M=1 K=N=4096", _ql(1, 4096, 4096, s), (F32,), baseline=_ql_baseline,
+                baseline_name="fp32 linear") for s in ("w8a8", "w4a8", "w6a12")],
+        *[Shape(f"{s} M={m} K=N=4096", _ql(m, 4096, 4096, s), (F32,), baseline=_ql_baseline,
+                baseline_name="fp32 linear")
+          for s, m in (("w8a16", 16), ("w8a16", 64), ("w8a16", 512), ("w8a8", 512),
+                       ("w4a8", 64), ("w6a12", 64))],
     ],
     "token_logprobs": [Shape("T=256 D=1024 V=32768", lambda dt: {
         "h": _randn(256, 1024, dtype=dt), "w_vocab": _randn(32768, 1024, dtype=dt, scale=0.03),

@@ -15,7 +15,8 @@ Loop-level TensorIR, one work item per row (``T.parallel``), fp32 math in regist
 Every length (rows, D, R, I) is symbolic: one build per (op, dtype[, interleaved]) serves any
 shape. bf16 is bound as its uint16 bits (a free view) and widened with a shift; the output is
 rounded to nearest even in-kernel (``widen`` / ``narrow``, shared by the other cpu kernels of
-this package). Vectors are ``VL = 16`` fp32 lanes: one AVX-512 register.
+this package). Vectors are ``VL = 16`` fp32 lanes: one AVX-512 register, or two AVX2 registers
+on the llvm target TVM detects on an AVX2-only host (the development VM: AMD EPYC, znver3).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 REV = 1  # bump when the generated code changes (part of the build-cache key)
-VL = 16  # fp32 lanes per vector (AVX-512)
+VL = 16  # fp32 lanes per vector (one AVX-512 / two AVX2 registers)
 DTYPES = (torch.float32, torch.bfloat16)
 _TVM = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 

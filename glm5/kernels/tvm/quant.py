@@ -8,7 +8,8 @@ no dequantized copy) and unpacks in registers:
   6j..6j+5); values are sign-extended with ``(v ^ 2^(b-1)) - 2^(b-1)``;
 * the activation goes in split into the unit's V value streams, ``xs[M, V, U]`` (value j of unit
   u is ``x[4u + j]`` for int6), so every load in the inner loop is a contiguous VL-lane vector
-  along the units (VL = 16 lanes: one AVX-512 register of fp32 / int32);
+  along the units (VL = 16 fp32 / int32 lanes: one AVX-512 register, two AVX2 registers;
+  the 1-row build keeps 4 such vectors (2 for int6) of accumulators as independent FMA chains);
 * ``T.parallel`` over the output features n; each weight vector is unpacked once and used for a
   block of MB activation rows (x is zero padded to a multiple of MB rows).
 
@@ -17,16 +18,19 @@ factored out of the sum: one multiply per output instead of per weight; the reor
 inside the fp32 tolerance). Activation schemes: the activation is
 quantized per token on the host with the reference's own function (same codes, bit for bit),
 the kernel accumulates ``Σ_{k∈g} x_q · w_q`` per group of 128 in int32 (exact: |sum| < 2^31
-for every scheme at these group sizes; w8a8 is one group of K) and then
+for every scheme at these group sizes; w8a8 is one group of K, K·127² < 2^31 is required by
+the supports check) and then
 ``y = s_x[m] · Σ_g s_w[n, g] · float(isum_g)`` in fp32.
 
-The kernel is a GEMV: it wins where the op is memory-bound (decode, few rows). For many rows
-the GEMM is compute-bound and torch's own CPU kernels win (measured; docs/performance.md
-"quant_linear"): w8a16 -> ``aten._weight_int8pack_mm`` (fp32 x, fp32 scales: exact codes,
-scale applied after the int8·fp32 dot), w8a8 -> ``torch._int_mm`` (exact int32) and the same
-scale products; grouped schemes -> one ``torch._int_mm`` per group on the unpacked int8
-codes (12-bit activations split exactly as ``64·hi + lo`` with int8 halves). ``ROWS_TVM`` holds
-the crossover per scheme. Only M (rows), N and K are runtime values: one build per scheme.
+The kernel is a GEMV with 4-row register blocks: it wins where the op is memory-bound
+(decode, few rows) and, on the machine measured (AMD EPYC, AVX2, 2 vCPUs), up to a few hundred
+rows. Above ``ROWS_TVM[scheme]`` rows the torch path (`gemm_torch`) runs: w8a16 dequantizes to
+fp32 and calls one sgemm, w8a8 runs exact fp32 sgemms over K-chunks of codes. torch's integer
+CPU kernels (``aten._weight_int8pack_mm``, ``torch._int_mm``) measured 4-15x slower than the
+TVM GEMV at 4..64 rows there and are not used; the grouped schemes keep the TVM kernel at every
+row count (their torch path pays a full unpack per call). The numbers are in
+docs/performance.md, "quant_linear". Only M, N and K are runtime values: one build per
+(scheme, row block).
 """
 
 from __future__ import annotations
@@ -39,7 +43,6 @@ from glm5.ir.quant_formats import (
     GROUP,
     SCHEMES,
     get_scheme,
-    n_groups,
     quantize_per_token_ref,
     unpack,
 )
@@ -49,9 +52,9 @@ REV = 1
 VL = 16  # lanes (AVX-512: 16 fp32 / int32)
 MB = 4  # activation rows per weight-vector unpack (fewer rows than MB: a 1-row build)
 DTYPES = (torch.float32, torch.bfloat16)
-# Rows up to which the TVM GEMV is used; above, torch's kernels (measured crossover, see the
-# module docstring and docs/performance.md).
-ROWS_TVM = {"w8a16": 16, "w8a8": 16, "w4a8": 64, "w6a12": 64}
+# Rows up to which the TVM GEMV is used; above, `gemm_torch` (measured crossover: w8a16 and
+# w8a8 between 256 and 512 rows at K=N=4096; grouped schemes: TVM at 512 rows too).
+ROWS_TVM = {"w8a16": 384, "w8a8": 384, "w4a8": 2**31, "w6a12": 2**31}
 
 # (bytes per unit, values per unit) of each weight width
 _UNIT = {8: (1, 1), 4: (1, 2), 6: (3, 4)}
@@ -202,40 +205,46 @@ def gemv(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
     return y[:M]
 
 
-def _int8_halves(xq: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """Exact int8 pieces of int codes: [(1, xq)] for 8-bit codes; 12-bit codes
-    x = 64·hi + lo with lo in [-32, 31] and hi in [-32, 32] (both int8)."""
-    if xq.dtype == torch.int8:
-        return [(1, xq)]
-    xi = xq.to(torch.int32)
-    lo = ((xi + 32) & 63) - 32
-    hi = (xi - lo) >> 6
-    return [(64, hi.to(torch.int8)), (1, lo.to(torch.int8))]
+def exact_chunk(sc: Any) -> int:
+    """Longest K-chunk whose integer sums an fp32 GEMM holds exactly: every partial sum of
+    products of codes is an integer below 2^24 in magnitude (then the summation order of the
+    GEMM cannot matter). Grouped schemes: a group of 128 already is (w6a12: 2047·31·128 < 2^24)."""
+    bound = 2**24 // (sc.act_qmax * sc.weight_qmax)
+    if sc.grouped:
+        assert GROUP <= bound
+        return GROUP
+    return bound // VL * VL
 
 
 def gemm_torch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                scheme: str) -> torch.Tensor:
-    """The torch path (many rows): fp32 ``[M, N]`` without bias."""
+    """The torch path (many rows: compute-bound): fp32 ``[M, N]`` without bias.
+
+    w8a16: the reference's dequantized fp32 weight and one sgemm. Activation schemes: the codes
+    as fp32 and one sgemm per K-chunk of `exact_chunk` (exact integer sums, see there), then
+    the scale products of the reference: grouped ``Σ_g s_w[n, g] · isum_g``, per channel the
+    exact chunk sums added in float64 before the single rounding to fp32."""
+    import torch.nn.functional as F
+
     sc = SCHEMES[scheme]
     K = x.shape[1]
+    f32 = torch.float32
+    wq = unpack(w_packed, sc, K).to(f32)
     if sc.act_bits is None:
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.float32).contiguous(),
-                                                  w_packed.contiguous(),
-                                                  w_scale.to(torch.float32).contiguous())
+        return F.linear(x.to(f32), wq * w_scale.to(f32)[:, None])
     xq, sx = quantize_per_token_ref(x, sc.act_bits)
-    wq = w_packed if sc.weight_bits == 8 else unpack(w_packed, sc, K).to(torch.int8)
-    pieces = _int8_halves(xq)
-    if not sc.grouped:
-        isum = sum(f * torch._int_mm(p.contiguous(), wq.T) for f, p in pieces)
-        return sx[:, None] * (isum.to(torch.float32) * w_scale.to(torch.float32)[None])
-    y = torch.zeros(x.shape[0], w_packed.shape[0], dtype=torch.float32)
-    sw = w_scale.to(torch.float32)
-    for g in range(n_groups(K)):
-        k0, k1 = g * GROUP, min(K, (g + 1) * GROUP)
-        wg = wq[:, k0:k1].T
-        isum = sum(f * torch._int_mm(p[:, k0:k1].contiguous(), wg) for f, p in pieces)
-        y += isum.to(torch.float32) * sw[None, :, g]
-    return sx[:, None] * y
+    xf = xq.to(f32)
+    ch = exact_chunk(sc)
+    if sc.grouped:
+        y = torch.zeros(x.shape[0], w_packed.shape[0], dtype=f32)
+        sw = w_scale.to(f32)
+        for g, k0 in enumerate(range(0, K, ch)):
+            y += F.linear(xf[:, k0: k0 + ch], wq[:, k0: k0 + ch]) * sw[None, :, g]
+        return sx[:, None] * y
+    isum = torch.zeros(x.shape[0], w_packed.shape[0], dtype=torch.float64)
+    for k0 in range(0, K, ch):
+        isum += F.linear(xf[:, k0: k0 + ch], wq[:, k0: k0 + ch])
+    return sx[:, None] * (isum.to(f32) * w_scale.to(f32)[None])
 
 
 def quant_linear(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
@@ -293,15 +302,25 @@ def _cpu(*ts: Any) -> bool:
     return all(t.device.type == "cpu" for t in ts if isinstance(t, torch.Tensor))
 
 
+def _int32_exact(scheme: str, K: int) -> bool:
+    """The GEMV's int32 group sums cannot overflow (w8a8's one group is all of K)."""
+    sc = SCHEMES[scheme]
+    if sc.act_bits is None:
+        return True
+    n = GROUP if sc.grouped else K
+    return n * sc.act_qmax * sc.weight_qmax < 2**31
+
+
 def _ql_supports(x, w_packed, w_scale, scheme, bias=None) -> bool:
     return (x.dtype in DTYPES and scheme in SCHEMES and _cpu(x, w_packed, w_scale, bias)
-            and x.shape[1] < 2**24 and w_packed.numel() < 2**31)
+            and x.dim() == 2 and _int32_exact(scheme, x.shape[1]) and w_packed.numel() < 2**31)
 
 
 def _meq_supports(x, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, scheme) -> bool:
     return (x.dtype in DTYPES and scheme in SCHEMES
             and _cpu(x, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale)
-            and x.numel() < 2**31 and w13_packed.shape[1] % 2 == 0)
+            and x.numel() < 2**31 and w13_packed.shape[1] % 2 == 0
+            and _int32_exact(scheme, max(x.shape[1], w13_packed.shape[1] // 2)))
 
 
 def kernels(context: Callable[[], Any]) -> list[tuple[str, Callable, tuple | None, Any]]:
