@@ -7,8 +7,9 @@ Loop-level TensorIR, one work item per row (``T.parallel``), fp32 math in regist
   reference's order) vectorised the same way. ``w`` goes in as fp32.
 * rope: ``x[T, H, R]`` (middle dims flattened to H, 1 when absent), ``cos``/``sin[T, R/2]`` fp32.
   NeoX pairs ``(x[i], x[i + R/2])`` are two contiguous vectors; interleaved pairs
-  ``(x[2i], x[2i+1])`` are handled VL/2 pairs at a time on one contiguous VL-lane vector, with the
-  partner lane ``x[r ^ 1]`` and ``cos/sin[r >> 1]`` (LLVM turns these into in-register shuffles).
+  ``(x[2i], x[2i+1])`` are handled VL/2 pairs at a time: ``y[r] = x[r]·c2[r] + x[r^1]·s2[r]``
+  with per-lane tables ``c2``/``s2`` [T, R] built on the host (sin negated on even lanes) and
+  ``x[r^1]`` a lane blend of the contiguous vectors at ``r+1`` and ``r-1``.
 * silu_mul: ``x[N, 2I] -> [N, I]``, ``silu(a) = a / (1 + exp(-a))`` with a vectorisable
   polynomial exp (``fexp``: Cephes expf, ~2 ulp).
 
@@ -25,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-REV = 1  # bump when the generated code changes (part of the build-cache key)
+REV = 2  # bump when the generated code changes (part of the build-cache key)
 VL = 16  # fp32 lanes per vector (one AVX-512 / two AVX2 registers)
 DTYPES = (torch.float32, torch.bfloat16)
 _TVM = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -122,33 +123,46 @@ def build_rope(dt: str, interleaved: bool) -> Any:
     sdt = storage(dt)
 
     if interleaved:
+        # C2/S2 [T, R]: cos/sin repeated per lane pair, S2 signed (-sin on even lanes), so
+        # y[r] = x[r]·C2[r] + x[r ^ 1]·S2[r], and x[r ^ 1] is a blend of the two shifted
+        # contiguous vectors x[r + 1] / x[r - 1]. Both are loaded whole: the first and last
+        # row of the tensor (whose shifted vectors would step outside it) take the scalar path.
         @T.prim_func
         def rope(x_h: T.handle, c_h: T.handle, s_h: T.handle, y_h: T.handle):
             T.func_attr({"global_symbol": "rope", "tirx.noalias": True})
             Tn = T.int32()
             H = T.int32()
-            R2 = T.int32()
-            X = T.match_buffer(x_h, (Tn, H, R2 * 2), sdt)
-            C = T.match_buffer(c_h, (Tn, R2), "float32")
-            S = T.match_buffer(s_h, (Tn, R2), "float32")
-            Y = T.match_buffer(y_h, (Tn, H, R2 * 2), sdt)
+            R = T.int32()
+            X = T.match_buffer(x_h, (Tn, H, R), sdt)
+            C = T.match_buffer(c_h, (Tn, R), "float32")
+            S = T.match_buffer(s_h, (Tn, R), "float32")
+            Y = T.match_buffer(y_h, (Tn, H, R), sdt)
             for p in T.parallel(Tn * H):
                 t = p // H
                 h = p % H
-                # VL lanes = VL/2 pairs; lane r pairs with r ^ 1, even lanes take -sin
-                for c in range(R2 * 2 // VL):
-                    for ll in T.vectorized(VL):
-                        Y[t, h, c * VL + ll] = narrow(T, widen(T, X[t, h, c * VL + ll], dt)
-                                                      * C[t, (c * VL + ll) // 2]
-                                                      + T.Select(ll % 2 == 0, T.float32(-1),
-                                                                 T.float32(1))
-                                                      * widen(T, X[t, h, c * VL + (ll ^ 1)], dt)
-                                                      * S[t, (c * VL + ll) // 2], dt)
-                for i in range(R2 * 2 // VL * (VL // 2), R2):
-                    a = widen(T, X[t, h, 2 * i], dt)
-                    b = widen(T, X[t, h, 2 * i + 1], dt)
-                    Y[t, h, 2 * i] = narrow(T, a * C[t, i] - b * S[t, i], dt)
-                    Y[t, h, 2 * i + 1] = narrow(T, b * C[t, i] + a * S[t, i], dt)
+                if p > 0 and p < Tn * H - 1:
+                    for c in range(R // VL):
+                        for ll in T.vectorized(VL):
+                            Y[t, h, c * VL + ll] = narrow(
+                                T, widen(T, X[t, h, c * VL + ll], dt) * C[t, c * VL + ll]
+                                + T.Select(ll % 2 == 0, widen(T, X[t, h, c * VL + ll + 1], dt),
+                                           widen(T, X[t, h, c * VL + ll - 1], dt))
+                                * S[t, c * VL + ll], dt)
+                    for i in range(R // VL * (VL // 2), R // 2):
+                        Y[t, h, 2 * i] = narrow(T, widen(T, X[t, h, 2 * i], dt) * C[t, 2 * i]
+                                                + widen(T, X[t, h, 2 * i + 1], dt)
+                                                * S[t, 2 * i], dt)
+                        Y[t, h, 2 * i + 1] = narrow(
+                            T, widen(T, X[t, h, 2 * i + 1], dt) * C[t, 2 * i + 1]
+                            + widen(T, X[t, h, 2 * i], dt) * S[t, 2 * i + 1], dt)
+                else:
+                    for i in range(R // 2):
+                        Y[t, h, 2 * i] = narrow(T, widen(T, X[t, h, 2 * i], dt) * C[t, 2 * i]
+                                                + widen(T, X[t, h, 2 * i + 1], dt)
+                                                * S[t, 2 * i], dt)
+                        Y[t, h, 2 * i + 1] = narrow(
+                            T, widen(T, X[t, h, 2 * i + 1], dt) * C[t, 2 * i + 1]
+                            + widen(T, X[t, h, 2 * i], dt) * S[t, 2 * i + 1], dt)
     else:
         @T.prim_func
         def rope(x_h: T.handle, c_h: T.handle, s_h: T.handle, y_h: T.handle):
@@ -248,8 +262,13 @@ def rope(context: Callable[[], Any], x: torch.Tensor, cos: torch.Tensor, sin: to
         fn = _fn(context, "rope", x.dtype,
                  lambda: build_rope(_TVM[x.dtype], bool(interleaved)),
                  interleaved=bool(interleaved))
-        fn(bits(x3), cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous(),
-           bits(y))
+        c = cos.to(torch.float32).contiguous()
+        s = sin.to(torch.float32).contiguous()
+        if interleaved:  # per-lane tables, -sin on even lanes (see build_rope)
+            c = c.repeat_interleave(2, dim=-1)
+            s = s.repeat_interleave(2, dim=-1)
+            s[..., 0::2].neg_()
+        fn(bits(x3), c, s, bits(y))
     return y.view(x.shape)
 
 
