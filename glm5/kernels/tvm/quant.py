@@ -48,7 +48,7 @@ from glm5.ir.quant_formats import (
 )
 from glm5.kernels.tvm.norm import cached
 
-REV = 1
+REV = 2
 VL = 16  # lanes (AVX-512: 16 fp32 / int32)
 MB = 4  # activation rows per weight-vector unpack (fewer rows than MB: a 1-row build)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -60,15 +60,15 @@ ROWS_TVM = {"w8a16": 384, "w8a8": 384, "w4a8": 2**31, "w6a12": 2**31}
 _UNIT = {8: (1, 1), 4: (1, 2), 6: (3, 4)}
 
 
-def _unpack_tir(T: Any, W: Any, n: Any, u: Any, j: int, bits: int) -> Any:
-    """Value j of packed unit u of row n, as int32 (sign-extended)."""
+def _unpack_tir(T: Any, row: Callable[[Any], Any], u: Any, j: int, bits: int) -> Any:
+    """Value j of packed unit u of a row (``row(i)`` = its byte i), as int32 (sign-extended)."""
     if bits == 8:
-        return T.Cast("int32", W[n, u])
+        return T.Cast("int32", row(u))
     if bits == 4:
-        v = T.shift_right(T.Cast("int32", W[n, u]), 4 * j) & 15
+        v = T.shift_right(T.Cast("int32", row(u)), 4 * j) & 15
         return (v ^ 8) - 8
-    word = (T.Cast("int32", W[n, 3 * u]) | T.shift_left(T.Cast("int32", W[n, 3 * u + 1]), 8)
-            | T.shift_left(T.Cast("int32", W[n, 3 * u + 2]), 16))
+    word = (T.Cast("int32", row(3 * u)) | T.shift_left(T.Cast("int32", row(3 * u + 1)), 8)
+            | T.shift_left(T.Cast("int32", row(3 * u + 2)), 16))
     v = T.shift_right(word, 6 * j) & 63
     return (v ^ 32) - 32
 
@@ -93,31 +93,36 @@ def build(scheme: str, MB: int = MB) -> Any:
     # independent FMA chains, so a 1-row build keeps several vectors of them in flight.
     L = VL if MB > 1 else {8: 4 * VL, 4: 4 * VL, 6: 2 * VL}[bits]
 
-    def term(X, W, S, m, n, g, u, j):
-        wv = _unpack_tir(T, W, n, u, j, bits)
+    def term(X, W, S, m, en, g, u, j):
+        e, n = en
+        wv = _unpack_tir(T, lambda i: W[e, n, i], u, j, bits)
         if FLOAT:
             return X[m, j, u] * T.Cast("float32", wv)
         return X[m, j, u] * wv
 
     @T.prim_func
     def qgemv(x_h: T.handle, w_h: T.handle, s_h: T.handle, sx_h: T.handle, y_h: T.handle,
-              gu: T.int32):
+              off_h: T.handle, gu: T.int32):
         T.func_attr({"global_symbol": "qgemv", "tirx.noalias": True})
         Mp = T.int32()
         U = T.int32()
+        E = T.int32()
         N = T.int32()
         P = T.int32()
         G = T.int32()
         X = T.match_buffer(x_h, (Mp, V, U), adt)
-        W = T.match_buffer(w_h, (N, P), wdt)
-        S = T.match_buffer(s_h, (N, G), "float32")
+        WE = T.match_buffer(w_h, (E, N, P), wdt)
+        SE = T.match_buffer(s_h, (E, N, G), "float32")
         SX = T.match_buffer(sx_h, (Mp,), "float32")
         Y = T.match_buffer(y_h, (Mp, N), "float32")
-        for n in T.parallel(N):
+        OFF = T.match_buffer(off_h, (E + 1,), "int32")
+        for p in T.parallel(E * N):
+            e = p // N
+            n = p % N
             acc = T.alloc_buffer((MB, L), adt, scope="local")
             red = T.alloc_buffer((MB,), adt, scope="local")
             fac = T.alloc_buffer((MB,), "float32", scope="local")
-            for mb in range(Mp // MB):
+            for mb in range(OFF[e], OFF[e + 1]):
                 for mi in T.unroll(MB):
                     fac[mi] = T.float32(0)
                 for g in range(G):
@@ -130,7 +135,8 @@ def build(scheme: str, MB: int = MB) -> Any:
                             for j in T.unroll(V):
                                 for ll in T.vectorized(L):
                                     acc[mi, ll] = acc[mi, ll] + term(
-                                        X, W, S, mb * MB + mi, n, g, g * gu + c * L + ll, j)
+                                        X, WE, SE, mb * MB + mi, (e, n), g,
+                                        g * gu + c * L + ll, j)
                     for mi in T.unroll(MB):
                         # fold the L lanes to 8 with vector adds, then 8 scalar adds
                         for f in T.unroll(L // 8 - 1):
@@ -142,13 +148,13 @@ def build(scheme: str, MB: int = MB) -> Any:
                     for r in range(cnt // L * L, cnt):
                         for mi in T.unroll(MB):
                             for j in T.unroll(V):
-                                red[mi] = red[mi] + term(X, W, S, mb * MB + mi, n, g,
+                                red[mi] = red[mi] + term(X, WE, SE, mb * MB + mi, (e, n), g,
                                                          g * gu + r, j)
                     for mi in T.unroll(MB):
                         if FLOAT:  # one group: s_w[n] · Σ x · w_q
-                            fac[mi] = fac[mi] + S[n, g] * red[mi]
+                            fac[mi] = fac[mi] + SE[e, n, g] * red[mi]
                         else:
-                            fac[mi] = fac[mi] + S[n, g] * T.Cast("float32", red[mi])
+                            fac[mi] = fac[mi] + SE[e, n, g] * T.Cast("float32", red[mi])
                 for mi in T.unroll(MB):
                     if FLOAT:
                         Y[mb * MB + mi, n] = fac[mi]
@@ -170,39 +176,54 @@ def _streams(xv: torch.Tensor, V: int, U: int, mb: int) -> torch.Tensor:
     unit u is column V·u + j."""
     M, K = xv.shape
     Mp = -(-M // mb) * mb
-    if Mp == M and V * U == K:  # nothing to pad: a view (int8 / fp32 rows as they are)
+    if Mp == M and V * U == K:  # nothing to pad: no copy for V = 1
         return xv.contiguous().view(M, U, V).transpose(1, 2).contiguous()
     out = torch.zeros(Mp, V * U, dtype=xv.dtype)
     out[:M, :K] = xv
     return out.view(Mp, U, V).transpose(1, 2).contiguous()
 
 
+def _grouped(context: Callable[[], Any], xv: torch.Tensor, sx: torch.Tensor | None,
+             w3: torch.Tensor, s3: torch.Tensor, blocks: torch.Tensor, scheme: str,
+             mb: int) -> torch.Tensor:
+    """The kernel over experts: rows ``blocks[e]·mb .. blocks[e+1]·mb`` of ``xv`` (fp32
+    activations or int codes, ``[Mp, K]``, Mp a multiple of mb) times ``w3[e]`` -> fp32
+    ``[Mp, N]`` (rows outside every expert's range are left unwritten)."""
+    sc = SCHEMES[scheme]
+    E, N, P = w3.shape
+    B, V = _UNIT[sc.weight_bits]
+    U = P // B
+    xs = _streams(xv, V, U, mb)
+    Mp = xs.shape[0]
+    sxp = torch.ones(Mp, dtype=torch.float32) if sx is None else sx.to(torch.float32)
+    gu = GROUP // V if sc.grouped else max(U, 1)
+    y = torch.empty(Mp, N, dtype=torch.float32)
+    _fn(context, scheme, mb)(xs, w3.contiguous(), s3.to(torch.float32).reshape(E, N, -1)
+                             .contiguous(), sxp.contiguous(), y, blocks, gu)
+    return y
+
+
+def _activation(x: torch.Tensor, sc: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 rows (w8a16) or (int32 codes, fp32 scales) quantized by the reference's function."""
+    if sc.act_bits is None:
+        return x.to(torch.float32), None
+    xq, sx = quantize_per_token_ref(x, sc.act_bits)
+    return xq.to(torch.int32), sx
+
+
 def gemv(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
          w_scale: torch.Tensor, scheme: str) -> torch.Tensor:
     """The TVM path: fp32 ``[M, N]`` without bias."""
     sc = SCHEMES[scheme]
-    M, K = x.shape
-    N = w_packed.shape[0]
-    B, V = _UNIT[sc.weight_bits]
-    U = w_packed.shape[1] // B
-    if sc.act_bits is None:
-        xv, sx = x.to(torch.float32), None
-    else:
-        xq, sx = quantize_per_token_ref(x, sc.act_bits)
-        xv = xq.to(torch.int32)
+    M = x.shape[0]
     mb = MB if M >= MB else 1
-    xs = _streams(xv, V, U, mb)
-    Mp = xs.shape[0]
-    if sx is None:
-        sxp = torch.ones(Mp, dtype=torch.float32)
-    else:
-        sxp = torch.zeros(Mp, dtype=torch.float32)
-        sxp[:M] = sx
-    sw = w_scale.to(torch.float32).reshape(N, -1).contiguous()
-    gu = GROUP // V if sc.grouped else max(U, 1)
-    y = torch.empty(Mp, N, dtype=torch.float32)
-    _fn(context, scheme, mb)(xs, w_packed.contiguous(), sw, sxp, y, gu)
-    return y[:M]
+    Mp = -(-M // mb) * mb
+    xv, sx = _activation(x, sc)
+    if Mp != M:
+        xv = torch.cat((xv, xv.new_zeros(Mp - M, xv.shape[1])))
+        sx = None if sx is None else torch.cat((sx, sx.new_ones(Mp - M)))
+    blocks = torch.tensor([0, Mp // mb], dtype=torch.int32)
+    return _grouped(context, xv, sx, w_packed[None], w_scale[None], blocks, scheme, mb)[:M]
 
 
 def exact_chunk(sc: Any) -> int:
@@ -267,10 +288,14 @@ def quant_linear(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Te
 
 def moe_experts_quant(context: Callable[[], Any], x, ids, weights, w13_packed, w13_scale,
                       w2_packed, w2_scale, scheme: str) -> torch.Tensor:
-    """`moe_experts` with quantized experts: the rows sorted by expert (as `moe.moe_experts`),
-    `quant_linear` per expert run, TVM silu_mul, the TVM j-ordered weighted combine."""
+    """`moe_experts` with quantized experts: the routed rows sorted by expert (as
+    `moe.moe_experts`), each expert's run padded to whole blocks of MB rows, so ONE kernel call
+    per projection serves all experts (parallel over expert x output feature); TVM silu_mul;
+    the TVM j-ordered weighted combine. Roundings follow the reference: each projection's
+    output in x's dtype, silu_mul in fp32 rounded to x's dtype."""
     from glm5.kernels.tvm import moe
 
+    sc = SCHEMES[scheme]
     T_, D = x.shape
     E = w13_packed.shape[0]
     I = w13_packed.shape[1] // 2
@@ -279,22 +304,33 @@ def moe_experts_quant(context: Callable[[], Any], x, ids, weights, w13_packed, w
         return y
     combine, silu = moe._fns(context, x.dtype)
     tok, pos, counts = moe.route_rows(ids, E)
-    R = tok.shape[0]
-    xs = x.contiguous()[tok]
-    o = torch.zeros(R, D, dtype=torch.float32)
-    a = 0
-    for e, n in enumerate(counts):
-        if not n:
-            continue
-        h13 = quant_linear(context, xs[a: a + n], w13_packed[e], w13_scale[e], scheme)
-        hs = torch.empty(n, I, dtype=torch.float32)
-        if I:
-            silu(h13.to(torch.float32).contiguous(), hs)
-            # the second GEMM's input is in x's dtype, as in the reference
-            o[a: a + n] = quant_linear(context, hs.to(x.dtype), w2_packed[e], w2_scale[e],
-                                       scheme).to(torch.float32)
-        a += n
-    combine(o, pos, weights.to(torch.float32).contiguous(), moe.bits(y))
+    cnt = torch.tensor(counts, dtype=torch.int64)
+    nblk = (cnt + MB - 1) // MB
+    blocks = torch.zeros(E + 1, dtype=torch.int64)
+    blocks[1:] = torch.cumsum(nblk, 0)
+    Mp = int(blocks[-1]) * MB
+    # padded row of each sorted row: its expert's block start + its rank within the expert
+    start = torch.zeros(E + 1, dtype=torch.int64)
+    start[1:] = torch.cumsum(cnt, 0)
+    expert = x.new_empty(0, dtype=torch.int64).new_tensor(
+        [e for e, c in enumerate(counts) for _ in range(c)])  # expert of each sorted row
+    prow = blocks[:-1][expert] * MB + (torch.arange(tok.shape[0]) - start[:-1][expert])
+    xs = torch.zeros(Mp, D, dtype=x.dtype)
+    xs[prow] = x[tok]
+    b32 = blocks.to(torch.int32)
+    o = torch.zeros(Mp, D, dtype=torch.float32) if not (Mp and I) else None
+    if Mp and I:
+        xv, sx = _activation(xs, sc)
+        h13 = _grouped(context, xv, sx, w13_packed, w13_scale, b32, scheme, MB)
+        h13 = h13.to(x.dtype).to(torch.float32)  # quant_linear's output dtype
+        hs = torch.empty(Mp, I, dtype=torch.float32)
+        silu(h13, hs)
+        xv, sx = _activation(hs.to(x.dtype), sc)
+        o = _grouped(context, xv, sx, w2_packed, w2_scale, b32, scheme, MB)
+        o = o.to(x.dtype).to(torch.float32)
+    # padded row of each slot; a skipped slot (-1) picks the appended -1
+    ppos = torch.cat((prow.to(torch.int32), pos.new_full((1,), -1)))[pos.long()]
+    combine(o, ppos.contiguous(), weights.to(torch.float32).contiguous(), moe.bits(y))
     return y
 
 
