@@ -32,6 +32,10 @@ from glm5.kernels.tvm.norm import VL, bits, build_silu_mul, cached, narrow, stor
 
 REV = 1
 DTYPES = (torch.float32, torch.bfloat16)
+# Routed rows (T·k) up to which the TVM pipeline runs; above, `_experts_torch` (measured:
+# docs/performance.md, "moe_experts").
+ROWS_TVM = 1024
+SCRATCH_BYTES = 16 * 2**20  # largest scratch buffer per token chunk (below glibc's mmap cap)
 _TVM = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
@@ -116,20 +120,63 @@ def grouped_linear(xs: torch.Tensor, w: torch.Tensor, counts: list[int],
 def moe_experts(context: Callable[[], Any], x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """x [T, D], ids [T, k] int (−1 skipped), weights [T, k], w13 [E, 2I, D], w2 [E, D, I]
-    (x's dtype, fp32 or bf16) -> [T, D] in x's dtype."""
+    (x's dtype, fp32 or bf16) -> [T, D] in x's dtype.
+
+    Tokens go through in chunks whose scratch buffers stay under ``SCRATCH_BYTES`` each:
+    glibc serves larger blocks with fresh mmap()s, so every call would page-fault its buffers
+    in again (measured: ~35 % of the time at T=8192 on the development VM)."""
     T_, D = x.shape
-    E, I2 = w13.shape[0], w13.shape[1]
     y = torch.empty(T_, D, dtype=x.dtype)
     if T_ == 0 or D == 0:
         return y
-    combine, silu = _fns(context, x.dtype)
+    k, I2 = ids.shape[1], w13.shape[1]
+    if T_ * k > ROWS_TVM:
+        return _experts_torch(x, ids, weights, w13, w2)
+    chunk = max(1, SCRATCH_BYTES // (4 * max(k, 1) * max(D, I2, 1)))
+    fns = _fns(context, x.dtype)
+    wts = weights.to(torch.float32)
+    for t0 in range(0, T_, chunk):
+        t1 = min(T_, t0 + chunk)
+        _experts_chunk(fns, x[t0:t1], ids[t0:t1], wts[t0:t1].contiguous(), w13, w2, y[t0:t1])
+    return y
+
+
+def _experts_torch(x, ids, weights, w13, w2) -> torch.Tensor:
+    """Many routed rows: the GEMMs are the whole cost (the reference runs at ~90 % of the
+    measured fp32 matmul peak at T=8192), and every TVM call between two oneDNN GEMMs costs a
+    thread-pool hand-over on a small machine, so the pipeline is torch's own: rows sorted by
+    expert, per expert F.linear, silu·mul, F.linear and one index_add_ (fp32; deterministic:
+    a serial scatter per expert, experts in order)."""
+    import torch.nn.functional as F
+
+    E, I = w13.shape[0], w13.shape[1] // 2
+    f32 = torch.float32
+    tok, pos, counts = route_rows(ids, E)
+    slot = torch.argsort(torch.where(pos >= 0, pos, 2**31 - 1).reshape(-1).long())
+    wflat = weights.to(f32).reshape(-1)[slot[: tok.shape[0]]]
+    y = torch.zeros(x.shape, dtype=f32)
+    xf = x.to(f32)
+    a = 0
+    for e, n in enumerate(counts):
+        if n:
+            t = tok[a: a + n]
+            h = F.linear(xf[t], w13[e].to(f32))
+            g = F.silu(h[:, :I]).mul_(h[:, I:])
+            y.index_add_(0, t, F.linear(g, w2[e].to(f32)).mul_(wflat[a: a + n, None]))
+            a += n
+    return y.to(x.dtype)
+
+
+def _experts_chunk(fns, x, ids, wts, w13, w2, y) -> None:
+    combine, silu = fns
+    E, I2 = w13.shape[0], w13.shape[1]
     tok, pos, counts = route_rows(ids, E)
     R = tok.shape[0]
     f32 = torch.float32
     xs = x.to(f32)[tok]
     h13 = torch.empty(R, I2, dtype=f32)
     hs = torch.empty(R, I2 // 2, dtype=f32)
-    o = torch.empty(R, D, dtype=f32)
+    o = torch.empty(R, x.shape[1], dtype=f32)
     if R:
         grouped_linear(xs, w13, counts, h13)
         if I2:
@@ -137,8 +184,7 @@ def moe_experts(context: Callable[[], Any], x: torch.Tensor, ids: torch.Tensor,
             grouped_linear(hs, w2, counts, o)
         else:
             o.zero_()
-    combine(o, pos, weights.to(torch.float32).contiguous(), bits(y))
-    return y
+    combine(o, pos, wts, bits(y))
 
 
 def _supports(x, ids, weights, w13, w2) -> bool:
