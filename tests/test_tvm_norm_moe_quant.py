@@ -74,6 +74,17 @@ def test_quant_paths_agree_across_blocks(ctx, backend, scheme):
         torch.testing.assert_close(got_tvm, got_torch, rtol=1e-5, atol=1e-5)
 
 
+def test_moe_torch_path_and_chunks(backend, monkeypatch):
+    """Many routed rows take the torch composition; tiny scratch forces many token chunks."""
+    monkeypatch.setattr(moe, "ROWS_TVM", 0)
+    rows = run_parity(backend, ["moe_experts"], examples=6, seed=2)
+    assert all(r.status == "pass" for r in rows), format_table(rows)
+    monkeypatch.setattr(moe, "ROWS_TVM", 2**31)
+    monkeypatch.setattr(moe, "SCRATCH_BYTES", 64)  # one or two tokens per chunk
+    rows = run_parity(backend, ["moe_experts"], examples=6, seed=3)
+    assert all(r.status == "pass" for r in rows), format_table(rows)
+
+
 def test_exact_chunks():
     """The torch path's fp32 GEMM chunks hold every integer partial sum exactly (< 2^24)."""
     for sc in SCHEMES.values():
