@@ -12,10 +12,15 @@ Pipeline for ``x[T, D]``, ``ids/weights[T, k]``, ``w13[E, 2I, D]``, ``w2[E, D, I
 5. combine (TVM): ``y[t] = Σ_j weights[t, j] · o[pos[t, j]]`` summed in j order, −1 skipped,
    fp32 accumulation, written in x's dtype — deterministic, no atomics, no index_add.
 
-Why torch GEMMs and not a TVM grouped GEMM: measured (docs/performance.md, "moe_experts"), the
-GEMMs are > 90 % of the time at the long-context shape (T=8192, D=512, E=16, k=4, I=256) and
-a hand-scheduled TIR GEMM without packing/autotuning stays well below the oneDNN sgemm the
-runs call; the issue's rule is "torch's own CPU kernels where they measure faster".
+Used up to ``ROWS_TVM`` routed rows (decode / short prefill; token chunks keep every scratch
+buffer under ``SCRATCH_BYTES``). Above, `_experts_torch`: per expert F.linear, silu·mul,
+F.linear, index_add_ — measured level with the reference at the long-context shape (T=8192,
+D=512, E=16, k=4, I=256; docs/performance.md, "cpu backend: norms, MoE ...").
+
+Why torch GEMMs and no TVM grouped GEMM: the GEMMs are the whole cost at that shape and the
+reference already runs them at ~90 % of the fp32 matmul ceiling measured in the same bench run,
+so a TIR GEMM could at best match oneDNN's sgemm (a TIR GEMM was not written or measured);
+the issue's rule is "torch's own CPU kernels where they measure faster".
 
 All stages compute in fp32 (x and, per expert, the weights of a bf16 call are widened to fp32
 as the reference does: torch 2.13's bf16 CPU GEMM measured slower than widening + sgemm here);
