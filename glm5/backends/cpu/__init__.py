@@ -28,6 +28,10 @@ def context():
         os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))
                                                      if hasattr(os, "sched_getaffinity")
                                                      else os.cpu_count() or 1))
+        # TVM's idle workers spin after each kernel and take the cores from torch's own
+        # threads, which run the GEMMs between glm5's kernels: the 8K long-context forward was
+        # ~15% faster without spinning (bench/long_context.py, 3 runs each, 2026-11-30).
+        os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
         from glm5.kernels.tvm.build import TVMContext, default_cache_dir
 
         cache = BACKEND.settings.get("compile_cache") or default_cache_dir()

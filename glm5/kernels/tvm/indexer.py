@@ -50,7 +50,8 @@ from glm5.kernels.tvm import select
 
 NS = 16  # keys per chunk (two AVX2 fp32 vectors)
 HB_MAX = 4  # heads per register block: HB x NS fp32 accumulators
-TILE_T = 256  # queries per block (indexer_topk and lightning_indexer)
+TILE_T = 64  # queries per block: the block's [TILE_T, kb + TILE_S] int64 keys (4 MiB) stay in
+# cache for the selection passes (256 made them 16 MiB and the T=1024, S=8192 call 1.4x slower)
 TILE_S = 8192  # keys per streamed tile (indexer_topk); a multiple of NS
 REV = 7  # bump when the kernel source changes (part of the on-disk cache key)
 
