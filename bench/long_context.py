@@ -147,6 +147,7 @@ def compare_logits(a_path: str, b_path: str) -> dict:
     a, b = torch.load(a_path), torch.load(b_path)
     rel = (a - b).abs().amax(-1) / b.abs().amax(-1)
     return {"max_rel_err": float(rel.max()), "median_rel_err": float(rel.median()),
+            "positions_over_1e-3": int((rel > 1e-3).sum()),
             "top1_agree": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
 
 

@@ -284,3 +284,22 @@ def make_backend(spec: VendorSpec) -> Backend:
     return Backend(spec.name, vendor=spec.vendor, device_type=spec.device_type,
                    priority=spec.priority, description=spec.description,
                    settings=spec.settings())
+
+
+def triton_plugin(backend: Backend, detect: Callable[[], tuple[bool, str]]) -> Callable[..., None]:
+    """Wire a Triton-library backend: ``detect`` as its availability check, the Triton
+    interpreter as its emulation mode, and the ``glm5_register_backends`` hook implementation
+    that attaches the library's kernels under the backend's tuning table and registers it.
+    A backend module assigns the result to ``glm5_register_backends``."""
+    from glm5.backends.api import hookimpl
+
+    backend.availability(detect)
+    backend.emulation(triton_emulation)
+
+    @hookimpl
+    def glm5_register_backends(registry) -> None:
+        if not backend.kernels:
+            register_rows(backend, triton_rows(backend))
+        registry.register(backend)
+
+    return glm5_register_backends

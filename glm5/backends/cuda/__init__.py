@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from glm5.backends import vendor
-from glm5.backends.api import API_VERSION, hookimpl
+from glm5.backends.api import API_VERSION
 
 GLM5_API_VERSION = API_VERSION
 TUNING = Path(__file__).with_name("tuning.json")
@@ -43,18 +43,4 @@ def detect() -> tuple[bool, str]:
     return True, f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
 
 
-@BACKEND.availability
-def _available() -> tuple[bool, str]:
-    return detect()
-
-
-@BACKEND.emulation
-def _emulation() -> tuple[bool, str]:
-    return vendor.triton_emulation()
-
-
-@hookimpl
-def glm5_register_backends(registry) -> None:
-    if not BACKEND.kernels:
-        vendor.register_rows(BACKEND, vendor.triton_rows(BACKEND))
-    registry.register(BACKEND)
+glm5_register_backends = vendor.triton_plugin(BACKEND, detect)
