@@ -17,7 +17,7 @@ from glm5.ir.catalog import OPS  # noqa: E402
 from glm5.ir.quant_formats import SCHEMES, quantize_weight  # noqa: E402
 from glm5.kernels.tvm import moe, norm, quant  # noqa: E402
 from glm5.kernels.tvm.build import TVMContext  # noqa: E402
-from glm5.testing.compare import check_example  # noqa: E402
+from glm5.testing.compare import Verdict, check_example  # noqa: E402
 from glm5.testing.parity import format_table, run_parity  # noqa: E402
 
 OPS_SERVED = ("rms_norm", "rope", "silu_mul", "moe_experts", "quant_linear", "moe_experts_quant")
@@ -37,9 +37,9 @@ def backend(ctx):
     return b
 
 
-def _check(backend, op: str, values: dict, dtype=torch.float32) -> None:
-    v = check_example(OPS[op], backend.kernels[op].fn, values, dtype)
-    assert v.ok, f"{op}: {v.message} (max rel err {v.max_rel_err:.2e}, {v.tolerance})"
+def _check(backend, op: str, values: dict, dtype=torch.float32) -> Verdict:
+    """The kit's verdict for the backend's kernel on one case (the caller asserts it)."""
+    return check_example(OPS[op], backend.kernels[op].fn, values, dtype)
 
 
 def test_parity(backend):
@@ -67,7 +67,8 @@ def test_quant_paths_agree_across_blocks(ctx, backend, scheme):
         x = torch.randn(M, K, generator=g) * 3
         x[0, 0] = 50.0  # one large value: the row's amax, codes at ±qmax
         vals = {"x": x, "w_packed": wp, "w_scale": ws, "scheme": scheme, "bias": None}
-        _check(backend, "quant_linear", vals)
+        v = _check(backend, "quant_linear", vals)
+        assert v.ok, v.message
         got_tvm = quant.gemv(lambda: ctx, x, wp, ws, scheme)
         got_torch = quant.gemm_torch(x, wp, ws, scheme)
         # two exact-integer paths differ only in fp32 scale products
@@ -99,15 +100,19 @@ def test_shapes_and_edges(backend):
         x = torch.randn(3, 40, generator=g).to(dt)
         ang = torch.rand(3, 20, generator=g)
         for il in (True, False):
-            _check(backend, "rope", {"x": x, "cos": ang.cos().to(dt), "sin": ang.sin().to(dt),
-                                     "interleaved": il}, dt)
+            rope_args = {"x": x, "cos": ang.cos().to(dt), "sin": ang.sin().to(dt),
+                         "interleaved": il}
+            v = _check(backend, "rope", rope_args, dt)
+            assert v.ok, v.message
         # rms_norm with D past one vector plus a tail, 3-D leading dims
-        _check(backend, "rms_norm", {"x": torch.randn(2, 3, 37, generator=g).to(dt),
-                                     "weight": torch.randn(37, generator=g).to(dt),
-                                     "eps": 1e-6}, dt)
+        v = _check(backend, "rms_norm", {"x": torch.randn(2, 3, 37, generator=g).to(dt),
+                                         "weight": torch.randn(37, generator=g).to(dt),
+                                         "eps": 1e-6}, dt)
+        assert v.ok, v.message
         # silu_mul: large |x| saturates exp without inf/NaN
         x = torch.tensor([[-100.0, -3.0, 0.0, 95.0, 1.0, 2.0, 3.0, 4.0]]).to(dt)
-        _check(backend, "silu_mul", {"x": x}, dt)
+        v = _check(backend, "silu_mul", {"x": x}, dt)
+        assert v.ok, v.message
 
 
 def test_moe_skips_and_empty_experts(backend):
@@ -119,14 +124,16 @@ def test_moe_skips_and_empty_experts(backend):
     vals = {"x": x, "ids": ids, "weights": torch.rand(T, k, generator=g),
             "w13": torch.randn(E, 2 * I, D, generator=g) * D ** -0.5,
             "w2": torch.randn(E, D, I, generator=g) * I ** -0.5}
-    _check(backend, "moe_experts", vals)
+    v = _check(backend, "moe_experts", vals)
+    assert v.ok, v.message
     y = backend.kernels["moe_experts"].fn(*(vals[n] for n in OPS["moe_experts"].param_names))
     assert torch.equal(y[2], torch.zeros(D))
     # deterministic: same bits on a second call
     y2 = backend.kernels["moe_experts"].fn(*(vals[n] for n in OPS["moe_experts"].param_names))
     assert torch.equal(y, y2)
     vals["ids"] = torch.full((T, k), -1, dtype=torch.int32)
-    _check(backend, "moe_experts", vals)
+    v = _check(backend, "moe_experts", vals)
+    assert v.ok, v.message
 
 
 def test_claims_and_declines(backend):
