@@ -315,102 +315,13 @@ def test_cuda_backend_serves_these_rows():
 # (sm_90, Triton's bundled ptxas), every kernel variant the launchers pick for GPU tensors with
 # their default tuning, so an interpreter-only construct or a bad launch signature fails here.
 # Each launcher runs with the kernels replaced by recorders; nothing is launched.
-_COMPILE_SCRIPT = r'''
-import os, sys, time
-os.environ.pop("TRITON_INTERPRET", None)
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from glm5.kernels.triton import norm, logprobs, quant_linear
-from glm5.kernels.triton import _norm_kernels, _logprobs_kernels, _quant_kernels
-from glm5.ir.quant_formats import quantize_weight
-
-CODES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-         torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32",
-         torch.int64: "i64"}
-TARGET = GPUTarget("cuda", 90, 32)
-done, failed = {}, []
-
-class Recorder:
-    def __init__(self, fn):
-        self.fn = fn
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
-            names = [n for n in self.fn.arg_names if n not in kw]
-            sig = {}
-            for n, v in zip(names, args):
-                if isinstance(v, torch.Tensor):
-                    sig[n] = "*" + CODES[v.dtype]
-                elif isinstance(v, bool):
-                    sig[n] = "i1"
-                elif isinstance(v, int):
-                    sig[n] = "i32" if -2**31 <= v < 2**31 else "i64"
-                else:
-                    sig[n] = "fp32"
-            for n in kw:
-                sig[n] = "constexpr"
-            sig = {n: sig[n] for n in self.fn.arg_names}
-            key = (self.fn.__name__, tuple(sorted(sig.items())), tuple(sorted(kw.items())),
-                   tuple(sorted(opts.items())))
-            if key in done:
-                return
-            t = time.time()
-            try:
-                triton.compile(ASTSource(self.fn, sig, dict(kw)), target=TARGET, options=opts)
-                done[key] = time.time() - t
-            except Exception as e:
-                failed.append(f"{self.fn.__name__} {kw}: {type(e).__name__}: {str(e)[:2000]}")
-                done[key] = -1
-        return launch
-
-for mod in (_norm_kernels, _logprobs_kernels, _quant_kernels):
-    for name in dir(mod):
-        obj = getattr(mod, name)
-        if isinstance(obj, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
-            setattr(mod, name, Recorder(obj))
-for m in (norm, logprobs, quant_linear):
-    m.check_device = lambda *ts: None  # CPU tensors stand in for GPU ones
-
-D = {}
-for m in (norm, logprobs, quant_linear):
-    D.update(m.DEFAULTS)
-fns = {}
-for m in (norm, logprobs, quant_linear):
-    for op, fn, _, _ in m.kernels(lambda op: D.get(op, {})):
-        fns[op] = fn
-for dt in (torch.float32, torch.bfloat16):  # fp16 takes the bf16 code paths
-    for Dm in (6144, 20000):
-        fns["rms_norm"](torch.zeros(2, Dm, dtype=dt), torch.zeros(Dm, dtype=dt), 1e-5)
-    fns["silu_mul"](torch.zeros(2, 4096, dtype=dt))
-    for il in (True, False):
-        fns["rope"](torch.zeros(3, 64, 64, dtype=dt), torch.zeros(3, 32, dtype=dt),
-                    torch.zeros(3, 32, dtype=dt), il)
-    for T in (300,):
-        fns["token_logprobs"](torch.zeros(T, 256, dtype=dt), torch.zeros(1000, 256, dtype=dt),
-                              torch.zeros(T, dtype=torch.int32), 1.0)
-    for scheme in ("w8a16", "w8a8", "w4a8", "w6a12"):
-        wp, ws = quantize_weight(torch.randn(64, 384), scheme)
-        for M in (1, 64):
-            fns["quant_linear"](torch.zeros(M, 384, dtype=dt), wp, ws, scheme,
-                                torch.zeros(64, dtype=dt) if M == 1 else None)
-print(f"compiled {sum(v >= 0 for v in done.values())} kernel variants for sm_90 in "
-      f"{sum(v for v in done.values() if v > 0):.0f} s")
-for f in failed:
-    print("FAIL", f)
-sys.exit(1 if failed else 0)
-'''
-
-
 def test_kernels_compile_for_sm90():
     triton = pytest.importorskip("triton")
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("Triton's bundled ptxas is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True,
-                       env=env, timeout=600,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from triton_compile_check import run_in_subprocess
+
+    r = run_in_subprocess([["defaults", "cuda", 90, 32, "gpu_shapes"]])
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     assert "compiled" in r.stdout
