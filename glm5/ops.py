@@ -68,5 +68,16 @@ for _op in OPS.values():
 __all__ = list(OPS)
 
 
+def repack_weight(op_name: str, packed: torch.Tensor, scale: torch.Tensor, scheme: str,
+                  activation_dtype: torch.dtype | None) -> str | None:
+    """Load-time hook for quantized weights: offer the canonical ``packed`` codes and ``scale``
+    of ``scheme`` to the backend that will serve ``op_name`` (``quant_linear`` /
+    ``moe_experts_quant``) on the weight's device, so it can cache its own layout once. Calls
+    still pass the canonical tensors. Returns that backend's name, or None when it has no
+    repack hook. (Not an op: it is the model's one door to load-time preparation.)"""
+    return selection.repack(op_name, packed.device.type, activation_dtype, packed, scale,
+                            scheme)
+
+
 def __getattr__(name: str) -> Any:
     raise AttributeError(f"glm5.ops has no op {name!r}; known ops: {', '.join(OPS)}")

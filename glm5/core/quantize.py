@@ -315,22 +315,21 @@ def read_description(path: Path) -> dict | None:
 def repack_model(model: torch.nn.Module) -> dict[str, str]:
     """Offer each quantized weight to the repack hook of the backend selected for its op on the
     weight's device (once, at load time). Returns {module name: backend} for those repacked."""
-    from glm5.backends.selection import repack
+    from glm5 import ops
     from glm5.core.layers import QuantExperts, QuantLinear
 
     act = model.dtype
     out: dict[str, str] = {}
     for name, mod in model.named_modules():
         if type(mod) is QuantLinear:
-            b = repack("quant_linear", mod.weight_packed.device.type, act, mod.weight_packed,
-                       mod.weight_scale, mod.scheme)
+            b = ops.repack_weight("quant_linear", mod.weight_packed, mod.weight_scale,
+                                  mod.scheme, act)
         elif type(mod) is QuantExperts:
-            dev = mod.gate_up_proj_packed.device.type
-            b = repack("moe_experts_quant", dev, act, mod.gate_up_proj_packed,
-                       mod.gate_up_proj_scale, mod.scheme)
+            b = ops.repack_weight("moe_experts_quant", mod.gate_up_proj_packed,
+                                  mod.gate_up_proj_scale, mod.scheme, act)
             if b is not None:
-                repack("moe_experts_quant", dev, act, mod.down_proj_packed, mod.down_proj_scale,
-                       mod.scheme)
+                ops.repack_weight("moe_experts_quant", mod.down_proj_packed,
+                                  mod.down_proj_scale, mod.scheme, act)
         else:
             continue
         if b is not None:
