@@ -5,35 +5,48 @@ One hand-scheduled TensorIR generator serves both ops (loop-level TIR: ``T.paral
 directly instead of being applied with ``s_tir.Schedule`` afterwards). The ops differ only in
 where a query's key rows come from:
 
-* sparse_attention: the rows are ``idx[t, :]``. Each query first compacts its row of ``idx``
-  (drops the −1 holes) into an int32 list padded with a valid row to a whole key block, so the
-  inner loops never test for −1 and never spend work on a skipped slot. The selected k / v rows
-  are gathered *inside* the kernel (read straight from k's and v's buffers by row number):
-  nothing of size T×K×D is materialised; work and memory are ∝ T·H·K·D.
+* sparse_attention: the rows are ``idx[t, :]``. A first parallel pass groups each query's
+  valid rows (the −1 holes dropped) by key block into a row list with per-block offsets. The
+  selected k / v rows are gathered *inside* the kernel (read straight from k's and v's buffers
+  by row number): nothing of size T×K×D is materialised; work and memory are ∝ T·H·K·D.
 * attention: the rows are ``k_start[t] + j`` for ``j < k_end[t] − k_start[t]``: each query loops
   over its own range only, never over S (and nothing of size T×S×H exists).
 
-Work item = one query t with all its H heads (``T.parallel`` over T, visited in zig-zag order
-0, T−1, 1, T−2, ... so that the contiguous per-thread chunks balance causal work); when there
-are fewer queries than threads (decode) a runtime argument splits each query's heads into
-chunks of head tiles, one work item each. The key rows are consumed flash-style in blocks of
-KB keys with an online softmax held in fp32; the g = H/Hk query heads that share a KV head are
-processed together (absorbed MLA: the 64 heads read each 576-wide latent row once per block):
+Key-block passes (sparse; ``block_rows``): once the used rows of k outgrow a cache-sized
+BLOCK_BYTES, the kernel makes one pass per block of rows, and in pass b every query consumes
+only its rows of block b. All threads then gather from one cache-resident slice of k instead of
+the whole cache, and each row is fetched from DRAM about once per pass rather than once per use.
+The online-softmax state of every query (running max, running sum, fp32 accumulator) lives in
+caller-provided scratch and carries over from pass to pass; the output is normalised after the
+last pass. With one pass (short contexts, decode) this is the plain flash-style loop.
+
+Work item = one query t with all its H heads, queries visited in zig-zag order 0, T−1, 1, T−2,
+... so that each thread's contiguous chunk of items balances causal work; when there are fewer
+queries than threads (decode) a runtime argument splits each query's heads into chunks of head
+tiles, one work item each. A query's keys are consumed in steps of up to KB keys with an online
+softmax held in fp32; the g = H/Hk query heads that share a KV head are processed together
+(absorbed MLA: the 64 heads read each 576-wide latent row once per step):
 
 1. scores P[h, j] = scale · q[t, h] · k[row j, hk] by a register-tiled micro-kernel: an
    HB-heads × JB-keys tile of VL-lane fp32 accumulators (≤ 12 of the 16 AVX2 registers), the
    head dim streamed VL lanes at a time with contiguous vector loads of q and of the gathered k
-   row, fully unrolled so LLVM keeps the tile in registers; one horizontal sum per score;
-2. per head: block max, P = exp(S − m) with a vectorised polynomial exp (Cephes expf, ~2 ulp,
+   row, fully unrolled so LLVM keeps the tile in registers; one horizontal sum per score. A
+   short last step computes only ceil(n / JB) tiles (no work on padding);
+2. per head: step max, P = exp(S − m) with a vectorised polynomial exp (Cephes expf, ~2 ulp,
    exp(−inf) = 0 exactly), l = α·l + ΣP with α = exp(m_old − m_new);
 3. acc[h, :] = α·acc + P · v[rows] by an HB2-heads × DVB-vectors register tile streaming over
-   the block's keys (broadcast p, contiguous vector loads of the gathered v row); the α rescale
-   rides on the tile load, so acc is touched once per block.
+   the step's keys (broadcast p, contiguous vector loads of the gathered v row); the α rescale
+   rides on the tile load, so acc is touched once per step.
+
+Random row gathers defeat the hardware prefetcher, so the kernel issues software prefetches
+(into L2) one step ahead: the rows of the next step, or during a query's last step the first
+rows of the next query the thread takes; with several passes also that query's q and
+accumulator rows.
 
 out = acc / l in q's dtype, lse = m + log(l) (natural log); a query with no valid key gives 0
 and −inf. Inputs are read in their own dtype and widened to fp32 in registers: bfloat16 is
 bound as its uint16 bits (a free view of the same memory) and widened with a shift; the output
-is rounded to nearest even in-kernel; q of a 16-bit dtype is widened once per query into an
+is rounded to nearest even in-kernel; q of a 16-bit dtype is widened once per work item into an
 fp32 scratch block. All accumulation is fp32.
 
 T, S and K are symbolic (a new length never recompiles); the variant key is (H, Hk, Dqk, Dv,
@@ -46,12 +59,13 @@ of that copy).
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable
 
 import torch
 
 # Bump when the generated code changes: it is part of the build-cache key.
-REV = 4
+REV = 5
 
 _TVM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # The dtypes the backend claims. The generator also handles float16 (it passes the parity kit
@@ -140,26 +154,33 @@ def build(mode: str, H: int, Hk: int, Dqk: int, Dv: int, dtype: str, name: str,
         e = T.reinterpret("float32", T.shift_left(T.Cast("int32", fx) + 127, 23))
         return T.Select(x == T.float32(NEG_INF), T.float32(0.0), y * e)
 
+    # Software prefetch of gathered k rows one step (KB keys of work) ahead: random rows defeat
+    # the hardware prefetcher, and a step ahead hides a DRAM miss without thrashing L1. Every
+    # cache line of the row (+1: a row need not start on a line).
+    ESZ = 4 if dtype == "float32" else 2
+    PF_STEP = 64 // ESZ
+    PF_LINES = (Dqk * ESZ + 63) // 64 + 1 if SPARSE and over.get("prefetch", True) else 0
+    QLINES = (Dqk * ESZ + 63) // 64 + 1
+    ALINES = (Dv * 4 + 63) // 64 + 1
     WIDEN_Q = dtype != "float32"  # widen q once per query into an fp32 scratch row block
 
     def q_at(Q, Qf, t, h, d):
         return Qf[h, d] if WIDEN_Q else Q[t, h, d]
 
-    def first_row(ARG, t):
-        """dense: k_start[t], the row of key 0 (sparse reads its rows from the compacted list)"""
-        return T.int32(0) if SPARSE else ARG[t, 0]
+    def row_at(ROWS, t, j):
+        """The k / v row of slot j: ROWS[t, j] (sparse) or j itself (dense: a range of rows)."""
+        return ROWS[t, j] if SPARSE else j
 
-    def row_of(rows, base, n, j):
-        """The k / v row of the query's j-th key (j may run past n into the padding)."""
-        if SPARSE:
-            return rows[j]
-        return base + T.min(j, n - 1)
+    def ceil8(x):
+        return (x + 7) // 8 * 8
 
     # One PrimFunc per mode, no T.macro (macro expansion costs TVMScript a stack walk per use).
     # ARG is idx [T, K] (sparse) or the ranges [T, 2] = (k_start, k_end) (dense).
     @T.prim_func
     def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, a_h: T.handle, scale: T.float32,
-               o_h: T.handle, lse_h: T.handle, nc: T.int32):
+               o_h: T.handle, lse_h: T.handle, nc: T.int32, nth: T.int32, bs: T.int32,
+               nb: T.int32,
+               st_h: T.handle, acc_h: T.handle, rows_h: T.handle, offs_h: T.handle):
         # noalias: k and v may be the same memory (absorbed MLA) but are only read; out / lse,
         # the only buffers written, are fresh.
         T.func_attr({"tirx.noalias": True})
@@ -178,157 +199,234 @@ def build(mode: str, H: int, Hk: int, Dqk: int, Dv: int, dtype: str, name: str,
         ARG = T.match_buffer(a_h, (Tn, Kn), "int32")
         OUT = T.match_buffer(o_h, (Tn, i64(H), i64(Dv)), sdt)
         LSE = T.match_buffer(lse_h, (Tn, i64(H)), "float32")
-        for p_ in T.parallel(Tn * T.Cast("int64", nc)):
-            # work item = (query, chunk of head tiles [lo, hi)); nc = 1 unless T is below the
-            # thread count. Queries in zig-zag order (0, T-1, 1, T-2, ...): each thread's
-            # contiguous share of the parallel loop mixes early and late queries, so causal
-            # work stays balanced.
-            tq = p_ // T.Cast("int64", nc)
-            cc = T.Cast("int32", p_ % T.Cast("int64", nc))
-            t = T.Select(tq % 2 == 0, tq // 2, Tn - 1 - tq // 2)
-            lo = cc * NHT // nc
-            hi = (cc + 1) * NHT // nc
-            # ---- this query's key rows: n of them, row_of(rows, base, n, j) for j < n
-            rows = T.alloc_buffer((Kn + i64(KB) if SPARSE else 1,), "int32")
-            cnt = T.alloc_buffer((1,), "int32", scope="local")
-            if SPARSE:
-                # compact idx[t] (drop -1) into rows, padded by a block of a valid row
-                cnt[0] = 0
+        # Scratch from the caller (TIR-allocated buffers would be compacted per iteration by
+        # the lowering, but this state lives across the key-block passes): per-query online
+        # softmax state ST[t, 0, h] = running max, ST[t, 1, h] = running sum, ACC = the
+        # unnormalised output; sparse: each query's valid rows grouped by key block (block c =
+        # rows [c*bs, (c+1)*bs)) in ROWS[t, OFFS[t, c] : OFFS[t, c + 1]], idx order kept
+        # inside a block.
+        NR = T.int64()
+        NO = T.int64()
+        ST = T.match_buffer(st_h, (Tn, i64(2), i64(H)), "float32")
+        ACC = T.match_buffer(acc_h, (Tn, i64(H), i64(Dv)), "float32")
+        ROWS = T.match_buffer(rows_h, (Tn, NR), "int32")
+        OFFS = T.match_buffer(offs_h, (Tn, NO), "int32")
+        if SPARSE:
+            for tp in T.parallel(Tn):
+                cur = T.alloc_buffer((T.Cast("int64", nb) + 1,), "int32")
+                for c in range(nb + 1):
+                    cur[c] = 0
                 for j in range(Kn):
-                    if ARG[t, j] >= 0:
-                        rows[cnt[0]] = ARG[t, j]
-                        cnt[0] = cnt[0] + 1
-                for j in range(KB):
-                    rows[cnt[0] + j] = rows[0]
-            else:
-                cnt[0] = ARG[t, 1] - ARG[t, 0]
-            n = cnt[0]
-            base = first_row(ARG, t)
-            # ---- per-query state for all H heads
-            m = T.alloc_buffer((H,), "float32")
-            lsum = T.alloc_buffer((H,), "float32")
-            alpha = T.alloc_buffer((H,), "float32")
-            acc = T.alloc_buffer((H, Dv), "float32")
-            P = T.alloc_buffer((H, KB), "float32")
-            Qf = T.alloc_buffer((H if WIDEN_Q else 1, Dqk), "float32")
-            if WIDEN_Q:
-                for h in range(lo * HB, hi * HB):
-                    for d in T.vectorized(Dqk):
-                        Qf[h, d] = f32(Q[t, h, d])
-            for h in range(lo * HB, hi * HB):
-                m[h] = T.float32(NEG_INF)
-                lsum[h] = T.float32(0.0)
-                for d in T.vectorized(Dv):
-                    acc[h, d] = T.float32(0.0)
-            for b in range(T.ceildiv(n, KB)):
-                # ---- P[h, j] = scale * q[t, h] . k[row j, hk] (-inf past n): register tiles of
-                # HB heads x JB keys x VL lanes, one horizontal sum per score
-                for jt in range(KB // JB):
-                    for gt in range(lo, hi):
-                        c = T.alloc_buffer((HB, JB, VL), "float32", scope="local")
-                        for hh in T.unroll(HB):
-                            for jj in T.unroll(JB):
-                                for ll in T.vectorized(VL):
-                                    c[hh, jj, ll] = T.float32(0.0)
-                        for dq in range(NQ):
-                            for hh in T.unroll(HB):
-                                for jj in T.unroll(JB):
-                                    for ll in T.vectorized(VL):
-                                        c[hh, jj, ll] = c[hh, jj, ll] + q_at(
-                                            Q, Qf, t, gt * HB + hh, dq * VL + ll
-                                        ) * f32(Kt[row_of(rows, base, n, b * KB + jt * JB + jj),
-                                                   (gt * HB) // g, dq * VL + ll])
-                        for hh in T.unroll(HB):
-                            for jj in T.unroll(JB):
-                                s = T.alloc_buffer((1,), "float32", scope="local")
-                                s[0] = T.float32(0.0)
-                                for ll in T.unroll(VL):
-                                    s[0] = s[0] + c[hh, jj, ll]
-                                P[gt * HB + hh, jt * JB + jj] = T.Select(
-                                    b * KB + jt * JB + jj < n, s[0] * scale,
-                                    T.float32(NEG_INF))
-                # ---- online softmax: running max m, P = exp(S - m), l = alpha l + sum P
-                for h in range(lo * HB, hi * HB):
-                    mv = T.alloc_buffer((8,), "float32", scope="local")
-                    for ll in T.vectorized(8):
-                        mv[ll] = m[h]
-                    for jo in range(KB // 8):
-                        for ll in T.vectorized(8):
-                            mv[ll] = T.max(mv[ll], P[h, jo * 8 + ll])
-                    mx = T.alloc_buffer((1,), "float32", scope="local")
-                    mx[0] = m[h]
-                    for ll in T.unroll(8):
-                        mx[0] = T.max(mx[0], mv[ll])
-                    for ll in T.vectorized(8):
-                        mv[ll] = T.float32(0.0)
-                    for jo in range(KB // 8):
-                        for ll in T.vectorized(8):
-                            P[h, jo * 8 + ll] = fexp(P[h, jo * 8 + ll] - mx[0])
-                            mv[ll] = mv[ll] + P[h, jo * 8 + ll]
-                    alpha[h] = fexp(m[h] - mx[0])
-                    ss = T.alloc_buffer((1,), "float32", scope="local")
-                    ss[0] = T.float32(0.0)
-                    for ll in T.unroll(8):
-                        ss[0] = ss[0] + mv[ll]
-                    lsum[h] = lsum[h] * alpha[h] + ss[0]
-                    m[h] = mx[0]
-                # ---- acc = alpha acc + P . v[rows]: register tiles of HB heads x DVB vectors
-                # (the rescale rides on the tile load), then one narrower tile of REM vectors
-                for dt in range(NVT):
-                    for gt in range(lo, hi):
-                        r = T.alloc_buffer((HB, DVB, VLV), "float32", scope="local")
-                        for hh in T.unroll(HB):
-                            for dd in T.unroll(DVB):
-                                for ll in T.vectorized(VLV):
-                                    r[hh, dd, ll] = acc[
-                                        gt * HB + hh, (dt * DVB + dd) * VLV + ll
-                                    ] * alpha[gt * HB + hh]
-                        for j in range(KB):
-                            for hh in T.unroll(HB):
-                                for dd in T.unroll(DVB):
-                                    for ll in T.vectorized(VLV):
-                                        r[hh, dd, ll] = r[hh, dd, ll] + P[
-                                            gt * HB + hh, j] * f32(V[
-                                                row_of(rows, base, n, b * KB + j), (gt * HB) // g,
-                                                (dt * DVB + dd) * VLV + ll])
-                        for hh in T.unroll(HB):
-                            for dd in T.unroll(DVB):
-                                for ll in T.vectorized(VLV):
-                                    acc[gt * HB + hh,
-                                        (dt * DVB + dd) * VLV + ll] = r[hh, dd, ll]
-                if REM > 0:
-                    for gt in range(lo, hi):
-                        r = T.alloc_buffer((HB, REM, VLV), "float32", scope="local")
-                        for hh in T.unroll(HB):
-                            for dd in T.unroll(REM):
-                                for ll in T.vectorized(VLV):
-                                    r[hh, dd, ll] = acc[
-                                        gt * HB + hh, (NVT * DVB + dd) * VLV + ll
-                                    ] * alpha[gt * HB + hh]
-                        for j in range(KB):
-                            for hh in T.unroll(HB):
-                                for dd in T.unroll(REM):
-                                    for ll in T.vectorized(VLV):
-                                        r[hh, dd, ll] = r[hh, dd, ll] + P[
-                                            gt * HB + hh, j] * f32(V[
-                                                row_of(rows, base, n, b * KB + j), (gt * HB) // g,
-                                                (NVT * DVB + dd) * VLV + ll])
-                        for hh in T.unroll(HB):
-                            for dd in T.unroll(REM):
-                                for ll in T.vectorized(VLV):
-                                    acc[gt * HB + hh,
-                                        (NVT * DVB + dd) * VLV + ll] = r[hh, dd, ll]
-            # ---- out = acc / l, lse = m + log l; no valid key: 0 and -inf
-            for h in range(lo * HB, hi * HB):
-                if n > 0:
-                    inv = T.float32(1.0) / lsum[h]
-                    for d in T.vectorized(Dv):
-                        OUT[t, h, d] = to_out(acc[h, d] * inv)
-                    LSE[t, h] = m[h] + T.log(lsum[h])
-                else:
-                    for d in T.vectorized(Dv):
-                        OUT[t, h, d] = to_out(T.float32(0.0))
-                    LSE[t, h] = T.float32(NEG_INF)
+                    if ARG[tp, j] >= 0:
+                        cur[ARG[tp, j] // bs + 1] = cur[ARG[tp, j] // bs + 1] + 1
+                for c in range(nb):
+                    cur[c + 1] = cur[c + 1] + cur[c]
+                for c in range(nb + 1):
+                    OFFS[tp, c] = cur[c]
+                for j in range(Kn):
+                    if ARG[tp, j] >= 0:
+                        ROWS[tp, cur[ARG[tp, j] // bs]] = ARG[tp, j]
+                        cur[ARG[tp, j] // bs] = cur[ARG[tp, j] // bs] + 1
+        # Key-block passes (nb = 1 unless the keys outgrow the cache, see block_rows): in pass
+        # b every query consumes its rows of block b, so both threads gather from one
+        # cache-sized slice of k / v at a time.
+        for b in range(nb):
+            # one work chunk per thread (TVM would split the parallel loop the same way):
+            # the scratch below is allocated once per chunk, not once per work item
+            for th in T.parallel(nth):
+                P = T.alloc_buffer((H, KB + 8), "float32")
+                alpha = T.alloc_buffer((H,), "float32")
+                Qf = T.alloc_buffer((H if WIDEN_Q else 1, Dqk), "float32")
+                for p_ in range(T.Cast("int64", th) * (Tn * T.Cast("int64", nc))
+                                // T.Cast("int64", nth),
+                                (T.Cast("int64", th) + 1) * (Tn * T.Cast("int64", nc))
+                                // T.Cast("int64", nth)):
+                    # work item = (query, chunk of head tiles [lo, hi)); nc = 1 unless T is below
+                    # the thread count. Queries in zig-zag order (0, T-1, 1, T-2, ...): each
+                    # thread's contiguous share of the parallel loop mixes early and late queries,
+                    # so causal work stays balanced.
+                    tq = p_ // T.Cast("int64", nc)
+                    cc = T.Cast("int32", p_ % T.Cast("int64", nc))
+                    t = T.Select(tq % 2 == 0, tq // 2, Tn - 1 - tq // 2)
+                    lo = cc * NHT // nc
+                    hi = (cc + 1) * NHT // nc
+                    # this query's keys in this pass: j < n, at row_at(start + min(j, n - 1))
+                    start = OFFS[t, b] if SPARSE else ARG[t, 0]
+                    n = (OFFS[t, b + 1] - OFFS[t, b]) if SPARSE else (ARG[t, 1] - ARG[t, 0])
+                    if b == 0:
+                        for h in range(lo * HB, hi * HB):
+                            ST[t, 0, h] = T.float32(NEG_INF)
+                            ST[t, 1, h] = T.float32(0.0)
+                            for d in T.vectorized(Dv):
+                                ACC[t, h, d] = T.float32(0.0)
+                    # the next query this thread takes (sparse, one work item per query): its
+                    # first step's rows are prefetched during this query's last step
+                    tq_n = T.min(tq + 1, Tn - 1) if SPARSE else tq
+                    tn0 = T.Select(tq_n % 2 == 0, tq_n // 2, Tn - 1 - tq_n // 2)
+                    start_n0 = OFFS[tn0, b] if SPARSE else start
+                    n_n0 = (OFFS[tn0, b + 1] - OFFS[tn0, b]) if SPARSE else n
+                    # no next query (nc > 1, the last item) or it has no rows here: fall back to
+                    # this query's last row
+                    own = nc > 1 or n_n0 == 0
+                    tn = T.Select(own, t, tn0)
+                    start_n = T.Select(own, start, start_n0)
+                    n_n = T.Select(own, n, n_n0)
+                    nsteps = T.ceildiv(n, KB)
+                    if PF_LINES > 0 and nb > 1:
+                        # the next item's q and accumulator rows: with several key-block passes
+                        # each item is short, and its state would otherwise arrive line by line
+                        for h in range(lo * HB, hi * HB):
+                            for ln in range(QLINES):
+                                T.evaluate(T.call_llvm_intrin(
+                                    "void", "llvm.prefetch.p0",
+                                    T.address_of(Q[tn0, h, T.min(ln * PF_STEP, Dqk - 1)]),
+                                    T.int32(0), T.int32(2), T.int32(1)))
+                            for ln in range(ALINES):
+                                T.evaluate(T.call_llvm_intrin(
+                                    "void", "llvm.prefetch.p0",
+                                    T.address_of(ACC[tn0, h, T.min(ln * 16, Dv - 1)]),
+                                    T.int32(0), T.int32(2), T.int32(1)))
+                    if n > 0:
+                        if WIDEN_Q:
+                            for h in range(lo * HB, hi * HB):
+                                for d in T.vectorized(Dqk):
+                                    Qf[h, d] = f32(Q[t, h, d])
+                        for sb in range(nsteps):
+                            # nsub keys in this step; score tiles cover ceil(nsub / JB) * JB slots,
+                            # the softmax ceil8(nsub): the slots past nsub hold -inf.
+                            nsub = T.min(n - sb * KB, KB)
+                            for h in range(lo * HB, hi * HB):
+                                for ll in T.vectorized(8):
+                                    P[h, ceil8(nsub) - 8 + ll] = T.float32(NEG_INF)
+                            # ---- P[h, j] = scale * q[t, h] . k[row j, hk]: register tiles of HB
+                            # heads x JB keys x VL lanes, one horizontal sum per score
+                            for jt in range(T.ceildiv(nsub, JB)):
+                                if PF_LINES > 0:
+                                    # prefetch the rows the next step's tile jt reads, into L2
+                                    for jj in T.unroll(JB):
+                                        for ln in T.unroll(PF_LINES):
+                                            T.evaluate(T.call_llvm_intrin(
+                                                "void", "llvm.prefetch.p0", T.address_of(Kt[
+                                                    T.Select(
+                                                        sb + 1 < nsteps,
+                                                        ROWS[t, start + T.min(
+                                                            (sb + 1) * KB + jt * JB + jj, n - 1)],
+                                                        ROWS[tn, start_n + T.min(
+                                                            jt * JB + jj, n_n - 1)]),
+                                                    (lo * HB) // g,
+                                                    T.min(ln * PF_STEP, Dqk - 1)]),
+                                                T.int32(0), T.int32(2), T.int32(1)))
+                                for gt in range(lo, hi):
+                                    c = T.alloc_buffer((HB, JB, VL), "float32", scope="local")
+                                    for hh in T.unroll(HB):
+                                        for jj in T.unroll(JB):
+                                            for ll in T.vectorized(VL):
+                                                c[hh, jj, ll] = T.float32(0.0)
+                                    for dq in range(NQ):
+                                        for hh in T.unroll(HB):
+                                            for jj in T.unroll(JB):
+                                                for ll in T.vectorized(VL):
+                                                    c[hh, jj, ll] = c[hh, jj, ll] + q_at(
+                                                        Q, Qf, t, gt * HB + hh, dq * VL + ll
+                                                    ) * f32(Kt[row_at(ROWS, t, start + T.min(
+                                                        sb * KB + jt * JB + jj, n - 1)),
+                                                        (gt * HB) // g, dq * VL + ll])
+                                    for hh in T.unroll(HB):
+                                        for jj in T.unroll(JB):
+                                            s = T.alloc_buffer((1,), "float32", scope="local")
+                                            s[0] = T.float32(0.0)
+                                            for ll in T.unroll(VL):
+                                                s[0] = s[0] + c[hh, jj, ll]
+                                            P[gt * HB + hh, jt * JB + jj] = T.Select(
+                                                jt * JB + jj < nsub, s[0] * scale,
+                                                T.float32(NEG_INF))
+                            # ---- online softmax: running max m, P = exp(S - m), l = alpha l + sum P
+                            for h in range(lo * HB, hi * HB):
+                                mv = T.alloc_buffer((8,), "float32", scope="local")
+                                for ll in T.vectorized(8):
+                                    mv[ll] = ST[t, 0, h]
+                                for jo in range(T.ceildiv(nsub, 8)):
+                                    for ll in T.vectorized(8):
+                                        mv[ll] = T.max(mv[ll], P[h, jo * 8 + ll])
+                                mx = T.alloc_buffer((1,), "float32", scope="local")
+                                mx[0] = ST[t, 0, h]
+                                for ll in T.unroll(8):
+                                    mx[0] = T.max(mx[0], mv[ll])
+                                for ll in T.vectorized(8):
+                                    mv[ll] = T.float32(0.0)
+                                for jo in range(T.ceildiv(nsub, 8)):
+                                    for ll in T.vectorized(8):
+                                        P[h, jo * 8 + ll] = fexp(P[h, jo * 8 + ll] - mx[0])
+                                        mv[ll] = mv[ll] + P[h, jo * 8 + ll]
+                                alpha[h] = fexp(ST[t, 0, h] - mx[0])
+                                ss = T.alloc_buffer((1,), "float32", scope="local")
+                                ss[0] = T.float32(0.0)
+                                for ll in T.unroll(8):
+                                    ss[0] = ss[0] + mv[ll]
+                                ST[t, 1, h] = ST[t, 1, h] * alpha[h] + ss[0]
+                                ST[t, 0, h] = mx[0]
+                            # ---- acc = alpha acc + P . v[rows]: register tiles of HB heads x DVB
+                            # vectors (the rescale rides on the tile load), then one narrower tile
+                            # of REM vectors
+                            for dt in range(NVT):
+                                for gt in range(lo, hi):
+                                    r = T.alloc_buffer((HB, DVB, VLV), "float32", scope="local")
+                                    for hh in T.unroll(HB):
+                                        for dd in T.unroll(DVB):
+                                            for ll in T.vectorized(VLV):
+                                                r[hh, dd, ll] = ACC[
+                                                    t, gt * HB + hh, (dt * DVB + dd) * VLV + ll
+                                                ] * alpha[gt * HB + hh]
+                                    for j in range(nsub):
+                                        for hh in T.unroll(HB):
+                                            for dd in T.unroll(DVB):
+                                                for ll in T.vectorized(VLV):
+                                                    r[hh, dd, ll] = r[hh, dd, ll] + P[
+                                                        gt * HB + hh, j] * f32(V[
+                                                            row_at(ROWS, t, start + sb * KB + j),
+                                                            (gt * HB) // g,
+                                                            (dt * DVB + dd) * VLV + ll])
+                                    for hh in T.unroll(HB):
+                                        for dd in T.unroll(DVB):
+                                            for ll in T.vectorized(VLV):
+                                                ACC[t, gt * HB + hh,
+                                                    (dt * DVB + dd) * VLV + ll] = r[hh, dd, ll]
+                            if REM > 0:
+                                for gt in range(lo, hi):
+                                    r = T.alloc_buffer((HB, REM, VLV), "float32", scope="local")
+                                    for hh in T.unroll(HB):
+                                        for dd in T.unroll(REM):
+                                            for ll in T.vectorized(VLV):
+                                                r[hh, dd, ll] = ACC[
+                                                    t, gt * HB + hh, (NVT * DVB + dd) * VLV + ll
+                                                ] * alpha[gt * HB + hh]
+                                    for j in range(nsub):
+                                        for hh in T.unroll(HB):
+                                            for dd in T.unroll(REM):
+                                                for ll in T.vectorized(VLV):
+                                                    r[hh, dd, ll] = r[hh, dd, ll] + P[
+                                                        gt * HB + hh, j] * f32(V[
+                                                            row_at(ROWS, t, start + sb * KB + j),
+                                                            (gt * HB) // g,
+                                                            (NVT * DVB + dd) * VLV + ll])
+                                    for hh in T.unroll(HB):
+                                        for dd in T.unroll(REM):
+                                            for ll in T.vectorized(VLV):
+                                                ACC[t, gt * HB + hh,
+                                                    (NVT * DVB + dd) * VLV + ll] = r[hh, dd, ll]
+                    # ---- after the last pass: out = acc / l, lse = m + log l; no valid key: 0, -inf
+                    if b == nb - 1:
+                        total = (OFFS[t, nb] - OFFS[t, 0]) if SPARSE else n
+                        for h in range(lo * HB, hi * HB):
+                            if total > 0:
+                                inv = T.float32(1.0) / ST[t, 1, h]
+                                for d in T.vectorized(Dv):
+                                    OUT[t, h, d] = to_out(ACC[t, h, d] * inv)
+                                LSE[t, h] = ST[t, 0, h] + T.log(ST[t, 1, h])
+                            else:
+                                for d in T.vectorized(Dv):
+                                    OUT[t, h, d] = to_out(T.float32(0.0))
+                                LSE[t, h] = T.float32(NEG_INF)
 
     return kernel.with_attr("global_symbol", name)
 
@@ -356,6 +454,15 @@ def _kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if prefix_view:
         return kk, kk[..., : v.shape[2]]
     return kk, _unit_inner(v)
+
+
+def _scratch(T: int, H: int, Dv: int, rows: int, blocks: int) -> tuple[torch.Tensor, ...]:
+    """The kernel's working buffers: online-softmax state [T, 2, H] and accumulator [T, H, Dv]
+    (fp32), and for sparse mode the block-grouped row lists [T, rows] and their offsets
+    [T, blocks + 1] (int32; a dummy [T, 1] each for dense mode)."""
+    return (torch.empty(T, 2, H), torch.empty(T, H, Dv),
+            torch.empty(T, max(rows, 1), dtype=torch.int32),
+            torch.empty(T, blocks + 1, dtype=torch.int32))
 
 
 def _empty_result(q: torch.Tensor, Dv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,6 +503,44 @@ def head_chunks(T: int, H: int, Hk: int, Dqk: int, Dv: int) -> int:
     return max(1, min(H // plan(H, Hk, Dqk, Dv)["hb"], -(-n // T)))
 
 
+# Bytes of k / v rows one key-block pass gathers from (see block_rows). Measured on a 2-vCPU
+# AMD EPYC (Zen 3) VM whose 32 MiB L3 is shared with other tenants: 4-6 MiB blocks were best,
+# 2 MiB and 12 MiB worse (docs/performance.md). GLM5_TVM_SPARSE_BLOCK_BYTES overrides.
+BLOCK_BYTES = int(os.environ.get("GLM5_TVM_SPARSE_BLOCK_BYTES", 6 << 20))
+# A pass pays off only when each of its rows is gathered this many times on average ...
+MIN_REUSE = 2
+# ... and when a query has about this many of its K rows in each block: every pass reloads
+# each query's q and accumulator, which costs about as much as gathering ~12 rows.
+MIN_SEGMENT = 32
+
+
+def block_rows(idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
+    """(rows per key-block pass, number of passes) for sparse_attention over ``idx`` [T, K].
+
+    One pass over all used rows (0 … max(idx)) unless they outgrow BLOCK_BYTES, the T·K
+    gathers reuse each row at least MIN_REUSE times and the blocks keep ~MIN_SEGMENT rows per
+    query; then equal blocks of at most BLOCK_BYTES. In pass b every query consumes its rows
+    of block b, so the rows being gathered stay in the last-level cache while all queries take
+    their share; the online softmax carries each query's state across passes."""
+    T, K = idx.shape
+    S = int(idx.max()) + 1 if idx.numel() else 0
+    if S <= 0:
+        return 1, 1
+    row = k.stride(0) * k.element_size()
+    if v.data_ptr() != k.data_ptr():
+        row += v.stride(0) * v.element_size()
+    nb = min(-(-S * row // max(BLOCK_BYTES, 1)), max(1, K // MIN_SEGMENT))
+    if nb <= 1 or T * K < MIN_REUSE * S:
+        return S, 1
+    bs = -(-S // nb)
+    return bs, -(-S // bs)
+
+
+def _chunks(T: int, nc: int) -> int:
+    """Parallel chunks of the T·nc work items: one per TVM worker thread."""
+    return max(1, min(threads(), T * nc))
+
+
 def _supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any) -> bool:
     """CPU tensors of a dtype the kernels read, with non-empty head dims."""
     ts = [q, k, v] + [a for a in rest if isinstance(a, torch.Tensor)]
@@ -415,8 +560,11 @@ def make_sparse_attention(context: Callable[[], Any]) -> Callable[..., Any]:
         out = torch.empty(T, H, Dv, dtype=q.dtype)
         lse = torch.empty(T, H, dtype=torch.float32)
         nc = head_chunks(T, H, k.shape[1], q.shape[2], Dv)
-        fn(_bits(_unit_inner(q)), _bits(kk), _bits(vv), idx.to(torch.int32).contiguous(),
-           float(scale), _bits(out), lse, nc)
+        idx = idx.to(torch.int32).contiguous()
+        bs, nb = block_rows(idx, kk, vv)
+        fn(_bits(_unit_inner(q)), _bits(kk), _bits(vv), idx,
+           float(scale), _bits(out), lse, nc, _chunks(T, nc), bs, nb,
+           *_scratch(T, H, Dv, rows=idx.shape[1], blocks=nb))
         return out, lse
 
     return sparse_attention
@@ -434,7 +582,8 @@ def make_attention(context: Callable[[], Any]) -> Callable[..., Any]:
         lse = torch.empty(T, H, dtype=torch.float32)
         ranges = torch.stack((k_start, k_end), dim=1).to(torch.int32)
         nc = head_chunks(T, H, k.shape[1], q.shape[2], Dv)
-        fn(_bits(_unit_inner(q)), _bits(kk), _bits(vv), ranges, float(scale), _bits(out), lse, nc)
+        fn(_bits(_unit_inner(q)), _bits(kk), _bits(vv), ranges, float(scale), _bits(out), lse, nc,
+           _chunks(T, nc), max(1, kk.shape[0]), 1, *_scratch(T, H, Dv, rows=0, blocks=0))
         return out, lse
 
     return attention
