@@ -4,7 +4,8 @@ side in one run.
     python bench/long_context.py [--contexts 2048,8192,16384,32768] [--json out.json]
 
 The `small` preset (index_topk 256) with random weights is saved once by transformers and loaded
-by both. For each context, after a 256-token warm-up pass (imports, kernel loading), `--repeat`
+by both. For each context, after a 512-token warm-up pass (imports, kernel builds or loads:
+longer than index_topk, so the sparse path is warmed too), `--repeat`
 forward passes (batch 1; the fastest is reported for both, all are kept in the JSON — this VM's
 timings swing by ~20% between passes): wall time, peak RSS growth during the passes
 (measured in a fresh subprocess per run, so one run's memory does not hide another's), time per
@@ -55,9 +56,9 @@ else:
     from transformers import GlmMoeDsaForCausalLM
     m = GlmMoeDsaForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     run = lambda: m(ids, use_cache=False).logits
-with torch.inference_mode():  # warm-up on 256 tokens: imports, kernel loads, allocator
+with torch.inference_mode():  # warm-up on 512 tokens (> index_topk: sparse path too)
     warm = ids
-    ids = ids[:, :256]
+    ids = ids[:, :512]
     run()
     ids = warm
 runs, per_run_ops = [], []
@@ -105,6 +106,8 @@ def main() -> None:
                     help="timed passes per run (after the warm-up); the fastest is reported, "
                          "for glm5 and transformers alike")
     ap.add_argument("--json", default="")
+    ap.add_argument("--glm5-only", action="store_true",
+                    help="skip transformers (glm5's time and per-token costs only)")
     a = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from hf_oracle import random_hf_model
@@ -120,7 +123,9 @@ def main() -> None:
             # eager attention holds [H, L, L] fp32 weights and scores, plus the indexer's
             # [L, Hi, L]: skip transformers where that cannot fit.
             need = 4 * L * L * (3 * cfg.num_attention_heads + 2 * cfg.index_n_heads)
-            if need > 0.8 * mem_available():
+            if a.glm5_only:
+                h = {"error": "skipped (--glm5-only)"}
+            elif need > 0.8 * mem_available():
                 h = {"error": f"skipped: needs ~{need / 2**30:.0f} GiB"}
             else:
                 h = run_child("transformers", d, L, a.timeout, a.repeat, os.path.join(d, "hf.pt"))
