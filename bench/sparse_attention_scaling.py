@@ -52,7 +52,7 @@ def main() -> None:
         for mode, nbytes in modes.items():
             sa.BLOCK_BYTES = nbytes
             for S, (q, k, v, idx) in data.items():
-                passes[(mode, S)] = sa.block_rows(idx, k, v)[1]
+                passes[(mode, S)] = sa.block_rows(idx, q, k, v)[1]
                 fn(q, k, v, idx, 0.1)  # this mode's pass layout, warm
                 t0 = time.perf_counter()
                 fn(q, k, v, idx, 0.1)

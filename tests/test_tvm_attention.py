@@ -175,10 +175,11 @@ def test_head_chunks_when_few_queries(fns, monkeypatch, T):
 
 
 def test_block_rows_rule(monkeypatch):
-    # Golden cases for the key-block pass rule (fp32 rows of 160: 640 B).
+    # Golden cases for the key-block pass rule: small-preset absorbed MLA, fp32 rows of 160
+    # (640 B), q [T, 8, 160]: per-query state 8*160*4 + 2*8*128*4 = 13 312 B.
     monkeypatch.setattr(sa, "BLOCK_BYTES", 64_000)  # 100 rows
     monkeypatch.setattr(sa, "MIN_REUSE", 2)
-    monkeypatch.setattr(sa, "MIN_SEGMENT", 32)
+    monkeypatch.setattr(sa, "MIN_GATHER_PER_STATE", 3)
     k = torch.zeros(5000, 1, 160)
     v = k[..., :128]  # a view of k: its bytes are not counted twice
 
@@ -187,26 +188,34 @@ def test_block_rows_rule(monkeypatch):
         i[0, 0] = top  # the largest used row sets S, not k's length
         return i
 
-    # S = 1000 rows = 640 000 B: 10 blocks of 100, capped at K / 32 = 8 -> 8 blocks of 125
-    assert sa.block_rows(idx(64, 256, 999), k, v) == (125, 8)
-    # K = 64: at most 2 blocks (each query keeps ~32 of its rows per block)
-    assert sa.block_rows(idx(64, 64, 999), k, v) == (500, 2)
-    # rows fit one block: one pass over the used rows
-    assert sa.block_rows(idx(64, 256, 99), k, v) == (100, 1)
+    def q(T, dtype=torch.float32):
+        return torch.zeros(T, 8, 160, dtype=dtype)
+
+    # S = 1000 rows = 640 000 B: 10 blocks of 100, but K = 256 gathers 163 840 B per query =
+    # 4.1x three times the state -> at most 4 passes of 250 rows
+    assert sa.block_rows(idx(64, 256, 999), q(64), k, v) == (250, 4)
+    # K = 128: 81 920 B per query -> 2 passes; K = 64: one pass
+    assert sa.block_rows(idx(64, 128, 999), q(64), k, v) == (500, 2)
+    assert sa.block_rows(idx(64, 64, 999), q(64), k, v) == (1000, 1)
+    # the used rows fit one block: one pass over them
+    assert sa.block_rows(idx(64, 256, 99), q(64), k, v) == (100, 1)
     # too little reuse (T*K = 1024 < 2 * 1000 gathers): one pass
-    assert sa.block_rows(idx(4, 256, 999), k, v) == (1000, 1)
-    # a separate v adds its row bytes: 640 + 512 B per row -> 1000 rows = 1.15 MB -> 18 blocks,
-    # capped at 8
-    assert sa.block_rows(idx(64, 256, 999), k, torch.zeros(5000, 1, 128)) == (125, 8)
+    assert sa.block_rows(idx(4, 256, 999), q(4), k, v) == (1000, 1)
+    # a separate v adds its row bytes: 1152 B per row -> 18 blocks by size, 294 912 B gathered
+    # per query -> at most 7 passes: blocks of 143 rows
+    assert sa.block_rows(idx(64, 256, 999), q(64), k, torch.zeros(5000, 1, 128)) == (143, 7)
+    # bf16 q and k: 320 B rows, 10 752 B of state -> 81 920 / 32 256 -> 2 passes
+    kb = k.bfloat16()
+    assert sa.block_rows(idx(64, 256, 999), q(64, torch.bfloat16), kb, kb[..., :128]) == (500, 2)
     # no valid row at all
-    assert sa.block_rows(torch.full((3, 4), -1, dtype=torch.int32), k, v) == (1, 1)
+    assert sa.block_rows(torch.full((3, 4), -1, dtype=torch.int32), q(3), k, v) == (1, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_key_block_passes(fns, monkeypatch, dtype):
     # Force several passes on small shapes: queries whose rows span all blocks, one with all
     # rows in one block, one with none valid, −1 holes everywhere, a short last block.
-    monkeypatch.setattr(sa, "MIN_SEGMENT", 1)
+    monkeypatch.setattr(sa, "MIN_GATHER_PER_STATE", 0)
     monkeypatch.setattr(sa, "MIN_REUSE", 0)
     H, Dqk, Dv, S, K, T = 8, 40, 32, 203, 48, 9
     g = torch.Generator().manual_seed(11)
@@ -219,7 +228,7 @@ def test_key_block_passes(fns, monkeypatch, dtype):
     idx[6, : K // 2] = -1
     single = fns["sparse_attention"](q, k, v, idx, 0.2)
     monkeypatch.setattr(sa, "BLOCK_BYTES", 50 * Dqk * k.element_size())  # 50-row blocks
-    bs, nb = sa.block_rows(idx, *sa._kv(k, v))
+    bs, nb = sa.block_rows(idx, q, *sa._kv(k, v))
     assert nb == 5 and bs == 41
     vals = {"q": q, "k": k, "v": v, "idx": idx, "scale": 0.2}
     verdict = check_example(get_op("sparse_attention"), fns["sparse_attention"], vals, dtype)
@@ -236,7 +245,7 @@ def test_key_block_passes_with_head_chunks(fns, monkeypatch):
     # Decode-like: fewer queries than threads (head tiles split over work items) and several
     # passes at once.
     monkeypatch.setattr(sa, "threads", lambda: 8)
-    monkeypatch.setattr(sa, "MIN_SEGMENT", 1)
+    monkeypatch.setattr(sa, "MIN_GATHER_PER_STATE", 0)
     monkeypatch.setattr(sa, "MIN_REUSE", 0)
     monkeypatch.setattr(sa, "BLOCK_BYTES", 30 * 3 * 16 * 4)  # 30-row blocks of k
     H, Hk, Dqk, Dv, S, T = 12, 3, 16, 8, 100, 2
@@ -246,7 +255,7 @@ def test_key_block_passes_with_head_chunks(fns, monkeypatch):
     v = torch.randn(S, Hk, Dv, generator=g)
     idx = torch.randint(-1, S, (T, 40), generator=g, dtype=torch.int32)
     idx[0, 0] = S - 1
-    assert sa.block_rows(idx, k, v)[1] > 1 and sa.head_chunks(T, H, Hk, Dqk, Dv) > 1
+    assert sa.block_rows(idx, q, k, v)[1] > 1 and sa.head_chunks(T, H, Hk, Dqk, Dv) > 1
     out, lse = fns["sparse_attention"](q, k, v, idx, 0.3)
     ro, rl = sparse_attention_ref(q.double(), k.double(), v.double(), idx, 0.3)
     torch.testing.assert_close(out.double(), ro, rtol=1e-5, atol=1e-5)

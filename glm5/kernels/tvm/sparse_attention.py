@@ -509,19 +509,24 @@ def head_chunks(T: int, H: int, Hk: int, Dqk: int, Dv: int) -> int:
 BLOCK_BYTES = int(os.environ.get("GLM5_TVM_SPARSE_BLOCK_BYTES", 6 << 20))
 # A pass pays off only when each of its rows is gathered this many times on average ...
 MIN_REUSE = 2
-# ... and when a query has about this many of its K rows in each block: every pass reloads
-# each query's q and accumulator, which costs about as much as gathering ~12 rows.
-MIN_SEGMENT = 32
+# ... and when what a query gathers in one pass is this many times the query state the pass
+# reloads (its q, and its fp32 accumulator read and written). Measured in cache (S = 8K forced
+# into 1/2/4/8 passes, small preset dims: 164 KB gathered per query, 13 KB of state): 31 / 34 /
+# 38 / 47 µs per query, so passes are kept to ≥ ~3x the state.
+MIN_GATHER_PER_STATE = 3
 
 
-def block_rows(idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
-    """(rows per key-block pass, number of passes) for sparse_attention over ``idx`` [T, K].
+def block_rows(idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[int, int]:
+    """(rows per key-block pass, number of passes) for sparse_attention of q [T, H, Dqk] over
+    ``idx`` [T, K] into k [S, Hk, Dqk] / v [S, Hk, Dv].
 
     One pass over all used rows (0 … max(idx)) unless they outgrow BLOCK_BYTES, the T·K
-    gathers reuse each row at least MIN_REUSE times and the blocks keep ~MIN_SEGMENT rows per
-    query; then equal blocks of at most BLOCK_BYTES. In pass b every query consumes its rows
-    of block b, so the rows being gathered stay in the last-level cache while all queries take
-    their share; the online softmax carries each query's state across passes."""
+    gathers reuse each row at least MIN_REUSE times, and each pass still gathers
+    MIN_GATHER_PER_STATE times the per-query state it reloads; then equal blocks of at most
+    BLOCK_BYTES. In pass b every query consumes its rows of block b, so the rows being
+    gathered stay in the last-level cache while all queries take their share; the online
+    softmax carries each query's state across passes."""
     T, K = idx.shape
     S = int(idx.max()) + 1 if idx.numel() else 0
     if S <= 0:
@@ -529,7 +534,10 @@ def block_rows(idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int
     row = k.stride(0) * k.element_size()
     if v.data_ptr() != k.data_ptr():
         row += v.stride(0) * v.element_size()
-    nb = min(-(-S * row // max(BLOCK_BYTES, 1)), max(1, K // MIN_SEGMENT))
+    H, Dqk, Dv = q.shape[1], q.shape[2], v.shape[2]
+    state = H * Dqk * q.element_size() + 2 * H * Dv * 4
+    nb = min(-(-S * row // max(BLOCK_BYTES, 1)),
+             max(1, K * row // max(1, MIN_GATHER_PER_STATE * state)))
     if nb <= 1 or T * K < MIN_REUSE * S:
         return S, 1
     bs = -(-S // nb)
@@ -561,7 +569,7 @@ def make_sparse_attention(context: Callable[[], Any]) -> Callable[..., Any]:
         lse = torch.empty(T, H, dtype=torch.float32)
         nc = head_chunks(T, H, k.shape[1], q.shape[2], Dv)
         idx = idx.to(torch.int32).contiguous()
-        bs, nb = block_rows(idx, kk, vv)
+        bs, nb = block_rows(idx, q, kk, vv)
         fn(_bits(_unit_inner(q)), _bits(kk), _bits(vv), idx,
            float(scale), _bits(out), lse, nc, _chunks(T, nc), bs, nb,
            *_scratch(T, H, Dv, rows=idx.shape[1], blocks=nb))
