@@ -156,13 +156,14 @@ def build(mode: str, H: int, Hk: int, Dqk: int, Dv: int, dtype: str, name: str,
 
     # Software prefetch of gathered k rows one step (KB keys of work) ahead: random rows defeat
     # the hardware prefetcher, and a step ahead hides a DRAM miss without thrashing L1. Every
-    # cache line of the row (+1: a row need not start on a line).
+    # cache line of the row (+1: a row need not start on a line). ``prefetch=False`` in
+    # ``over`` builds without it (for measurements).
     ESZ = 4 if dtype == "float32" else 2
     PF_STEP = 64 // ESZ
     PF_LINES = (Dqk * ESZ + 63) // 64 + 1 if SPARSE and over.get("prefetch", True) else 0
     QLINES = (Dqk * ESZ + 63) // 64 + 1
     ALINES = (Dv * 4 + 63) // 64 + 1
-    WIDEN_Q = dtype != "float32"  # widen q once per query into an fp32 scratch row block
+    WIDEN_Q = dtype != "float32"  # widen q once per work item into an fp32 scratch block
 
     def q_at(Q, Qf, t, h, d):
         return Qf[h, d] if WIDEN_Q else Q[t, h, d]
@@ -181,8 +182,8 @@ def build(mode: str, H: int, Hk: int, Dqk: int, Dv: int, dtype: str, name: str,
                o_h: T.handle, lse_h: T.handle, nc: T.int32, nth: T.int32, bs: T.int32,
                nb: T.int32,
                st_h: T.handle, acc_h: T.handle, rows_h: T.handle, offs_h: T.handle):
-        # noalias: k and v may be the same memory (absorbed MLA) but are only read; out / lse,
-        # the only buffers written, are fresh.
+        # noalias: k and v may be the same memory (absorbed MLA) but are only read; the buffers
+        # written (out, lse and the scratch) are fresh.
         T.func_attr({"tirx.noalias": True})
         Tn = T.int64()
         S = T.int64()
@@ -228,7 +229,7 @@ def build(mode: str, H: int, Hk: int, Dqk: int, Dv: int, dtype: str, name: str,
                         ROWS[tp, cur[ARG[tp, j] // bs]] = ARG[tp, j]
                         cur[ARG[tp, j] // bs] = cur[ARG[tp, j] // bs] + 1
         # Key-block passes (nb = 1 unless the keys outgrow the cache, see block_rows): in pass
-        # b every query consumes its rows of block b, so both threads gather from one
+        # b every query consumes its rows of block b, so all threads gather from one
         # cache-sized slice of k / v at a time.
         for b in range(nb):
             # one work chunk per thread (TVM would split the parallel loop the same way):
