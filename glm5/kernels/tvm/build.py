@@ -31,13 +31,20 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "glm5" / "tvm"
 
 
+# The TIR helpers every kernel of this package is generated with: part of each kernel's source.
+_SHARED_SOURCE = Path(__file__).with_name("tirlib.py")
+
+
 def _source_hash(fn: Callable[..., Any]) -> str:
-    """Hash of the file defining the kernel builder: an edited kernel is rebuilt, not reused."""
+    """Hash of the file defining the kernel builder and of the shared TIR helpers: an edited
+    kernel is rebuilt, not reused."""
     mod = inspect.getmodule(fn)
     path = getattr(mod, "__file__", None)
     if not path:
         return ""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    h = hashlib.sha256(Path(path).read_bytes())
+    h.update(_SHARED_SOURCE.read_bytes())
+    return h.hexdigest()[:16]
 
 
 @dataclass

@@ -33,7 +33,8 @@ from typing import Any, Callable
 
 import torch
 
-from glm5.kernels.tvm.norm import VL, bits, build_silu_mul, cached, narrow, storage
+from glm5.kernels.tvm.norm import VL, build_silu_mul
+from glm5.kernels.tvm.tirlib import bits, cached, narrow, storage
 
 REV = 1
 DTYPES = (torch.float32, torch.bfloat16)

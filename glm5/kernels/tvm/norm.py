@@ -15,8 +15,8 @@ Loop-level TensorIR, one work item per row (``T.parallel``), fp32 math in regist
 
 Every length (rows, D, R, I) is symbolic: one build per (op, dtype[, interleaved]) serves any
 shape. bf16 is bound as its uint16 bits (a free view) and widened with a shift; the output is
-rounded to nearest even in-kernel (``widen`` / ``narrow``, shared by the other cpu kernels of
-this package). Vectors are ``VL = 16`` fp32 lanes: one AVX-512 register, or two AVX2 registers
+rounded to nearest even in-kernel (``widen`` / ``narrow`` from ``tirlib``, shared by the other
+cpu kernels of this package). Vectors are ``VL = 16`` fp32 lanes: one AVX-512 register, or two AVX2 registers
 on the llvm target TVM detects on an AVX2-only host (the development VM: AMD EPYC, znver3).
 """
 
@@ -26,54 +26,12 @@ from typing import Any, Callable
 
 import torch
 
-REV = 2  # bump when the generated code changes (part of the build-cache key)
+from glm5.kernels.tvm.tirlib import bits, cached, fexp, narrow, storage, widen
+
+REV = 3  # bump when the generated code changes (part of the build-cache key)
 VL = 16  # fp32 lanes per vector (one AVX-512 / two AVX2 registers)
 DTYPES = (torch.float32, torch.bfloat16)
 _TVM = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-
-
-# --------------------------------------------------------------------------- shared TIR helpers
-def storage(dtype: str) -> str:
-    """The dtype a buffer of ``dtype`` is bound as (bf16 as its uint16 bits)."""
-    return "uint16" if dtype == "bfloat16" else dtype
-
-
-def widen(T: Any, x: Any, dtype: str) -> Any:
-    """A stored element as fp32 (bf16: its 16 bits are the high half of an fp32)."""
-    if dtype == "bfloat16":
-        return T.reinterpret("float32", T.shift_left(T.Cast("uint32", x), T.uint32(16)))
-    return x if dtype == "float32" else T.Cast("float32", x)
-
-
-def narrow(T: Any, x: Any, dtype: str) -> Any:
-    """fp32 to the stored dtype; bf16 rounds to nearest even (NaN stays NaN)."""
-    if dtype == "bfloat16":
-        bits = T.reinterpret("uint32", x)
-        rne = T.shift_right(
-            bits + T.uint32(0x7FFF) + (T.shift_right(bits, T.uint32(16)) & T.uint32(1)),
-            T.uint32(16))
-        return T.Cast("uint16", T.Select(x != x, T.uint32(0x7FC0), rne))
-    return x if dtype == "float32" else T.Cast(dtype, x)
-
-
-def fexp(T: Any, x: Any) -> Any:
-    """Vectorisable expf (Cephes polynomial, ~2 ulp); exp(-inf) = 0, large x saturate."""
-    xc = T.max(T.min(x, T.float32(88.3762626647949)), T.float32(-87.33654475))
-    fx = T.floor(xc * T.float32(1.4426950408889634) + T.float32(0.5))
-    r = xc - fx * T.float32(0.693359375) - fx * T.float32(-2.12194440e-4)
-    y = (((((T.float32(1.9875691500e-4) * r + T.float32(1.3981999507e-3)) * r
-            + T.float32(8.3334519073e-3)) * r + T.float32(4.1665795894e-2)) * r
-          + T.float32(1.6666665459e-1)) * r + T.float32(5.0000001201e-1)) * (r * r) \
-        + r + T.float32(1.0)
-    e = T.reinterpret("float32", T.shift_left(T.Cast("int32", fx) + 127, 23))
-    inf = T.float32(float("inf"))
-    return T.Select(x > T.float32(88.3762626647949), inf,
-                    T.Select(x < T.float32(-87.33654475), T.float32(0.0), y * e))
-
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    """bf16 tensors go to a kernel as a uint16 view of the same memory (no copy)."""
-    return x.view(torch.uint16) if x.dtype == torch.bfloat16 else x
 
 
 # --------------------------------------------------------------------------- builders
@@ -140,7 +98,9 @@ def build_rope(dt: str, interleaved: bool) -> Any:
             for p in T.parallel(Tn * H):
                 t = p // H
                 h = p % H
-                if p > 0 and p < Tn * H - 1:
+                # rows whose shifted vectors stay inside the tensor: whole vectors first
+                inner = p > 0 and p < Tn * H - 1
+                if inner:
                     for c in range(R // VL):
                         for ll in T.vectorized(VL):
                             Y[t, h, c * VL + ll] = narrow(
@@ -148,21 +108,14 @@ def build_rope(dt: str, interleaved: bool) -> Any:
                                 + T.Select(ll % 2 == 0, widen(T, X[t, h, c * VL + ll + 1], dt),
                                            widen(T, X[t, h, c * VL + ll - 1], dt))
                                 * S[t, c * VL + ll], dt)
-                    for i in range(R // VL * (VL // 2), R // 2):
-                        Y[t, h, 2 * i] = narrow(T, widen(T, X[t, h, 2 * i], dt) * C[t, 2 * i]
-                                                + widen(T, X[t, h, 2 * i + 1], dt)
-                                                * S[t, 2 * i], dt)
-                        Y[t, h, 2 * i + 1] = narrow(
-                            T, widen(T, X[t, h, 2 * i + 1], dt) * C[t, 2 * i + 1]
-                            + widen(T, X[t, h, 2 * i], dt) * S[t, 2 * i + 1], dt)
-                else:
-                    for i in range(R // 2):
-                        Y[t, h, 2 * i] = narrow(T, widen(T, X[t, h, 2 * i], dt) * C[t, 2 * i]
-                                                + widen(T, X[t, h, 2 * i + 1], dt)
-                                                * S[t, 2 * i], dt)
-                        Y[t, h, 2 * i + 1] = narrow(
-                            T, widen(T, X[t, h, 2 * i + 1], dt) * C[t, 2 * i + 1]
-                            + widen(T, X[t, h, 2 * i], dt) * S[t, 2 * i + 1], dt)
+                # the pairs left (all of them on the first and last row), one at a time
+                for i in range(T.Select(inner, R // VL * (VL // 2), 0), R // 2):
+                    Y[t, h, 2 * i] = narrow(T, widen(T, X[t, h, 2 * i], dt) * C[t, 2 * i]
+                                            + widen(T, X[t, h, 2 * i + 1], dt)
+                                            * S[t, 2 * i], dt)
+                    Y[t, h, 2 * i + 1] = narrow(
+                        T, widen(T, X[t, h, 2 * i + 1], dt) * C[t, 2 * i + 1]
+                        + widen(T, X[t, h, 2 * i], dt) * S[t, 2 * i + 1], dt)
     else:
         @T.prim_func
         def rope(x_h: T.handle, c_h: T.handle, s_h: T.handle, y_h: T.handle):
@@ -219,16 +172,6 @@ def build_silu_mul(dt: str) -> Any:
                                  * widen(T, X[n, I + i], dt), dt)
 
     return silu_mul
-
-
-def cached(ctx: Any, key: tuple, get: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
-    """``get()`` once per (context, key), memoised on the context: `TVMContext.kernel` hashes
-    the kernel's source file on every lookup, which costs more than a small kernel call."""
-    fns = ctx.__dict__.setdefault("_glm5_fns", {})
-    fn = fns.get(key)
-    if fn is None:
-        fn = fns[key] = get()
-    return fn
 
 
 def _fn(context: Callable[[], Any], op: str, dtype: torch.dtype, build: Callable[[], Any],

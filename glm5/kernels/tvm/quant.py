@@ -46,7 +46,7 @@ from glm5.ir.quant_formats import (
     quantize_per_token_ref,
     unpack,
 )
-from glm5.kernels.tvm.norm import cached
+from glm5.kernels.tvm.tirlib import cached
 
 REV = 2
 VL = 16  # lanes (AVX-512: 16 fp32 / int32)

@@ -64,16 +64,16 @@ from typing import Any, Callable
 
 import torch
 
+from glm5.kernels.tvm.tirlib import bits, fexp, narrow, storage, widen
+
 # Bump when the generated code changes: it is part of the build-cache key.
-REV = 5
+REV = 6
 
 _TVM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # The dtypes the backend claims. The generator also handles float16 (it passes the parity kit
 # too), but fp16 is left to other backends: it would add a third set of builds per variant to
 # the compile budget for a dtype CPUs have no arithmetic for.
 DTYPES = (torch.float32, torch.bfloat16)
-
-LOG2E = 1.4426950408889634
 
 
 def _lanes(d: int) -> int:
@@ -120,39 +120,16 @@ def build(mode: str, H: int, Hk: int, Dqk: int, Dv: int, dtype: str, name: str,
     REM = (Dv // VLV) % DVB  # vectors in the last, narrower PV tile
     NEG_INF = float("-inf")
     SPARSE = mode == "sparse"
-    BF16 = dtype == "bfloat16"
-    sdt = "uint16" if BF16 else dtype  # bf16 is bound as its uint16 bits (see f32 / to_out)
+    sdt = storage(dtype)  # bf16 is bound as its uint16 bits (see f32 / to_out)
 
     def i64(x: int) -> Any:
         return tirx.IntImm("int64", x)
 
     def f32(x):
-        """Widen a stored element to fp32 (bf16: its 16 bits are the high half of an fp32)."""
-        if BF16:
-            return T.reinterpret("float32", T.shift_left(T.Cast("uint32", x), T.uint32(16)))
-        return x if dtype == "float32" else T.Cast("float32", x)
+        return widen(T, x, dtype)
 
     def to_out(x):
-        """Narrow fp32 to the stored dtype; bf16 rounds to nearest even (NaN stays NaN)."""
-        if BF16:
-            bits = T.reinterpret("uint32", x)
-            rne = T.shift_right(
-                bits + T.uint32(0x7FFF) + (T.shift_right(bits, T.uint32(16)) & T.uint32(1)),
-                T.uint32(16))
-            return T.Cast("uint16", T.Select(x != x, T.uint32(0x7FC0), rne))
-        return x if dtype == "float32" else T.Cast(dtype, x)
-
-    def fexp(x):
-        """Vectorisable expf (Cephes polynomial, ~2 ulp); exp(-inf) = 0 exactly."""
-        xc = T.max(T.min(x, T.float32(88.3762626647949)), T.float32(-87.33654475))
-        fx = T.floor(xc * T.float32(LOG2E) + T.float32(0.5))
-        r = xc - fx * T.float32(0.693359375) - fx * T.float32(-2.12194440e-4)
-        y = (((((T.float32(1.9875691500e-4) * r + T.float32(1.3981999507e-3)) * r
-                + T.float32(8.3334519073e-3)) * r + T.float32(4.1665795894e-2)) * r
-              + T.float32(1.6666665459e-1)) * r + T.float32(5.0000001201e-1)) * (r * r) \
-            + r + T.float32(1.0)
-        e = T.reinterpret("float32", T.shift_left(T.Cast("int32", fx) + 127, 23))
-        return T.Select(x == T.float32(NEG_INF), T.float32(0.0), y * e)
+        return narrow(T, x, dtype)
 
     # Software prefetch of gathered k rows one step (KB keys of work) ahead: random rows defeat
     # the hardware prefetcher, and a step ahead hides a DRAM miss without thrashing L1. Every
@@ -357,9 +334,9 @@ def build(mode: str, H: int, Hk: int, Dqk: int, Dv: int, dtype: str, name: str,
                                     mv[ll] = T.float32(0.0)
                                 for jo in range(T.ceildiv(nsub, 8)):
                                     for ll in T.vectorized(8):
-                                        P[h, jo * 8 + ll] = fexp(P[h, jo * 8 + ll] - mx[0])
+                                        P[h, jo * 8 + ll] = fexp(T, P[h, jo * 8 + ll] - mx[0])
                                         mv[ll] = mv[ll] + P[h, jo * 8 + ll]
-                                alpha[h] = fexp(ST[t, 0, h] - mx[0])
+                                alpha[h] = fexp(T, ST[t, 0, h] - mx[0])
                                 ss = T.alloc_buffer((1,), "float32", scope="local")
                                 ss[0] = T.float32(0.0)
                                 for ll in T.unroll(8):
@@ -437,11 +414,6 @@ def _unit_inner(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself when its last dim is unit-stride (any outer strides are bound symbolically),
     else a contiguous copy."""
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """bf16 tensors go to the kernel as a uint16 view of the same memory (no copy)."""
-    return x.view(torch.uint16) if x.dtype == torch.bfloat16 else x
 
 
 def _kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -571,8 +543,8 @@ def make_sparse_attention(context: Callable[[], Any]) -> Callable[..., Any]:
         nc = head_chunks(T, H, k.shape[1], q.shape[2], Dv)
         idx = idx.to(torch.int32).contiguous()
         bs, nb = block_rows(idx, q, kk, vv)
-        fn(_bits(_unit_inner(q)), _bits(kk), _bits(vv), idx,
-           float(scale), _bits(out), lse, nc, _chunks(T, nc), bs, nb,
+        fn(bits(_unit_inner(q)), bits(kk), bits(vv), idx,
+           float(scale), bits(out), lse, nc, _chunks(T, nc), bs, nb,
            *_scratch(T, H, Dv, rows=idx.shape[1], blocks=nb))
         return out, lse
 
@@ -591,7 +563,7 @@ def make_attention(context: Callable[[], Any]) -> Callable[..., Any]:
         lse = torch.empty(T, H, dtype=torch.float32)
         ranges = torch.stack((k_start, k_end), dim=1).to(torch.int32)
         nc = head_chunks(T, H, k.shape[1], q.shape[2], Dv)
-        fn(_bits(_unit_inner(q)), _bits(kk), _bits(vv), ranges, float(scale), _bits(out), lse, nc,
+        fn(bits(_unit_inner(q)), bits(kk), bits(vv), ranges, float(scale), bits(out), lse, nc,
            _chunks(T, nc), max(1, kk.shape[0]), 1, *_scratch(T, H, Dv, rows=0, blocks=0))
         return out, lse
 

@@ -1,0 +1,62 @@
+"""Helpers shared by the TVM (llvm, host CPU) kernels of this package: how a dtype is bound
+(bf16 as its uint16 bits), widening to / rounding from fp32 in TIR, a vectorisable exp, and the
+per-context memo of compiled kernels."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def storage(dtype: str) -> str:
+    """The dtype a buffer of ``dtype`` is bound as (bf16 as its uint16 bits)."""
+    return "uint16" if dtype == "bfloat16" else dtype
+
+
+def widen(T: Any, x: Any, dtype: str) -> Any:
+    """A stored element as fp32 (bf16: its 16 bits are the high half of an fp32)."""
+    if dtype == "bfloat16":
+        return T.reinterpret("float32", T.shift_left(T.Cast("uint32", x), T.uint32(16)))
+    return x if dtype == "float32" else T.Cast("float32", x)
+
+
+def narrow(T: Any, x: Any, dtype: str) -> Any:
+    """fp32 to the stored dtype; bf16 rounds to nearest even (NaN stays NaN)."""
+    if dtype == "bfloat16":
+        bits = T.reinterpret("uint32", x)
+        rne = T.shift_right(
+            bits + T.uint32(0x7FFF) + (T.shift_right(bits, T.uint32(16)) & T.uint32(1)),
+            T.uint32(16))
+        return T.Cast("uint16", T.Select(x != x, T.uint32(0x7FC0), rne))
+    return x if dtype == "float32" else T.Cast(dtype, x)
+
+
+def fexp(T: Any, x: Any) -> Any:
+    """Vectorisable expf (Cephes polynomial, ~2 ulp); exp(-inf) = 0, large x saturate."""
+    xc = T.max(T.min(x, T.float32(88.3762626647949)), T.float32(-87.33654475))
+    fx = T.floor(xc * T.float32(1.4426950408889634) + T.float32(0.5))
+    r = xc - fx * T.float32(0.693359375) - fx * T.float32(-2.12194440e-4)
+    y = (((((T.float32(1.9875691500e-4) * r + T.float32(1.3981999507e-3)) * r
+            + T.float32(8.3334519073e-3)) * r + T.float32(4.1665795894e-2)) * r
+          + T.float32(1.6666665459e-1)) * r + T.float32(5.0000001201e-1)) * (r * r) \
+        + r + T.float32(1.0)
+    e = T.reinterpret("float32", T.shift_left(T.Cast("int32", fx) + 127, 23))
+    inf = T.float32(float("inf"))
+    return T.Select(x > T.float32(88.3762626647949), inf,
+                    T.Select(x < T.float32(-87.33654475), T.float32(0.0), y * e))
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """bf16 tensors go to a kernel as a uint16 view of the same memory (no copy)."""
+    return x.view(torch.uint16) if x.dtype == torch.bfloat16 else x
+
+
+def cached(ctx: Any, key: tuple, get: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+    """``get()`` once per (context, key), memoised on the context: `TVMContext.kernel` hashes
+    the kernel's source file on every lookup, which costs more than a small kernel call."""
+    fns = ctx.__dict__.setdefault("_glm5_fns", {})
+    fn = fns.get(key)
+    if fn is None:
+        fn = fns[key] = get()
+    return fn
