@@ -152,8 +152,31 @@ def build(mode: str, H: int, Hk: int, Dqk: int, Dv: int, dtype: str, name: str,
     def ceil8(x):
         return (x + 7) // 8 * 8
 
-    # One PrimFunc per mode, no T.macro (macro expansion costs TVMScript a stack walk per use).
-    # ARG is idx [T, K] (sparse) or the ranges [T, 2] = (k_start, k_end) (dense).
+    @T.macro
+    def pv_tile(ACC, P, V, ROWS, alpha, t, lo, hi, start, sb, nsub, v0, W):
+        """acc[h, v0:v0+W vectors] = alpha acc + P . v[rows] for the step's nsub keys, in
+        register tiles of HB heads x W vectors."""
+        for gt in range(lo, hi):
+            r = T.alloc_buffer((HB, W, VLV), "float32", scope="local")
+            for hh in T.unroll(HB):
+                for dd in T.unroll(W):
+                    for ll in T.vectorized(VLV):
+                        r[hh, dd, ll] = ACC[t, gt * HB + hh, (v0 + dd) * VLV + ll] * alpha[
+                            gt * HB + hh]
+            for j in range(nsub):
+                for hh in T.unroll(HB):
+                    for dd in T.unroll(W):
+                        for ll in T.vectorized(VLV):
+                            r[hh, dd, ll] = r[hh, dd, ll] + P[gt * HB + hh, j] * f32(V[
+                                row_at(ROWS, t, start + sb * KB + j), (gt * HB) // g,
+                                (v0 + dd) * VLV + ll])
+            for hh in T.unroll(HB):
+                for dd in T.unroll(W):
+                    for ll in T.vectorized(VLV):
+                        ACC[t, gt * HB + hh, (v0 + dd) * VLV + ll] = r[hh, dd, ll]
+
+    # One PrimFunc per mode; the PV tile is a T.macro, used twice (full tiles, the narrower last
+    # one). ARG is idx [T, K] (sparse) or the ranges [T, 2] = (k_start, k_end) (dense).
     @T.prim_func
     def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, a_h: T.handle, scale: T.float32,
                o_h: T.handle, lse_h: T.handle, nc: T.int32, nth: T.int32, bs: T.int32,
@@ -347,51 +370,11 @@ def build(mode: str, H: int, Hk: int, Dqk: int, Dv: int, dtype: str, name: str,
                             # vectors (the rescale rides on the tile load), then one narrower tile
                             # of REM vectors
                             for dt in range(NVT):
-                                for gt in range(lo, hi):
-                                    r = T.alloc_buffer((HB, DVB, VLV), "float32", scope="local")
-                                    for hh in T.unroll(HB):
-                                        for dd in T.unroll(DVB):
-                                            for ll in T.vectorized(VLV):
-                                                r[hh, dd, ll] = ACC[
-                                                    t, gt * HB + hh, (dt * DVB + dd) * VLV + ll
-                                                ] * alpha[gt * HB + hh]
-                                    for j in range(nsub):
-                                        for hh in T.unroll(HB):
-                                            for dd in T.unroll(DVB):
-                                                for ll in T.vectorized(VLV):
-                                                    r[hh, dd, ll] = r[hh, dd, ll] + P[
-                                                        gt * HB + hh, j] * f32(V[
-                                                            row_at(ROWS, t, start + sb * KB + j),
-                                                            (gt * HB) // g,
-                                                            (dt * DVB + dd) * VLV + ll])
-                                    for hh in T.unroll(HB):
-                                        for dd in T.unroll(DVB):
-                                            for ll in T.vectorized(VLV):
-                                                ACC[t, gt * HB + hh,
-                                                    (dt * DVB + dd) * VLV + ll] = r[hh, dd, ll]
+                                pv_tile(ACC, P, V, ROWS, alpha, t, lo, hi, start, sb, nsub,
+                                        dt * DVB, DVB)
                             if REM > 0:
-                                for gt in range(lo, hi):
-                                    r = T.alloc_buffer((HB, REM, VLV), "float32", scope="local")
-                                    for hh in T.unroll(HB):
-                                        for dd in T.unroll(REM):
-                                            for ll in T.vectorized(VLV):
-                                                r[hh, dd, ll] = ACC[
-                                                    t, gt * HB + hh, (NVT * DVB + dd) * VLV + ll
-                                                ] * alpha[gt * HB + hh]
-                                    for j in range(nsub):
-                                        for hh in T.unroll(HB):
-                                            for dd in T.unroll(REM):
-                                                for ll in T.vectorized(VLV):
-                                                    r[hh, dd, ll] = r[hh, dd, ll] + P[
-                                                        gt * HB + hh, j] * f32(V[
-                                                            row_at(ROWS, t, start + sb * KB + j),
-                                                            (gt * HB) // g,
-                                                            (NVT * DVB + dd) * VLV + ll])
-                                    for hh in T.unroll(HB):
-                                        for dd in T.unroll(REM):
-                                            for ll in T.vectorized(VLV):
-                                                ACC[t, gt * HB + hh,
-                                                    (NVT * DVB + dd) * VLV + ll] = r[hh, dd, ll]
+                                pv_tile(ACC, P, V, ROWS, alpha, t, lo, hi, start, sb, nsub,
+                                        NVT * DVB, REM)
                     # ---- after the last pass: out = acc / l, lse = m + log l; no valid key: 0, -inf
                     if b == nb - 1:
                         total = (OFFS[t, nb] - OFFS[t, 0]) if SPARSE else n
