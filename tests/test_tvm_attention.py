@@ -266,16 +266,13 @@ def test_model_forward_with_key_block_passes(monkeypatch):
     # The model's sparse prefill on the cpu backend with the passes forced on (tiny shapes never
     # reach BLOCK_BYTES): the passes really run, and the logits equal the one-pass logits and
     # the reference backend's to fp32 rounding.
+    from hf_oracle import randomize
+
     from glm5.core.config import preset
     from glm5.core.model import GLM5ForCausalLM
 
     cfg = preset("tiny").replace(index_topk=16)
-    torch.manual_seed(0)
-    m = GLM5ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.1) if p.dim() > 1 else p.fill_(1.0)
-    m.eval()
+    m = randomize(GLM5ForCausalLM(cfg), seed=0).eval()
     ids = torch.randint(0, cfg.vocab_size, (2, 96), generator=torch.Generator().manual_seed(1))
     passes = []
     real = sa.block_rows
