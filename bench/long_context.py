@@ -47,8 +47,8 @@ if which == "glm5":
     from glm5.backends import selection
     m = glm5.load_model(path).eval()
     orig = selection.call
-    def timed(op, values):
-        t = time.perf_counter(); r = orig(op, values)
+    def timed(op, values, ops):
+        t = time.perf_counter(); r = orig(op, values, ops)
         op_time[op.name] = op_time.get(op.name, 0.0) + time.perf_counter() - t
         return r
     selection.call = timed

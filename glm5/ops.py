@@ -13,6 +13,7 @@ expected), then
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import torch
@@ -22,7 +23,9 @@ from glm5.ir import library
 from glm5.ir.catalog import OPS
 from glm5.ir.opdef import OpDef, has_data
 
-_torch_ops = library.bind_all(selection.call)
+# This module is the namespace composite ops decompose over (``OpDef.decompose(ops, ...)``).
+_NS = sys.modules[__name__]
+_torch_ops = library.bind_all(lambda op, values: selection.call(op, values, _NS))
 
 
 def _tracing(values: dict[str, Any], op: OpDef) -> bool:
@@ -51,9 +54,9 @@ def _make(op: OpDef) -> Callable[..., Any]:
             return torch_op(*(values[n] for n in names))
         if _needs_grad(values, op):
             if op.mutates:
-                return op.decompose(*(values[n] for n in names))
+                return op.decompose(_NS, *(values[n] for n in names))
             return torch_op(*(values[n] for n in names))
-        return selection.call(op, values)
+        return selection.call(op, values, _NS)
 
     fn.__name__ = fn.__qualname__ = op.name
     sig = ", ".join(p.name for p in op.params)

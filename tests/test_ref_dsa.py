@@ -155,7 +155,7 @@ def test_indexer_topk_is_the_composition(seed, integer, topk):
     got_ref = op.reference(q, k, w, ks, ke, topk)
     assert got_ref.dtype == I32 and got_ref.shape == (q.shape[0], topk)
     assert torch.equal(got_ref, want)
-    assert torch.equal(op.decompose(q, k, w, ks, ke, topk), want)
+    assert torch.equal(op.decompose(ops, q, k, w, ks, ke, topk), want)
     assert torch.equal(ops.indexer_topk(q, k, w, ks, ke, topk), want)
     # every selected index lies inside [k_start, k_end); the number selected is
     # min(topk, k_end - k_start) (relu scores are finite)

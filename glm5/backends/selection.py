@@ -191,8 +191,9 @@ def _fallback(plan: Plan, tried: list[str]) -> KernelEntry:
     return plan.reference
 
 
-def call(op: OpDef, values: dict[str, Any]) -> Any:
-    """Run ``op`` on validated arguments through the selected kernel."""
+def call(op: OpDef, values: dict[str, Any], ops: Any) -> Any:
+    """Run ``op`` on validated arguments through the selected kernel; a composite op no kernel
+    accepts runs its decomposition over ``ops`` (the ``glm5.ops`` namespace)."""
     args = tuple(values[n] for n in op.param_names)
     plan = resolve(op, op.device(values).type, op.dispatch_dtype(values))
     tried: list[str] = []
@@ -201,7 +202,7 @@ def call(op: OpDef, values: dict[str, Any]) -> Any:
             return entry.fn(*args)
         tried.append(entry.backend.name)
     if op.is_composite:
-        return op.decompose(*args)
+        return op.decompose(ops, *args)
     return _fallback(plan, tried).fn(*args)
 
 

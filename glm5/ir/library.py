@@ -100,3 +100,11 @@ def bind_all(call: Callable[[OpDef, dict[str, Any]], Any]) -> dict[str, Any]:
             cop.register_autograd(bwd, setup_context=setup)
         _bound[op.name] = cop
     return _bound
+
+
+def require_bound(where: str) -> None:
+    """Raise unless `torch.ops.glm5.*` are bound (glm5.ops binds them with the backend
+    dispatcher, a layer the IR does not import)."""
+    if len(_bound) < len(OPS):
+        raise RuntimeError(f"{where}: torch.ops.glm5.* are not bound yet; import glm5.ops "
+                           f"first (it binds every op with the backend dispatcher)")

@@ -56,6 +56,8 @@ import torch
 from onnxscript import BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, INT32, INT64
 from onnxscript import opset18 as op
 
+from glm5.ir import library
+
 DOMAIN = "glm5"
 VERSION = 1
 GLM5 = onnxscript.values.Opset(DOMAIN, VERSION)
@@ -470,7 +472,7 @@ def functional_mla_prolog() -> Any:
     global _functional_op
     if _functional_op is not None:
         return _functional_op
-    import glm5.ops  # noqa: F401  (binds torch.ops.glm5.*)
+    library.require_bound("glm5.ir.onnx_export")
 
     def mla_prolog_functional(x, w_qa, g_qa, w_qb, w_kva, g_kva, w_uk, cos, sin, eps, kv_cache,
                               slots, absorb):
@@ -560,7 +562,7 @@ def translation_table(keep_functions: bool = False) -> dict[Any, Callable[..., A
     `glm5::<op>` node whose function body is *not* yet in the model: call
     `attach_functions(onnx_program.model)` after export (as `export` does).
     """
-    import glm5.ops  # noqa: F401  (binds torch.ops.glm5.*)
+    library.require_bound("glm5.ir.onnx_export")
 
     t = _translations(keep_functions)
     table: dict[Any, Callable[..., Any]] = {

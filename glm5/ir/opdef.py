@@ -37,8 +37,9 @@ class OpDef:
     ``reference(**args)`` is plain torch, dtype-generic, and runs in float64. ``cost(args, syms)``
     returns ``(flops, bytes)``. ``check(args, syms)`` adds op-specific validation beyond the
     signature (value ranges, cross-argument rules). ``reduce_len(args, syms)`` is the length of
-    the longest floating reduction, used to scale absolute tolerances. ``decompose(**args)``,
-    for a composite op, computes the op from other ``glm5.ops`` calls.
+    the longest floating reduction. ``decompose(ops, *args)``, for a composite op, computes
+    the op from other ops called through ``ops`` (the namespace of op entry points, i.e.
+    ``glm5.ops``, handed in by the caller so that the IR imports no layer above it).
     """
 
     name: str

@@ -123,9 +123,7 @@ def indexer_topk_ref(q, k, w, k_start, k_end, topk):
     return topk_indices_ref(lightning_indexer_ref(q, k, w, k_start, k_end), topk)
 
 
-def indexer_topk_decompose(q, k, w, k_start, k_end, topk):
-    from glm5 import ops
-
+def indexer_topk_decompose(ops, q, k, w, k_start, k_end, topk):
     return ops.topk_indices(ops.lightning_indexer(q, k, w, k_start, k_end), topk)
 
 

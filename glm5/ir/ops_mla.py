@@ -37,10 +37,8 @@ def mla_prolog_ref(x, w_qa, g_qa, w_qb, w_kva, g_kva, w_uk, cos, sin, eps, kv_ca
     return q_main.to(dt).contiguous(), q_pe.to(dt).contiguous(), c_q.to(dt)
 
 
-def mla_prolog_decompose(x, w_qa, g_qa, w_qb, w_kva, g_kva, w_uk, cos, sin, eps, kv_cache, slots,
-                         absorb):
-    from glm5 import ops
-
+def mla_prolog_decompose(ops, x, w_qa, g_qa, w_qb, w_kva, g_kva, w_uk, cos, sin, eps, kv_cache,
+                         slots, absorb):
     H, Dn, Rkv = w_uk.shape
     c_q = ops.rms_norm(F.linear(x, w_qa), g_qa, eps)
     q_nope, q_pe = _split_q(F.linear(c_q, w_qb), H, Dn)

@@ -138,10 +138,8 @@ def moe_experts_quant_ref(x, ids, weights, w13_packed, w13_scale, w2_packed, w2_
     return y.to(x.dtype)
 
 
-def moe_experts_quant_decompose(x, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                                scheme):
-    from glm5 import ops
-
+def moe_experts_quant_decompose(ops, x, ids, weights, w13_packed, w13_scale, w2_packed,
+                                w2_scale, scheme):
     T, D = x.shape
     acc = acc_of(x)
     y = torch.zeros(T, D, dtype=acc, device=x.device)
