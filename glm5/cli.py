@@ -41,7 +41,7 @@ def plugin_rows(detail: bool) -> list[dict[str, Any]]:
 
 def cmd_backends(args: argparse.Namespace) -> int:
     from glm5.backends.policy import get_policy
-    from glm5.backends.selection import strict_mode
+    from glm5.backends.api import strict_mode
 
     rows, plugins = backend_rows(), plugin_rows(args.diagnose)
     if args.json:
@@ -97,7 +97,7 @@ def op_rows(backend: str | None, device: str, dtype_name: str) -> list[dict[str,
             rows.append({
                 "op": op.name, "category": op.category,
                 "kind": "composite" if op.is_composite else "primitive",
-                "tolerance_class": op.tolerance, "dtype": str(dt).replace("torch.", ""),
+                "check": "selection" if op.selection is not None else "error model", "dtype": str(dt).replace("torch.", ""),
                 "served_by": plan.served_by, "mode": plan.mode,
                 "candidates": [c.backend.name for c in plan.candidates],
                 "declined": {n: r for n, r in plan.declined},
@@ -113,9 +113,9 @@ def cmd_ops(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"device": args.device, "backend": args.backend, "ops": rows}, indent=2))
         return 0
-    table = [("op", "kind", "class", "dtype", "served by", "mode", "candidates")]
+    table = [("op", "kind", "checked by", "dtype", "served by", "mode", "candidates")]
     for r in rows:
-        table.append((r["op"], r["kind"], r["tolerance_class"], r["dtype"], r["served_by"],
+        table.append((r["op"], r["kind"], r["check"], r["dtype"], r["served_by"],
                       r["mode"], ",".join(r["candidates"]) or "-"))
     print(_fmt(table))
     fb = [r["op"] for r in rows if r["mode"] == "fallback"]
@@ -126,7 +126,7 @@ def cmd_ops(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- parity
 def cmd_parity(args: argparse.Namespace) -> int:
-    from glm5.backends.selection import strict_mode
+    from glm5.backends.api import REFERENCE, strict_mode
     from glm5.testing.parity import Row, format_table, run_parity
 
     if args.emulate:
@@ -140,7 +140,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
     rows: list[Row] = []
     for n in names:
         b = reg.backends[n]
-        emulate = args.emulate and n != "reference"
+        emulate = args.emulate and n != REFERENCE
         ok, reason = b.can_emulate() if emulate else b.is_available()
         if not ok and strict_mode() and args.backend != "all":
             what = "cannot be emulated" if emulate else "unavailable"

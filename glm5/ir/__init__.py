@@ -1,4 +1,4 @@
-"""The op IR: one OpDef per op (signature, reference, shape function, cost, tolerance class,
+"""The op IR: one OpDef per op (signature, reference, shape function, cost, error model,
 decomposition), the torch.library binding and graph capture."""
 
 from glm5.ir.catalog import OPS, get_op, op_names

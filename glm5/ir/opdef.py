@@ -1,5 +1,5 @@
-"""`OpDef`: the one definition of an op (signature, reference, shape function, cost, tolerance
-class, decomposition)."""
+"""`OpDef`: the one definition of an op (signature, reference, shape function, cost, error
+model, selection rule, decomposition)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from glm5.ir.numerics import ErrorTerms, Selection
 from glm5.ir.signature import (
     OpInputError,
     OutArg,
@@ -36,10 +37,14 @@ class OpDef:
 
     ``reference(**args)`` is plain torch, dtype-generic, and runs in float64. ``cost(args, syms)``
     returns ``(flops, bytes)``. ``check(args, syms)`` adds op-specific validation beyond the
-    signature (value ranges, cross-argument rules). ``reduce_len(args, syms)`` is the length of
-    the longest floating reduction. ``decompose(ops, *args)``, for a composite op, computes
-    the op from other ops called through ``ops`` (the namespace of op entry points, i.e.
-    ``glm5.ops``, handed in by the caller so that the IR imports no layer above it).
+    signature (value ranges, cross-argument rules). ``error(o, ref, work)`` is the op's error
+    model (glm5.ir.numerics): for each floating output (and mutated argument) the ErrorTerms a
+    correct kernel called with dtype ``work`` may show against the float64 reference ``ref``
+    computed from the float64 inputs ``o``; its docstring is the derivation. ``selection``,
+    for an op whose output is a selection of indices, says how such a result is judged.
+    ``decompose(ops, *args)``, for a composite op, computes the op from other ops called
+    through ``ops`` (the namespace of op entry points, i.e. ``glm5.ops``, handed in by the
+    caller so that the IR imports no layer above it).
     """
 
     name: str
@@ -48,12 +53,11 @@ class OpDef:
     outputs: tuple[OutArg, ...]
     reference: Callable[..., Any]
     cost: Callable[[dict[str, Any], dict[str, int]], tuple[float, float]]
-    tolerance: str
-    reduce_len: Callable[[dict[str, Any], dict[str, int]], int] = lambda a, s: 1
+    error: Callable[[dict[str, Any], tuple, torch.dtype], dict[str, ErrorTerms]] | None = None
     check: Callable[[dict[str, Any], dict[str, int]], None] | None = None
     decompose: Callable[..., Any] | None = None
     mutates: tuple[str, ...] = ()
-    selection: bool = False
+    selection: Selection | None = None
     differentiable: bool = True
     category: str = ""
     # Names of tensor parameters whose dtype selects the kernel (first floating input by default).

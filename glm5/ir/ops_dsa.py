@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from glm5.ir.numerics import ErrorTerms, Selection, SelectionRows, sqrt_n
 from glm5.ir.opdef import OpDef, check_index_range, has_data, require
 from glm5.ir.ops_norm import _bytes, acc_of
 from glm5.ir.signature import FLOAT_DTYPES, INDEX_DTYPES, OpInputError, OutArg, TensorArg, scalar
@@ -48,6 +49,22 @@ def lightning_indexer_ref(q, k, w, k_start, k_end):
     return scores.masked_fill(~valid, float("-inf"))
 
 
+def indexer_score_terms(q, k, w) -> ErrorTerms:
+    """Scores (fp32 from inputs of any dtype): each dot q[t,h].k[s] is an fp32 sum over Di
+    (acc sqrt(Di) sum_d |q k|), the weighted sum over heads another over Hi (acc sqrt(Hi)
+    sum_h |w relu(dot)|). No rounding to the working dtype: the scores are fp32."""
+    Hi, Di = q.shape[1], q.shape[2]
+    dots = torch.einsum("thd,sd->ths", q, k)
+    mag = torch.einsum("thd,sd,th->ts", q.abs(), k.abs(), w.abs())
+    heads = torch.einsum("ths,th->ts", torch.relu(dots), w.abs())
+    return ErrorTerms(acc=sqrt_n(Di) * mag + (sqrt_n(Hi) + 1.0) * heads)
+
+
+def lightning_indexer_error(o, r, work):
+    """scores: see indexer_score_terms."""
+    return {"scores": indexer_score_terms(o["q"], o["k"], o["w"])}
+
+
 def _indexer_check(a, s) -> None:
     check_ranges("lightning_indexer", a["k_start"], a["k_end"], s["S"])
 
@@ -73,8 +90,7 @@ LIGHTNING_INDEXER = OpDef(
     outputs=(OutArg("scores", ("T", "S"), "acc"),),
     reference=lightning_indexer_ref,
     cost=_indexer_cost,
-    tolerance="matmul",
-    reduce_len=lambda a, s: s["Di"] * s["Hi"],
+    error=lightning_indexer_error,
     check=_indexer_check,
     category="dsa",
 )
@@ -97,6 +113,21 @@ def topk_indices_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
     return idx
 
 
+def _topk_rows(o, got, work) -> SelectionRows:
+    """The scores are the input: any correct kernel compares them exactly, so every row must
+    equal the reference (ties to the smaller index, -1 tail)."""
+    sc = o["scores"]
+    scores = sc.masked_fill(~torch.isfinite(sc), float("-inf"))
+    return SelectionRows(scores, ErrorTerms(), o["k"],
+                         torch.ones(sc.shape[0], dtype=torch.bool), score_dtype=sc.dtype)
+
+
+TOPK_SELECTION = Selection(
+    "idx", _topk_rows,
+    "exact: the scores are inputs, so the order rule (descending, ties to the smaller index, "
+    "-1 tail) is checked element for element")
+
+
 TOPK_INDICES = OpDef(
     name="topk_indices",
     summary="k largest finite scores per row, descending, ties to the smaller index, -1 tail",
@@ -110,9 +141,7 @@ TOPK_INDICES = OpDef(
         s["T"] * s["S"] * max(1.0, math.log2(max(2, a["k"]))),
         _bytes(a["scores"]) + 4.0 * s["T"] * a["k"],
     ),
-    tolerance="selection",
-    reduce_len=lambda a, s: 1,
-    selection=True,
+    selection=TOPK_SELECTION,
     differentiable=False,
     category="dsa",
 )
@@ -131,6 +160,23 @@ def _indexer_topk_check(a, s) -> None:
     check_ranges("indexer_topk", a["k_start"], a["k_end"], s["S"])
 
 
+def _indexer_topk_rows(o, got, work) -> SelectionRows:
+    """The kernel computes its own scores, so fp32 rounding may reorder keys whose scores lie
+    within the score bound: the selected set and order are judged by the oracle's scores of
+    what was selected (each position within the two keys' bounds of the oracle's)."""
+    scores = lightning_indexer_ref(o["q"], o["k"], o["w"], o["k_start"], o["k_end"])
+    terms = indexer_score_terms(o["q"], o["k"], o["w"])
+    return SelectionRows(scores, terms, o["topk"],
+                         torch.zeros(scores.shape[0], dtype=torch.bool))
+
+
+INDEXER_TOPK_SELECTION = Selection(
+    "idx", _indexer_topk_rows,
+    "by score: the k selected keys' oracle scores, sorted, match the oracle's top-k position "
+    "by position within the two keys' score bounds (the lightning_indexer bound); valid "
+    "entries first, distinct, in range, in descending order within the bound")
+
+
 INDEXER_TOPK = OpDef(
     name="indexer_topk",
     summary="composite: topk_indices(lightning_indexer(q, k, w, k_start, k_end), topk)",
@@ -141,11 +187,9 @@ INDEXER_TOPK = OpDef(
         _indexer_cost(a, s)[0] + s["T"] * s["S"],
         _bytes(a["q"], a["k"], a["w"]) + 4.0 * s["T"] * a["topk"],
     ),
-    tolerance="selection",
-    reduce_len=lambda a, s: s["Di"] * s["Hi"],
     check=_indexer_topk_check,
     decompose=indexer_topk_decompose,
-    selection=True,
+    selection=INDEXER_TOPK_SELECTION,
     differentiable=False,
     category="dsa",
 )
@@ -181,6 +225,21 @@ def sparse_attention_ref(q, k, v, idx, scale):
     return out.reshape(T, H, Dv).to(q.dtype), lse.reshape(T, H)
 
 
+def attention_error_terms(q, k_abs_scores_max, spv, lse, Dqk, n_keys):
+    """out: P may be rounded to the working dtype before P.V (flash kernels do: mid =
+    sum_k p|v|); a score error ds moves every p_k by at most 2 ds relative, and ds is an fp32
+    dot over Dqk (sqrt(Dqk) scale sum|q k|, largest over the keys: m); P.V is an fp32 sum over
+    the K keys and the final 1/l one more rounding (acc = (2 sqrt(Dqk) m + sqrt(K) + 2)
+    sum_k p|v|). lse (fp32): the score error, an fp32 sum of K exponentials and the log (acc =
+    sqrt(Dqk) m + sqrt(K)); no rounding to the working dtype."""
+    m = k_abs_scores_max  # [T, H]
+    grow = 2.0 * sqrt_n(Dqk) * m + sqrt_n(n_keys) + 2.0
+    out = ErrorTerms(mid=spv, acc=grow[..., None] * spv)
+    fin = torch.isfinite(lse)
+    lse_acc = (sqrt_n(Dqk) * m + sqrt_n(n_keys)).masked_fill(~fin, 0.0)
+    return {"out": out, "lse": ErrorTerms(acc=lse_acc)}
+
+
 def _gqa_check(op: str, s) -> None:
     require(
         s["H"] % s["Hk"] == 0,
@@ -189,6 +248,24 @@ def _gqa_check(op: str, s) -> None:
         f"a head count Hk dividing H={s['H']}",
         f"Hk={s['Hk']}",
     )
+
+
+def sparse_attention_error(o, r, work):
+    """See attention_error_terms (K = the idx width)."""
+    q, k, v, idx, scale = o["q"], o["k"], o["v"], o["idx"], o["scale"]
+    T, H, Dqk = q.shape
+    S, Hk, _ = k.shape
+    g = H // Hk
+    spv = sparse_attention_ref(q, k, v.abs(), idx, scale)[0]
+    if S == 0:
+        m = torch.zeros(T, H, dtype=torch.float64)
+    else:
+        valid = idx >= 0
+        kg = k.abs()[idx.long().clamp(min=0)]  # [T, K, Hk, Dqk]
+        mags = torch.einsum("tjgd,tkjd->tjgk", q.abs().reshape(T, Hk, g, Dqk), kg) * abs(scale)
+        mags = mags.masked_fill(~valid[:, None, None, :], 0.0)
+        m = mags.amax(-1).reshape(T, H) if idx.shape[1] else torch.zeros(T, H, dtype=q.dtype)
+    return attention_error_terms(q, m, spv, r[1], Dqk, idx.shape[1])
 
 
 def _sparse_check(a, s) -> None:
@@ -229,8 +306,7 @@ SPARSE_ATTENTION = OpDef(
         _bytes(a["q"]) + s["T"] * s["K"] * s["Hk"] * (s["Dqk"] + s["Dv"]) * a["k"].element_size()
         + 4.0 * s["T"] * s["K"] + s["T"] * s["H"] * (s["Dv"] * a["q"].element_size() + 4),
     ),
-    tolerance="attention",
-    reduce_len=lambda a, s: max(s["Dqk"], s["K"]),
+    error=sparse_attention_error,
     check=_sparse_check,
     category="dsa",
 )
@@ -247,6 +323,21 @@ def attention_ref(q, k, v, k_start, k_end, scale):
     valid = range_mask(k_start, k_end, S)[:, None, None, :]
     out, lse = _softmax_out(scores, valid, v.to(acc), "tjgs,sjd->tjgd")
     return out.reshape(T, H, v.shape[-1]).to(q.dtype), lse.reshape(T, H)
+
+
+def attention_error(o, r, work):
+    """See attention_error_terms (K = the widest key range)."""
+    q, k, v, ks, ke, scale = o["q"], o["k"], o["v"], o["k_start"], o["k_end"], o["scale"]
+    T, H, Dqk = q.shape
+    S, Hk, _ = k.shape
+    g = H // Hk
+    spv = attention_ref(q, k, v.abs(), ks, ke, scale)[0]
+    mags = torch.einsum("tjgd,sjd->tjgs", q.abs().reshape(T, Hk, g, Dqk), k.abs()) * abs(scale)
+    valid = range_mask(ks, ke, S)[:, None, None, :]
+    m = mags.masked_fill(~valid, 0.0).amax(-1).reshape(T, H) if S else \
+        torch.zeros(T, H, dtype=q.dtype)
+    n = int((ke - ks).max()) if T else 0
+    return attention_error_terms(q, m, spv, r[1], Dqk, n)
 
 
 def _attention_check(a, s) -> None:
@@ -279,8 +370,7 @@ ATTENTION = OpDef(
     ),
     reference=attention_ref,
     cost=_attention_cost,
-    tolerance="attention",
-    reduce_len=lambda a, s: max(s["Dqk"], s["S"]),
+    error=attention_error,
     check=_attention_check,
     category="dsa",
 )

@@ -5,6 +5,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from glm5.ir.numerics import (
+    ErrorTerms,
+    linear_error,
+    rms_norm_error,
+    rope_error,
+    sqrt_n,
+    zero_like,
+)
 from glm5.ir.opdef import OpDef, check_index_range, has_data, require
 from glm5.ir.ops_norm import _bytes, acc_of, rms_norm_ref, rope_ref
 from glm5.ir.signature import INDEX_DTYPES, OpInputError, OutArg, TensorArg, scalar
@@ -50,6 +58,60 @@ def mla_prolog_decompose(ops, x, w_qa, g_qa, w_qb, w_kva, g_kva, w_uk, cos, sin,
     with torch.no_grad():
         _write_cache(kv_cache, slots, torch.cat((ckv, k_pe), dim=-1).detach())
     return q_main, q_pe, c_q
+
+
+def mla_prolog_error(o, r, work):
+    """The chain of the decomposition, each stage's error carried into the next: the three
+    down/up projections are fp32 sums over their inputs (acc sqrt(n) |x||W|) whose results may
+    be rounded to the working dtype (mid); the two RMS norms and the interleaved rope as in
+    rms_norm / rope; the absorb product an fp32 sum over Dn. kv_cache: the written rows carry
+    the latent norm's and k_pe's error, every other row must be untouched (no slack)."""
+    x, eps = o["x"], o["eps"]
+    H, Dn, Rkv = o["w_uk"].shape
+    T = x.shape[0]
+    cos, sin = o["cos"], o["sin"]
+    a = F.linear(x, o["w_qa"])
+    ea = linear_error(x, zero_like(x), o["w_qa"], a)
+    c_q = rms_norm_ref(a, o["g_qa"], eps)
+    ecq = rms_norm_error(a, ea, o["g_qa"], eps, c_q)
+    qf = F.linear(c_q, o["w_qb"])
+    eq = linear_error(c_q, ecq, o["w_qb"], qf)
+    q_nope, q_pe = _split_q(qf, H, Dn)
+    split = [eq.map(lambda e, j=j: _split_q(torch.broadcast_to(e, qf.shape), H, Dn)[j])
+             for j in (0, 1)]
+    eqpe = rope_error(q_pe, split[1], cos, sin, True, rope_ref)
+    if o["absorb"]:
+        wuk = o["w_uk"].abs()
+        q_main = torch.einsum("thd,hdc->thc", q_nope, o["w_uk"])
+        eqm = split[0].map(lambda e: torch.einsum("thd,hdc->thc", e, wuk)) + ErrorTerms(
+            mid=q_main.abs(), acc=sqrt_n(Dn) * torch.einsum("thd,hdc->thc", q_nope.abs(), wuk))
+    else:
+        eqm = split[0]
+    kv = F.linear(x, o["w_kva"])
+    ekv = linear_error(x, zero_like(x), o["w_kva"], kv)
+    ckv = rms_norm_ref(kv[:, :Rkv], o["g_kva"], eps)
+    eckv = rms_norm_error(kv[:, :Rkv], ekv.map(lambda e: torch.broadcast_to(e, kv.shape)[:, :Rkv]),
+                          o["g_kva"], eps, ckv)
+    ekpe = rope_error(kv[:, Rkv:], ekv.map(lambda e: torch.broadcast_to(e, kv.shape)[:, Rkv:]),
+                      cos, sin, True, rope_ref)
+    cache = o["kv_cache"]
+    slots = o["slots"].long()
+    keep = slots >= 0
+
+    def rows(e_latent: torch.Tensor, e_pe: torch.Tensor) -> torch.Tensor:
+        full = torch.zeros(cache.shape, dtype=torch.float64)
+        row = torch.cat((torch.broadcast_to(e_latent, (T, Rkv)),
+                         torch.broadcast_to(e_pe, (T, cache.shape[1] - Rkv))), dim=-1)
+        full[slots[keep]] = row[keep]
+        return full
+
+    ecache = ErrorTerms(*(rows(_f(a1), _f(a2)) for a1, a2 in
+                          ((eckv.mid, ekpe.mid), (eckv.acc, ekpe.acc), (eckv.step, ekpe.step))))
+    return {"q_main": eqm, "q_pe": eqpe, "c_q": ecq, "kv_cache": ecache}
+
+
+def _f(x):
+    return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
 
 
 def _prolog_check(a, s) -> None:
@@ -109,8 +171,7 @@ MLA_PROLOG = OpDef(
     ),
     reference=mla_prolog_ref,
     cost=_prolog_cost,
-    tolerance="matmul",
-    reduce_len=lambda a, s: max(s["D"], s["Rq"], s["Dn"] if a["absorb"] else 1),
+    error=mla_prolog_error,
     check=_prolog_check,
     decompose=mla_prolog_decompose,
     mutates=("kv_cache",),

@@ -5,6 +5,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from glm5.ir.numerics import (
+    ErrorTerms,
+    rms_norm_error,
+    rope_error,
+    silu_mul_error,
+    sqrt_n,
+    zero_like,
+)
 from glm5.ir.opdef import OpDef, require
 from glm5.ir.signature import FLOAT_DTYPES, OutArg, TensorArg, scalar
 
@@ -26,6 +34,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return y.to(x.dtype)
 
 
+def rms_norm_error_model(o, r, work):
+    """y: the fp32 mean over D (sqrt(D) growth), rsqrt and two products (acc); x * rsqrt may
+    be rounded to the working dtype before the weight, as transformers does (mid)."""
+    x = o["x"]
+    return {"y": rms_norm_error(x, zero_like(x), o["weight"], o["eps"], r[0])}
+
+
 RMS_NORM = OpDef(
     name="rms_norm",
     summary="x * rsqrt(mean(x^2, -1) + eps) * weight, fp32 math",
@@ -37,8 +52,7 @@ RMS_NORM = OpDef(
     outputs=(OutArg("y", "like:x", "like:x"),),
     reference=rms_norm_ref,
     cost=lambda a, s: (4.0 * a["x"].numel(), 2 * _bytes(a["x"]) + _bytes(a["weight"])),
-    tolerance="norm",
-    reduce_len=lambda a, s: s["D"],
+    error=rms_norm_error_model,
     category="norm",
 )
 
@@ -50,6 +64,20 @@ def layer_norm_ref(
     acc = acc_of(x)
     y = F.layer_norm(x.to(acc), (x.shape[-1],), weight.to(acc), bias.to(acc), eps)
     return y.to(x.dtype)
+
+
+def layer_norm_error_model(o, r, work):
+    """y: the fp32 mean (an error of sqrt(D) u mean|x| in x - mean), the variance over D and
+    rsqrt (sqrt(D) growth), products and the bias add (acc); the normalised value and its
+    product with the weight may each be rounded to the working dtype (mid)."""
+    x, w, eps = o["x"], o["weight"], o["eps"]
+    D = x.shape[-1]
+    mu = x.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
+    c = ((x - mu) * rstd * w).abs()
+    acc = ((sqrt_n(D) + 4.0) * (c + w.abs() * rstd * x.abs().mean(-1, keepdim=True))
+           + r[0].abs())
+    return {"y": ErrorTerms(mid=2.0 * c, acc=acc)}
 
 
 LAYER_NORM = OpDef(
@@ -67,8 +95,7 @@ LAYER_NORM = OpDef(
         7.0 * a["x"].numel(),
         2 * _bytes(a["x"]) + _bytes(a["weight"], a["bias"]),
     ),
-    tolerance="norm",
-    reduce_len=lambda a, s: s["D"],
+    error=layer_norm_error_model,
     category="norm",
 )
 
@@ -100,6 +127,13 @@ def _rope_check(a, s) -> None:
     require(s["R"] % 2 == 0, "rope", "x", "an even last dim R", s["R"])
 
 
+def rope_error_model(o, r, work):
+    """y: per output, M = |x1 cos| + |x2 sin|; the two products may be rounded to the working
+    dtype (mid = M) and are summed in fp32 (acc = 2M). cos and sin are inputs: exact."""
+    x = o["x"]
+    return {"y": rope_error(x, zero_like(x), o["cos"], o["sin"], o["interleaved"], rope_ref)}
+
+
 ROPE = OpDef(
     name="rope",
     summary="rotary embedding; interleaved pairs (x[2i], x[2i+1]) or NeoX half-split",
@@ -112,7 +146,7 @@ ROPE = OpDef(
     outputs=(OutArg("y", "like:x", "like:x"),),
     reference=rope_ref,
     cost=lambda a, s: (3.0 * a["x"].numel(), 2 * _bytes(a["x"]) + _bytes(a["cos"], a["sin"])),
-    tolerance="elementwise",
+    error=rope_error_model,
     check=_rope_check,
     category="norm",
 )
@@ -126,6 +160,15 @@ def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(xf[..., :i]) * xf[..., i:]).to(x.dtype)
 
 
+def silu_mul_error_model(o, r, work):
+    """y = silu(a) b: exp, add, divide, multiply in fp32 (acc = 4|y|); silu(a) may be rounded
+    to the working dtype before the product (mid = |y|)."""
+    x = o["x"]
+    i = x.shape[-1] // 2
+    a, b = x[..., :i], x[..., i:]
+    return {"y": silu_mul_error(a, b, zero_like(a), zero_like(b))}
+
+
 SILU_MUL = OpDef(
     name="silu_mul",
     summary="silu(x[..., :I]) * x[..., I:]",
@@ -133,7 +176,7 @@ SILU_MUL = OpDef(
     outputs=(OutArg("y", lambda s, a: tuple(a["x"].shape[:-1]) + (s["I"],), "like:x"),),
     reference=silu_mul_ref,
     cost=lambda a, s: (5.0 * a["x"].numel() / 2, 1.5 * _bytes(a["x"])),
-    tolerance="elementwise",
+    error=silu_mul_error_model,
     category="norm",
 )
 

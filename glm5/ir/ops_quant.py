@@ -8,7 +8,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from glm5.ir.numerics import (
+    QUOTIENT_ULPS,
+    ErrorTerms,
+    fragile_codes,
+    linear_error,
+    sqrt_n,
+    unit_roundoff,
+    zero_like,
+)
 from glm5.ir.opdef import OpDef, check_index_range, require
+from glm5.ir.ops_moe import expert_chain_error
 from glm5.ir.ops_norm import _bytes, acc_of
 from glm5.ir.quant_formats import (
     ACT_DTYPE,
@@ -29,6 +39,21 @@ SCHEME_NAMES = tuple(SCHEMES)
 
 
 # --------------------------------------------------------------------------- quantize_per_token
+U32 = unit_roundoff(torch.float32)
+
+
+def quantize_per_token_error(o, r, work):
+    """q: the codes of x / s are exact (fp32 math on exact inputs, as the oracle does) except
+    where the quotient lies within QUOTIENT_ULPS fp32 ulps of a half, where an approximate
+    division may round either way: one step there (step = 1), none elsewhere. scale = amax /
+    qmax: one fp32 division (acc |s|)."""
+    x = o["x"].to(torch.float32)
+    q = (x / r[1].to(torch.float32)[:, None]).to(torch.float64)
+    fr = fragile_codes(q, QUOTIENT_ULPS * U32 * q.abs())
+    return {"q": ErrorTerms(step=fr.to(torch.float64)),
+            "scale": ErrorTerms(acc=r[1].abs())}
+
+
 QUANTIZE_PER_TOKEN = OpDef(
     name="quantize_per_token",
     summary="dynamic symmetric per-row quantization to int8 (bits=8) or int16-held 12-bit",
@@ -42,7 +67,7 @@ QUANTIZE_PER_TOKEN = OpDef(
         3.0 * a["x"].numel(),
         _bytes(a["x"]) + a["x"].numel() * (1 if a["bits"] == 8 else 2) + 4.0 * s["M"],
     ),
-    tolerance="quant",
+    error=quantize_per_token_error,
     differentiable=False,
     category="quant",
 )
@@ -74,6 +99,53 @@ def quant_linear_ref(x, w_packed, w_scale, scheme, bias=None):
     if bias is not None:
         y = y + bias.to(acc)
     return y.to(x.dtype)
+
+
+def act_codes(x: torch.Tensor, bits: int, ex: torch.Tensor | float = 0.0):
+    """(codes, scale, dequantized, error of the dequantized activation) of per-token
+    quantization of ``x`` [M, K] (float64 values a kernel holds up to an absolute error ``ex``).
+
+    A code moves where the quotient x/s, perturbed by x's error and by the scale's (amax moves
+    by at most max ex), lies within that perturbation (plus QUOTIENT_ULPS fp32 ulps) of a half:
+    there the dequantized value may be a whole step s off. Where no code moves, s q still moves
+    with s: |q| ds."""
+    xq, sx = quantize_per_token_ref(x, bits)
+    qf, s = xq.to(torch.float64), sx.to(torch.float64)[:, None]
+    ex = torch.broadcast_to(torch.as_tensor(ex, dtype=torch.float64), x.shape)
+    amax = x.abs().amax(-1, keepdim=True)
+    zero = amax == 0  # s = 1, codes 0; a kernel's row of tiny values dequantizes to itself
+    ds = torch.where(zero, 0.0, s * ex.amax(-1, keepdim=True) / amax.clamp(min=1e-300))
+    quot = x / s
+    window = (ex + x.abs() * ds / s) / s + QUOTIENT_ULPS * U32 * quot.abs()
+    moved = fragile_codes(quot, window)
+    err = qf.abs() * ds + torch.where(moved, s + ex, torch.zeros_like(x))
+    err = torch.where(zero, ex, err)
+    return qf, s, qf * s, err
+
+
+def quant_linear_error(o, r, work):
+    """y, float activations (w8a16): the dequantized weight (code * scale, one fp32 product) may
+    be rounded to the working dtype before the GEMM (mid |x||W|), fp32 sum over K (acc
+    sqrt(K) |x||W|), y before the bias may be rounded (mid). Quantized activations (w8a8,
+    w4a8, w6a12): the integer sums are exact and the codes equal the oracle's except the
+    fragile ones (act_codes: a step each, through |W|); the scale products and group sums are
+    fp32 (acc sqrt(K) s_x |q||W|)."""
+    return {"y": _ql_terms(o["x"], 0.0, o["w_packed"], o["w_scale"], o["scheme"], r[0],
+                           o["bias"] is not None, work)}
+
+
+def _ql_terms(x, ex, w_packed, w_scale, scheme, y, has_bias, work) -> ErrorTerms:
+    sc = get_scheme(scheme, "quant_linear")
+    K = x.shape[-1]
+    w = dequantize_weight(w_packed, w_scale, scheme, K).to(torch.float64)
+    wa = w.abs().T
+    ex = torch.broadcast_to(torch.as_tensor(ex, dtype=torch.float64), x.shape)
+    yb = y.abs() if has_bias else 0.0
+    if sc.act_bits is None:
+        mag = x.abs() @ wa
+        return ErrorTerms(mid=mag + yb, acc=sqrt_n(K) * mag + y.abs(), step=ex @ wa)
+    qf, s, deq, err = act_codes(x, sc.act_bits, ex)
+    return ErrorTerms(mid=yb, acc=sqrt_n(K) * (deq.abs() @ wa) + y.abs(), step=err @ wa)
 
 
 def check_packed_weight(op: str, prefix: str, packed, scale, scheme: str, N: int, K: int) -> None:
@@ -115,8 +187,7 @@ QUANT_LINEAR = OpDef(
     outputs=(OutArg("y", ("M", "N"), "like:x"),),
     reference=quant_linear_ref,
     cost=_ql_cost,
-    tolerance="quant",
-    reduce_len=lambda a, s: s["K"],
+    error=quant_linear_error,
     check=_ql_check,
     category="quant",
 )
@@ -149,6 +220,27 @@ def moe_experts_quant_decompose(ops, x, ids, weights, w13_packed, w13_scale, w2_
         out = ops.quant_linear(h, w2_packed[e], w2_scale[e], scheme).to(acc)
         y.index_add_(0, t, out * weights[t, j].to(acc)[:, None])
     return y.to(x.dtype)
+
+
+def moe_experts_quant_error(o, r, work):
+    """y: moe_experts' chain (expert_chain_error) with quant_linear's terms for each projection;
+    the w2 projection quantizes the activation silu_mul produced, which a kernel holds only up
+    to that activation's own error (its rounding to the working dtype included), so codes
+    within that error of a half may move a step (act_codes)."""
+    x, scheme = o["x"], o["scheme"]
+
+    def up(xr, e):
+        h = quant_linear_ref(xr, o["w13_packed"][e], o["w13_scale"][e], scheme)
+        eh = _ql_terms(xr, 0.0, o["w13_packed"][e], o["w13_scale"][e], scheme, h, False, work)
+        return h, eh + ErrorTerms(mid=h.abs())
+
+    def down(g, eg, e):
+        out = quant_linear_ref(g, o["w2_packed"][e], o["w2_scale"][e], scheme)
+        t = _ql_terms(g, eg.absolute(work), o["w2_packed"][e], o["w2_scale"][e], scheme, out,
+                      False, work)
+        return out, t + ErrorTerms(mid=out.abs())
+
+    return {"y": expert_chain_error(x, o["ids"], o["weights"], up, down)}
 
 
 def _meq_check(a, s) -> None:
@@ -193,8 +285,7 @@ MOE_EXPERTS_QUANT = OpDef(
     outputs=(OutArg("y", ("T", "D"), "like:x"),),
     reference=moe_experts_quant_ref,
     cost=_meq_cost,
-    tolerance="quant",
-    reduce_len=lambda a, s: max(s["D"], a["w13_packed"].shape[1] // 2),
+    error=moe_experts_quant_error,
     check=_meq_check,
     decompose=moe_experts_quant_decompose,
     category="quant",

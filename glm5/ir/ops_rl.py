@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from glm5.ir.numerics import LAMBDA, ErrorTerms, sqrt_n, unit_roundoff
 from glm5.ir.opdef import OpDef, check_index_range, has_data, require
 from glm5.ir.ops_norm import _bytes, acc_of
 from glm5.ir.signature import FLOAT_DTYPES, INDEX_DTYPES, OutArg, TensorArg, scalar
@@ -39,6 +40,46 @@ def token_logprobs_ref(h, w_vocab, targets, temperature):
     return tgt - lse, lse - zsum / ssum
 
 
+def token_logprobs_error(o, r, work):
+    """Logits z = (h / temperature) W^T are fp32 sums over D of exact input products: each
+    z_v is off by at most dz_v ~ sqrt(D) |h||W_v| / T + 2|z_v| (acc); no rounding to the working
+    dtype (logits in bf16 would be the classic rollout/trainer mismatch). logp = z_t - lse:
+    dz_t + max_v dz_v, the fp32 sum of V exponentials (sqrt(V)) and the log (acc). entropy =
+    lse - sum_v p z: a perturbation dz moves it by at most max dz sum_v p|z - Ez|, plus the fp32
+    sums over V (sqrt(V) (sum_v p|z| + 1))."""
+    h, W, tgt, temp = o["h"], o["w_vocab"], o["targets"].long(), o["temperature"]
+    T, D = h.shape
+    V = W.shape[0]
+    zmax = torch.zeros(T, dtype=torch.float64)
+    zt = torch.zeros(T, dtype=torch.float64)
+    # Pass 1: lse and the largest logit error; pass 2 (same chunks): sum p|z - Ez|, sum p|z|.
+    m = torch.full((T,), float("-inf"), dtype=torch.float64)
+    ssum = torch.zeros(T, dtype=torch.float64)
+    for v0 in range(0, V, VOCAB_CHUNK):
+        Wc = W[v0:v0 + VOCAB_CHUNK]
+        z = h @ Wc.T / temp
+        dz = sqrt_n(D) * (h.abs() @ Wc.abs().T) / abs(temp) + 2.0 * z.abs()
+        zmax = torch.maximum(zmax, dz.max(-1).values)
+        inside = (tgt >= v0) & (tgt < v0 + z.shape[1])
+        pick = torch.gather(dz, 1, (tgt - v0).clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
+        zt = torch.where(inside, pick, zt)
+        m_new = torch.maximum(m, z.max(-1).values)
+        ssum = ssum * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(-1)
+        m = m_new
+    lse = m + torch.log(ssum)
+    mean_z = lse - r[1]  # sum_v p z
+    spread = torch.zeros(T, dtype=torch.float64)
+    pabs = torch.zeros(T, dtype=torch.float64)
+    for v0 in range(0, V, VOCAB_CHUNK):
+        z = h @ W[v0:v0 + VOCAB_CHUNK].T / temp
+        p = torch.exp(z - lse[:, None])
+        spread += (p * (z - mean_z[:, None]).abs()).sum(-1)
+        pabs += (p * z.abs()).sum(-1)
+    logp = ErrorTerms(acc=zt + zmax + sqrt_n(V) + lse.abs())
+    ent = ErrorTerms(acc=zmax * spread + sqrt_n(V) * (pabs + 1.0) + lse.abs())
+    return {"logp": logp, "entropy": ent}
+
+
 def _tlp_check(a, s) -> None:
     require(a["w_vocab"].dtype == a["h"].dtype, "token_logprobs", "w_vocab",
             f"the dtype of h ({a['h'].dtype})", a["w_vocab"].dtype)
@@ -64,8 +105,7 @@ TOKEN_LOGPROBS = OpDef(
         2.0 * s["T"] * s["V"] * s["D"] + 6.0 * s["T"] * s["V"],
         _bytes(a["h"], a["w_vocab"]) + 12.0 * s["T"],
     ),
-    tolerance="logprob",
-    reduce_len=lambda a, s: max(s["D"], s["V"]),
+    error=token_logprobs_error,
     check=_tlp_check,
     category="rl",
 )
@@ -79,6 +119,26 @@ def grpo_advantages_ref(rewards, group_size, std_normalize, eps=1e-6):
     if std_normalize:
         a = a / (r.std(-1, unbiased=True, keepdim=True) + eps)
     return a.reshape(-1).to(rewards.dtype)
+
+
+def grpo_advantages_error(o, r, work):
+    """adv: the group mean is an fp32 sum over the group (sqrt(g) mean|r|), r - mean one more
+    rounding, the unbiased std an fp32 sum of squares (relative sqrt(g) + 4), the division one
+    rounding (acc); an intermediate (r - mean, the std) may be rounded to the working dtype
+    (mid |adv|). Constant groups with std_normalize are ill-conditioned by design: the mean's
+    rounding divided by eps."""
+    rw, g, std, eps = o["rewards"], o["group_size"], o["std_normalize"], o["eps"]
+    rg = rw.reshape(-1, g)
+    mu = rg.mean(-1, keepdim=True)
+    dev = (rg - mu).abs() + sqrt_n(g) * rg.abs().mean(-1, keepdim=True)
+    adv = r[0].reshape(-1, g).abs()
+    if std:
+        sd = rg.std(-1, unbiased=True, keepdim=True)
+        acc = dev / (sd + eps) + (sqrt_n(g) + 4.0) * adv * sd / (sd + eps)
+        mid = 2.0 * adv
+    else:
+        acc, mid = dev, adv
+    return {"adv": ErrorTerms(mid=mid.reshape(-1), acc=acc.reshape(-1))}
 
 
 def _grpo_check(a, s) -> None:
@@ -101,8 +161,7 @@ GRPO_ADVANTAGES = OpDef(
     outputs=(OutArg("adv", ("N",), "like:rewards"),),
     reference=grpo_advantages_ref,
     cost=lambda a, s: (5.0 * s["N"], 2 * _bytes(a["rewards"])),
-    tolerance="elementwise",
-    reduce_len=lambda a, s: a["group_size"],
+    error=grpo_advantages_error,
     check=_grpo_check,
     category="rl",
 )
@@ -129,6 +188,45 @@ def policy_loss_ref(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.25, rol
         approx_kl = ((olp - lp) * m).sum() / denom
         stats = torch.stack((clip_frac, mean_ratio, approx_kl))
     return loss, stats
+
+
+def policy_loss_error(o, r, work):
+    """All fp32 from exact inputs. ratio = exp(logp - old): the difference and the exp round
+    (d ratio ~ ratio (|logp - old| + 2)); the TIS weight likewise; per-token terms |adv| ratio w;
+    the masked sums over T are fp32 (sqrt(T)). loss: the above, summed. stats: clip_frac counts
+    tokens where the clipped term exceeds the unclipped: a token whose ratio lies within its
+    error of 1 - clip_low or 1 + clip_high may count either way (a step of mask/denom each);
+    mean_ratio and approx_kl as the loss."""
+    lp, olp, A = o["logp"], o["old_logp"], o["adv"]
+    m = o["mask"].to(torch.float64)
+    d = (lp - olp)
+    ratio = torch.exp(d)
+    dr = ratio * (d.abs() + 2.0)
+    unclipped = -ratio * A
+    clipped = -torch.clamp(ratio, 1.0 - o["clip_low"], 1.0 + o["clip_high"]) * A
+    per = torch.maximum(unclipped, clipped)
+    w = torch.ones_like(ratio)
+    dw = torch.zeros_like(ratio)
+    if o["rollout_logp"] is not None:
+        dd = olp - o["rollout_logp"]
+        w = torch.exp(dd).clamp(max=o["tis_cap"])
+        dw = w * (dd.abs() + 2.0)
+    T = lp.shape[0]
+    denom = float(m.sum().clamp(min=1.0))
+    tok = (A.abs() * dr * w + per.abs() * dw) * m.abs()
+    loss = ((tok.sum() + (sqrt_n(T) + 1.0) * (per * w * m).abs().sum()) / denom
+            + r[0].abs())
+    u = unit_roundoff(torch.float32)
+    # A ratio this close (in units of its error) to a clip edge may fall on either side.
+    lo, hi = 1.0 - o["clip_low"], 1.0 + o["clip_high"]
+    near = ((ratio - lo).abs() <= LAMBDA * u * dr) | ((ratio - hi).abs() <= LAMBDA * u * dr)
+    frac_step = float((m.abs() * near).sum()) / denom
+    mean_ratio = float(((dr + (sqrt_n(T) + 1.0) * ratio) * m.abs()).sum()) / denom
+    kl = float(((sqrt_n(T) + 2.0) * d.abs() * m.abs()).sum()) / denom
+    stats = ErrorTerms(acc=torch.tensor([0.0, mean_ratio, kl], dtype=torch.float64)
+                       + r[1].abs(),
+                       step=torch.tensor([frac_step, 0.0, 0.0], dtype=torch.float64))
+    return {"loss": ErrorTerms(acc=loss), "stats": stats}
 
 
 def _pl_check(a, s) -> None:
@@ -160,8 +258,7 @@ POLICY_LOSS = OpDef(
         12.0 * s["T"],
         _bytes(a["logp"], a["old_logp"], a["adv"], a["mask"], a["rollout_logp"]),
     ),
-    tolerance="elementwise",
-    reduce_len=lambda a, s: s["T"],
+    error=policy_loss_error,
     check=_pl_check,
     category="rl",
 )

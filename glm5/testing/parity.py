@@ -27,6 +27,10 @@ class Row:
     examples: int  # examples actually checked
     message: str = ""
     emulated: bool = False  # kernels ran on CPU tensors through an emulator, not the device
+    # How close the kernel sits to its bound: median and max over examples of the largest
+    # |error| / bound of each example (1.0 = at the bound).
+    ratio_median: float = 0.0
+    ratio_max: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -40,6 +44,7 @@ def check_op(entry: KernelEntry, dtype: torch.dtype, examples: int, seed: int,
     gen = GENERATORS[op.name]
     row = Row(entry.backend.name, op.name, "pass", dtype_name(dtype), 0.0, 0.0, "", 0)
     declined = 0
+    ratios: list[float] = []
     for i in range(examples):
         s = example_seed(seed, op.name, dtype, i)
         values = gen(RandomDraw(s), dtype)
@@ -53,10 +58,14 @@ def check_op(entry: KernelEntry, dtype: torch.dtype, examples: int, seed: int,
         row.tolerance = v.tolerance or row.tolerance
         row.max_abs_err = max(row.max_abs_err, v.max_abs_err)
         row.max_rel_err = max(row.max_rel_err, v.max_rel_err)
+        ratios.append(v.ratio)
         if not v.ok:
             row.status = "fail"
             row.message = f"example {i} (seed {s}): {v.message}"
             break
+    if ratios:
+        ratios.sort()
+        row.ratio_median, row.ratio_max = ratios[len(ratios) // 2], ratios[-1]
     if row.examples == 0:
         row.status = "skip"
         row.message = f"supports() declined all {declined} examples"
@@ -102,11 +111,12 @@ def run_parity(backend: Backend, ops: Iterable[str] | None = None, examples: int
 
 
 def format_table(rows: list[Row]) -> str:
-    head = ("backend", "op", "dtype", "status", "examples", "max_abs_err", "max_rel_err",
-            "message")
+    head = ("backend", "op", "dtype", "status", "examples", "max_abs_err", "err/bound med",
+            "max", "message")
     body = [
         (r.backend + (" (emulated)" if r.emulated else ""), r.op, r.dtype, r.status.upper(),
-         str(r.examples), f"{r.max_abs_err:.2e}", f"{r.max_rel_err:.2e}", r.message)
+         str(r.examples), f"{r.max_abs_err:.2e}", f"{r.ratio_median:.3f}", f"{r.ratio_max:.3f}",
+         r.message)
         for r in rows
     ]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)

@@ -1,100 +1,148 @@
-"""The one tolerance table of the conformance kit, keyed by (op class, dtype, quant scheme).
+"""The one tolerance table of the conformance kit, keyed by (op, output dtype, quant scheme).
 
-A kernel output ``y`` passes against the float64 oracle ``r`` when, elementwise,
+Nothing here is picked: every bound is derived from the op's error model (``OpDef.error``,
+its docstring is the derivation) and the bound form of glm5.ir.numerics:
 
-    |y - r| <= rtol * |r| + atol * sqrt(n) * max(|r|)
+    |y - r| <= MARGIN * (u(out) |r| + u(work) mid) + LAMBDA u(fp32) acc + step + floor
 
-where ``n`` is the op's reduction length (``OpDef.reduce_len``) and ``max(|r|)`` the largest
-magnitude of that output (so inputs of any scale are judged alike). Non-finite values must sit
-at the same places with the same value (−inf lse of an empty row, −inf outside a key range).
+where ``r`` is the oracle (the reference in float64 on the same inputs), ``out`` the output's
+dtype, ``work`` the dtype the kernel was called with, ``mid`` / ``acc`` / ``step`` the op's
+error terms computed by the oracle for these very inputs. An fp32 output computed from bf16
+inputs is held to fp32 arithmetic; a rounding to the working dtype counts only where the op's
+model allows one (between an expert's two GEMMs, P before P.V, ...). Tests and ``glm5 parity``
+ask this module (``bound``, ``entry``); there are no per-test tolerances.
 
-``dtype`` is the dtype the kernel was called with (the op's dispatch dtype). eps values:
-bf16 2^-7 = 7.8e-3, fp16 2^-10 = 9.8e-4, fp32 2^-23 = 1.2e-7.
+``table()`` lists every entry with its numbers and derivation; docs/conformance.md is generated
+from it (``python -m glm5.testing.tolerances``), and a test keeps the two in step.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+import inspect
+import textwrap
+from dataclasses import dataclass
 
 import torch
 
+from glm5.ir import numerics
+from glm5.ir.catalog import OPS
+from glm5.ir.numerics import ErrorTerms
+from glm5.ir.opdef import OpDef
+from glm5.ir.quant_formats import SCHEMES
+from glm5.ir.signature import dtype_name
+
+ANY_SCHEME = "*"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def bound(ref: torch.Tensor, terms: ErrorTerms, out: torch.dtype,
+          work: torch.dtype) -> torch.Tensor:
+    """The elementwise bound on |y - ref| (float64, shaped like ``ref``) for an output of dtype
+    ``out`` of a kernel called with ``work``, given the op's error ``terms``."""
+    return numerics.bound(ref, terms, out, work)
+
 
 @dataclass(frozen=True)
-class Tolerance:
-    rtol: float
-    atol: float  # per sqrt(reduction length), relative to the output's largest magnitude
-    why: str
-    floor: float = 0.0  # absolute floor: the dtype's subnormal spacing (set by lookup)
+class Entry:
+    op: str
+    output: str
+    out: torch.dtype
+    work: torch.dtype
+    scheme: str
+    numbers: str  # the bound form with this entry's unit roundoffs
+    derivation: str  # the op's error model, in words
 
-    def text(self) -> str:
-        return f"rtol={self.rtol:.1e} atol={self.atol:.1e}*sqrt(n)*max|ref|"
-
-    def bound(self, ref: torch.Tensor, n: int) -> torch.Tensor:
-        scale = ref.abs().amax() if ref.numel() else ref.new_tensor(0.0)
-        scale = torch.clamp(scale, min=torch.finfo(torch.float64).tiny)
-        return self.rtol * ref.abs() + self.atol * math.sqrt(max(n, 1)) * scale + self.floor
-
-
-F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
-ANY_SCHEME = "*"
-
-# (op class, dtype, scheme) -> Tolerance. Every entry says why.
-TABLE: dict[tuple[str, torch.dtype, str], Tolerance] = {
-    # ---- elementwise: rope, silu_mul, grpo_advantages, policy_loss
-    ("elementwise", F64, ANY_SCHEME): Tolerance(1e-12, 1e-14, "float64 against itself: only reassociation"),
-    ("elementwise", F32, ANY_SCHEME): Tolerance(2e-6, 2e-7, "a few fp32 roundings (exp/sigmoid ~1 ulp each)"),
-    ("elementwise", BF16, ANY_SCHEME): Tolerance(8e-3, 4e-3, "one bf16 rounding of the output (1/2 ulp) plus one inside"),
-    ("elementwise", F16, ANY_SCHEME): Tolerance(1e-3, 5e-4, "one fp16 rounding of the output plus one inside"),
-    # ---- norm: rms_norm, layer_norm (a mean over D, then an elementwise scale)
-    ("norm", F64, ANY_SCHEME): Tolerance(1e-12, 1e-14, "float64 against itself"),
-    ("norm", F32, ANY_SCHEME): Tolerance(4e-6, 1e-7, "fp32 mean over D (error ~eps*sqrt(D)) and rsqrt"),
-    ("norm", BF16, ANY_SCHEME): Tolerance(1.6e-2, 2e-3, "bf16 output rounding (1/2 ulp) and bf16 weight product"),
-    ("norm", F16, ANY_SCHEME): Tolerance(2e-3, 2.5e-4, "fp16 output rounding and fp16 weight product"),
-    # ---- matmul: lightning_indexer, moe_experts, mla_prolog (fp32 accumulation over n)
-    ("matmul", F64, ANY_SCHEME): Tolerance(1e-11, 1e-13, "float64 against itself: summation order"),
-    ("matmul", F32, ANY_SCHEME): Tolerance(2e-5, 2e-6, "fp32 accumulation: error grows ~eps*sqrt(n)"),
-    ("matmul", BF16, ANY_SCHEME): Tolerance(2e-2, 4e-3, "bf16 rounding of intermediates between GEMMs (2 ulp) + fp32 sums"),
-    ("matmul", F16, ANY_SCHEME): Tolerance(3e-3, 5e-4, "fp16 rounding of intermediates between GEMMs + fp32 sums"),
-    # ---- attention: attention, sparse_attention (QK^T, softmax, PV; lse in fp32)
-    ("attention", F64, ANY_SCHEME): Tolerance(1e-11, 1e-13, "float64 against itself"),
-    ("attention", F32, ANY_SCHEME): Tolerance(2e-5, 2e-6, "fp32 QK^T over Dqk, online-softmax rescaling, PV over K"),
-    ("attention", BF16, ANY_SCHEME): Tolerance(2e-2, 4e-3, "P rounded to bf16 before PV (as flash kernels do) + output rounding"),
-    ("attention", F16, ANY_SCHEME): Tolerance(3e-3, 5e-4, "P rounded to fp16 before PV + output rounding"),
-    # ---- logprob: token_logprobs (logits over V, online logsumexp, fp32 outputs)
-    ("logprob", F64, ANY_SCHEME): Tolerance(1e-11, 1e-13, "float64 against itself"),
-    ("logprob", F32, ANY_SCHEME): Tolerance(2e-5, 2e-6, "fp32 logits (sum over D) and logsumexp over V"),
-    ("logprob", BF16, ANY_SCHEME): Tolerance(1e-2, 2e-3, "logits may be formed from bf16 operands with fp32 sums"),
-    ("logprob", F16, ANY_SCHEME): Tolerance(2e-3, 5e-4, "logits from fp16 operands with fp32 sums"),
-    # ---- quant: quantize_per_token, quant_linear, moe_experts_quant. Integer sums are exact;
-    # what remains is the fp32 product of scales and, for low-precision activations, the
-    # rounding of the activation before it is quantized (a code may move by one).
-    ("quant", F64, ANY_SCHEME): Tolerance(1e-9, 1e-11, "exact integer sums, float64 scale products"),
-    ("quant", F32, ANY_SCHEME): Tolerance(1e-5, 1e-6, "exact integer sums; fp32 scale products and group sums"),
-    ("quant", BF16, ANY_SCHEME): Tolerance(3e-2, 8e-3, "bf16 output rounding; bf16 intermediates may move a code by one"),
-    ("quant", F16, ANY_SCHEME): Tolerance(4e-3, 2e-3, "fp16 output rounding; fp16 intermediates move 12-bit codes by one"),
-    ("quant", F32, "w8a16"): Tolerance(2e-5, 2e-6, "float GEMM on dequantized weights, fp32 accumulation"),
-}
-# Selection ops (topk_indices, indexer_topk, moe_route) are compared by the scores of what was
-# selected (see compare.py): two scores closer than the "tie" tolerance of the score-producing
-# class are a tie, and either member may be chosen.
-SELECTION_SCORE_CLASS = {
-    "topk_indices": "elementwise",
-    "indexer_topk": "matmul",
-    "moe_route": "elementwise",
-}
+    @property
+    def key(self) -> tuple[str, torch.dtype, str]:
+        return (self.op, self.out, self.scheme)
 
 
-def lookup(op_class: str, dtype: torch.dtype, scheme: str | None = None) -> Tolerance:
-    """The tolerance for (class, dtype, scheme); the scheme-specific entry wins over '*'."""
-    # Results below the normal range are held in subnormals: two spacings of slack there.
-    floor = 2.0 * torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
-    if scheme is not None and (op_class, dtype, scheme) in TABLE:
-        return replace(TABLE[(op_class, dtype, scheme)], floor=floor)
-    try:
-        return replace(TABLE[(op_class, dtype, ANY_SCHEME)], floor=floor)
-    except KeyError:
-        raise KeyError(
-            f"glm5.testing: no tolerance for class {op_class!r} dtype {dtype}; "
-            f"classes: {sorted({k[0] for k in TABLE})}"
-        ) from None
+def _out_dtypes(op: OpDef, work: torch.dtype) -> list[tuple[str, torch.dtype | None]]:
+    """(output name, dtype) for a call in ``work``; None for index outputs."""
+    from glm5.ir.signature import out_dtype
+
+    acc = numerics.acc_dtype(work)
+    res = []
+    like = {p.name: work for p in op.tensor_params}
+    for o in op.outputs:
+        dt = out_dtype(o.dtype, like, acc) if not callable(o.dtype) else None
+        if isinstance(dt, torch.dtype) and not dt.is_floating_point:
+            dt = None
+        res.append((o.name, dt))
+    for name in op.mutates:
+        res.append((name, work))
+    return res
+
+
+def _derivation(op: OpDef) -> str:
+    parts = []
+    if op.selection is not None:
+        parts.append(f"{op.selection.index_output}: {op.selection.doc}.")
+    if op.error is not None:
+        parts.append(" ".join(inspect.getdoc(op.error).split()))
+    return " ".join(parts)
+
+
+def _works(op: OpDef) -> list[torch.dtype]:
+    arg = next(p for p in op.tensor_params if p.name == op.dispatch_arg)
+    allowed = arg.dtypes
+    return [d for d in DTYPES if allowed is None or d in allowed]
+
+
+def table() -> list[Entry]:
+    """Every (op, output, output dtype, scheme) entry of the kit."""
+    rows = []
+    for op in OPS.values():
+        schemes = [ANY_SCHEME]
+        if any(p.name == "scheme" for p in op.params):
+            schemes = list(SCHEMES)
+        for work in _works(op):
+            for scheme in schemes:
+                for name, out in _out_dtypes(op, work):
+                    if out is None:
+                        text = "integers: exact where the rule says, else as the derivation"
+                    else:
+                        text = (f"{numerics.MARGIN:g}*({numerics.unit_roundoff(out):.3g}*|r| + "
+                                f"{numerics.unit_roundoff(work):.3g}*mid) + {numerics.LAMBDA:g}*"
+                                f"{numerics.unit_roundoff(numerics.acc_dtype(work)):.3g}*acc + "
+                                f"step")
+                    rows.append(Entry(op.name, name, out or torch.int32, work, scheme, text,
+                                      _derivation(op)))
+    return rows
+
+
+def entry(op: str, output: str, work: torch.dtype, scheme: str | None = None) -> Entry:
+    """The table entry of one output of ``op`` called with ``work`` (and ``scheme``)."""
+    want = scheme if scheme is not None else ANY_SCHEME
+    for e in table():
+        if e.op == op and e.output == output and e.work == work and e.scheme == want:
+            return e
+    raise KeyError(f"glm5.testing: no tolerance entry for {op}.{output} called in "
+                   f"{dtype_name(work)} (scheme {want}); ops: {', '.join(OPS)}")
+
+
+def formula(op: OpDef, work: torch.dtype, scheme: str | None = None) -> str:
+    """One line for a parity row: the bound form with the unit roundoffs of this call."""
+    u = numerics.unit_roundoff
+    return (f"{numerics.MARGIN:g}*(u_out*|r| + {u(work):.2g}*mid) + {numerics.LAMBDA:g}*"
+            f"{u(numerics.acc_dtype(work)):.2g}*acc + step (error model of {op.name})")
+
+
+def markdown() -> str:
+    """docs/conformance.md's table section."""
+    lines = ["| op | output | called in | output dtype | scheme | bound |",
+             "|---|---|---|---|---|---|"]
+    for e in table():
+        lines.append(f"| {e.op} | {e.output} | {dtype_name(e.work)} | {dtype_name(e.out)} | "
+                     f"{e.scheme} | {e.numbers} |")
+    lines.append("")
+    lines.append("### Derivations (each op's error model)")
+    lines.append("")
+    for op in OPS.values():
+        lines.append(f"**{op.name}**: " + textwrap.fill(_derivation(op), 96))
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover - docs generator
+    print(markdown())

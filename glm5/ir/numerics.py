@@ -1,0 +1,244 @@
+"""What a correct kernel may differ from the float64 oracle by: the error model of an op.
+
+Every op's ``OpDef.error`` says, output by output, how far a correct implementation may sit
+from the oracle ``r`` (the op's reference run in float64 on the same, upcast inputs). The bound
+on ``|y - r|``, elementwise, is
+
+    MARGIN * (u(out) * |r| + u(work) * mid)  +  LAMBDA * u(acc) * acc  +  step  +  floor
+
+* ``u(d)`` is the unit roundoff of dtype ``d`` (half an ulp at 1): 2^-8 bf16, 2^-11 fp16,
+  2^-24 fp32, 2^-53 fp64.
+* ``out`` is the output's own dtype: its final rounding. An fp32 output computed from bf16
+  inputs gets fp32 slack (the inputs are exact; only the arithmetic rounds).
+* ``work`` is the dtype the kernel was called with (the op's dispatch dtype). ``mid`` is the
+  magnitude of the values a correct kernel may round to it between stages, propagated to the
+  output, as the op's model says (P before P·V in attention, the normalised value before the
+  weight in a norm, the activation between an expert's two GEMMs). A stage the contract keeps
+  in fp32 has no ``mid`` term.
+* ``acc`` is float32 (float64 for a float64 call): the arithmetic inside. A sum of ``n`` terms
+  contributes ``sqrt(n) * sum|terms|``: the probabilistic bound of Higham & Mary (SIAM J. Sci.
+  Comput. 41(5), 2019), ``lambda * sqrt(n) * u * sum|x_i y_i|``, which holds with probability
+  at least ``1 - 2n exp(-lambda^2/2)`` for independent roundings and is what blocked GPU/CPU
+  sums achieve; the worst case ``n * u`` is far too loose to catch a dropped key.
+* ``step`` is absolute: quantization codes that may move by one step, i.e. codes whose
+  quotient lies within the kernel's rounding error of a half (the oracle finds them).
+* ``floor`` is a few subnormal spacings of the output and working dtypes (underflow).
+
+MARGIN = 2 covers the first-order analysis (products of (1 + delta) factors), library exp /
+log / rsqrt of one to two ulps, and round-to-nearest ties. LAMBDA = 6 is the probabilistic
+constant: per element the failure probability of the sum bound is below 2n e^-18 (3e-8 n).
+
+For integer outputs (indices, codes) ``step`` is the allowed difference in code units and the
+other terms do not apply.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+MARGIN = 2.0
+LAMBDA = 6.0
+FLOOR_SPACINGS = 4.0
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half an ulp at 1 (eps / 2) of a floating dtype."""
+    return torch.finfo(dtype).eps / 2.0
+
+
+def acc_dtype(work: torch.dtype) -> torch.dtype:
+    """The arithmetic a kernel called with ``work`` is held to: fp32, or fp64 for fp64."""
+    return torch.float64 if work == torch.float64 else torch.float32
+
+
+def subnormal_spacing(dtype: torch.dtype) -> float:
+    fi = torch.finfo(dtype)
+    return fi.smallest_normal * fi.eps
+
+
+Mag = torch.Tensor | float
+
+
+@dataclass
+class ErrorTerms:
+    """The error sources of one output, as float64 magnitudes broadcastable to the output
+    (see the module docstring for how they become a bound)."""
+
+    mid: Mag = 0.0
+    acc: Mag = 0.0
+    step: Mag = 0.0
+
+    def __add__(self, other: "ErrorTerms") -> "ErrorTerms":
+        return ErrorTerms(self.mid + other.mid, self.acc + other.acc, self.step + other.step)
+
+    def scale(self, f: Mag) -> "ErrorTerms":
+        return ErrorTerms(self.mid * f, self.acc * f, self.step * f)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "ErrorTerms":
+        """Apply a linear map with non-negative coefficients (|W| @, a sum, a gather) to each
+        term; float terms are broadcast first by the caller."""
+        return ErrorTerms(*(fn(_t(x)) for x in (self.mid, self.acc, self.step)))
+
+    def absolute(self, work: torch.dtype) -> torch.Tensor | float:
+        """The terms as an absolute bound (without the output's own rounding and the floor):
+        what a later stage sees as the error of its input."""
+        return (MARGIN * unit_roundoff(work) * self.mid
+                + LAMBDA * unit_roundoff(acc_dtype(work)) * self.acc + self.step)
+
+
+def _t(x: Mag) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
+
+
+def bound(ref: torch.Tensor, terms: ErrorTerms, out: torch.dtype,
+          work: torch.dtype) -> torch.Tensor:
+    """The elementwise bound on |y - ref| for an output of dtype ``out`` of a kernel called
+    with ``work`` (float64 tensor shaped like ``ref``)."""
+    r = ref.to(torch.float64).abs()
+    b = (MARGIN * unit_roundoff(out) * r + terms.absolute(work)
+         + FLOOR_SPACINGS * max(subnormal_spacing(out), subnormal_spacing(work)))
+    return torch.broadcast_to(_t(b), ref.shape).to(torch.float64)
+
+
+def describe(terms_doc: str, out: torch.dtype, work: torch.dtype) -> str:
+    """One line: the numbers of the bound formula for (out, work) and the op's terms."""
+    return (f"{MARGIN:g}*({unit_roundoff(out):.3g}*|r| + {unit_roundoff(work):.3g}*mid) + "
+            f"{LAMBDA:g}*{unit_roundoff(acc_dtype(work)):.3g}*acc + step; {terms_doc}")
+
+
+# --------------------------------------------------------------------------- building blocks
+def sqrt_n(n: int) -> float:
+    return math.sqrt(max(int(n), 1))
+
+
+def abs_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|x| @ |w|^T: the magnitude of x @ w^T's terms."""
+    return x.abs() @ w.abs().transpose(-1, -2)
+
+
+def linear_error(x: torch.Tensor, ex: ErrorTerms, w: torch.Tensor, y: torch.Tensor,
+                 rounded: bool = True) -> ErrorTerms:
+    """Error of ``y = x @ w^T`` (float64 values) given the error ``ex`` of ``x``: the input's
+    error through |w|, fp32 accumulation over K, and (``rounded``) a rounding of y to the
+    working dtype, as an unfused implementation stores it."""
+    K = x.shape[-1]
+    wa = w.abs().transpose(-1, -2)
+    own = ErrorTerms(mid=y.abs() if rounded else 0.0, acc=sqrt_n(K) * (x.abs() @ wa))
+    return ex.map(lambda e: torch.broadcast_to(e, x.shape) @ wa) + own
+
+
+def zero_like(x: torch.Tensor) -> ErrorTerms:
+    z = torch.zeros_like(x, dtype=torch.float64)
+    return ErrorTerms(z, z.clone(), z.clone())
+
+
+def rms_norm_error(x: torch.Tensor, ex: ErrorTerms, g: torch.Tensor, eps: float,
+                   y: torch.Tensor) -> ErrorTerms:
+    """Error of ``y = x * rsqrt(mean(x^2) + eps) * g`` over the last dim given the error of x:
+    d n_i = r dx_i - n_i r (sum_j n_j dx_j) / D; plus the fp32 mean over D, the rsqrt and two
+    products, and one rounding of x * r to the working dtype before the weight."""
+    D = x.shape[-1]
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    n = x * r
+    ga = g.abs()
+
+    def through(e: torch.Tensor) -> torch.Tensor:
+        e = torch.broadcast_to(e, x.shape)
+        return ga * (r * e + n.abs() * r * (n.abs() * e).mean(-1, keepdim=True))
+
+    own = ErrorTerms(mid=y.abs(), acc=(sqrt_n(D) + 4.0) * y.abs())
+    return ex.map(through) + own
+
+
+def rope_magnitude(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+                   rope: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, Callable]:
+    """(|x1 c| + |x2 s| per output element, the map of an input error through the rotation)."""
+    zc, zs = torch.zeros_like(cos), torch.zeros_like(sin)
+
+    def through(e: torch.Tensor) -> torch.Tensor:
+        e = torch.broadcast_to(e, x.shape)
+        return rope(e, cos.abs(), zs, interleaved) + rope(e, zc, sin.abs(), interleaved).abs()
+
+    return through(x.abs()), through
+
+
+def rope_error(x: torch.Tensor, ex: ErrorTerms, cos: torch.Tensor, sin: torch.Tensor,
+               interleaved: bool, rope: Callable[..., torch.Tensor]) -> ErrorTerms:
+    """Error of a rotation: the input error through |cos|, |sin|; two products (each may be
+    rounded to the working dtype) and a sum in fp32."""
+    m, through = rope_magnitude(x, cos, sin, interleaved, rope)
+    return ex.map(through) + ErrorTerms(mid=m, acc=2.0 * m)
+
+
+def silu_mul_error(a: torch.Tensor, b: torch.Tensor, ea: ErrorTerms, eb: ErrorTerms,
+                   rounded: bool = True) -> ErrorTerms:
+    """Error of ``silu(a) * b``: |silu'(a)| ea |b| + |silu(a)| eb; exp, add, divide and multiply
+    in fp32; silu(a) may be rounded to the working dtype before the product (``rounded``)."""
+    sig = torch.sigmoid(a)
+    silu = a * sig
+    dsilu = (sig * (1.0 + a * (1.0 - sig))).abs()
+    y = (silu * b).abs()
+    return (ea.map(lambda e: dsilu * b.abs() * e) + eb.map(lambda e: silu.abs() * e)
+            + ErrorTerms(mid=y if rounded else 0.0, acc=4.0 * y))
+
+
+def fragile_codes(q: torch.Tensor, window: torch.Tensor | float) -> torch.Tensor:
+    """Codes ``round(q)`` that a perturbation of the quotient by ``window`` (code units) may
+    move: the distance of |q| to the nearest half is within the window."""
+    frac = q.abs() - q.abs().floor()
+    return (frac - 0.5).abs() <= window
+
+
+QUOTIENT_ULPS = 8.0  # x / s with an approximate division (GPU div.full: 2 ulp) and an s that
+#                      is itself off by 2 ulp: the quotient moves by up to ~8 u relative.
+
+
+@dataclass(frozen=True)
+class SelectionRows:
+    """What a selection op's rule hands the kit to judge a kernel's indices.
+
+    ``scores`` [T, S] float64: the oracle's score of every candidate (-inf: not selectable);
+    ``terms``: the ErrorTerms of those scores (their uncertainty in a correct kernel);
+    ``k``: entries per row; ``exact`` [T] bool: rows where no two candidates are closer than
+    their uncertainty unless their inputs are identical, so the result must equal the
+    reference's exactly (ties to the smaller index); ``problems``: extra failures the rule
+    found (row, message); ``expected``: dense outputs recomputed for the kernel's own indices
+    (e.g. routing weights), judged against their own error terms.
+    """
+
+    scores: torch.Tensor
+    terms: ErrorTerms
+    k: int
+    exact: torch.Tensor
+    problems: tuple[tuple[int, str], ...] = ()
+    expected: dict[str, Any] = field(default_factory=dict)
+    score_dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class Selection:
+    """How the kit judges a selection op (on its OpDef): ``index_output`` names the output that
+    holds the indices; ``rows(o, got, work)`` builds the SelectionRows from the float64 inputs
+    ``o`` and the kernel's outputs ``got`` (a dict by output name)."""
+
+    index_output: str
+    rows: Callable[[dict[str, Any], dict[str, torch.Tensor], torch.dtype], SelectionRows]
+    doc: str = ""
+
+
+def near_ties(scores: torch.Tensor, bnd: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[T] bool: rows holding two selectable candidates closer than the sum of their bounds
+    whose input keys differ (``keys`` [T, S, ...] compared exactly): there a correct kernel's
+    rounding may order them either way."""
+    T, S = scores.shape
+    kk = keys.reshape(T, S, -1)
+    ok = torch.isfinite(scores)
+    s = scores.masked_fill(~ok, 0.0)
+    close = (s[:, :, None] - s[:, None, :]).abs() <= (bnd[:, :, None] + bnd[:, None, :])
+    differ = (kk[:, :, None, :] != kk[:, None, :, :]).any(-1)
+    both = ok[:, :, None] & ok[:, None, :]
+    return (close & differ & both).flatten(1).any(-1)
