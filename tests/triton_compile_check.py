@@ -10,6 +10,10 @@ CASES ``"generators"`` (one bf16 case per op from the conformance kit's generato
 Every @triton.jit kernel is replaced by a recorder that compiles each distinct variant the
 launchers pick; the interpreter proves the arithmetic, this proves the constructs compile.
 Exit 1 and a FAIL line per variant that does not.
+
+In process, with ``Recorder.target = None``, the recorders only record each launch (kernel,
+grid, arguments) into ``Recorder.calls``: tests/test_triton_launch.py drives the launchers that
+way with stand-ins for npu / mlu / musa tensors, which no kernel could read.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ CODES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "i8",
 
 class Recorder:
     """Stands in for a JITFunction: ``kernel[grid](*args, **constexprs)`` compiles the variant
-    for the current target once instead of launching it."""
+    for the current target once instead of launching it; with no target (``None``) it appends
+    ``(kernel name, grid, args, kw)`` to ``calls`` and compiles nothing."""
 
     target = None
     done: dict = {}
     failed: list = []
+    calls: list = []
 
     def __init__(self, fn) -> None:
         self.fn = fn
@@ -42,8 +48,13 @@ class Recorder:
         import triton
         from triton.compiler import ASTSource
 
+        from glm5.kernels.triton.launch import LAUNCH_OPTIONS
+
         def launch(*args, **kw):
-            opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+            if Recorder.target is None:
+                Recorder.calls.append((self.fn.__name__, grid, args, dict(kw)))
+                return
+            opts = {k: kw.pop(k) for k in LAUNCH_OPTIONS if k in kw}
             names = [n for n in self.fn.arg_names if n not in kw]
             sig = {}
             for n, v in zip(names, args):
@@ -73,19 +84,26 @@ class Recorder:
         return launch
 
 
-def install_recorders() -> None:
-    import triton
+def install_recorders(patch=setattr) -> None:
+    """Replace every kernel (``*_kernel``) of the kernel modules by a Recorder. ``patch`` is
+    ``setattr`` here (a throw-away process); in a test, ``monkeypatch.setattr`` undoes it."""
+    from triton.runtime.jit import KernelInterface  # JITFunction, or InterpretedFunction
 
     for name in KERNEL_MODULES:
         mod = importlib.import_module(f"glm5.kernels.triton.{name}")
         for a in dir(mod):
             obj = getattr(mod, a)
-            if isinstance(obj, triton.runtime.jit.JITFunction) and a.endswith("_kernel"):
-                setattr(mod, a, Recorder(obj))
+            if isinstance(obj, KernelInterface) and a.endswith("_kernel"):
+                patch(mod, a, Recorder(obj))
+
+
+def skip_device_checks(patch=setattr) -> None:
+    """CPU tensors stand in for GPU ones: turn off each launcher module's device check."""
     from glm5.kernels.triton import registry as kreg
 
-    for name in kreg.MODULES:  # CPU tensors stand in for GPU ones
-        importlib.import_module(f"glm5.kernels.triton.{name}").check_device = lambda *ts: None
+    for name in kreg.MODULES:
+        patch(importlib.import_module(f"glm5.kernels.triton.{name}"), "check_device",
+              lambda *ts, **named: None)
 
 
 def launchers(table: str) -> dict:
@@ -137,6 +155,7 @@ def main(jobs: list) -> int:
     from triton.backends.compiler import GPUTarget
 
     install_recorders()
+    skip_device_checks()
     for table, backend, arch, warp, cases in jobs:
         Recorder.target = GPUTarget(backend, arch, warp)
         fns = launchers(table)

@@ -16,12 +16,12 @@ workspace stays bounded. No [T, S] score matrix is ever formed.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
 
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, dot_fp32, interpreted,
+                                        launch, launch_opts, next_pow2)
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "lightning_indexer": {"BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128, "num_warps": 4,
@@ -35,43 +35,6 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def check_device(op: str, *ts: torch.Tensor) -> None:
-    if not interpreted() and any(t.device.type != "cuda" for t in ts):
-        raise RuntimeError(
-            f"glm5 triton {op}: tensors must be on a CUDA device, or set TRITON_INTERPRET=1 "
-            "before glm5.kernels.triton modules are imported to run CPU tensors interpreted")
-
-
-def launch_opts(p: dict[str, Any]) -> dict[str, Any]:
-    return {k: int(p[k]) for k in ("num_warps", "num_stages") if k in p}
-
-
-def launch(kernel: Any, grid: tuple[int, ...], p: dict[str, Any], op: str, *args: Any,
-           **kw: Any) -> None:
-    """Launch under the tuning entry's grid policy (glm5.kernels.triton._grid)."""
-    from glm5.kernels.triton._grid import launch as _launch
-
-    _launch(kernel, grid, p, op, *args, **kw)
-
-
-def dot_fp32(*dtypes: torch.dtype) -> bool:
-    """fp32 dots when interpreted (bf16 tl.dot is wrong there), for fp32 inputs (IEEE, no TF32)
-    or mixed operand dtypes; otherwise bf16/fp16 tensor-core dots with fp32 accumulation."""
-    return interpreted() or torch.float32 in dtypes or len(set(dtypes)) > 1
-
-
 def _k():
     from glm5.kernels.triton import _indexer_kernels
 
@@ -79,15 +42,15 @@ def _k():
 
 
 def _tiles(p: dict[str, Any], Di: int) -> tuple[int, int, int]:
-    bt = max(16, _next_pow2(int(p.get("BLOCK_T", 16))))
-    bs = max(16, _next_pow2(int(p.get("BLOCK_S", 64))))
-    bd = max(16, min(_next_pow2(int(p.get("BLOCK_D", 128))), _next_pow2(Di)))
+    bt = max(16, next_pow2(int(p.get("BLOCK_T", 16))))
+    bs = max(16, next_pow2(int(p.get("BLOCK_S", 64))))
+    bd = max(16, min(next_pow2(int(p.get("BLOCK_D", 128))), next_pow2(Di)))
     return bt, bs, bd
 
 
 def make_lightning_indexer(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
     def lightning_indexer(q, k, w, k_start, k_end):
-        check_device("lightning_indexer", q, k, w, k_start, k_end)
+        check_device("lightning_indexer", q=q, k=k, w=w, k_start=k_start, k_end=k_end)
         k_start, k_end = k_start.contiguous(), k_end.contiguous()
         T, Hi, Di = q.shape
         S = k.shape[0]
@@ -95,7 +58,7 @@ def make_lightning_indexer(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         if T == 0 or S == 0:
             return out
         bt, bs, bd = _tiles(p, Di)
-        grid = (_cdiv(T, bt), _cdiv(S, bs))
+        grid = (cdiv(T, bt), cdiv(S, bs))
         launch(
             _k().lightning_indexer_kernel, grid, p, "lightning_indexer",
             q, k, w, k_start, k_end, out, T, S, Hi, Di,
@@ -110,7 +73,7 @@ def make_lightning_indexer(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
 
 def make_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
     def indexer_topk(q, k, w, k_start, k_end, topk):
-        check_device("indexer_topk", q, k, w, k_start, k_end)
+        check_device("indexer_topk", q=q, k=k, w=w, k_start=k_start, k_end=k_end)
         k_start, k_end = k_start.contiguous(), k_end.contiguous()
         T, Hi, Di = q.shape
         S = k.shape[0]
@@ -121,7 +84,7 @@ def make_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         if S == 0:
             return out.fill_(-1)
         bt, bs, bd = _tiles(p, Di)
-        ch = max(_next_pow2(topk), bs, 16)
+        ch = max(next_pow2(topk), bs, 16)
         # group queries so the workspace (8 bytes x 2*CH per query) stays within WS_BYTES
         per = max(bt, (int(p.get("WS_BYTES", 1 << 28)) // (16 * ch)) // bt * bt)
         rows = min(T, per)
@@ -134,7 +97,7 @@ def make_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
             n = t1 - t0
             qs, ws_, o = q[t0:t1], w[t0:t1], out[t0:t1]
             launch(
-                kern, (_cdiv(n, bt),), p, "indexer_topk",
+                kern, (cdiv(n, bt),), p, "indexer_topk",
                 qs, k, ws_, k_start[t0:t1], k_end[t0:t1], ws, o, n, S, Hi, Di, topk,
                 qs.stride(0), qs.stride(1), qs.stride(2), k.stride(0), k.stride(1),
                 ws_.stride(0), ws_.stride(1), o.stride(0), o.stride(1),

@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from glm5.kernels.triton.indexer import launch
-from glm5.kernels.triton.norm import FLOATS, _launch_opts, _next_pow2, check_device, interpreted
+from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, interpreted, launch,
+                                        launch_opts, next_pow2)
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "token_logprobs": {
@@ -36,9 +36,7 @@ def _kernels():
 def make_token_logprobs(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     def token_logprobs(h: torch.Tensor, w_vocab: torch.Tensor, targets: torch.Tensor,
                        temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        import triton
-
-        check_device(h, w_vocab, targets)
+        check_device("token_logprobs", h=h, w_vocab=w_vocab, targets=targets)
         T, D = h.shape
         V = w_vocab.shape[0]
         dev = h.device
@@ -47,22 +45,22 @@ def make_token_logprobs(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, 
         if T == 0:
             return logp, ent
         interp = interpreted()
-        bt = max(16, _next_pow2(int(p.get("BLOCK_T", 64))))
-        bt = min(bt, max(16, _next_pow2(T)))
-        bv = max(16, _next_pow2(int(p.get("BLOCK_V", 128))))
-        bd = max(16, _next_pow2(int(p.get("BLOCK_D", 64))))
-        bd = min(bd, max(16, _next_pow2(D)))
-        n_tb = triton.cdiv(T, bt)
-        n_chunks = triton.cdiv(V, bv)
+        bt = max(16, next_pow2(int(p.get("BLOCK_T", 64))))
+        bt = min(bt, max(16, next_pow2(T)))
+        bv = max(16, next_pow2(int(p.get("BLOCK_V", 128))))
+        bd = max(16, next_pow2(int(p.get("BLOCK_D", 64))))
+        bd = min(bd, max(16, next_pow2(D)))
+        n_tb = cdiv(T, bt)
+        n_chunks = cdiv(V, bv)
         target = int(p.get("TARGET_PROGRAMS_INTERPRETED" if interp else "TARGET_PROGRAMS", 0))
         split = 1
         if "SPLIT_V" in p:
             split = max(1, int(p["SPLIT_V"]))
         elif target > n_tb:
-            split = triton.cdiv(target, n_tb)
+            split = cdiv(target, n_tb)
         split = max(1, min(split, n_chunks))
-        per = triton.cdiv(n_chunks, split)  # chunks per split; no split is left empty
-        split = triton.cdiv(n_chunks, per)
+        per = cdiv(n_chunks, split)  # chunks per split; no split is left empty
+        split = cdiv(n_chunks, per)
         parts = torch.empty(4, split, T, dtype=torch.float32, device=dev)
         dot_f32 = interp or h.dtype == torch.float32 or w_vocab.dtype == torch.float32
         k = _kernels()
@@ -71,10 +69,10 @@ def make_token_logprobs(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, 
             h, w_vocab, targets, parts[0], parts[1], parts[2], parts[3],
             T, V, D, 1.0 / float(temperature), per * bv,
             h.stride(0), h.stride(1), w_vocab.stride(0), w_vocab.stride(1), targets.stride(0),
-            BLOCK_T=bt, BLOCK_V=bv, BLOCK_D=bd, DOT_F32=dot_f32, **_launch_opts(p))
-        cb = max(16, min(1024, _next_pow2(T)))
+            BLOCK_T=bt, BLOCK_V=bv, BLOCK_D=bd, DOT_F32=dot_f32, **launch_opts(p))
+        cb = max(16, min(1024, next_pow2(T)))
         launch(
-            k.token_logprobs_combine_kernel, (triton.cdiv(T, cb),), p, "token_logprobs",
+            k.token_logprobs_combine_kernel, (cdiv(T, cb),), p, "token_logprobs",
             parts[0], parts[1], parts[2], parts[3], logp, ent, T, split, BLOCK_T=cb)
         return logp, ent
 

@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import torch
 
-from glm5.kernels.triton.indexer import (FLOATS, _next_pow2, check_device, dot_fp32,
-                                         launch, launch_opts)
+from glm5.kernels.triton.launch import (FLOATS, check_device, dot_fp32, launch, launch_opts,
+                                        next_pow2)
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "mla_prolog": {"num_warps": 4, "num_stages": 1},
@@ -36,8 +36,8 @@ def _k():
 def make_mla_prolog(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, ...]]:
     def mla_prolog(x, w_qa, g_qa, w_qb, w_kva, g_kva, w_uk, cos, sin, eps, kv_cache, slots,
                    absorb):
-        check_device("mla_prolog", x, w_qa, g_qa, w_qb, w_kva, g_kva, w_uk, cos, sin,
-                     kv_cache, slots)
+        check_device("mla_prolog", x=x, w_qa=w_qa, g_qa=g_qa, w_qb=w_qb, w_kva=w_kva, g_kva=g_kva,
+                     w_uk=w_uk, cos=cos, sin=sin, kv_cache=kv_cache, slots=slots)
         T, D = x.shape
         H, Dn, Rkv = w_uk.shape
         Rq = w_qa.shape[0]
@@ -64,8 +64,8 @@ def make_mla_prolog(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, ...]
             cq_raw.stride(0), cq_raw.stride(1), g_qa.stride(0), c_q.stride(0), c_q.stride(1),
             kv.stride(0), kv.stride(1), g_kva.stride(0), cos.stride(0), cos.stride(1),
             sin.stride(0), sin.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-            BLOCK_RQ=max(16, _next_pow2(Rq)), BLOCK_RKV=max(16, _next_pow2(Rkv)),
-            BLOCK_R2=max(16, _next_pow2(R2)), **opts)
+            BLOCK_RQ=max(16, next_pow2(Rq)), BLOCK_RKV=max(16, next_pow2(Rkv)),
+            BLOCK_R2=max(16, next_pow2(R2)), **opts)
         q = c_q @ w_qb.to(cd).t()  # [T, H * (Dn + Dr)]
         qn_out = q_pe if absorb else q_main  # q_pe: an unused placeholder when absorbing
         launch(
@@ -74,8 +74,8 @@ def make_mla_prolog(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, ...]
             q.stride(0), q.stride(1), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
             qn_out.stride(0), qn_out.stride(1), qn_out.stride(2),
             q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
-            WRITE_NOPE=not absorb, BLOCK_DN=max(16, _next_pow2(Dn)),
-            BLOCK_R2=max(16, _next_pow2(R2)), **opts)
+            WRITE_NOPE=not absorb, BLOCK_DN=max(16, next_pow2(Dn)),
+            BLOCK_R2=max(16, next_pow2(R2)), **opts)
         if absorb:
             q_nope = q.view(T, H, Dn + Dr)[..., :Dn]  # [T, H, Dn]
             # [H, T, Dn] x [H, Dn, Rkv] -> [H, T, Rkv]

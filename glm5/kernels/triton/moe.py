@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from glm5.kernels.triton.indexer import (FLOATS, _cdiv, _next_pow2, check_device, dot_fp32,
-                                         launch, launch_opts)
+from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, dot_fp32, launch,
+                                        launch_opts, next_pow2)
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "moe_experts": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_D": 256,
@@ -51,7 +51,7 @@ def schedule(ids: torch.Tensor, E: int, block_m: int):
     offs[1:] = torch.cumsum(counts, 0)
     tiles = torch.div(counts + block_m - 1, block_m, rounding_mode="floor")
     tile_end = torch.cumsum(tiles, 0)  # inclusive
-    max_tiles = max(1, min(N, _cdiv(N, block_m) + E))
+    max_tiles = max(1, min(N, cdiv(N, block_m) + E))
     i = torch.arange(max_tiles, device=dev)
     te = torch.searchsorted(tile_end, i, right=True)  # the expert of tile i (E = padding)
     real = te < E
@@ -65,7 +65,7 @@ def schedule(ids: torch.Tensor, E: int, block_m: int):
 
 def make_moe_experts(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
     def moe_experts(x, ids, weights, w13, w2):
-        check_device("moe_experts", x, ids, weights, w13, w2)
+        check_device("moe_experts", x=x, ids=ids, weights=weights, w13=w13, w2=w2)
         T, D = x.shape
         E, I2, _ = w13.shape
         I = I2 // 2
@@ -75,10 +75,10 @@ def make_moe_experts(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
             return out
         if kt == 0 or E == 0:
             return out.zero_()
-        bm = max(16, _next_pow2(int(p.get("BLOCK_M", 16))))
-        bn = max(16, _next_pow2(int(p.get("BLOCK_N", 64))))
-        bk = max(16, _next_pow2(int(p.get("BLOCK_K", 64))))
-        bdc = max(16, _next_pow2(int(p.get("BLOCK_D", 256))))
+        bm = max(16, next_pow2(int(p.get("BLOCK_M", 16))))
+        bn = max(16, next_pow2(int(p.get("BLOCK_N", 64))))
+        bk = max(16, next_pow2(int(p.get("BLOCK_K", 64))))
+        bdc = max(16, next_pow2(int(p.get("BLOCK_D", 256))))
         fp32 = dot_fp32(x.dtype, w13.dtype, w2.dtype)
         opts = launch_opts(p)
         k = _k()
@@ -88,27 +88,27 @@ def make_moe_experts(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         h = torch.empty((N, max(I, 1)), dtype=x.dtype, device=x.device)
         y = torch.empty((N, D), dtype=torch.float32, device=x.device)
         if I > 0:
-            bn1 = max(16, min(bn, _next_pow2(I)))
+            bn1 = max(16, min(bn, next_pow2(I)))
             launch(
-                k.moe_gemm13_kernel, (nt, _cdiv(I, bn1)), p, "moe_experts",
+                k.moe_gemm13_kernel, (nt, cdiv(I, bn1)), p, "moe_experts",
                 x, w13, h, tok, tile_e, lo, hi, D, I,
                 x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
                 h.stride(0), h.stride(1),
-                BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=max(16, min(bk, _next_pow2(D))),
+                BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=max(16, min(bk, next_pow2(D))),
                 DOT_FP32=fp32, **opts)
         else:
             h.zero_()
-        bn2 = max(16, min(bn, _next_pow2(D)))
+        bn2 = max(16, min(bn, next_pow2(D)))
         launch(
-            k.moe_gemm2_kernel, (nt, _cdiv(D, bn2)), p, "moe_experts",
+            k.moe_gemm2_kernel, (nt, cdiv(D, bn2)), p, "moe_experts",
             h, w2, y, tile_e, lo, hi, D, I,
             h.stride(0), h.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
             y.stride(0), y.stride(1),
-            BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=max(16, min(bk, _next_pow2(max(I, 1)))),
+            BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=max(16, min(bk, next_pow2(max(I, 1)))),
             DOT_FP32=fp32, **opts)
-        bd = max(16, min(bdc, _next_pow2(D)))
+        bd = max(16, min(bdc, next_pow2(D)))
         launch(
-            k.moe_combine_kernel, (T, _cdiv(D, bd)), p, "moe_experts",
+            k.moe_combine_kernel, (T, cdiv(D, bd)), p, "moe_experts",
             y, inv, ids, weights, out, D, kt,
             y.stride(0), y.stride(1), ids.stride(0), ids.stride(1),
             weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),

@@ -8,12 +8,11 @@ The @triton.jit kernels live in ``_norm_kernels`` and are imported on first call
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
 
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+from glm5.kernels.triton.launch import FLOATS, cdiv, check_device, launch, launch_opts, next_pow2
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     # BLOCK_D: the widest row held at once (longer rows take two passes over D).
@@ -24,58 +23,27 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def check_device(*ts: torch.Tensor) -> None:
-    """CPU tensors only run through the Triton interpreter."""
-    if not interpreted() and any(t.device.type == "cpu" for t in ts):
-        raise RuntimeError(
-            "glm5 triton kernels: CPU tensors need the Triton interpreter "
-            "(set TRITON_INTERPRET=1 before glm5.kernels.triton modules are imported)")
-
-
 def _kernels():
     from glm5.kernels.triton import _norm_kernels
 
     return _norm_kernels
 
 
-def _launch(kernel: Any, grid: tuple[int, ...], p: dict[str, Any], op: str, *args: Any,
-            **kw: Any) -> None:
-    from glm5.kernels.triton._grid import launch
-
-    launch(kernel, grid, p, op, *args, **kw)
-
-
-def _launch_opts(p: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for k in ("num_warps", "num_stages"):
-        if k in p:
-            out[k] = int(p[k])
-    return out
-
-
 # --------------------------------------------------------------------------- rms_norm
 def make_rms_norm(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        check_device(x, weight)
+        check_device("rms_norm", x=x, weight=weight)
         D = x.shape[-1]
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         if x.numel() == 0:
             return y
         x2 = x.reshape(-1, D)
         y2 = y.view(-1, D)
-        cap = _next_pow2(int(p.get("BLOCK_D", 8192)))
-        block = max(16, min(_next_pow2(D), cap))
-        _launch(_kernels().rms_norm_kernel, (x2.shape[0],), p, "rms_norm",
-                x2, weight, y2, D, x2.stride(0), x2.stride(1), weight.stride(0), y2.stride(0),
-                float(eps), BLOCK_D=block, ONE_PASS=D <= block, **_launch_opts(p))
+        cap = next_pow2(int(p.get("BLOCK_D", 8192)))
+        block = max(16, min(next_pow2(D), cap))
+        launch(_kernels().rms_norm_kernel, (x2.shape[0],), p, "rms_norm",
+               x2, weight, y2, D, x2.stride(0), x2.stride(1), weight.stride(0), y2.stride(0),
+               float(eps), BLOCK_D=block, ONE_PASS=D <= block, **launch_opts(p))
         return y
 
     return rms_norm
@@ -85,7 +53,7 @@ def make_rms_norm(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
 def make_rope(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
     def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              interleaved: bool) -> torch.Tensor:
-        check_device(x, cos, sin)
+        check_device("rope", x=x, cos=cos, sin=sin)
         T, R = x.shape[0], x.shape[-1]
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         if x.numel() == 0:
@@ -95,15 +63,13 @@ def make_rope(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         M, half = x3.shape[1], R // 2
         c2 = cos.reshape(T, half)
         s2 = sin.reshape(T, half)
-        bm = max(1, min(_next_pow2(M), _next_pow2(int(p.get("BLOCK_M", 16)))))
-        bh = max(16, _next_pow2(half))
-        import triton
-
-        _launch(_kernels().rope_kernel, (T, triton.cdiv(M, bm)), p, "rope",
-                x3, c2, s2, y3, M, half,
-                x3.stride(0), x3.stride(1), x3.stride(2), c2.stride(0), c2.stride(1),
-                s2.stride(0), s2.stride(1), y3.stride(0), y3.stride(1),
-                INTERLEAVED=bool(interleaved), BLOCK_M=bm, BLOCK_H=bh, **_launch_opts(p))
+        bm = max(1, min(next_pow2(M), next_pow2(int(p.get("BLOCK_M", 16)))))
+        bh = max(16, next_pow2(half))
+        launch(_kernels().rope_kernel, (T, cdiv(M, bm)), p, "rope",
+               x3, c2, s2, y3, M, half,
+               x3.stride(0), x3.stride(1), x3.stride(2), c2.stride(0), c2.stride(1),
+               s2.stride(0), s2.stride(1), y3.stride(0), y3.stride(1),
+               INTERLEAVED=bool(interleaved), BLOCK_M=bm, BLOCK_H=bh, **launch_opts(p))
         return y
 
     return rope
@@ -112,19 +78,17 @@ def make_rope(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
 # --------------------------------------------------------------------------- silu_mul
 def make_silu_mul(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
     def silu_mul(x: torch.Tensor) -> torch.Tensor:
-        check_device(x)
+        check_device("silu_mul", x=x)
         I = x.shape[-1] // 2
         y = torch.empty(tuple(x.shape[:-1]) + (I,), dtype=x.dtype, device=x.device)
         if y.numel() == 0:
             return y
         x2 = x.reshape(-1, 2 * I)
         y2 = y.view(-1, I)
-        block = max(16, min(_next_pow2(I), _next_pow2(int(p.get("BLOCK_I", 1024)))))
-        import triton
-
-        _launch(_kernels().silu_mul_kernel, (x2.shape[0], triton.cdiv(I, block)), p,
-                "silu_mul", x2, y2, I, x2.stride(0), x2.stride(1), y2.stride(0), BLOCK_I=block,
-                **_launch_opts(p))
+        block = max(16, min(next_pow2(I), next_pow2(int(p.get("BLOCK_I", 1024)))))
+        launch(_kernels().silu_mul_kernel, (x2.shape[0], cdiv(I, block)), p,
+               "silu_mul", x2, y2, I, x2.stride(0), x2.stride(1), y2.stride(0), BLOCK_I=block,
+               **launch_opts(p))
         return y
 
     return silu_mul

@@ -15,8 +15,8 @@ from typing import Any, Callable
 import torch
 
 from glm5.ir.quant_formats import ACT_DTYPE, ACT_QMAX, GROUP, get_scheme, n_groups
-from glm5.kernels.triton.indexer import launch
-from glm5.kernels.triton.norm import FLOATS, _launch_opts, _next_pow2, check_device, interpreted
+from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, interpreted, launch,
+                                        launch_opts, next_pow2)
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "quant_linear": {
@@ -40,7 +40,7 @@ def quantize_per_token(x: torch.Tensor, bits: int,
                        p: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton per-token quantization of x[M, K]: (codes int8/int16 [M, K], scale fp32 [M])."""
     p = DEFAULTS["quant_linear"] if p is None else p
-    check_device(x)
+    check_device("quant_linear", x=x)
     M, K = x.shape
     q = torch.empty(M, K, dtype=ACT_DTYPE[bits], device=x.device)
     s = torch.empty(M, dtype=torch.float32, device=x.device)
@@ -49,8 +49,8 @@ def quantize_per_token(x: torch.Tensor, bits: int,
     if K == 0:
         s.fill_(1.0)
         return q, s
-    block = max(16, min(_next_pow2(K), _next_pow2(int(p.get("QUANT_BLOCK_K", 8192)))))
-    opts = {"num_warps": int(p.get("quant_num_warps", 8))}
+    block = max(16, min(next_pow2(K), next_pow2(int(p.get("QUANT_BLOCK_K", 8192)))))
+    opts = launch_opts(p, prefix="quant_", num_warps=8)  # its own warps: a row-wise kernel
     launch(
         _kernels().quantize_rows_kernel, (M,), p, "quant_linear",
         x, q, s, K, x.stride(0), x.stride(1), q.stride(0),
@@ -61,10 +61,8 @@ def quantize_per_token(x: torch.Tensor, bits: int,
 def make_quant_linear(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
     def quant_linear(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                      scheme: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-        import triton
-
         sc = get_scheme(scheme, "quant_linear")
-        check_device(x, w_packed, w_scale)
+        check_device("quant_linear", x=x, w_packed=w_packed, w_scale=w_scale, bias=bias)
         M, K = x.shape
         N = w_packed.shape[0]
         y = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -83,15 +81,15 @@ def make_quant_linear(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         if M <= int(p.get("SMALL_M", 16)):
             bm = int(p.get("BLOCK_M_SMALL_M", bm))
             bn = int(p.get("BLOCK_N_SMALL_M", bn))
-        bm = max(16, min(_next_pow2(bm), _next_pow2(M)))
-        bn = max(16, min(_next_pow2(bn), _next_pow2(N)))
-        bk = max(32, min(_next_pow2(int(p.get("BLOCK_K", 128))), GROUP))
-        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-        opts = _launch_opts(p)
+        bm = max(16, min(next_pow2(bm), next_pow2(M)))
+        bn = max(16, min(next_pow2(bn), next_pow2(N)))
+        bk = max(32, min(next_pow2(int(p.get("BLOCK_K", 128))), GROUP))
+        grid = (cdiv(M, bm), cdiv(N, bn))
+        opts = launch_opts(p)
         k = _kernels()
         if sc.act_bits is None:
             dot_f32 = interpreted() or x.dtype == torch.float32
-            bk16 = max(16, min(_next_pow2(int(p.get("BLOCK_K", 128))), _next_pow2(K)))
+            bk16 = max(16, min(next_pow2(int(p.get("BLOCK_K", 128))), next_pow2(K)))
             launch(
                 k.quant_linear_w8a16_kernel, grid, p, "quant_linear",
                 x, wp, ws, b, y, M, N, K, x.stride(0), x.stride(1), wp.stride(0), y.stride(0),

@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from glm5.kernels.triton.indexer import (FLOATS, _cdiv, _next_pow2, check_device, dot_fp32,
-                                         launch, launch_opts)
+from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, dot_fp32, launch,
+                                        launch_opts, next_pow2)
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     # BLOCK_H_MAX: query heads per program (a power of two >= 16; fewer heads are masked);
@@ -48,11 +48,11 @@ def _launch(p: dict[str, Any], q, k, v, idx, k_start, k_end, scale, sparse: bool
         return out, lse
     Dv_launch = max(Dv, 1)  # Dv = 0: out is empty, lse still needs the scores
     G = H // Hk
-    bh = max(16, min(_next_pow2(G), _next_pow2(int(p.get("BLOCK_H_MAX", 64)))))
-    bk = max(16, _next_pow2(int(p.get("BLOCK_K", 32))))
-    bd = max(16, min(_next_pow2(Dqk), _next_pow2(int(p.get("BLOCK_D", 64)))))
-    bdv = max(16, min(_next_pow2(Dv_launch), _next_pow2(int(p.get("BLOCK_DV", 512)))))
-    n_hb = _cdiv(G, bh)
+    bh = max(16, min(next_pow2(G), next_pow2(int(p.get("BLOCK_H_MAX", 64)))))
+    bk = max(16, next_pow2(int(p.get("BLOCK_K", 32))))
+    bd = max(16, min(next_pow2(Dqk), next_pow2(int(p.get("BLOCK_D", 64)))))
+    bdv = max(16, min(next_pow2(Dv_launch), next_pow2(int(p.get("BLOCK_DV", 512)))))
+    n_hb = cdiv(G, bh)
     if sparse:
         K = idx.shape[1]
         sit, sik = idx.stride(0), idx.stride(1)
@@ -62,7 +62,7 @@ def _launch(p: dict[str, Any], q, k, v, idx, k_start, k_end, scale, sparse: bool
         sit = sik = 0
         idx = k_start  # unused
         ks, ke = k_start.contiguous(), k_end.contiguous()
-    grid = (T, Hk * n_hb, _cdiv(Dv_launch, bdv))
+    grid = (T, Hk * n_hb, cdiv(Dv_launch, bdv))
     launch(
         _k().attention_kernel, grid, p, "sparse_attention" if sparse else "attention",
         q, k, v, idx, ks, ke, out, lse, G, Dqk, Dv, K, n_hb, float(scale) * LOG2E,
@@ -76,7 +76,7 @@ def _launch(p: dict[str, Any], q, k, v, idx, k_start, k_end, scale, sparse: bool
 
 def make_sparse_attention(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     def sparse_attention(q, k, v, idx, scale):
-        check_device("sparse_attention", q, k, v, idx)
+        check_device("sparse_attention", q=q, k=k, v=v, idx=idx)
         return _launch(p, q, k, v, idx, None, None, scale, True)
 
     return sparse_attention
@@ -84,7 +84,7 @@ def make_sparse_attention(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor
 
 def make_attention(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     def attention(q, k, v, k_start, k_end, scale):
-        check_device("attention", q, k, v, k_start, k_end)
+        check_device("attention", q=q, k=k, v=v, k_start=k_start, k_end=k_end)
         return _launch(p, q, k, v, None, k_start, k_end, scale, False)
 
     return attention
