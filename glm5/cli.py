@@ -127,7 +127,11 @@ def cmd_ops(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- parity
 def cmd_parity(args: argparse.Namespace) -> int:
     from glm5.backends.api import REFERENCE, strict_mode
+    from glm5.testing.cases import PROFILE_EXAMPLES, PROFILES
     from glm5.testing.parity import Row, format_table, run_parity
+    from glm5.testing.tolerances import bound_form
+
+    examples = args.examples if args.examples is not None else PROFILE_EXAMPLES[args.profile]
 
     if args.emulate:
         # Triton reads this when a kernel module is imported: before any of them is.
@@ -147,10 +151,13 @@ def cmd_parity(args: argparse.Namespace) -> int:
             rows.append(Row(n, "*", "fail", "-", 0.0, 0.0, "", 0,
                             f"backend {what} under GLM5_STRICT=1: {reason}", emulate))
             continue
-        rows.extend(run_parity(b, ops, args.examples, args.seed, emulate=emulate))
+        rows.extend(run_parity(b, ops, examples, args.seed, emulate=emulate,
+                               profile=args.profile))
     if args.json:
-        print(json.dumps({"backend": args.backend, "seed": args.seed, "examples": args.examples,
-                          "rows": [r.as_dict() for r in rows]}, indent=2))
+        print(json.dumps({"backend": args.backend, "seed": args.seed, "examples": examples,
+                          "profile": args.profile, "tiers": list(PROFILES[args.profile]),
+                          "bound": bound_form(), "rows": [r.as_dict() for r in rows]},
+                         indent=2))
     else:
         print(format_table(rows))
     return 1 if any(r.status == "fail" for r in rows) else 0
@@ -214,6 +221,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- bench
 def cmd_bench(args: argparse.Namespace) -> int:
+    from glm5.backends.api import REFERENCE
     from glm5.testing.bench import SHAPES, format_rows, run_bench
 
     reg = _registry()
@@ -221,8 +229,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         b = reg.get(args.backend)
     else:  # the backend that would serve the cpu: the first available non-reference one
         avail = [x for x in reg.backends.values()
-                 if x.name != "reference" and x.serves_device("cpu") and x.is_available()[0]]
-        b = max(avail, key=lambda x: x.priority) if avail else reg.get("reference")
+                 if x.name != REFERENCE and x.serves_device("cpu") and x.is_available()[0]]
+        b = max(avail, key=lambda x: x.priority) if avail else reg.get(REFERENCE)
     ok, reason = b.is_available()
     if not ok:
         raise ValueError(f"backend {b.name!r} is unavailable: {reason}")
@@ -351,7 +359,13 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("parity", help="check a backend's kernels against the float64 oracle")
     q.add_argument("--backend", required=True, help="backend name, or 'all'")
     q.add_argument("--ops", default="", help="comma-separated ops (default: all it claims)")
-    q.add_argument("--examples", type=int, default=20, help="examples per (op, dtype)")
+    q.add_argument("--examples", type=int, default=None,
+                   help="examples per (op, dtype) (default: 10 for the default profile, 6 "
+                        "quick, 100 full)")
+    q.add_argument("--profile", choices=("quick", "default", "full"), default="default",
+                   help="size tiers the examples cycle through: quick = edge, model, tile "
+                        "(interpreters); default adds large and huge (thousands of keys, past "
+                        "every kernel's tiles); full = the same tiers, 100 examples")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--emulate", action="store_true",
                    help="run device kernels on CPU tensors through the backend's emulator "
@@ -422,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "examples", 1) < 1:
+    if getattr(args, "examples", None) is not None and args.examples < 1:
         print("glm5 parity: --examples expected a positive integer", file=sys.stderr)
         return 2
     try:

@@ -80,14 +80,19 @@ class ErrorTerms:
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "ErrorTerms":
         """Apply a linear map with non-negative coefficients (|W| @, a sum, a gather) to each
-        term; float terms are broadcast first by the caller."""
-        return ErrorTerms(*(fn(_t(x)) for x in (self.mid, self.acc, self.step)))
+        term (a zero term stays zero; others arrive as tensors, to be broadcast by ``fn``)."""
+        return ErrorTerms(*(0.0 if _zero(x) else fn(_t(x))
+                            for x in (self.mid, self.acc, self.step)))
 
     def absolute(self, work: torch.dtype) -> torch.Tensor | float:
         """The terms as an absolute bound (without the output's own rounding and the floor):
         what a later stage sees as the error of its input."""
         return (MARGIN * unit_roundoff(work) * self.mid
                 + LAMBDA * unit_roundoff(acc_dtype(work)) * self.acc + self.step)
+
+
+def _zero(x: Mag) -> bool:
+    return not isinstance(x, torch.Tensor) and float(x) == 0.0
 
 
 def _t(x: Mag) -> torch.Tensor:
@@ -131,9 +136,9 @@ def linear_error(x: torch.Tensor, ex: ErrorTerms, w: torch.Tensor, y: torch.Tens
     return ex.map(lambda e: torch.broadcast_to(e, x.shape) @ wa) + own
 
 
-def zero_like(x: torch.Tensor) -> ErrorTerms:
-    z = torch.zeros_like(x, dtype=torch.float64)
-    return ErrorTerms(z, z.clone(), z.clone())
+def no_error() -> ErrorTerms:
+    """The error of an exact input."""
+    return ErrorTerms()
 
 
 def rms_norm_error(x: torch.Tensor, ex: ErrorTerms, g: torch.Tensor, eps: float,
@@ -231,14 +236,21 @@ class Selection:
 
 
 def near_ties(scores: torch.Tensor, bnd: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """[T] bool: rows holding two selectable candidates closer than the sum of their bounds
-    whose input keys differ (``keys`` [T, S, ...] compared exactly): there a correct kernel's
-    rounding may order them either way."""
+    """[T] bool: rows holding two selectable candidates whose scores lie within twice the row's
+    largest bound of each other while their input keys differ (``keys`` [T, S, ...] compared
+    exactly): there a correct kernel's rounding may order them either way. Neighbours in score
+    order suffice: any such pair has a neighbouring pair at most as far apart with differing
+    keys."""
     T, S = scores.shape
     kk = keys.reshape(T, S, -1)
     ok = torch.isfinite(scores)
-    s = scores.masked_fill(~ok, 0.0)
-    close = (s[:, :, None] - s[:, None, :]).abs() <= (bnd[:, :, None] + bnd[:, None, :])
-    differ = (kk[:, :, None, :] != kk[:, None, :, :]).any(-1)
-    both = ok[:, :, None] & ok[:, None, :]
-    return (close & differ & both).flatten(1).any(-1)
+    s = scores.masked_fill(~ok, float("-inf"))
+    order = torch.argsort(s, dim=-1)
+    ss = torch.gather(s, 1, order)
+    ko = torch.gather(kk, 1, order[..., None].expand_as(kk))
+    oko = torch.gather(ok, 1, order)
+    tie = 2.0 * bnd.masked_fill(~ok, 0.0).amax(-1, keepdim=True)
+    close = (ss[:, 1:] - ss[:, :-1]) <= tie
+    differ = (ko[:, 1:] != ko[:, :-1]).any(-1)
+    both = oko[:, 1:] & oko[:, :-1]
+    return (close & differ & both).any(-1)

@@ -11,7 +11,7 @@ from glm5.ir.numerics import (
     rms_norm_error,
     rope_error,
     sqrt_n,
-    zero_like,
+    no_error,
 )
 from glm5.ir.opdef import OpDef, check_index_range, has_data, require
 from glm5.ir.ops_norm import _bytes, acc_of, rms_norm_ref, rope_ref
@@ -71,7 +71,7 @@ def mla_prolog_error(o, r, work):
     T = x.shape[0]
     cos, sin = o["cos"], o["sin"]
     a = F.linear(x, o["w_qa"])
-    ea = linear_error(x, zero_like(x), o["w_qa"], a)
+    ea = linear_error(x, no_error(), o["w_qa"], a)
     c_q = rms_norm_ref(a, o["g_qa"], eps)
     ecq = rms_norm_error(a, ea, o["g_qa"], eps, c_q)
     qf = F.linear(c_q, o["w_qb"])
@@ -88,7 +88,7 @@ def mla_prolog_error(o, r, work):
     else:
         eqm = split[0]
     kv = F.linear(x, o["w_kva"])
-    ekv = linear_error(x, zero_like(x), o["w_kva"], kv)
+    ekv = linear_error(x, no_error(), o["w_kva"], kv)
     ckv = rms_norm_ref(kv[:, :Rkv], o["g_kva"], eps)
     eckv = rms_norm_error(kv[:, :Rkv], ekv.map(lambda e: torch.broadcast_to(e, kv.shape)[:, :Rkv]),
                           o["g_kva"], eps, ckv)

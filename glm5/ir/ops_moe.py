@@ -13,7 +13,7 @@ from glm5.ir.numerics import (
     linear_error,
     near_ties,
     silu_mul_error,
-    zero_like,
+    no_error,
 )
 from glm5.ir.opdef import OpDef, check_index_range, require
 from glm5.ir.ops_norm import _bytes, acc_of
@@ -201,7 +201,8 @@ def expert_chain_error(x, ids, weights, up, down):
         out, eo = down(g, eg, e)
         wt = weights[t, j].abs()[:, None]
         for dst, src in ((mid, eo.mid), (acc, eo.acc), (step, eo.step)):
-            dst.index_add_(0, t, wt * torch.broadcast_to(src, out.shape))
+            dst.index_add_(0, t, wt * torch.broadcast_to(
+                torch.as_tensor(src, dtype=torch.float64), out.shape))
         mag.index_add_(0, t, wt * out.abs())
     return ErrorTerms(mid=mid, acc=acc + (k ** 0.5 + 1.0) * mag, step=step)
 
@@ -213,7 +214,7 @@ def moe_experts_error(o, r, work):
 
     def up(xr, e):
         h = F.linear(xr, w13[e])
-        return h, linear_error(xr, zero_like(xr), w13[e], h)
+        return h, linear_error(xr, no_error(), w13[e], h)
 
     def down(g, eg, e):
         out = F.linear(g, w2[e])

@@ -11,7 +11,7 @@ from glm5.ir.numerics import (
     rope_error,
     silu_mul_error,
     sqrt_n,
-    zero_like,
+    no_error,
 )
 from glm5.ir.opdef import OpDef, require
 from glm5.ir.signature import FLOAT_DTYPES, OutArg, TensorArg, scalar
@@ -38,7 +38,7 @@ def rms_norm_error_model(o, r, work):
     """y: the fp32 mean over D (sqrt(D) growth), rsqrt and two products (acc); x * rsqrt may
     be rounded to the working dtype before the weight, as transformers does (mid)."""
     x = o["x"]
-    return {"y": rms_norm_error(x, zero_like(x), o["weight"], o["eps"], r[0])}
+    return {"y": rms_norm_error(x, no_error(), o["weight"], o["eps"], r[0])}
 
 
 RMS_NORM = OpDef(
@@ -131,7 +131,7 @@ def rope_error_model(o, r, work):
     """y: per output, M = |x1 cos| + |x2 sin|; the two products may be rounded to the working
     dtype (mid = M) and are summed in fp32 (acc = 2M). cos and sin are inputs: exact."""
     x = o["x"]
-    return {"y": rope_error(x, zero_like(x), o["cos"], o["sin"], o["interleaved"], rope_ref)}
+    return {"y": rope_error(x, no_error(), o["cos"], o["sin"], o["interleaved"], rope_ref)}
 
 
 ROPE = OpDef(
@@ -166,7 +166,7 @@ def silu_mul_error_model(o, r, work):
     x = o["x"]
     i = x.shape[-1] // 2
     a, b = x[..., :i], x[..., i:]
-    return {"y": silu_mul_error(a, b, zero_like(a), zero_like(b))}
+    return {"y": silu_mul_error(a, b, no_error(), no_error())}
 
 
 SILU_MUL = OpDef(

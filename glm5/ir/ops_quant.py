@@ -15,7 +15,7 @@ from glm5.ir.numerics import (
     linear_error,
     sqrt_n,
     unit_roundoff,
-    zero_like,
+    no_error,
 )
 from glm5.ir.opdef import OpDef, check_index_range, require
 from glm5.ir.ops_moe import expert_chain_error

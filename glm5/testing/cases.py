@@ -1,5 +1,24 @@
-"""Input generators ("strategies") per op, covering the edges: T = 1, S < k, rows with no valid
-key, −1 indices, non-contiguous inputs, tiny and large magnitudes, every claimed dtype.
+"""Input generators ("strategies") per op.
+
+Every generator draws a *tier* first, then shapes within it:
+
+* ``edge``  — the corner cases: T = 1, S < k, rows with no valid key, −1 indices, empty
+  groups, non-contiguous inputs, tiny and large magnitudes, exact ties;
+* ``tile``  — past the first tile of every shipped kernel: hundreds of keys (Triton BLOCK_S 64,
+  BLOCK_K 32, BLOCK_T 16, BLOCK_V 128), head dims that are and are not multiples of the tiles;
+* ``model`` — GLM-5's real shapes at small T: MQA attention 64 heads x 576/512 over 2048
+  selected keys, the indexer's 32 heads x 128, the MLA prolog's 6144 -> 2048 / 512 + 64
+  projections, 256 experts choosing 8, the hidden size and the MoE intermediate size;
+* ``large`` — thousands: S and K up to 2048-4500, T past the cpu kernels' 64-query blocks,
+  rows past the torch-path thresholds of quant_linear (384) and moe_experts (1024 routed rows);
+* ``huge``  — past the largest blocks: S > 8192 (the TVM indexer's key tile), k rows larger
+  than the TVM sparse-attention key-block size (its multi-pass path), a 154,880-word vocabulary.
+
+A profile (``PROFILES``) names the tiers a run cycles through: ``glm5 parity`` gives example
+``i`` the tier ``tiers[i % len(tiers)]``, so every run of at least ``len(tiers)`` examples
+reaches every tier; hypothesis draws the tier (and shrinks towards ``edge``). ``default`` is
+what ``glm5 parity`` runs; ``quick`` (edge, model, tile) keeps interpreted backends fast;
+``full`` adds ``huge`` for vendors.
 
 A generator is written once against a small `Draw` interface, so the same definition drives
 hypothesis (`HypothesisDraw`, used by the pytest plugin, with shrinking) and the `glm5 parity`
@@ -20,9 +39,26 @@ from glm5.ir.quant_formats import SCHEMES, quantize_weight
 # The dtypes a kernel declaring `dtypes=None` is exercised with.
 DEFAULT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
+TIERS = ("edge", "model", "tile", "large", "huge")
+PROFILES: dict[str, tuple[str, ...]] = {
+    "quick": ("edge", "model", "tile"),
+    "default": ("edge", "model", "tile", "large", "huge"),
+    "full": ("edge", "model", "tile", "large", "huge"),
+}
+DEFAULT_PROFILE = "default"
+# Examples per (op, dtype) of a profile when the caller does not say.
+PROFILE_EXAMPLES = {"quick": 6, "default": 10, "full": 100}
+
+# GLM-5's shapes (glm5.core.config preset "glm-5"; the kit does not import the model layer).
+GLM5 = dict(hidden=6144, q_lora=2048, kv_lora=512, rope=64, nope=192, heads=64,
+            index_heads=32, index_dim=128, index_topk=2048, experts=256, top_k=8,
+            moe_inter=2048, vocab=154880)
+
 
 class Draw(abc.ABC):
     """Primitive choices; implemented over random.Random or hypothesis."""
+
+    tiers: tuple[str, ...] = PROFILES[DEFAULT_PROFILE]
 
     @abc.abstractmethod
     def int(self, lo: int, hi: int) -> int:
@@ -34,20 +70,36 @@ class Draw(abc.ABC):
     def flag(self) -> bool:
         return self.int(0, 1) == 1
 
+    def tier(self) -> str:
+        """The size tier of this example (one of ``self.tiers``)."""
+        return self.choice(self.tiers)
+
 
 class RandomDraw(Draw):
-    def __init__(self, seed: int) -> None:
+    """Choices from random.Random(seed); ``tier`` fixes the example's tier (the parity runner
+    cycles through its profile's tiers)."""
+
+    def __init__(self, seed: int, tier: str | None = None,
+                 tiers: tuple[str, ...] | None = None) -> None:
         self.r = random.Random(seed)
+        self._tier = tier
+        if tiers is not None:
+            self.tiers = tiers
 
     def int(self, lo: int, hi: int) -> int:
         return self.r.randint(lo, hi)
 
+    def tier(self) -> str:
+        return self._tier if self._tier is not None else super().tier()
+
 
 class HypothesisDraw(Draw):
-    def __init__(self, data: Any) -> None:
+    def __init__(self, data: Any, tiers: tuple[str, ...] | None = None) -> None:
         from hypothesis import strategies as st
 
         self.data, self.st = data, st
+        if tiers is not None:
+            self.tiers = tiers
 
     def int(self, lo: int, hi: int) -> int:
         return self.data.draw(self.st.integers(lo, hi))
@@ -112,59 +164,130 @@ def _ranges(m: Maker, T: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _i32(lo), _i32(hi)
 
 
+def _rows(d: Draw, tier: str, edge: tuple[int, int]) -> list[int]:
+    """Leading dims of a row-wise op: small in edge, past 16/64-row blocks in tile and large,
+    thousands of rows in huge."""
+    if tier == "edge":
+        return [d.int(1, edge[1]) for _ in range(d.int(0, 2))] or [d.int(1, 4)]
+    if tier == "tile":
+        return [d.int(17, 70)]
+    if tier == "model":
+        return [d.int(1, 4)]
+    if tier == "large":
+        return [d.int(2, 3), d.int(30, 60)]
+    return [d.int(2048, 4096)]
+
+
 # --------------------------------------------------------------------------- per-op generators
+def _norm_dim(d: Draw, tier: str, edge: tuple[int, ...]) -> int:
+    return {
+        "edge": lambda: d.choice(edge),
+        "tile": lambda: d.choice((100, 257, 1000)),
+        "model": lambda: d.choice((GLM5["hidden"], GLM5["q_lora"], GLM5["kv_lora"])),
+        "large": lambda: d.choice((8193, 8400)),  # past the Triton norm's one-pass 8192
+        "huge": lambda: d.choice((64, 130)),
+    }[tier]()
+
+
 def gen_rms_norm(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
-    lead = [d.int(1, 4) for _ in range(d.int(0, 2))]
-    D = d.choice((1, 3, 8, 16, 33, 64))
+    lead = _rows(d, tier, (1, 4))
+    D = _norm_dim(d, tier, (1, 3, 8, 16, 33, 64))
+    if tier == "large":
+        lead = lead[:1]
     return {"x": m.randn(*lead, D, scale=m.magnitude()), "weight": m.randn(D),
             "eps": d.choice((1e-6, 1e-5))}
 
 
 def gen_layer_norm(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
-    lead = [d.int(1, 4) for _ in range(d.int(0, 2))]
-    D = d.choice((2, 3, 8, 16, 33, 64))
-    return {"x": m.randn(*lead, D, scale=m.magnitude()), "weight": m.randn(D),
-            "bias": m.randn(D), "eps": d.choice((1e-6, 1e-5))}
+    lead = _rows(d, tier, (1, 4))
+    D = _norm_dim(d, tier, (2, 3, 8, 16, 33, 64))
+    if tier == "large":
+        lead = lead[:1]
+    x = m.randn(*lead, D, scale=m.magnitude())
+    if d.flag():  # an offset mean: the variance then cancels
+        x = (x.float() + 3.0 * float(x.float().abs().mean())).to(dtype)
+    return {"x": x, "weight": m.randn(D), "bias": m.randn(D), "eps": d.choice((1e-6, 1e-5))}
 
 
 def gen_rope(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
-    T = d.int(1, 6)
-    mid = [d.int(1, 3) for _ in range(d.int(0, 2))]
-    R = d.choice((2, 4, 8, 64))
+    if tier == "edge":
+        T, mid, R = d.int(1, 6), [d.int(1, 3) for _ in range(d.int(0, 2))], d.choice((2, 4, 8, 64))
+    elif tier == "tile":
+        T, mid, R = d.int(17, 40), [d.int(1, 20)], d.choice((32, 64, 96))
+    elif tier == "model":  # q_pe [T, 64 heads, 64] and k_pe [T, 64]
+        T, mid, R = d.int(1, 4), d.choice(([GLM5["heads"]], [])), GLM5["rope"]
+    elif tier == "large":
+        T, mid, R = d.int(300, 600), [d.int(9, 16)], GLM5["rope"]
+    else:
+        T, mid, R = d.int(512, 1024), [d.int(17, 24)], GLM5["rope"]
     cos, sin = m.angles(T, R // 2)
     return {"x": m.randn(T, *mid, R, scale=m.magnitude()), "cos": cos, "sin": sin,
             "interleaved": d.flag()}
 
 
 def gen_silu_mul(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
-    lead = [d.int(1, 4) for _ in range(d.int(1, 2))]
-    I = d.choice((1, 3, 8, 32))
+    lead = _rows(d, tier, (1, 4))
+    I = {"edge": lambda: d.choice((1, 3, 8, 32)), "tile": lambda: d.choice((100, 300)),
+         "model": lambda: d.choice((GLM5["moe_inter"], 12288)),
+         "large": lambda: d.choice((1025, 4100)),  # past the Triton BLOCK_I 1024
+         "huge": lambda: d.choice((64, 128))}[tier]()
+    if tier == "large":
+        lead = lead[:1]
     return {"x": m.randn(*lead, 2 * I, scale=d.choice((1e-2, 1.0, 8.0)))}
 
 
-def _indexer_inputs(d: Draw, m: Maker) -> dict[str, Any]:
-    T, S = d.int(1, 6), d.int(1, 12)
-    Hi, Di = d.int(1, 4), d.choice((4, 8, 16))
+def _indexer_shape(d: Draw, tier: str) -> tuple[int, int, int, int]:
+    """(T, S, Hi, Di)."""
+    if tier == "edge":
+        return d.int(1, 6), d.int(1, 12), d.int(1, 4), d.choice((4, 8, 16))
+    if tier == "tile":  # past BLOCK_T 16 / BLOCK_S 64; Di a multiple and not of the tiles
+        return d.int(17, 40), d.int(65, 300), d.int(2, 8), d.choice((24, 48, 128, 160))
+    if tier == "model":
+        return (d.int(1, 4), d.int(GLM5["index_topk"] + 1, 3000), GLM5["index_heads"],
+                GLM5["index_dim"])
+    if tier == "large":  # past the TVM 64-query block
+        return d.int(65, 130), d.int(1000, 4500), d.int(4, 8), 64
+    return d.int(1, 3), d.int(8193, 9000), 4, 32  # past the TVM 8192-key tile
+
+
+def _indexer_inputs(d: Draw, m: Maker, tier: str) -> dict[str, Any]:
+    T, S, Hi, Di = _indexer_shape(d, tier)
     ks, ke = _ranges(m, T, S)
     mag = m.magnitude() if m.dtype != torch.float16 else 1.0
+    if tier != "edge":
+        mag = d.choice((0.3, 1.0))
     return {"q": m.randn(T, Hi, Di, scale=mag), "k": m.randn(S, Di, scale=mag),
             "w": m.randn(T, Hi, scale=Hi ** -0.5), "k_start": ks, "k_end": ke}
 
 
 def gen_lightning_indexer(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
-    return _indexer_inputs(d, Maker(d, dtype))
+    tier = d.tier()
+    return _indexer_inputs(d, Maker(d, dtype), tier)
+
+
+def _ties(m: Maker, T: int, S: int, dtype: torch.dtype) -> torch.Tensor:
+    return m.randint(-2, 3, T, S).to(dtype)
 
 
 def gen_topk_indices(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
-    T, S = d.int(1, 6), d.int(1, 16)
+    T, S = {"edge": lambda: (d.int(1, 6), d.int(1, 16)),
+            "tile": lambda: (d.int(17, 40), d.int(100, 600)),
+            "model": lambda: (d.int(1, 4), d.int(GLM5["index_topk"] + 1, 9000)),
+            "large": lambda: (d.int(64, 130), d.int(2000, 4500)),
+            "huge": lambda: (d.int(1, 3), d.int(9000, 20000))}[tier]()
     kind = d.choice(("random", "ties", "masked"))
     if kind == "ties":  # few distinct values: ties decided by index
-        scores = m.randint(-2, 3, T, S).to(dtype)
+        scores = _ties(m, T, S, dtype)
     else:
         scores = m.randn(T, S, scale=m.magnitude(), noncontig=False)
     if kind == "masked":
@@ -176,66 +299,116 @@ def gen_topk_indices(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
             scores[-1, 0] = float("nan")
     if d.flag() and S > 1:
         scores = scores.t().contiguous().t()  # column-major storage
-    return {"scores": scores, "k": d.int(1, S + 3)}
+    k = {"edge": lambda: d.int(1, S + 3),
+         "tile": lambda: d.choice((1, 16, 64, S // 2, S + 3)),
+         "model": lambda: GLM5["index_topk"],
+         "large": lambda: d.choice((256, 2048)),
+         "huge": lambda: GLM5["index_topk"]}[tier]()
+    return {"scores": scores, "k": max(1, k)}
 
 
 def gen_indexer_topk(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
-    a = _indexer_inputs(d, m)
-    a["topk"] = d.int(1, a["k"].shape[0] + 2)
+    a = _indexer_inputs(d, m, tier)
+    S = a["k"].shape[0]
+    if d.flag() and tier in ("edge", "tile") and S >= 2:  # duplicated keys: exact ties
+        a["k"][S // 2:] = a["k"][: S - S // 2].clone()
+    a["topk"] = {"edge": lambda: d.int(1, S + 2),
+                 "tile": lambda: d.choice((1, 16, 64, S // 2, S + 5)),
+                 "model": lambda: GLM5["index_topk"],
+                 "large": lambda: d.choice((64, 512, 2048)),
+                 "huge": lambda: GLM5["index_topk"]}[tier]()
+    a["topk"] = max(1, a["topk"])
     return a
 
 
-def _attn_qkv(d: Draw, m: Maker, T: int, S: int) -> dict[str, Any]:
-    mqa_view = d.flag()
-    if mqa_view:  # absorbed MLA: one KV head, v = the first Dv columns of k
-        H, Hk = d.choice((1, 2, 4)), 1
-        Dqk = d.choice((8, 16))
-        Dv = Dqk // 2
-    else:
+def _attn_heads(d: Draw, tier: str) -> tuple[int, int, int, int, bool]:
+    """(H, Hk, Dqk, Dv, mqa_view): mqa_view = absorbed MLA, v the first Dv columns of k."""
+    if tier in ("model", "huge"):
+        H = GLM5["heads"] if tier == "model" else d.choice((16, GLM5["heads"]))
+        return H, 1, GLM5["kv_lora"] + GLM5["rope"], GLM5["kv_lora"], True
+    if tier == "edge":
+        if d.flag():
+            Dqk = d.choice((8, 16))
+            return d.choice((1, 2, 4)), 1, Dqk, Dqk // 2, True
         Hk = d.choice((1, 2))
-        H = Hk * d.choice((1, 2))
-        Dqk, Dv = d.choice((4, 8, 16)), d.choice((4, 8))
+        return Hk * d.choice((1, 2)), Hk, d.choice((4, 8, 16)), d.choice((4, 8)), False
+    if tier == "tile":  # head dims a multiple of the 64-wide tiles and not
+        if d.flag():
+            Dqk = d.choice((80, 144, 192))
+            return d.int(3, 20), 1, Dqk, Dqk - 16, True
+        Hk = d.choice((1, 2))
+        return Hk * d.int(1, 10), Hk, d.choice((64, 80, 130)), d.choice((64, 96, 130)), False
+    return d.choice((8, 16)), 1, 160, 128, True  # large
+
+
+def _qkv(d: Draw, m: Maker, T: int, S: int, tier: str) -> dict[str, Any]:
+    H, Hk, Dqk, Dv, mqa = _attn_heads(d, tier)
     mag = d.choice((0.1, 1.0, 4.0))
     q = m.randn(T, H, Dqk, scale=mag)
     k = m.randn(S, Hk, Dqk, scale=mag)
-    v = k[..., :Dv] if mqa_view else m.randn(S, Hk, Dv)
+    v = k[..., :Dv] if mqa else m.randn(S, Hk, Dv)
     return {"q": q, "k": k, "v": v, "scale": Dqk ** -0.5}
 
 
 def gen_sparse_attention(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
-    T, S = d.int(1, 5), d.int(1, 10)
-    a = _attn_qkv(d, m, T, S)
-    K = d.int(1, S + 2)
-    rows = []
-    for _ in range(T):
-        r = torch.full((K,), -1, dtype=torch.int64)
-        n = min(K, S)
-        r[:n] = m.perm(S)[:n]
-        if d.flag():  # -1 holes anywhere in the row, valid ones not only first
-            r = torch.where(m.randint(0, 3, K) == 0, torch.full_like(r, -1), r)
-            r = r[m.perm(K)]
-        rows.append(r)
-    idx = _i32(torch.stack(rows))
+    topk = GLM5["index_topk"]
+    T, S, K = {"edge": lambda: (d.int(1, 5), d.int(1, 10), None),
+               "tile": lambda: (d.int(17, 40), d.int(100, 400), d.int(33, 300)),
+               "model": lambda: (d.int(1, 4), d.int(topk + 1, 3000), topk),
+               "large": lambda: (d.int(65, 130), d.int(2000, 5000), d.choice((256, 2048))),
+               # k rows past the TVM kernel's 6 MiB key block (its multi-pass path)
+               "huge": lambda: (8, d.int(6000, 7000), topk)}[tier]()
+    if K is None:
+        K = d.int(1, S + 2)
+    a = _qkv(d, m, T, S, tier)
+    n = min(K, S)
+    idx = torch.full((T, K), -1, dtype=torch.int64)
+    for t in range(T):
+        idx[t, :n] = m.perm(S)[:n]
+    if d.flag():  # -1 holes anywhere in the rows, valid ones not only first
+        holes = m.randint(0, 3 if tier == "edge" else 16, T, K) == 0
+        idx = torch.where(holes, torch.full_like(idx, -1), idx)
+        idx = idx[:, m.perm(K)]
+    idx = _i32(idx)
     if d.flag():
         idx[d.int(0, T - 1)] = -1  # a query with no valid key
     return {"q": a["q"], "k": a["k"], "v": a["v"], "idx": idx, "scale": a["scale"]}
 
 
 def gen_attention(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
-    T, S = d.int(1, 5), d.int(1, 10)
-    a = _attn_qkv(d, m, T, S)
+    T, S = {"edge": lambda: (d.int(1, 5), d.int(1, 10)),
+            "tile": lambda: (d.int(17, 40), d.int(100, 400)),
+            "model": lambda: (d.int(1, 4), d.int(GLM5["index_topk"], 3000)),
+            "large": lambda: (d.int(65, 130), d.int(1000, 2000)),
+            "huge": lambda: (d.int(2, 4), d.int(6000, 7000))}[tier]()
+    a = _qkv(d, m, T, S, tier)
     ks, ke = _ranges(m, T, S)
     return {"q": a["q"], "k": a["k"], "v": a["v"], "k_start": ks, "k_end": ke,
             "scale": a["scale"]}
 
 
 def gen_mla_prolog(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
-    T, D = d.int(1, 4), d.choice((8, 16))
-    Rq, H, Dn, Dr, Rkv = d.choice((8, 16)), d.choice((1, 2)), d.choice((4, 8)), d.choice((4, 8)), 8
+    if tier == "edge":
+        T, D = d.int(1, 4), d.choice((8, 16))
+        Rq, H, Dn, Dr, Rkv = (d.choice((8, 16)), d.choice((1, 2)), d.choice((4, 8)),
+                              d.choice((4, 8)), 8)
+    elif tier == "model":
+        T, D, Rq, H = d.int(1, 2), GLM5["hidden"], GLM5["q_lora"], GLM5["heads"]
+        Dn, Dr, Rkv = GLM5["nope"], GLM5["rope"], GLM5["kv_lora"]
+    elif tier == "tile":
+        T, D, Rq, H = d.int(17, 40), d.choice((200, 300)), d.choice((96, 160)), d.int(3, 17)
+        Dn, Dr, Rkv = d.choice((40, 48)), d.choice((16, 32)), d.choice((48, 80))
+    else:  # many tokens at small widths (a prefill chunk)
+        T, D, Rq, H = d.int(200, 600), 256, 128, d.choice((4, 8))
+        Dn, Dr, Rkv = 64, 32, 128
     N = T + d.int(0, 3)
     cos, sin = m.angles(T, Dr // 2)
     slots = m.perm(N)[:T]
@@ -245,10 +418,10 @@ def gen_mla_prolog(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
         "x": m.randn(T, D, scale=d.choice((0.1, 1.0, 10.0))),
         "w_qa": m.randn(Rq, D, scale=D ** -0.5, noncontig=False),
         "g_qa": m.randn(Rq),
-        "w_qb": m.randn(H * (Dn + Dr), Rq, scale=Rq ** -0.5),
-        "w_kva": m.randn(Rkv + Dr, D, scale=D ** -0.5),
+        "w_qb": m.randn(H * (Dn + Dr), Rq, scale=Rq ** -0.5, noncontig=tier == "edge" and None),
+        "w_kva": m.randn(Rkv + Dr, D, scale=D ** -0.5, noncontig=tier == "edge" and None),
         "g_kva": m.randn(Rkv),
-        "w_uk": m.randn(H, Dn, Rkv, scale=Dn ** -0.5),
+        "w_uk": m.randn(H, Dn, Rkv, scale=Dn ** -0.5, noncontig=tier == "edge" and None),
         "cos": cos, "sin": sin, "eps": 1e-5,
         "kv_cache": m.randn(N, Rkv + Dr, noncontig=False),
         "slots": _i32(slots),
@@ -257,25 +430,35 @@ def gen_mla_prolog(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def gen_moe_route(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
-    T, E = d.int(1, 5), d.choice((4, 8, 16))
-    groups = [g for g in (1, 2, 4) if E // g >= 2 and E % g == 0]
+    if tier == "edge":
+        T, E = d.int(1, 5), d.choice((4, 8, 16))
+    elif tier == "model":  # GLM-5: 256 experts, no groups; DeepSeek-V3: 8 groups, 4 kept
+        T, E = d.int(1, 4), GLM5["experts"]
+    elif tier == "tile":
+        T, E = d.int(17, 40), d.choice((64, 160))
+    else:
+        T, E = d.int(300, 1100) if tier == "large" else d.int(2048, 3000), GLM5["experts"]
+    groups = [g for g in (1, 2, 4, 8) if E // g >= 2 and E % g == 0]
     n_group = d.choice(groups)
     topk_group = d.int(1, n_group)
     reach = E if n_group == 1 else topk_group * (E // n_group)
     if d.flag():  # exact ties between experts, decided by the smaller id
         logits = m.randint(-2, 3, T, E).to(dtype)
         bias = torch.zeros(E, dtype=dtype)
+        if d.flag():  # ties in (logit, bias) pairs with a non-zero bias
+            bias = m.randint(-1, 2, E).to(dtype) * 0.25
     else:
         logits = m.randn(T, E, scale=d.choice((0.5, 3.0)))
         bias = m.randn(E, scale=0.1, noncontig=False)
-    return {"logits": logits, "bias": bias, "top_k": d.int(1, min(reach, 8)),
+    k = GLM5["top_k"] if tier != "edge" else d.int(1, 8)
+    return {"logits": logits, "bias": bias, "top_k": min(reach, k),
             "n_group": n_group, "topk_group": topk_group, "norm_topk_prob": d.flag(),
             "routed_scaling": d.choice((1.0, 2.5))}
 
 
-def _routing(d: Draw, m: Maker, T: int, E: int) -> tuple[torch.Tensor, torch.Tensor]:
-    k = d.int(1, min(E, 3))
+def _routing(d: Draw, m: Maker, T: int, E: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.stack([m.perm(E)[:k] for _ in range(T)])
     if d.flag():  # expert-parallel padding
         ids = torch.where(m.randint(0, 3, T, k) == 0, torch.full_like(ids, -1), ids)
@@ -283,22 +466,57 @@ def _routing(d: Draw, m: Maker, T: int, E: int) -> tuple[torch.Tensor, torch.Ten
     return _i32(ids), w
 
 
+def _expert_shape(d: Draw, tier: str) -> tuple[int, int, int, int, int]:
+    """(T, D, I, E, k)."""
+    if tier == "edge":
+        E = d.int(1, 4)
+        return d.int(1, 5), d.choice((4, 8, 16)), d.choice((4, 8)), E, d.int(1, min(E, 3))
+    if tier == "tile":
+        return d.int(17, 40), d.choice((130, 200)), d.choice((40, 96)), d.int(3, 8), d.int(1, 3)
+    if tier == "model":  # the MoE intermediate size; a narrower hidden keeps weights small
+        return d.int(1, 3), 512, GLM5["moe_inter"], 4, 2
+    # past the cpu backend's 1024 routed rows (its torch per-expert path)
+    return d.int(400, 600), 64, 32, 8, 3
+
+
 def gen_moe_experts(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
-    T, D, I, E = d.int(1, 5), d.choice((4, 8, 16)), d.choice((4, 8)), d.int(1, 4)
-    ids, w = _routing(d, m, T, E)
+    T, D, I, E, k = _expert_shape(d, tier)
+    ids, w = _routing(d, m, T, E, k)
     return {"x": m.randn(T, D, scale=d.choice((0.1, 1.0, 4.0))), "ids": ids, "weights": w,
             "w13": m.randn(E, 2 * I, D, scale=D ** -0.5),
             "w2": m.randn(E, D, I, scale=I ** -0.5)}
 
 
+def _halves(m: Maker, M: int, K: int, qmax: int) -> torch.Tensor:
+    """Rows whose quotients x / s are exact halves (s a power of two, amax = qmax s): the
+    round-half-to-even rule decides every code."""
+    e = m.randint(-6, 3, M, 1).double()
+    s = torch.pow(2.0, e)
+    j = m.randint(-qmax, qmax, M, K).double()
+    x = (j + 0.5) * s
+    x[:, 0] = qmax * s[:, 0]
+    return x
+
+
 def gen_quantize_per_token(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
-    M, K = d.int(1, 4), d.choice((1, 7, 16, 130))
-    x = m.randn(M, K, scale=m.magnitude())
+    M, K = {"edge": lambda: (d.int(1, 4), d.choice((1, 7, 16, 130))),
+            "tile": lambda: (d.int(17, 40), d.choice((300, 1000))),
+            "model": lambda: (d.int(1, 4), d.choice((GLM5["hidden"], GLM5["q_lora"]))),
+            "large": lambda: (2, d.choice((8193, 9000))),  # past QUANT_BLOCK_K 8192
+            "huge": lambda: (d.int(2048, 4096), 256)}[tier]()
+    bits = d.choice((8, 12))
+    if d.int(0, 3) == 0 and not (dtype != torch.float32 and bits == 12):
+        # exact halves (12-bit codes up to 2047.5 need 12 significant bits: fp32 only)
+        x = _halves(m, M, K, 127 if bits == 8 else 2047).to(dtype)
+    else:
+        x = m.randn(M, K, scale=m.magnitude())
     if d.flag():
         x[d.int(0, M - 1)] = 0  # amax 0: scale 1, zero codes
-    return {"x": x, "bits": d.choice((8, 12))}
+    return {"x": x, "bits": bits}
 
 
 def _qweight(m: Maker, N: int, K: int, scheme: str, lead: tuple[int, ...] = ()):
@@ -310,19 +528,36 @@ def _qweight(m: Maker, N: int, K: int, scheme: str, lead: tuple[int, ...] = ()):
 
 
 def gen_quant_linear(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
     scheme = d.choice(tuple(SCHEMES))
-    M, N, K = d.int(1, 4), d.int(1, 8), d.choice((8, 64, 130, 200))
+    M, N, K = {"edge": lambda: (d.int(1, 4), d.int(1, 8), d.choice((8, 64, 130, 200))),
+               # past BLOCK_M 16/64, BLOCK_N 64, BLOCK_K 128 and a partial 128-group
+               "tile": lambda: (d.int(17, 70), d.int(65, 130), d.choice((129, 300))),
+               "model": lambda: (d.int(1, 2), GLM5["q_lora"], GLM5["hidden"]),
+               "large": lambda: (d.int(385, 450), 64, 256),  # the cpu torch path (> 384 rows)
+               "huge": lambda: (1024, 128, 512)}[tier]()
     wp, ws = _qweight(m, N, K, scheme)
-    return {"x": m.randn(M, K, scale=d.choice((0.1, 1.0, 8.0))), "w_packed": wp, "w_scale": ws,
+    sc = SCHEMES[scheme]
+    if sc.act_bits is not None and d.int(0, 3) == 0 and (dtype == torch.float32 or
+                                                         sc.act_bits == 8):
+        x = _halves(m, M, K, sc.act_qmax).to(dtype)
+    else:
+        x = m.randn(M, K, scale=d.choice((0.1, 1.0, 8.0)))
+    return {"x": x, "w_packed": wp, "w_scale": ws,
             "scheme": scheme, "bias": m.randn(N, noncontig=False) if d.flag() else None}
 
 
 def gen_moe_experts_quant(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
     scheme = d.choice(tuple(SCHEMES))
-    T, D, I, E = d.int(1, 4), d.choice((8, 16, 130)), d.choice((4, 8)), d.int(1, 3)
-    ids, w = _routing(d, m, T, E)
+    if tier == "edge":
+        T, D, I, E = d.int(1, 4), d.choice((8, 16, 130)), d.choice((4, 8)), d.int(1, 3)
+        k = d.int(1, min(E, 3))
+    else:
+        T, D, I, E, k = _expert_shape(d, tier)
+    ids, w = _routing(d, m, T, E, k)
     w13p, w13s = _qweight(m, 2 * I, D, scheme, (E,))
     w2p, w2s = _qweight(m, D, I, scheme, (E,))
     return {"x": m.randn(T, D, scale=d.choice((0.1, 1.0, 4.0))), "ids": ids, "weights": w,
@@ -331,19 +566,29 @@ def gen_moe_experts_quant(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def gen_token_logprobs(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
-    T, D = d.int(1, 4), d.choice((4, 16))
-    V = d.choice((3, 50, 4099))  # 4099 crosses the reference's 4096-row vocabulary chunk
+    # 4099 crosses the reference's 4096-row vocabulary chunk; tile crosses BLOCK_T 64,
+    # BLOCK_D 64 and BLOCK_V 128; huge is GLM-5's vocabulary.
+    T, D, V = {"edge": lambda: (d.int(1, 4), d.choice((4, 16)), d.choice((3, 50, 4099))),
+               "tile": lambda: (d.int(65, 130), d.choice((65, 200)), d.choice((129, 1000))),
+               "model": lambda: (d.int(1, 2), GLM5["hidden"], d.choice((4100, 8192))),
+               "large": lambda: (d.int(16, 32), 64, d.choice((16384, 33000))),
+               "huge": lambda: (d.int(2, 4), 16, GLM5["vocab"])}[tier]()
     return {"h": m.randn(T, D, scale=d.choice((0.1, 1.0, 4.0))),
             "w_vocab": m.randn(V, D, scale=D ** -0.5),
             "targets": _i32(m.randint(0, V, T)), "temperature": d.choice((0.7, 1.0, 1.5))}
 
 
 def gen_grpo_advantages(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
     std = d.flag()
-    g = d.int(2 if std else 1, 6)
-    n = d.int(1, 4)
+    g, n = {"edge": lambda: (d.int(2 if std else 1, 6), d.int(1, 4)),
+            "tile": lambda: (d.int(8, 16), d.int(20, 40)),
+            "model": lambda: (16, 64),
+            "large": lambda: (8, d.int(400, 600)),
+            "huge": lambda: (16, 4096)}[tier]()
     kind = d.choice(("normal", "binary", "constant"))
     if kind == "binary":
         r = m.randint(0, 2, n * g).to(dtype)
@@ -355,8 +600,10 @@ def gen_grpo_advantages(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def gen_policy_loss(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    tier = d.tier()
     m = Maker(d, dtype)
-    T = d.int(1, 10)
+    T = {"edge": lambda: d.int(1, 10), "tile": lambda: d.int(100, 1000),
+         "model": lambda: 4096, "large": lambda: 32768, "huge": lambda: 1 << 20}[tier]()
     logp = -m.uniform(T, lo=0.01, hi=5.0)
     old = logp.float() + m.randn(T, scale=d.choice((0.01, 0.3)), dtype=torch.float32)
     mask = m.randint(0, 4, T) > 0
@@ -396,5 +643,14 @@ def example_seed(seed: int, op: str, dtype: torch.dtype, i: int) -> int:
     return (seed * 1_000_003 + h) % (2**63)
 
 
-__all__ = ["GENERATORS", "Draw", "RandomDraw", "HypothesisDraw", "case_dtypes", "example_seed",
-]
+def example(op: str, dtype: torch.dtype, seed: int, i: int,
+            profile: str = DEFAULT_PROFILE) -> dict[str, Any]:
+    """Example ``i`` of (op, dtype) for a run with ``seed`` under ``profile``: its tier is the
+    profile's i-th (cycling)."""
+    tiers = PROFILES[profile]
+    draw = RandomDraw(example_seed(seed, op, dtype, i), tier=tiers[i % len(tiers)], tiers=tiers)
+    return GENERATORS[op](draw, dtype)
+
+
+__all__ = ["GENERATORS", "PROFILES", "TIERS", "Draw", "RandomDraw", "HypothesisDraw",
+           "case_dtypes", "example", "example_seed"]

@@ -42,19 +42,37 @@ class Verdict:
 
 
 def upcast(values: dict[str, Any]) -> dict[str, Any]:
-    """The oracle's inputs: floating tensors in float64 (a fresh copy), others cloned."""
+    """The oracle's inputs: floating tensors in float64, others cloned (fresh copies)."""
     out = {}
     for k, v in values.items():
         if isinstance(v, torch.Tensor):
-            out[k] = v.detach().to(torch.float64).clone() if v.is_floating_point() else v.clone()
+            out[k] = v.detach().to(torch.float64, copy=True) if v.is_floating_point() \
+                else v.clone()
         else:
             out[k] = v
     return out
 
 
-def clone_inputs(values: dict[str, Any]) -> dict[str, Any]:
-    """The kernel's inputs: same tensors, but fresh copies of those the op mutates."""
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
+def clone_inputs(values: dict[str, Any], mutates: tuple[str, ...]) -> dict[str, Any]:
+    """The kernel's inputs: the same tensors, fresh copies of those the op mutates."""
+    return {k: (v.clone() if k in mutates and isinstance(v, torch.Tensor) else v)
+            for k, v in values.items()}
+
+
+def _untouched(op: OpDef, values: dict[str, Any], o64: dict[str, Any], v: Verdict) -> None:
+    """A kernel must not write into the inputs the op does not mutate."""
+    for p in op.tensor_params:
+        x = values.get(p.name)
+        if p.name in op.mutates or not isinstance(x, torch.Tensor):
+            continue
+        if x.is_floating_point():
+            a, b = x.to(torch.float64), o64[p.name]
+            same = bool(((a == b) | (a.isnan() & b.isnan())).all())
+        else:
+            same = torch.equal(x, o64[p.name])
+        if not same:
+            v.fail(f"{p.name}: the kernel wrote into an input the op does not mutate")
+            return
 
 
 def _as_tuple(x: Any) -> tuple:
@@ -184,7 +202,8 @@ def check_example(op: OpDef, kernel: Any, values: dict[str, Any], dtype: torch.d
     run) and judge it against the float64 oracle on the CPU; ``dtype`` is the dtype the kernel
     was called with (the op's dispatch dtype)."""
     v = Verdict(tolerance=formula(op, dtype, values.get("scheme")))
-    kin = clone_inputs(values)
+    o64 = upcast(values)  # before the kernel runs: a kernel that writes its inputs is caught
+    kin = clone_inputs(values, op.mutates)
     if device is not None and torch.device(device).type != "cpu":
         kin = {k: _to(x, torch.device(device)) for k, x in kin.items()}
     args = tuple(kin[n] for n in op.param_names)
@@ -207,9 +226,11 @@ def check_example(op: OpDef, kernel: Any, values: dict[str, Any], dtype: torch.d
         if tuple(o.shape) != tuple(shape) or o.dtype != dt:
             return v.fail(f"{spec.name}: got {o.dtype} {list(o.shape)}, expected {dt} "
                           f"{list(shape)}")
+    _untouched(op, kin, o64, v)
+    if not v.ok:
+        return v
     names = [s.name for s in op.outputs]
     got_by = dict(zip(names, outs))
-    o64 = upcast(values)
     expected = dict(zip(names, _as_tuple(op.reference(*(o64[n] for n in op.param_names)))))
     skip: set[str] = set()
     if op.selection is not None:

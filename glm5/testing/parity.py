@@ -11,7 +11,7 @@ import torch
 from glm5.backends.api import Backend, KernelEntry
 from glm5.ir.catalog import OPS
 from glm5.ir.signature import dtype_name
-from glm5.testing.cases import GENERATORS, RandomDraw, case_dtypes, example_seed
+from glm5.testing.cases import DEFAULT_PROFILE, case_dtypes, example, example_seed
 from glm5.testing.compare import check_example
 
 
@@ -37,17 +37,16 @@ class Row:
 
 
 def check_op(entry: KernelEntry, dtype: torch.dtype, examples: int, seed: int,
-             device: str | None = None) -> Row:
-    """Judge one (kernel, dtype) over ``examples`` generated cases (inputs moved to
-    ``device`` for a device backend's real run)."""
+             device: str | None = None, profile: str = DEFAULT_PROFILE) -> Row:
+    """Judge one (kernel, dtype) over ``examples`` generated cases, example ``i`` from the
+    profile's i-th size tier (inputs moved to ``device`` for a device backend's real run)."""
     op = OPS[entry.op]
-    gen = GENERATORS[op.name]
     row = Row(entry.backend.name, op.name, "pass", dtype_name(dtype), 0.0, 0.0, "", 0)
     declined = 0
     ratios: list[float] = []
     for i in range(examples):
         s = example_seed(seed, op.name, dtype, i)
-        values = gen(RandomDraw(s), dtype)
+        values = example(op.name, dtype, seed, i, profile)
         values, _ = op.validate((), values)  # a generator bug shows here, not as a kernel fail
         args = tuple(values[n] for n in op.param_names)
         if not entry.accepts(args):
@@ -75,7 +74,8 @@ def check_op(entry: KernelEntry, dtype: torch.dtype, examples: int, seed: int,
 
 
 def run_parity(backend: Backend, ops: Iterable[str] | None = None, examples: int = 20,
-               seed: int = 0, emulate: bool = False) -> list[Row]:
+               seed: int = 0, emulate: bool = False,
+               profile: str = DEFAULT_PROFILE) -> list[Row]:
     """Rows for every op ``backend`` claims (optionally only ``ops``), in catalog order.
 
     ``emulate``: run the kernels on CPU tensors through the backend's emulation mode (see
@@ -104,7 +104,7 @@ def run_parity(backend: Backend, ops: Iterable[str] | None = None, examples: int
                                 emulate))
                 continue
             dev = None if emulate or backend.device_type in ("cpu", "any") else backend.device_type
-            row = check_op(entry, dt, examples, seed, dev)
+            row = check_op(entry, dt, examples, seed, dev, profile)
             row.emulated = emulate
             rows.append(row)
     return rows

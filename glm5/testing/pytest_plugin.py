@@ -15,6 +15,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="backend whose kernels the conformance suite checks (default: reference)")
     group.addoption("--glm5-ops", action="store", default="",
                     help="comma-separated ops to check (default: every op the backend claims)")
+    group.addoption("--glm5-profile", action="store", default="default",
+                    choices=("quick", "default", "full"),
+                    help="size tiers hypothesis draws from (glm5.testing.cases.PROFILES)")
 
 
 def pytest_configure(config: pytest.Config) -> None:

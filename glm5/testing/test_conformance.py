@@ -12,7 +12,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from glm5.ir.catalog import OPS  # noqa: E402
 from glm5.ir.signature import dtype_name  # noqa: E402
-from glm5.testing.cases import GENERATORS, HypothesisDraw, case_dtypes  # noqa: E402
+from glm5.testing.cases import PROFILES, GENERATORS, HypothesisDraw, case_dtypes  # noqa: E402
 from glm5.testing.compare import check_example  # noqa: E402
 
 
@@ -36,13 +36,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize(("entry", "dtype"), _params(metafunc.config))
 
 
+@pytest.fixture
+def tiers(request: pytest.FixtureRequest) -> tuple[str, ...]:
+    return PROFILES[request.config.getoption("--glm5-profile")]
+
+
 @given(data=st.data())
-def test_kernel_matches_float64_oracle(entry, dtype, data) -> None:
+def test_kernel_matches_float64_oracle(entry, dtype, tiers, data) -> None:
     ok, reason = entry.backend.is_available()
     if not ok:
         pytest.skip(f"backend {entry.backend.name} unavailable: {reason}")
     op = OPS[entry.op]
-    values = GENERATORS[op.name](HypothesisDraw(data), dtype)
+    values = GENERATORS[op.name](HypothesisDraw(data, tiers), dtype)
     values, _ = op.validate((), values)
     assume(entry.accepts(tuple(values[n] for n in op.param_names)))
     verdict = check_example(op, entry.fn, values, dtype)

@@ -121,6 +121,13 @@ def entry(op: str, output: str, work: torch.dtype, scheme: str | None = None) ->
                    f"{dtype_name(work)} (scheme {want}); ops: {', '.join(OPS)}")
 
 
+def bound_form() -> dict[str, object]:
+    """The bound's form and constants, for reports (``glm5 parity --json``)."""
+    return {"form": "MARGIN*(u(out)*|r| + u(work)*mid) + LAMBDA*u(acc)*acc + step + floor",
+            "MARGIN": numerics.MARGIN, "LAMBDA": numerics.LAMBDA,
+            "unit_roundoff": {dtype_name(d): numerics.unit_roundoff(d) for d in DTYPES}}
+
+
 def formula(op: OpDef, work: torch.dtype, scheme: str | None = None) -> str:
     """One line for a parity row: the bound form with the unit roundoffs of this call."""
     u = numerics.unit_roundoff
