@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="examples per (op, dtype) (default: 10 for the default profile, 6 "
                         "quick, 100 full)")
     q.add_argument("--profile", choices=("quick", "default", "full"), default="default",
-                   help="size tiers the examples cycle through: quick = edge, model, tile "
+                   help="size tiers the examples cycle through: quick = edge, tile, model "
                         "(interpreters); default adds large and huge (thousands of keys, past "
                         "every kernel's tiles); full = the same tiers, 100 examples")
     q.add_argument("--seed", type=int, default=0)

@@ -307,3 +307,24 @@ def test_quantize_per_token_on_a_vendor_device(recorded):
     assert all(c[3]["num_warps"] == 8 for c in recorded.calls)
     with pytest.raises(RuntimeError, match=re.escape("glm5 triton quant_linear: 'x' is a CPU")):
         quantize_per_token(x, 8)
+
+
+def test_interpreter_rounds_fp32_to_bf16_to_nearest_even():
+    """The interpreter truncates fp32 -> bf16 (up to one ulp off); devices round to nearest
+    even, and emulated parity must see the device's rounding (glm5.kernels.triton._interpreter
+    is applied on the first launch)."""
+    import triton
+    import triton.language as tl
+
+    from glm5.kernels.triton.launch import launch
+
+    @triton.jit
+    def cast(x_ptr, y_ptr, N_TILES, NUM_PROGRAMS, N: tl.constexpr, PERSISTENT: tl.constexpr):
+        o = tl.arange(0, N)
+        tl.store(y_ptr + o, tl.load(x_ptr + o).to(tl.bfloat16))
+
+    # 1 + 2^-8 + 2^-10 rounds up to 1 + 2^-7; truncation gives 1.
+    x = torch.cat((torch.tensor([1.0 + 2**-8 + 2**-10, -2.3906]), torch.randn(254) * 7))
+    y = torch.empty(256, dtype=torch.bfloat16)
+    launch(cast, (1,), {}, "cast", x, y, N=256)
+    assert torch.equal(y, x.to(torch.bfloat16))

@@ -17,7 +17,7 @@ Every generator draws a *tier* first, then shapes within it:
 A profile (``PROFILES``) names the tiers a run cycles through: ``glm5 parity`` gives example
 ``i`` the tier ``tiers[i % len(tiers)]``, so every run of at least ``len(tiers)`` examples
 reaches every tier; hypothesis draws the tier (and shrinks towards ``edge``). ``default`` is
-what ``glm5 parity`` runs; ``quick`` (edge, model, tile) keeps interpreted backends fast;
+what ``glm5 parity`` runs; ``quick`` (edge, tile, model) keeps interpreted backends fast;
 ``full`` adds ``huge`` for vendors.
 
 A generator is written once against a small `Draw` interface, so the same definition drives
@@ -41,7 +41,7 @@ DEFAULT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.
 
 TIERS = ("edge", "model", "tile", "large", "huge")
 PROFILES: dict[str, tuple[str, ...]] = {
-    "quick": ("edge", "model", "tile"),
+    "quick": ("edge", "tile", "model"),
     "default": ("edge", "model", "tile", "large", "huge"),
     "full": ("edge", "model", "tile", "large", "huge"),
 }

@@ -71,6 +71,9 @@ def make_lightning_indexer(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
     return lightning_indexer
 
 
+MAX_TENSOR_NUMEL = 1 << 20  # triton.language.TRITON_MAX_TENSOR_NUMEL
+
+
 def make_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
     def indexer_topk(q, k, w, k_start, k_end, topk):
         check_device("indexer_topk", q=q, k=k, w=w, k_start=k_start, k_end=k_end)
@@ -91,7 +94,10 @@ def make_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         ws = torch.empty((rows, 2 * ch), dtype=torch.int64, device=q.device)
         kern = _k().indexer_topk_kernel
         merge = str(p.get("MERGE", "auto"))
-        rank = merge == "rank" or (merge == "auto" and interpreted())
+        # The rank merge holds a [BLOCK_T, 2CH, 2CH] comparison tile: only while that fits in
+        # Triton's largest tensor (the bitonic sort takes over beyond, e.g. topk = 2048).
+        fits = bt * (2 * ch) ** 2 <= MAX_TENSOR_NUMEL
+        rank = fits and (merge == "rank" or (merge == "auto" and interpreted()))
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             n = t1 - t0

@@ -128,6 +128,10 @@ def launch(kernel: Any, grid: tuple[int, ...], p: dict[str, Any], op: str, *args
     (glm5.kernels.triton._grid; imported here on the first launch, like the kernels)."""
     from glm5.kernels.triton._grid import launch as _launch
 
+    if interpreted():
+        from glm5.kernels.triton._interpreter import faithful_rounding
+
+        faithful_rounding()
     _launch(kernel, grid, p, op, *args, **kw)
 
 
