@@ -226,15 +226,15 @@ def sparse_attention_ref(q, k, v, idx, scale):
 
 
 def attention_error_terms(q, k_abs_scores_max, spv, lse, Dqk, n_keys):
-    """out: P may be rounded to the working dtype before P.V (flash kernels do: mid =
-    sum_k p|v|); a score error ds moves every p_k by at most 2 ds relative, and ds is an fp32
+    """out: P may be rounded to the working dtype before P.V, and the row sum taken of the
+    rounded or the exact P (flash kernels do: mid = 2 sum_k p|v|); a score error ds moves every p_k by at most 2 ds relative, and ds is an fp32
     dot over Dqk (sqrt(Dqk) scale sum|q k|, largest over the keys: m); P.V is an fp32 sum over
     the K keys and the final 1/l one more rounding (acc = (2 sqrt(Dqk) m + sqrt(K) + 2)
     sum_k p|v|). lse (fp32): the score error, an fp32 sum of K exponentials and the log (acc =
     sqrt(Dqk) m + sqrt(K)); no rounding to the working dtype."""
     m = k_abs_scores_max  # [T, H]
     grow = 2.0 * sqrt_n(Dqk) * m + sqrt_n(n_keys) + 2.0
-    out = ErrorTerms(mid=spv, acc=grow[..., None] * spv)
+    out = ErrorTerms(mid=2.0 * spv, acc=grow[..., None] * spv)
     fin = torch.isfinite(lse)
     lse_acc = (sqrt_n(Dqk) * m + sqrt_n(n_keys)).masked_fill(~fin, 0.0)
     return {"out": out, "lse": ErrorTerms(acc=lse_acc)}

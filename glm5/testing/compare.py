@@ -215,6 +215,13 @@ def check_example(op: OpDef, kernel: Any, values: dict[str, Any], dtype: torch.d
         got = tuple(_to(o, torch.device("cpu")) for o in got) if isinstance(got, tuple) \
             else _to(got, torch.device("cpu"))
         kin = {k: _to(x, torch.device("cpu")) for k, x in kin.items()}
+    return _judge(op, got, values, o64, kin, dtype, v)
+
+
+def _judge(op: OpDef, got: Any, values: dict[str, Any], o64: dict[str, Any],
+           after: dict[str, Any], dtype: torch.dtype, v: Verdict) -> Verdict:
+    """Judge outputs ``got`` of ``op`` on ``values`` (``o64``: the float64 inputs taken before
+    the call; ``after``: the arguments after it, for mutated and untouched inputs)."""
     # Shape and dtype contract.
     specs = op.output_specs(values)
     outs = _as_tuple(got)
@@ -226,7 +233,7 @@ def check_example(op: OpDef, kernel: Any, values: dict[str, Any], dtype: torch.d
         if tuple(o.shape) != tuple(shape) or o.dtype != dt:
             return v.fail(f"{spec.name}: got {o.dtype} {list(o.shape)}, expected {dt} "
                           f"{list(shape)}")
-    _untouched(op, kin, o64, v)
+    _untouched(op, after, o64, v)
     if not v.ok:
         return v
     names = [s.name for s in op.outputs]
@@ -248,5 +255,33 @@ def check_example(op: OpDef, kernel: Any, values: dict[str, Any], dtype: torch.d
         if name not in skip:
             compare_dense(name, got_by[name], expected[name], terms[name], dtype, v)
     for name in op.mutates:  # in-place results (the kv cache of mla_prolog)
-        compare_dense(name, kin[name], o64[name], terms[name], dtype, v)
+        compare_dense(name, after[name], o64[name], terms[name], dtype, v)
+    return v
+
+
+def judge(op: OpDef | str, got: Any, values: dict[str, Any],
+          before: dict[str, Any] | None = None, dtype: torch.dtype | None = None) -> Verdict:
+    """The kit's verdict on outputs ``got`` that something computed from ``values`` (the op's
+    arguments by name, as they are after the call). For an op that mutates an argument pass
+    ``before``: the arguments as they were before the call (the oracle starts from those).
+    ``dtype``: the dtype the computation was called with (default: the op's dispatch dtype of
+    ``values``). This is what tests use instead of their own tolerances."""
+    from glm5.ir.catalog import get_op
+
+    op = get_op(op) if isinstance(op, str) else op
+    values = op.bind((), values)
+    before = values if before is None else op.bind((), before)
+    dt = dtype or op.dispatch_dtype(values) or torch.float32
+    v = Verdict(tolerance=formula(op, dt, values.get("scheme")))
+    return _judge(op, got, before, upcast(before), values, dt, v)
+
+
+def assert_matches(op: OpDef | str, got: Any, values: dict[str, Any],
+                   before: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
+                   what: str = "") -> Verdict:
+    """``judge`` that raises AssertionError with the kit's message when the outputs fail."""
+    v = judge(op, got, values, before, dtype)
+    if not v.ok:
+        name = op if isinstance(op, str) else op.name
+        raise AssertionError(f"{what + ': ' if what else ''}{name}: {v.message}")
     return v
