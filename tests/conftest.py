@@ -44,3 +44,15 @@ def reference_only(tmp_path, monkeypatch):
 
     monkeypatch.setenv("GLM5_PLUGINS", accelerators_off_policy(tmp_path))
     glm5.reset_registry()
+
+
+# The kit's mutation score (tests/test_mutations.py), printed in the terminal summary so that it
+# shows with -q too.
+MUTATION_SCORE = pytest.StashKey[str]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    text = config.stash.get(MUTATION_SCORE, None)
+    if text:
+        terminalreporter.section("glm5 kit mutation score")
+        terminalreporter.write_line(text)

@@ -75,23 +75,29 @@ class ErrorTerms:
     mid: Mag = 0.0
     acc: Mag = 0.0
     step: Mag = 0.0
+    # Roundings to the working dtype that may land below its normal range, each off by up to
+    # half a subnormal spacing, weighted by what multiplies them afterwards (|up| for silu(gate)
+    # before the product): MARGIN * spacing(work) / 2 * tiny.
+    tiny: Mag = 0.0
 
     def __add__(self, other: "ErrorTerms") -> "ErrorTerms":
-        return ErrorTerms(self.mid + other.mid, self.acc + other.acc, self.step + other.step)
+        return ErrorTerms(self.mid + other.mid, self.acc + other.acc, self.step + other.step,
+                          self.tiny + other.tiny)
 
     def scale(self, f: Mag) -> "ErrorTerms":
-        return ErrorTerms(self.mid * f, self.acc * f, self.step * f)
+        return ErrorTerms(self.mid * f, self.acc * f, self.step * f, self.tiny * f)
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "ErrorTerms":
         """Apply a linear map with non-negative coefficients (|W| @, a sum, a gather) to each
         term (a zero term stays zero; others arrive as tensors, to be broadcast by ``fn``)."""
         return ErrorTerms(*(0.0 if _zero(x) else fn(_t(x))
-                            for x in (self.mid, self.acc, self.step)))
+                            for x in (self.mid, self.acc, self.step, self.tiny)))
 
     def absolute(self, work: torch.dtype) -> torch.Tensor | float:
         """The terms as an absolute bound (without the output's own rounding and the floor):
         what a later stage sees as the error of its input."""
-        return (MARGIN * unit_roundoff(work) * self.mid
+        return (MARGIN * (unit_roundoff(work) * self.mid
+                          + subnormal_spacing(work) / 2.0 * self.tiny)
                 + LAMBDA * unit_roundoff(acc_dtype(work)) * self.acc + self.step)
 
 
@@ -136,7 +142,8 @@ def linear_error(x: torch.Tensor, ex: ErrorTerms, w: torch.Tensor, y: torch.Tens
     working dtype, as an unfused implementation stores it."""
     K = x.shape[-1]
     wa = w.abs().transpose(-1, -2)
-    own = ErrorTerms(mid=y.abs() if rounded else 0.0, acc=sqrt_n(K) * (x.abs() @ wa))
+    own = ErrorTerms(mid=y.abs() if rounded else 0.0, acc=sqrt_n(K) * (x.abs() @ wa),
+                     tiny=1.0 if rounded else 0.0)
     return ex.map(lambda e: torch.broadcast_to(e, x.shape) @ wa) + own
 
 
@@ -159,7 +166,8 @@ def rms_norm_error(x: torch.Tensor, ex: ErrorTerms, g: torch.Tensor, eps: float,
         e = torch.broadcast_to(e, x.shape)
         return ga * (r * e + n.abs() * r * (n.abs() * e).mean(-1, keepdim=True))
 
-    own = ErrorTerms(mid=y.abs(), acc=(sqrt_n(D) + 4.0) * y.abs())
+    own = ErrorTerms(mid=y.abs(), acc=(sqrt_n(D) + 4.0) * y.abs(),
+                     tiny=torch.broadcast_to(ga, y.shape))
     return ex.map(through) + own
 
 
@@ -180,7 +188,7 @@ def rope_error(x: torch.Tensor, ex: ErrorTerms, cos: torch.Tensor, sin: torch.Te
     """Error of a rotation: the input error through |cos|, |sin|; two products (each may be
     rounded to the working dtype) and a sum in fp32."""
     m, through = rope_magnitude(x, cos, sin, interleaved, rope)
-    return ex.map(through) + ErrorTerms(mid=m, acc=2.0 * m)
+    return ex.map(through) + ErrorTerms(mid=m, acc=2.0 * m, tiny=2.0)
 
 
 def silu_mul_error(a: torch.Tensor, b: torch.Tensor, ea: ErrorTerms, eb: ErrorTerms,
@@ -192,7 +200,8 @@ def silu_mul_error(a: torch.Tensor, b: torch.Tensor, ea: ErrorTerms, eb: ErrorTe
     dsilu = (sig * (1.0 + a * (1.0 - sig))).abs()
     y = (silu * b).abs()
     return (ea.map(lambda e: dsilu * b.abs() * e) + eb.map(lambda e: silu.abs() * e)
-            + ErrorTerms(mid=y if rounded else 0.0, acc=4.0 * y))
+            + ErrorTerms(mid=y if rounded else 0.0, acc=4.0 * y,
+                         tiny=b.abs() if rounded else 0.0))
 
 
 def fragile_codes(q: torch.Tensor, window: torch.Tensor | float) -> torch.Tensor:

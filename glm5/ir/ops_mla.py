@@ -105,8 +105,8 @@ def mla_prolog_error(o, r, work):
         full[slots[keep]] = row[keep]
         return full
 
-    ecache = ErrorTerms(*(rows(_f(a1), _f(a2)) for a1, a2 in
-                          ((eckv.mid, ekpe.mid), (eckv.acc, ekpe.acc), (eckv.step, ekpe.step))))
+    ecache = ErrorTerms(*(rows(_f(getattr(eckv, f)), _f(getattr(ekpe, f)))
+                          for f in ("mid", "acc", "step", "tiny")))
     return {"q_main": eqm, "q_pe": eqpe, "c_q": ecq, "kv_cache": ecache}
 
 

@@ -77,7 +77,7 @@ def layer_norm_error_model(o, r, work):
     c = ((x - mu) * rstd * w).abs()
     acc = ((sqrt_n(D) + 4.0) * (c + w.abs() * rstd * x.abs().mean(-1, keepdim=True))
            + r[0].abs())
-    return {"y": ErrorTerms(mid=2.0 * c, acc=acc)}
+    return {"y": ErrorTerms(mid=2.0 * c, acc=acc, tiny=torch.broadcast_to(w.abs() + 1.0, x.shape))}
 
 
 LAYER_NORM = OpDef(

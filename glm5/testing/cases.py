@@ -74,15 +74,23 @@ class Draw(abc.ABC):
         """The size tier of this example (one of ``self.tiers``)."""
         return self.choice(self.tiers)
 
+    def cover(self, options: Sequence[Any]) -> Any:
+        """A choice that consecutive examples of a parity run rotate through (a flag that
+        decides which code path runs: every option is reached within len(options) examples,
+        whatever the seed); hypothesis draws it."""
+        return self.choice(options)
+
 
 class RandomDraw(Draw):
-    """Choices from random.Random(seed); ``tier`` fixes the example's tier (the parity runner
-    cycles through its profile's tiers)."""
+    """Choices from random.Random(seed); ``tier`` fixes the example's tier and ``index`` (the
+    example's number) drives ``cover`` (the parity runner cycles through both)."""
 
     def __init__(self, seed: int, tier: str | None = None,
-                 tiers: tuple[str, ...] | None = None) -> None:
+                 tiers: tuple[str, ...] | None = None, index: int | None = None) -> None:
         self.r = random.Random(seed)
         self._tier = tier
+        self._index = index
+        self._covers = 0
         if tiers is not None:
             self.tiers = tiers
 
@@ -91,6 +99,15 @@ class RandomDraw(Draw):
 
     def tier(self) -> str:
         return self._tier if self._tier is not None else super().tier()
+
+    def cover(self, options: Sequence[Any]) -> Any:
+        if self._index is None:
+            return self.choice(options)
+        # Each cover call of a generator rotates with its own offset, so two flags of one
+        # example do not move in lockstep.
+        self._covers += 1
+        return options[(self._index + self._covers * (self._index // len(options) + 1))
+                       % len(options)]
 
 
 class HypothesisDraw(Draw):
@@ -133,9 +150,10 @@ class Maker:
         return torch.randperm(n, generator=self.g)
 
     def magnitude(self) -> float:
-        # Tiny and large inputs; fp16's range caps the large end where products accumulate.
+        # Tiny inputs (mean(x^2) near a norm's eps: 1e-3), small, unit and large ones; fp16's
+        # range caps the large end where products accumulate.
         big = 30.0 if self.dtype != torch.float16 else 8.0
-        return self.d.choice((1e-2, 1.0, big))
+        return self.d.cover((1e-3, 1.0, big, 1e-2))
 
     def angles(self, T: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
         pos = self.randint(0, 4096, T).double()
@@ -228,7 +246,7 @@ def gen_rope(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
         T, mid, R = d.int(512, 1024), [d.int(17, 24)], GLM5["rope"]
     cos, sin = m.angles(T, R // 2)
     return {"x": m.randn(T, *mid, R, scale=m.magnitude()), "cos": cos, "sin": sin,
-            "interleaved": d.flag()}
+            "interleaved": d.cover((True, False))}
 
 
 def gen_silu_mul(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
@@ -328,18 +346,19 @@ def _attn_heads(d: Draw, tier: str) -> tuple[int, int, int, int, bool]:
     if tier in ("model", "huge"):
         H = GLM5["heads"] if tier == "model" else d.choice((16, GLM5["heads"]))
         return H, 1, GLM5["kv_lora"] + GLM5["rope"], GLM5["kv_lora"], True
+    mode = d.cover(("gqa", "mqa"))  # grouped heads (Hk = 2 or 3, H > Hk) or absorbed MQA
     if tier == "edge":
-        if d.flag():
+        if mode == "mqa":
             Dqk = d.choice((8, 16))
             return d.choice((1, 2, 4)), 1, Dqk, Dqk // 2, True
-        Hk = d.choice((1, 2))
-        return Hk * d.choice((1, 2)), Hk, d.choice((4, 8, 16)), d.choice((4, 8)), False
+        Hk = d.choice((2, 3))
+        return Hk * d.choice((2, 3)), Hk, d.choice((4, 8, 16)), d.choice((4, 8)), False
     if tier == "tile":  # head dims a multiple of the 64-wide tiles and not
-        if d.flag():
+        if mode == "mqa":
             Dqk = d.choice((80, 144, 192))
             return d.int(3, 20), 1, Dqk, Dqk - 16, True
-        Hk = d.choice((1, 2))
-        return Hk * d.int(1, 10), Hk, d.choice((64, 80, 130)), d.choice((64, 96, 130)), False
+        Hk = d.choice((2, 3))
+        return Hk * d.int(2, 6), Hk, d.choice((64, 80, 130)), d.choice((64, 96, 130)), False
     return d.choice((8, 16)), 1, 160, 128, True  # large
 
 
@@ -444,7 +463,7 @@ def gen_moe_route(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
     n_group = d.choice(groups)
     topk_group = d.int(1, n_group)
     reach = E if n_group == 1 else topk_group * (E // n_group)
-    if d.flag():  # exact ties between experts, decided by the smaller id
+    if d.cover((True, False)):  # exact ties between experts, decided by the smaller id
         logits = m.randint(-2, 3, T, E).to(dtype)
         bias = torch.zeros(E, dtype=dtype)
         if d.flag():  # ties in (logit, bias) pairs with a non-zero bias
@@ -530,7 +549,7 @@ def _qweight(m: Maker, N: int, K: int, scheme: str, lead: tuple[int, ...] = ()):
 def gen_quant_linear(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
     tier = d.tier()
     m = Maker(d, dtype)
-    scheme = d.choice(tuple(SCHEMES))
+    scheme = d.cover(tuple(SCHEMES))
     M, N, K = {"edge": lambda: (d.int(1, 4), d.int(1, 8), d.choice((8, 64, 130, 200))),
                # past BLOCK_M 16/64, BLOCK_N 64, BLOCK_K 128 and a partial 128-group
                "tile": lambda: (d.int(17, 70), d.int(65, 130), d.choice((129, 300))),
@@ -551,7 +570,7 @@ def gen_quant_linear(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
 def gen_moe_experts_quant(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
     tier = d.tier()
     m = Maker(d, dtype)
-    scheme = d.choice(tuple(SCHEMES))
+    scheme = d.cover(tuple(SCHEMES))
     if tier == "edge":
         T, D, I, E = d.int(1, 4), d.choice((8, 16, 130)), d.choice((4, 8)), d.int(1, 3)
         k = d.int(1, min(E, 3))
@@ -570,9 +589,9 @@ def gen_token_logprobs(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
     m = Maker(d, dtype)
     # 4099 crosses the reference's 4096-row vocabulary chunk; tile crosses BLOCK_T 64,
     # BLOCK_D 64 and BLOCK_V 128; huge is GLM-5's vocabulary.
-    T, D, V = {"edge": lambda: (d.int(1, 4), d.choice((4, 16)), d.choice((3, 50, 4099))),
-               "tile": lambda: (d.int(65, 130), d.choice((65, 200)), d.choice((129, 1000))),
-               "model": lambda: (d.int(1, 2), GLM5["hidden"], d.choice((4100, 8192))),
+    T, D, V = {"edge": lambda: (d.int(1, 4), d.choice((4, 16)), d.cover((4099, 3, 50))),
+               "tile": lambda: (d.int(65, 130), d.choice((65, 200)), d.cover((129, 1000))),
+               "model": lambda: (d.int(1, 2), GLM5["hidden"], d.cover((4100, 8192))),
                "large": lambda: (d.int(16, 32), 64, d.choice((16384, 33000))),
                "huge": lambda: (d.int(2, 4), 16, GLM5["vocab"])}[tier]()
     return {"h": m.randn(T, D, scale=d.choice((0.1, 1.0, 4.0))),
@@ -583,8 +602,8 @@ def gen_token_logprobs(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
 def gen_grpo_advantages(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
     tier = d.tier()
     m = Maker(d, dtype)
-    std = d.flag()
-    g, n = {"edge": lambda: (d.int(2 if std else 1, 6), d.int(1, 4)),
+    std = d.cover((True, False))
+    g, n = {"edge": lambda: (d.int(2 if std else 1, 6), d.cover((1, d.int(2, 4)))),
             "tile": lambda: (d.int(8, 16), d.int(20, 40)),
             "model": lambda: (16, 64),
             "large": lambda: (8, d.int(400, 600)),
@@ -610,7 +629,7 @@ def gen_policy_loss(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
     if d.flag():
         mask = mask.to(dtype)
     rollout = None
-    if d.flag():
+    if d.cover((True, False)):  # truncated importance sampling against rollout logprobs
         rollout = (old + m.randn(T, scale=0.3, dtype=torch.float32)).to(dtype)
     return {"logp": logp, "old_logp": old.to(dtype), "adv": m.randn(T), "mask": mask,
             "clip_low": d.choice((0.2, 0.1)), "clip_high": d.choice((0.25, 0.28)),
@@ -648,7 +667,8 @@ def example(op: str, dtype: torch.dtype, seed: int, i: int,
     """Example ``i`` of (op, dtype) for a run with ``seed`` under ``profile``: its tier is the
     profile's i-th (cycling)."""
     tiers = PROFILES[profile]
-    draw = RandomDraw(example_seed(seed, op, dtype, i), tier=tiers[i % len(tiers)], tiers=tiers)
+    draw = RandomDraw(example_seed(seed, op, dtype, i), tier=tiers[i % len(tiers)], tiers=tiers,
+                      index=i)
     return GENERATORS[op](draw, dtype)
 
 
