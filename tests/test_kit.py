@@ -221,3 +221,23 @@ def test_emulated_parity_rows(capsys):
     assert cli.main(["parity", "--backend", "t_emul", "--emulate", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["rows"][0]["emulated"] is True
+
+
+def test_docs_carry_the_current_tolerance_table():
+    """docs/conformance.md's generated section is the table the kit uses (regenerate it with
+    `python -m glm5.testing.tolerances`)."""
+    import pathlib
+
+    from glm5.testing.tolerances import BEGIN, END, markdown
+
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "conformance.md").read_text()
+    assert BEGIN in doc and END in doc
+    section = doc[doc.index(BEGIN): doc.index(END) + len(END)]
+    assert section == markdown(), "docs/conformance.md is stale: python -m glm5.testing.tolerances"
+
+
+def test_every_op_has_an_error_model_or_a_selection_rule():
+    for op in OPS.values():
+        assert op.error is not None or op.selection is not None, op.name
+        if op.error is not None:
+            assert (op.error.__doc__ or "").strip(), f"{op.name}: the error model needs its derivation"

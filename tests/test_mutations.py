@@ -628,12 +628,15 @@ SCHEMES = {"w8a16": (8, None, False), "w8a8": (8, 8, False), "w4a8": (4, 8, True
 GROUP = 128
 
 
-def quantize_per_token_k(x, bits, *, qmax8=127, reciprocal=False):
+def quantize_per_token_k(x, bits, *, qmax8=127, reciprocal=False, half_away=False):
     qmax = qmax8 if bits == 8 else 2047
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
     s = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
-    q = torch.round(xf * (1.0 / s) if reciprocal else xf / s).clamp(-qmax, qmax)
+    quot = xf * (1.0 / s) if reciprocal else xf / s
+    # round half away from zero (C's round()) instead of OPS.md's half to even
+    q = (torch.sign(quot) * torch.floor(quot.abs() + 0.5) if half_away else torch.round(quot))
+    q = q.clamp(-qmax, qmax)
     q = q.to(torch.int32).to(torch.int8 if bits == 8 else torch.int16)
     return q, s.squeeze(-1)
 
@@ -641,6 +644,8 @@ def quantize_per_token_k(x, bits, *, qmax8=127, reciprocal=False):
 good("quantize_per_token_fp32", "quantize_per_token", quantize_per_token_k)
 good("quantize_per_token_reciprocal", "quantize_per_token",
      lambda x, b: quantize_per_token_k(x, b, reciprocal=True))
+mutant("quantize_per_token_rounds_half_away_from_zero", "quantize_per_token",
+       lambda x, b: quantize_per_token_k(x, b, half_away=True))
 mutant("quantize_per_token_qmax_128", "quantize_per_token",
        lambda x, b: quantize_per_token_k(x, b, qmax8=128))
 

@@ -1,11 +1,16 @@
-"""The plugin API a backend is built against: `Backend`, kernel registration, API version and
-the pluggy markers. This is a stable contract (see docs/plugins.md)."""
+"""The plugin API a backend is built against: `Backend`, kernel registration, API version, the
+pluggy markers and hook specification, the reserved name of the reference backend, strict mode,
+and the implementation labels a kernel reports (which code served a call). This is a stable
+contract (see docs/plugins.md)."""
 
 from __future__ import annotations
 
+import contextvars
+import os
+import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import pluggy
 import torch
@@ -17,7 +22,30 @@ ENTRY_POINT_GROUP = "glm5.backends"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
+if TYPE_CHECKING:
+    from glm5.backends.registry import Registry
+
+
+class HookSpecs:
+    """The hooks a glm5 plugin implements (API version 1)."""
+
+    @hookspec
+    def glm5_register_backends(self, registry: "Registry") -> None:
+        """Call ``registry.register(backend)`` for each backend the plugin ships."""
+
+
 DEVICE_ANY = "any"
+
+# The name of glm5's own float64 oracle backend: reserved (no plugin may register it), the
+# explicit last resort of selection.
+REFERENCE = "reference"
+
+STRICT_ENV = "GLM5_STRICT"
+
+
+def strict_mode() -> bool:
+    """``GLM5_STRICT`` is set (1/true/yes/on): a broken plugin or a reference fallback raises."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 # Ops whose weights come in a canonical packed format (OPS.md) that a backend may repack once at
 # load time (`@backend.repack`).
@@ -28,16 +56,138 @@ class BackendError(RuntimeError):
     """A backend or plugin broke the API contract."""
 
 
+# --------------------------------------------------------------------------- implementation labels
+# A label names the code that served a call: "triton", "tvm", "torch:per-expert", a vendor
+# binding such as "torch_npu.npu_sparse_flash_attention", "reference", "fallback:reference".
+# A kernel's static label is ``KernelEntry.impl``; a kernel that chooses among implementations
+# at call time reports the one it ran with `report_impl` (or runs it through `call_impl`).
+IMPL_ATTR = "glm5_impl"  # a function attribute carrying its label (see `implemented_by`)
+FALLBACK_REFERENCE = "fallback:reference"
+DECOMPOSED = "decomposed"
+_IMPL_BY_PACKAGE = (("glm5.kernels.triton", "triton"), ("glm5.kernels.tvm", "tvm"),
+                    ("glm5.ir", REFERENCE))
+
+# Open recorders in any context: `report_impl` reads this one global when none is open.
+_recording = 0
+_recording_lock = threading.Lock()
+_recorder: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "glm5_impl_recorder", default=None)
+
+
+def implemented_by(label: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: attach the implementation label ``label`` to a kernel function; it becomes
+    the default ``impl`` of ``@backend.kernel`` (and of `default_impl`)."""
+    _check_label(label, "implemented_by")
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        setattr(fn, IMPL_ATTR, label)
+        return fn
+
+    return deco
+
+
+def default_impl(fn: Callable[..., Any], backend: str) -> str:
+    """The label of a kernel function that was given none: its ``glm5_impl`` attribute (see
+    `implemented_by`), else from its module (``glm5.kernels.triton.*`` -> "triton",
+    ``glm5.kernels.tvm.*`` -> "tvm", ``glm5.ir.*`` (an op's reference) -> "reference"), else the
+    backend's name."""
+    label = getattr(fn, IMPL_ATTR, None)
+    if isinstance(label, str) and label:
+        return label
+    mod = getattr(fn, "__module__", None) or ""
+    for package, name in _IMPL_BY_PACKAGE:
+        if mod == package or mod.startswith(package + "."):
+            return name
+    return backend
+
+
+def report_impl(label: str) -> None:
+    """Called by a kernel that chooses among implementations at call time: record that
+    ``label`` served (part of) this call. A no-op costing one global read when no
+    `recording_impls` is open."""
+    if _recording:
+        rec = _recorder.get()
+        if rec is not None:
+            rec.append(label)
+
+
+def call_impl(label: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, recording ``label`` unless ``fn`` reported labels itself (a
+    choice nested inside it is the more precise answer). Without an open recorder this is just
+    the call."""
+    if not _recording:
+        return fn(*args, **kwargs)
+    rec = _recorder.get()
+    if rec is None:
+        return fn(*args, **kwargs)
+    n = len(rec)
+    out = fn(*args, **kwargs)
+    if len(rec) == n:
+        rec.append(label)
+    return out
+
+
+class recording_impls:
+    """Context manager collecting the labels reported (`report_impl`, `call_impl`) in this
+    context (thread / task) while it is open: ``with recording_impls() as labels: ...``;
+    ``labels`` is a list, in report order. A recorder opened inside another passes its labels
+    on to the outer one when it closes."""
+
+    def __init__(self) -> None:
+        self.labels: list[str] = []
+        self._token: contextvars.Token | None = None
+
+    def __enter__(self) -> list[str]:
+        global _recording
+        self._token = _recorder.set(self.labels)
+        with _recording_lock:
+            _recording += 1
+        return self.labels
+
+    def __exit__(self, *exc: Any) -> None:
+        global _recording
+        assert self._token is not None
+        _recorder.reset(self._token)
+        self._token = None
+        with _recording_lock:
+            _recording -= 1
+        outer = _recorder.get()
+        if outer is not None:
+            outer.extend(self.labels)
+
+
+def run_recorded(entry: "KernelEntry", args: tuple) -> tuple[Any, list[str]]:
+    """Run ``entry``'s kernel on ``args`` (positional, as the op lists them) and return
+    ``(result, labels)``: the implementation labels that served the call, distinct, in report
+    order; ``[entry.impl]`` when the kernel reported none. Exceptions propagate (wrap the call
+    in `recording_impls` to keep the labels reported before one)."""
+    with recording_impls() as labels:
+        result = call_impl(entry.impl, entry.fn, *args)
+    return result, list(dict.fromkeys(labels))
+
+
+def _check_label(label: Any, where: str) -> None:
+    if not isinstance(label, str) or not label.strip():
+        raise BackendError(f"glm5 {where}: impl expected a short non-empty label such as "
+                           f"'triton', 'tvm' or 'torch_npu.npu_lightning_indexer', got {label!r}")
+
+
 @dataclass(frozen=True)
 class KernelEntry:
     """One kernel of a backend: serves ``op`` for ``dtypes`` (None = any) when ``supports``
-    (None = always) accepts the call's arguments."""
+    (None = always) accepts the call's arguments. ``impl`` labels the implementation (default:
+    `default_impl` of ``fn``)."""
 
     op: str
     fn: Callable[..., Any]
     backend: "Backend"
     dtypes: frozenset[torch.dtype] | None = None
     supports: Callable[..., bool] | None = None
+    impl: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.impl:
+            object.__setattr__(self, "impl", default_impl(self.fn, self.backend.name))
 
     def accepts_dtype(self, dtype: torch.dtype | None) -> bool:
         return self.dtypes is None or dtype is None or dtype in self.dtypes
@@ -51,7 +201,7 @@ class Backend:
     """A hardware backend: detection + kernels + settings.
 
     ``Backend(name, vendor, device_type, priority=0, description="")``; attach kernels with
-    ``@backend.kernel("<op>", dtypes=(...), supports=None)`` and detection with
+    ``@backend.kernel("<op>", dtypes=(...), supports=None, impl=None)`` and detection with
     ``@backend.availability`` (a function returning ``(bool, reason)``); optionally
     ``@backend.repack("quant_linear")`` to repack quantized weights once at load time.
     ``settings`` holds the
@@ -88,11 +238,15 @@ class Backend:
         op: str,
         dtypes: Iterable[torch.dtype] | None = None,
         supports: Callable[..., bool] | None = None,
+        impl: str | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator: register ``fn`` as this backend's kernel for ``op``.
 
         The kernel takes the op's arguments exactly as OPS.md lists them (positionally) and
-        returns what the op's reference returns.
+        returns what the op's reference returns. ``impl`` labels its implementation ("triton",
+        "tvm", "torch", "torch_npu.npu_lightning_indexer", ...); None derives it from ``fn``
+        (`default_impl`). A kernel that chooses among implementations per call reports the
+        one it ran with `report_impl`.
         """
         from glm5.ir.catalog import OPS
 
@@ -111,12 +265,16 @@ class Backend:
                     f"values, got {bad!r}"
                 )
 
+        if impl is not None:
+            _check_label(impl, f"Backend({self.name!r}).kernel({op!r})")
+
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
             if op in self.kernels:
                 raise BackendError(
                     f"glm5.Backend({self.name!r}): a kernel for {op!r} is already registered"
                 )
-            self.kernels[op] = KernelEntry(op, fn, self, dts, supports)
+            label = impl if impl is not None else default_impl(fn, self.name)
+            self.kernels[op] = KernelEntry(op, fn, self, dts, supports, label)
             return fn
 
         return deco

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from glm5.backends.api import REFERENCE
+
 
 class PolicyError(ValueError):
     """plugins.toml is malformed."""
@@ -26,7 +28,7 @@ class Policy:
 
     def allowed(self, backend: str) -> bool:
         """The reference (the oracle and last resort) is always allowed."""
-        if backend == "reference":
+        if backend == REFERENCE:
             return True
         if backend in self.deny:
             return False

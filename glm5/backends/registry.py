@@ -8,7 +8,6 @@ reason and skipped; under ``GLM5_STRICT=1`` the error is re-raised.
 from __future__ import annotations
 
 import importlib.metadata as md
-import os
 import threading
 import traceback
 from dataclasses import dataclass
@@ -20,22 +19,14 @@ from glm5.backends.api import (
     API_VERSION,
     ENTRY_POINT_GROUP,
     PROJECT,
+    REFERENCE,
     Backend,
     BackendError,
-    hookspec,
+    HookSpecs,
+    strict_mode,
 )
 
-
-RESERVED = "reference"
-BUILTIN_REFERENCE = "glm5.backends.reference"
-
-
-class HookSpecs:
-    """The hooks a glm5 plugin implements (API version 1)."""
-
-    @hookspec
-    def glm5_register_backends(self, registry: "Registry") -> None:
-        """Call ``registry.register(backend)`` for each backend the plugin ships."""
+BUILTIN_REFERENCE = "glm5.backends.reference"  # the module of glm5's own reference plugin
 
 
 @dataclass
@@ -50,10 +41,6 @@ class PluginRecord:
 
 class PluginLoadError(BackendError):
     """A plugin failed to load (raised only in strict mode)."""
-
-
-def strict_mode() -> bool:
-    return os.environ.get("GLM5_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _major(v: str) -> str:
@@ -76,9 +63,9 @@ class Registry:
             raise BackendError(
                 f"glm5 registry.register: expected a glm5.Backend, got {type(backend).__name__}"
             )
-        if backend.name == RESERVED and not self._builtin:
+        if backend.name == REFERENCE and not self._builtin:
             raise BackendError(
-                f"glm5 registry.register: the backend name {RESERVED!r} is reserved for glm5's "
+                f"glm5 registry.register: the backend name {REFERENCE!r} is reserved for glm5's "
                 f"float64 oracle"
             )
         if backend.name in self.backends:
@@ -172,7 +159,7 @@ class Registry:
             except Exception as e:
                 self._record(ep.name, source, "failed", f"{type(e).__name__}: {e}",
                              traceback.format_exc())
-        if "reference" not in self.backends:
+        if REFERENCE not in self.backends:
             # glm5 itself is not installed (running from a source tree): the oracle must exist.
             from glm5.backends import reference
 

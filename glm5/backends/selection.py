@@ -12,12 +12,11 @@ from typing import Any
 
 import torch
 
-from glm5.backends.api import Backend, KernelEntry
+from glm5.backends import api
+from glm5.backends.api import REFERENCE, STRICT_ENV, Backend, KernelEntry, strict_mode
 from glm5.ir.opdef import OpDef
 
 log = logging.getLogger("glm5")
-
-REFERENCE = "reference"
 
 _override: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
     "glm5_backend_override", default=()
@@ -61,10 +60,6 @@ def current_override() -> tuple[str, ...]:
         return o
     env = os.environ.get("GLM5_BACKEND", "").strip()
     return tuple(n.strip() for n in env.split(",") if n.strip()) if env else ()
-
-
-def strict_mode() -> bool:
-    return os.environ.get("GLM5_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass
@@ -126,7 +121,7 @@ def _ordered_backends(op: str, override: tuple[str, ...]) -> tuple[list[Backend]
 def resolve(op: OpDef, device_type: str, dtype: torch.dtype | None) -> Plan:
     env = os.environ
     override = current_override()
-    key = (op.name, device_type, dtype, override, env.get("GLM5_STRICT"), env.get("GLM5_PLUGINS"))
+    key = (op.name, device_type, dtype, override, env.get(STRICT_ENV), env.get("GLM5_PLUGINS"))
     plan = _cache.get(key)
     if plan is not None:
         return plan
@@ -193,17 +188,24 @@ def _fallback(plan: Plan, tried: list[str]) -> KernelEntry:
 
 def call(op: OpDef, values: dict[str, Any], ops: Any) -> Any:
     """Run ``op`` on validated arguments through the selected kernel; a composite op no kernel
-    accepts runs its decomposition over ``ops`` (the ``glm5.ops`` namespace)."""
+    accepts runs its decomposition over ``ops`` (the ``glm5.ops`` namespace).
+
+    Inside `glm5.backends.api.recording_impls` each call records its implementation label:
+    what the kernel reported, else its ``impl``; "decomposed" (then the parts' labels) or
+    "fallback:reference"."""
     args = tuple(values[n] for n in op.param_names)
     plan = resolve(op, op.device(values).type, op.dispatch_dtype(values))
     tried: list[str] = []
     for entry in plan.candidates:
         if entry.accepts(args):
+            if api._recording:
+                return api.call_impl(entry.impl, entry.fn, *args)
             return entry.fn(*args)
         tried.append(entry.backend.name)
     if op.is_composite:
+        api.report_impl(api.DECOMPOSED)
         return op.decompose(ops, *args)
-    return _fallback(plan, tried).fn(*args)
+    return api.call_impl(api.FALLBACK_REFERENCE, _fallback(plan, tried).fn, *args)
 
 
 def kernel_for(op: OpDef, values: dict[str, Any]) -> tuple[str, str]:

@@ -36,7 +36,9 @@ from glm5.backends.api import Backend
 
 ENV_DEVICE = "GLM5_DEVICE"
 
-Rows = list[tuple]  # (op, fn, dtypes, supports), as glm5/kernels/triton/registry.py returns
+# (op, fn, dtypes, supports), as glm5/kernels/triton/registry.py returns; a row may add a fifth
+# element, its implementation label (`Backend.kernel`'s ``impl``)
+Rows = list[tuple]
 
 
 @dataclass(frozen=True)
@@ -273,10 +275,14 @@ def triton_rows(backend: Backend, query: Callable[[str], int | None] | None = No
 
 
 def register_rows(backend: Backend, rows: Iterable[tuple]) -> None:
-    """Register (op, fn, dtypes, supports) rows; the first row of an op wins."""
-    for op, fn, dtypes, supports in rows:
+    """Register (op, fn, dtypes, supports[, impl]) rows; the first row of an op wins. Without
+    an ``impl`` the label comes from the function (`glm5.backends.api.default_impl`): "triton"
+    for the Triton library's kernels, a binding's own label, else the backend's name."""
+    for row in rows:
+        op, fn, dtypes, supports = row[:4]
+        impl = row[4] if len(row) > 4 else None
         if op not in backend.kernels:
-            backend.kernel(op, dtypes=dtypes, supports=supports)(fn)
+            backend.kernel(op, dtypes=dtypes, supports=supports, impl=impl)(fn)
 
 
 def make_backend(spec: VendorSpec) -> Backend:

@@ -10,7 +10,11 @@ Name mapping between the checkpoint and glm5's modules:
 
 A directory with `quant_description.json` (written by `glm5 quantize`, see
 glm5/core/quantize.py and docs/quantization.md) holds `X.weight_packed` + `X.weight_scale` in place
-of each quantized `X.weight`; `load_model` builds those layers as `QuantLinear` / `QuantExperts`.
+of each quantized `X.weight`; `load_model` builds those layers as `QuantLinear` / `QuantExperts`
+and offers each quantized weight to the selected backend's repack hook (`repack_model`).
+
+The file names and the description's format are defined here, where checkpoints are read;
+glm5/core/quantize.py, which writes them, imports them from this module (never the reverse).
 """
 
 from __future__ import annotations
@@ -25,9 +29,18 @@ import torch
 from glm5.core.config import GLM5Config
 from glm5.core.model import GLM5ForCausalLM
 from glm5.core.rope import inv_freq
+from glm5.ir.quant_formats import SCHEMES
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# A glm5-quantized directory: its description file, method and format version, and the scheme
+# name of a tensor kept in high precision.
+DESCRIPTION = "quant_description.json"
+METHOD = "glm5"
+FORMAT_VERSION = 1
+FLOAT = "FLOAT"
+# An msModelSlim (Ascend) checkpoint, which `glm5 quantize --from msmodelslim` converts.
+MSMODELSLIM_DESCRIPTION = "quant_model_description.json"
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
                      r"\.(weight|weight_packed|weight_scale)$")
 _PACKED = ".weight_packed"
@@ -90,7 +103,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None,
 
     p = Path(path)
     cfg = GLM5Config.from_pretrained(p)
-    if (p / "quant_model_description.json").exists():
+    if (p / MSMODELSLIM_DESCRIPTION).exists():
         raise CheckpointError(f"glm5.load_model: {p} is an msModelSlim checkpoint; convert it "
                               f"first with `glm5 quantize --from msmodelslim {p} DST`")
     files = _files(p)
@@ -181,8 +194,6 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None,
     model.inv_freq = inv_freq(cfg)[0]  # non-persistent buffer: rebuilt, not loaded
     model = model.to(device)
     if quant is not None:
-        from glm5.core.quantize import repack_model
-
         quant["repacked"] = repack_model(model)
         model.quantization = quant
     return model
@@ -194,7 +205,6 @@ def _install_quant_modules(model: GLM5ForCausalLM, p: Path, files: dict[str, Pat
     QuantExperts (on the meta device, before loading). None for an unquantized checkpoint."""
     from glm5.core.layers import QuantExperts, QuantLinear
     from glm5.core.quant_policy import high_precision_reason
-    from glm5.core.quantize import read_description
 
     desc = read_description(p)
     if desc is None:
@@ -205,9 +215,9 @@ def _install_quant_modules(model: GLM5ForCausalLM, p: Path, files: dict[str, Pat
         if not name.endswith(_PACKED) and not name.endswith("_proj_packed"):
             continue
         scheme = schemes.get(name)
-        if scheme is None or scheme == "FLOAT":
+        if scheme is None or scheme == FLOAT:
             raise CheckpointError(f"glm5.load_model: {name} has no quantization scheme in "
-                                  f"{p / 'quant_description.json'}")
+                                  f"{p / DESCRIPTION}")
         weight = name[: -len(_PACKED)] + ".weight" if name.endswith(_PACKED) else name[:-7]
         why = high_precision_reason(weight)
         if why is not None:
@@ -240,6 +250,48 @@ def _install_quant_modules(model: GLM5ForCausalLM, p: Path, files: dict[str, Pat
             raise CheckpointError(f"glm5.load_model: unexpected tensors in {p}: {prefix}.*")
         setattr(parent, attr, QuantExperts(parent.gate.cfg, sset.pop()))
     return {"scheme": desc["scheme"], "format_version": desc["format_version"]}
+
+
+def read_description(path: Path) -> dict | None:
+    """The parsed quant_description.json of a glm5-quantized directory, or None when absent."""
+    f = Path(path) / DESCRIPTION
+    if not f.exists():
+        return None
+    d = json.loads(f.read_text())
+    if d.get("quant_method") != METHOD or d.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"glm5.load_model: {f} expected quant_method {METHOD!r} format_version "
+            f"{FORMAT_VERSION}, got {d.get('quant_method')!r} {d.get('format_version')!r}")
+    for name, sch in d.get("tensors", {}).items():
+        if sch != FLOAT and sch not in SCHEMES:
+            raise CheckpointError(f"glm5.load_model: {f} names unknown scheme {sch!r} for "
+                                  f"{name}; known: {', '.join(SCHEMES)}")
+    return d
+
+
+def repack_model(model: torch.nn.Module) -> dict[str, str]:
+    """Offer each quantized weight to the repack hook of the backend selected for its op on the
+    weight's device (once, at load time). Returns {module name: backend} for those repacked."""
+    from glm5 import ops
+    from glm5.core.layers import QuantExperts, QuantLinear
+
+    act = model.dtype
+    out: dict[str, str] = {}
+    for name, mod in model.named_modules():
+        if type(mod) is QuantLinear:
+            b = ops.repack_weight("quant_linear", mod.weight_packed, mod.weight_scale,
+                                  mod.scheme, act)
+        elif type(mod) is QuantExperts:
+            b = ops.repack_weight("moe_experts_quant", mod.gate_up_proj_packed,
+                                  mod.gate_up_proj_scale, mod.scheme, act)
+            if b is not None:
+                ops.repack_weight("moe_experts_quant", mod.down_proj_packed,
+                                  mod.down_proj_scale, mod.scheme, act)
+        else:
+            continue
+        if b is not None:
+            out[name] = b
+    return out
 
 
 def _checkpoint_tensors(model: GLM5ForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:

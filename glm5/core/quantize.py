@@ -27,15 +27,22 @@ from typing import Callable
 
 import torch
 
-from glm5.core.checkpoint import INDEX, SINGLE, CheckpointError
+from glm5.core.checkpoint import (  # noqa: F401  (the format's names, importable from here too)
+    DESCRIPTION,
+    FLOAT,
+    FORMAT_VERSION,
+    INDEX,
+    METHOD,
+    MSMODELSLIM_DESCRIPTION,
+    SINGLE,
+    CheckpointError,
+    load_model,
+    read_description,
+    repack_model,
+)
 from glm5.core.quant_policy import high_precision_reason, is_quantized
-from glm5.ir.quant_formats import SCHEMES, get_scheme, quantize_weight
+from glm5.ir.quant_formats import get_scheme, quantize_weight
 
-METHOD = "glm5"
-FORMAT_VERSION = 1
-DESCRIPTION = "quant_description.json"
-FLOAT = "FLOAT"
-MSMODELSLIM_DESCRIPTION = "quant_model_description.json"
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
 # Accuracy budget of each scheme against the fp32 model, per preset (random weights with
@@ -294,49 +301,6 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str,
     return summary
 
 
-# --------------------------------------------------------------------------- loading helpers
-def read_description(path: Path) -> dict | None:
-    """The parsed quant_description.json of a glm5-quantized directory, or None when absent."""
-    f = Path(path) / DESCRIPTION
-    if not f.exists():
-        return None
-    d = json.loads(f.read_text())
-    if d.get("quant_method") != METHOD or d.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"glm5.load_model: {f} expected quant_method {METHOD!r} format_version "
-            f"{FORMAT_VERSION}, got {d.get('quant_method')!r} {d.get('format_version')!r}")
-    for name, sch in d.get("tensors", {}).items():
-        if sch != FLOAT and sch not in SCHEMES:
-            raise CheckpointError(f"glm5.load_model: {f} names unknown scheme {sch!r} for "
-                                  f"{name}; known: {', '.join(SCHEMES)}")
-    return d
-
-
-def repack_model(model: torch.nn.Module) -> dict[str, str]:
-    """Offer each quantized weight to the repack hook of the backend selected for its op on the
-    weight's device (once, at load time). Returns {module name: backend} for those repacked."""
-    from glm5 import ops
-    from glm5.core.layers import QuantExperts, QuantLinear
-
-    act = model.dtype
-    out: dict[str, str] = {}
-    for name, mod in model.named_modules():
-        if type(mod) is QuantLinear:
-            b = ops.repack_weight("quant_linear", mod.weight_packed, mod.weight_scale,
-                                  mod.scheme, act)
-        elif type(mod) is QuantExperts:
-            b = ops.repack_weight("moe_experts_quant", mod.gate_up_proj_packed,
-                                  mod.gate_up_proj_scale, mod.scheme, act)
-            if b is not None:
-                ops.repack_weight("moe_experts_quant", mod.down_proj_packed,
-                                  mod.down_proj_scale, mod.scheme, act)
-        else:
-            continue
-        if b is not None:
-            out[name] = b
-    return out
-
-
 # --------------------------------------------------------------------------- msModelSlim import
 MSMODELSLIM_TYPES = {"W8A16": "w8a16", "W8A8": "w8a8", "W8A8_DYNAMIC": "w8a8"}
 _AUX = ("weight_scale", "weight_offset", "input_scale", "input_offset", "deq_scale",
@@ -573,8 +537,6 @@ def evaluate_scheme(model: torch.nn.Module, workdir: str | Path, scheme: str,
                     ids: torch.Tensor) -> dict[str, float]:
     """Save the fp32 ``model``, quantize it with ``scheme``, load it and compare logits on
     ``ids``: cosine, top1, bytes/param of the quantized tensors and of the whole model."""
-    from glm5.core.checkpoint import load_model
-
     w = Path(workdir)
     src, dst = w / "fp32", w / scheme
     if not (src / "config.json").exists():

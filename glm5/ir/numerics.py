@@ -204,11 +204,22 @@ def silu_mul_error(a: torch.Tensor, b: torch.Tensor, ea: ErrorTerms, eb: ErrorTe
                          tiny=b.abs() if rounded else 0.0))
 
 
-def fragile_codes(q: torch.Tensor, window: torch.Tensor | float) -> torch.Tensor:
+def fragile_codes(q: torch.Tensor, window: torch.Tensor | float,
+                  determined: torch.Tensor | bool = False) -> torch.Tensor:
     """Codes ``round(q)`` that a perturbation of the quotient by ``window`` (code units) may
-    move: the distance of |q| to the nearest half is within the window."""
+    move: the distance of |q| to the nearest half is within the window. ``determined`` marks
+    quotients every implementation computes exactly (an exact input over a power-of-two scale:
+    division and multiplication by the reciprocal are both exact): an exact half there must
+    round to even, so it is not fragile."""
     frac = q.abs() - q.abs().floor()
-    return (frac - 0.5).abs() <= window
+    dist = (frac - 0.5).abs()
+    return (dist <= window) & ~((dist == 0) & torch.as_tensor(determined))
+
+
+def power_of_two(s: torch.Tensor) -> torch.Tensor:
+    """Positive finite values that are exact powers of two."""
+    m, _ = torch.frexp(s)
+    return (s > 0) & torch.isfinite(s) & (m == 0.5)
 
 
 QUOTIENT_ULPS = 8.0  # x / s with an approximate division (GPU div.full: 2 ulp) and an s that

@@ -12,6 +12,7 @@ from glm5.ir.numerics import (
     QUOTIENT_ULPS,
     ErrorTerms,
     fragile_codes,
+    power_of_two,
     linear_error,
     sqrt_n,
     unit_roundoff,
@@ -45,11 +46,13 @@ U32 = unit_roundoff(torch.float32)
 def quantize_per_token_error(o, r, work):
     """q: the codes of x / s are exact (fp32 math on exact inputs, as the oracle does) except
     where the quotient lies within QUOTIENT_ULPS fp32 ulps of a half, where an approximate
-    division may round either way: one step there (step = 1), none elsewhere. scale = amax /
-    qmax: one fp32 division (acc |s|)."""
+    division may round either way: one step there (step = 1), none elsewhere; an exact half
+    over a power-of-two scale is computed exactly by any implementation and must round to
+    even. scale = amax / qmax: one fp32 division (acc |s|)."""
     x = o["x"].to(torch.float32)
-    q = (x / r[1].to(torch.float32)[:, None]).to(torch.float64)
-    fr = fragile_codes(q, QUOTIENT_ULPS * U32 * q.abs())
+    s = r[1].to(torch.float32)[:, None]
+    q = (x / s).to(torch.float64)
+    fr = fragile_codes(q, QUOTIENT_ULPS * U32 * q.abs(), power_of_two(s.double()))
     return {"q": ErrorTerms(step=fr.to(torch.float64)),
             "scale": ErrorTerms(acc=r[1].abs())}
 
@@ -117,7 +120,7 @@ def act_codes(x: torch.Tensor, bits: int, ex: torch.Tensor | float = 0.0):
     ds = torch.where(zero, 0.0, s * ex.amax(-1, keepdim=True) / amax.clamp(min=1e-300))
     quot = x / s
     window = (ex + x.abs() * ds / s) / s + QUOTIENT_ULPS * U32 * quot.abs()
-    moved = fragile_codes(quot, window)
+    moved = fragile_codes(quot, window, power_of_two(s) & (ex == 0))
     err = qf.abs() * ds + torch.where(moved, s + ex, torch.zeros_like(x))
     err = torch.where(zero, ex, err)
     return qf, s, qf * s, err

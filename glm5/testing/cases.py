@@ -527,8 +527,8 @@ def gen_quantize_per_token(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
             "model": lambda: (d.int(1, 4), d.choice((GLM5["hidden"], GLM5["q_lora"]))),
             "large": lambda: (2, d.choice((8193, 9000))),  # past QUANT_BLOCK_K 8192
             "huge": lambda: (d.int(2048, 4096), 256)}[tier]()
-    bits = d.choice((8, 12))
-    if d.int(0, 3) == 0 and not (dtype != torch.float32 and bits == 12):
+    bits = d.cover((8, 12))
+    if d.cover((True, False)) and not (dtype != torch.float32 and bits == 12):
         # exact halves (12-bit codes up to 2047.5 need 12 significant bits: fp32 only)
         x = _halves(m, M, K, 127 if bits == 8 else 2047).to(dtype)
     else:
@@ -558,8 +558,8 @@ def gen_quant_linear(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
                "huge": lambda: (1024, 128, 512)}[tier]()
     wp, ws = _qweight(m, N, K, scheme)
     sc = SCHEMES[scheme]
-    if sc.act_bits is not None and d.int(0, 3) == 0 and (dtype == torch.float32 or
-                                                         sc.act_bits == 8):
+    if sc.act_bits is not None and d.cover((False, True)) and (dtype == torch.float32 or
+                                                              sc.act_bits == 8):
         x = _halves(m, M, K, sc.act_qmax).to(dtype)
     else:
         x = m.randn(M, K, scale=d.choice((0.1, 1.0, 8.0)))

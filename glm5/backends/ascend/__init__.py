@@ -15,6 +15,8 @@ backend therefore registers one combined kernel: the vendor binding when its ``s
 accepts the call (its documented shapes and dtypes), else the Triton kernel. A call that neither
 accepts (e.g. an fp32 sparse_attention with a head dim npu_sparse_flash_attention does not take,
 which the Triton kernel does serve) stays on the NPU instead of falling back to the host oracle.
+The combined kernel reports which of the two ran (`glm5.backends.api.call_impl`): the binding's
+label (``torch_npu.npu_sparse_flash_attention``, ...) or ``triton``.
 
 Emulation (``glm5 parity --backend ascend --emulate``): the Triton kernels run in the Triton
 interpreter with the persistent grid and the table's documented core counts; the vendor
@@ -32,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from glm5.backends import vendor
-from glm5.backends.api import API_VERSION, hookimpl
+from glm5.backends.api import API_VERSION, IMPL_ATTR, call_impl, default_impl, hookimpl
 
 GLM5_API_VERSION = API_VERSION
 NPU_OPS = "glm5.backends.ascend.npu_ops"
@@ -116,11 +118,14 @@ def vendor_rows() -> list[tuple]:
 
 def combine(op: str, first: tuple, second: tuple) -> tuple:
     """One row serving ``op`` by ``first`` (the vendor binding) when it accepts the call's
-    dispatch dtype and ``supports``, else by ``second`` (the Triton kernel)."""
+    dispatch dtype and ``supports``, else by ``second`` (the Triton kernel). Each call reports
+    the implementation label of the one that ran (the binding's own report, if it makes one,
+    is kept: it is the more precise)."""
     from glm5.ir.catalog import OPS
 
     _, f1, d1, s1 = first
     _, f2, d2, s2 = second
+    l1, l2 = default_impl(f1, BACKEND.name), default_impl(f2, BACKEND.name)
     spec = OPS[op]
     at = spec.param_names.index(spec.dispatch_arg) if spec.dispatch_arg else None
     set1 = None if d1 is None else frozenset(d1)
@@ -131,24 +136,26 @@ def combine(op: str, first: tuple, second: tuple) -> tuple:
         dt = v.dtype if isinstance(v, torch.Tensor) else None
         return (dts is None or dt is None or dt in dts) and (sup is None or bool(sup(*args)))
 
-    def pick(args: tuple) -> Callable[..., Any] | None:
+    def pick(args: tuple) -> tuple[Callable[..., Any], str] | None:
         if takes(set1, s1, args):
-            return f1
+            return f1, l1
         if takes(set2, s2, args):
-            return f2
+            return f2, l2
         return None
 
     def kernel(*args: Any) -> Any:
-        fn = pick(args)
-        if fn is None:
+        chosen = pick(args)
+        if chosen is None:
             raise ValueError(f"glm5 ascend {op}: neither the torch_npu binding nor the Triton "
                              f"kernel accepts these arguments (supports() is False for both)")
-        return fn(*args)
+        fn, label = chosen
+        return call_impl(label, fn, *args)
 
     def supports(*args: Any) -> bool:
         return pick(args) is not None
 
     kernel.__name__ = f"{op}_npu_or_triton"
+    setattr(kernel, IMPL_ATTR, f"{l1}|{l2}")
     dtypes = None if set1 is None or set2 is None else set1 | set2
     return op, kernel, dtypes, supports
 

@@ -10,6 +10,11 @@ schemes), so the dispatcher passes them to the next backend.
 :mod:`glm5.backends.ascend.contract` (CPU emulators of the documented contracts) in emulation.
 It is resolved at call time; this module never imports torch_npu.
 
+Each binding carries the implementation label of the vendor op it calls
+(``torch_npu.npu_lightning_indexer``, ...; `glm5.backends.api.implemented_by`); quant_linear,
+which calls one of two vendor ops by scheme, and moe_experts, which calls none for an all-padding
+routing, report the one they ran (`glm5.backends.api.report_impl`).
+
 The facts each binding relies on are cited in its docstring and collected in docs/vendors.md
 ("Ascend vendor ops"). Bindings read index tensors on the host (segmentation of the indexer's key
 ranges, expert counts): one device sync per call, as vllm-ascend's metadata builders do.
@@ -22,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from glm5.backends.api import implemented_by, report_impl
 from glm5.ir.quant_formats import SCHEMES
 
 HALF = (torch.bfloat16, torch.float16)
@@ -44,6 +50,17 @@ GMM_MAX_GROUPS, GMM_INNER_LIMIT = 1024, 65536
 QMM_MAX_DIM = 65535
 # npu_moe_gating_top_k: E <= 2048.
 GATING_MAX_EXPERTS = 2048
+
+# Implementation labels (the vendor ops the bindings call).
+LI_IMPL = "torch_npu.npu_lightning_indexer"
+SFA_IMPL = "torch_npu.npu_sparse_flash_attention"
+MLA_IMPL = "torch_npu.npu_mla_prolog_v3"
+WQBMM_IMPL = "torch_npu.npu_weight_quant_batchmatmul"
+QMM_IMPL = "torch_npu.npu_dynamic_quant+npu_quant_matmul"
+QL_IMPL = "torch_npu.npu_weight_quant_batchmatmul|npu_quant_matmul"
+GMM_IMPL = "torch_npu.npu_grouped_matmul"
+GMM_EMPTY_IMPL = "torch:no-routed-rows"  # every id is -1: zeros, no vendor op is called
+GATING_IMPL = "torch_npu.npu_moe_gating_top_k"
 
 
 def _i32(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -116,6 +133,7 @@ def indexer_topk_supports(q, k, w, k_start, k_end, topk) -> bool:
 
 
 def make_indexer_topk(npu: Callable[[], Any]) -> Callable[..., torch.Tensor]:
+    @implemented_by(LI_IMPL)
     def indexer_topk(q, k, w, k_start, k_end, topk):
         """glm5 ``indexer_topk`` -> int32 [T, topk] through ``npu_lightning_indexer``.
 
@@ -173,6 +191,7 @@ def sparse_attention_supports(q, k, v, idx, scale) -> bool:
 
 
 def make_sparse_attention(npu: Callable[[], Any]) -> Callable[..., tuple[torch.Tensor, ...]]:
+    @implemented_by(SFA_IMPL)
     def sparse_attention(q, k, v, idx, scale):
         """glm5 ``sparse_attention`` (absorbed MLA) -> (out [T, H, 512], lse [T, H] fp32)
         through ``npu_sparse_flash_attention`` with ``attention_mode=2``.
@@ -235,6 +254,7 @@ def mla_prolog_supports(x, w_qa, g_qa, w_qb, w_kva, g_kva, w_uk, cos, sin, eps, 
 
 
 def make_mla_prolog(npu: Callable[[], Any]) -> Callable[..., tuple[torch.Tensor, ...]]:
+    @implemented_by(MLA_IMPL)
     def mla_prolog(x, w_qa, g_qa, w_qb, w_kva, g_kva, w_uk, cos, sin, eps, kv_cache, slots,
                    absorb):
         """glm5 ``mla_prolog`` (absorb) -> (q_main [T, H, 512], q_pe [T, H, 64], c_q [T, 1536])
@@ -287,6 +307,7 @@ def quant_linear_supports(x, w_packed, w_scale, scheme, bias=None) -> bool:
 
 
 def make_quant_linear(npu: Callable[[], Any]) -> Callable[..., torch.Tensor]:
+    @implemented_by(QL_IMPL)
     def quant_linear(x, w_packed, w_scale, scheme, bias=None):
         """glm5 ``quant_linear`` for w8a16 / w8a8 -> [M, N] of x's dtype.
 
@@ -301,7 +322,9 @@ def make_quant_linear(npu: Callable[[], Any]) -> Callable[..., torch.Tensor]:
         w = w_packed.t()  # [K, N] transpose view: both ops accept a transposed weight
         b = bias.float() if bias is not None else None
         if sc.act_bits is None:
+            report_impl(WQBMM_IMPL)
             return npu().npu_weight_quant_batchmatmul(x, w, w_scale.to(x.dtype), bias=b)
+        report_impl(QMM_IMPL)
         xq, sx = npu().npu_dynamic_quant(x)
         return npu().npu_quant_matmul(xq, w, w_scale.float(), pertoken_scale=sx.reshape(-1),
                                       bias=b, output_dtype=x.dtype)
@@ -319,6 +342,7 @@ def moe_experts_supports(x, ids, weights, w13, w2) -> bool:
 
 
 def make_moe_experts(npu: Callable[[], Any]) -> Callable[..., torch.Tensor]:
+    @implemented_by(GMM_IMPL)
     def moe_experts(x, ids, weights, w13, w2):
         """glm5 ``moe_experts`` -> [T, D] through two ``npu_grouped_matmul`` calls and
         ``npu_swiglu``.
@@ -338,6 +362,7 @@ def make_moe_experts(npu: Callable[[], Any]) -> Callable[..., torch.Tensor]:
         sel = torch.nonzero(flat >= 0).squeeze(1)
         y = torch.zeros(T, D, dtype=torch.float32, device=x.device)
         if sel.numel() == 0:  # all padding: the vendor op rejects empty tensors
+            report_impl(GMM_EMPTY_IMPL)
             return y.to(x.dtype)
         order = torch.sort(flat[sel], stable=True).indices
         pairs = sel[order]
@@ -374,6 +399,7 @@ def moe_route_supports(logits, bias, top_k, n_group, topk_group, norm_topk_prob,
 
 
 def make_moe_route(npu: Callable[[], Any]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    @implemented_by(GATING_IMPL)
     def moe_route(logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling):
         """glm5 ``moe_route`` -> (weights [T, k] fp32, ids [T, k] int32) through
         ``npu_moe_gating_top_k(norm_type=1 (sigmoid), bias, group_select_mode=1 (top-2 sum),

@@ -2,7 +2,10 @@
 on a machine without accelerators. Registered through glm5's `glm5.backends` entry point.
 
 Kernel sources live in glm5/kernels/tvm; this module owns the build context (cache directory,
-target) and declares which ops and dtypes it serves.
+target) and declares which ops and dtypes it serves. Two kernels choose per call between their
+TVM pipeline and a torch path (`moe_experts` above ``moe.ROWS_TVM`` routed rows, `quant_linear`
+above ``quant.ROWS_TVM[scheme]`` rows); they are registered with a wrapper that reports the path
+taken (`glm5.backends.api.report_impl`): "tvm", "torch:per-expert" or "torch:gemm".
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any, Callable
 
-from glm5.backends.api import API_VERSION, Backend, hookimpl
+from glm5.backends.api import API_VERSION, Backend, hookimpl, report_impl
 
 GLM5_API_VERSION = API_VERSION
 
@@ -22,15 +26,15 @@ def context():
     """The backend's TVM build context (cache dir from settings / GLM5_TVM_CACHE)."""
     global _ctx
     if _ctx is None:
-        # TVM sizes its pool as hardware_concurrency / 2 on x86 (assuming hyper-threads): on a
-        # 2-vCPU machine that is one thread. Use every CPU unless the user said otherwise; this
-        # must happen before TVM's runtime starts.
+        # TVM sizes its pool as hardware_concurrency / 2 on x86 (assuming hyper-threads), which
+        # leaves half of the CPUs idle. Use every CPU unless the user said otherwise; this must
+        # happen before TVM's runtime starts.
         os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))
                                                      if hasattr(os, "sched_getaffinity")
                                                      else os.cpu_count() or 1))
         # TVM's idle workers spin after each kernel and take the cores from torch's own
-        # threads, which run the GEMMs between glm5's kernels: the 8K long-context forward was
-        # ~15% faster without spinning (bench/long_context.py, 3 runs each, 2026-11-30).
+        # threads, which run the GEMMs between glm5's kernels: no spinning unless the user set
+        # it (measurements: docs/performance.md, "cpu backend: norms, MoE and quantized linears").
         os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
         from glm5.kernels.tvm.build import TVMContext, default_cache_dir
 
@@ -57,12 +61,55 @@ def _available() -> tuple[bool, str]:
     return True, "TVM llvm target on the host CPU"
 
 
+def _moe_path(x, ids, weights, w13, w2) -> str | None:
+    """The path `glm5.kernels.tvm.moe.moe_experts` takes for these arguments (None: an empty
+    call, nothing runs)."""
+    from glm5.kernels.tvm import moe
+
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        return None
+    return "torch:per-expert" if x.shape[0] * ids.shape[1] > moe.ROWS_TVM else "tvm"
+
+
+def _quant_linear_path(x, w_packed, w_scale, scheme, bias=None) -> str | None:
+    """The path `glm5.kernels.tvm.quant.quant_linear` takes for these arguments (None: an
+    empty product, nothing runs)."""
+    from glm5.kernels.tvm import quant
+
+    M, K = x.shape
+    if M == 0 or K == 0 or w_packed.shape[0] == 0:
+        return None
+    return "tvm" if M <= quant.ROWS_TVM[scheme] else "torch:gemm"
+
+
+# op -> (the path it takes per call, its static label)
+_CHOOSERS: dict[str, tuple[Callable[..., str | None], str]] = {
+    "moe_experts": (_moe_path, "tvm|torch:per-expert"),
+    "quant_linear": (_quant_linear_path, "tvm|torch:gemm"),
+}
+
+
+def _reporting(fn: Callable[..., Any], path: Callable[..., str | None]) -> Callable[..., Any]:
+    def kernel(*args: Any) -> Any:
+        label = path(*args)
+        if label is not None:
+            report_impl(label)
+        return fn(*args)
+
+    kernel.__name__ = getattr(fn, "__name__", "kernel")
+    return kernel
+
+
 def _register_kernels(b: Backend) -> None:
     """Each kernel module adds its kernels; a module not yet written is simply absent."""
     from glm5.kernels.tvm import registry
 
     for op, fn, dtypes, supports in registry.kernels(context):
-        b.kernel(op, dtypes=dtypes, supports=supports)(fn)
+        impl = None
+        if op in _CHOOSERS:
+            path, impl = _CHOOSERS[op]
+            fn = _reporting(fn, path)
+        b.kernel(op, dtypes=dtypes, supports=supports, impl=impl)(fn)
 
 
 @hookimpl

@@ -4,7 +4,7 @@ selection. Registered through glm5's own `glm5.backends` entry point, like any p
 
 from __future__ import annotations
 
-from glm5.backends.api import API_VERSION, Backend, hookimpl
+from glm5.backends.api import API_VERSION, REFERENCE, Backend, hookimpl
 
 GLM5_API_VERSION = API_VERSION
 
@@ -13,7 +13,7 @@ def make_backend() -> Backend:
     from glm5.ir.catalog import OPS
 
     b = Backend(
-        "reference",
+        REFERENCE,
         vendor="glm5",
         device_type="any",
         priority=-1000,
