@@ -29,6 +29,7 @@ class Verdict:
     tolerance: str = ""
     message: str = ""
     notes: list[str] = field(default_factory=list)
+    served_by: list[str] = field(default_factory=list)  # implementation labels that ran
 
     def fail(self, msg: str) -> "Verdict":
         if self.ok:
@@ -198,9 +199,12 @@ def _to(x: Any, device: torch.device) -> Any:
 
 def check_example(op: OpDef, kernel: Any, values: dict[str, Any], dtype: torch.dtype,
                   device: torch.device | str | None = None) -> Verdict:
-    """Run ``kernel`` on ``values`` (moved to ``device`` when given: a device backend's real
-    run) and judge it against the float64 oracle on the CPU; ``dtype`` is the dtype the kernel
-    was called with (the op's dispatch dtype)."""
+    """Run ``kernel`` (a backend's KernelEntry, whose implementation labels are recorded in
+    ``Verdict.served_by``, or a plain function) on ``values`` (moved to ``device`` when given:
+    a device backend's real run) and judge it against the float64 oracle on the CPU; ``dtype``
+    is the dtype the kernel was called with (the op's dispatch dtype)."""
+    from glm5.backends.api import KernelEntry, recording_impls, run_recorded
+
     v = Verdict(tolerance=formula(op, dtype, values.get("scheme")))
     o64 = upcast(values)  # before the kernel runs: a kernel that writes its inputs is caught
     kin = clone_inputs(values, op.mutates)
@@ -208,8 +212,14 @@ def check_example(op: OpDef, kernel: Any, values: dict[str, Any], dtype: torch.d
         kin = {k: _to(x, torch.device(device)) for k, x in kin.items()}
     args = tuple(kin[n] for n in op.param_names)
     try:
-        got = kernel(*args)
+        if isinstance(kernel, KernelEntry):
+            with recording_impls() as partial:  # labels reported before an exception
+                got, v.served_by = run_recorded(kernel, args)
+        else:
+            got = kernel(*args)
     except Exception as e:  # a kernel crash is this op's failure, not the runner's
+        if isinstance(kernel, KernelEntry):
+            v.served_by = list(dict.fromkeys(partial)) or [kernel.impl]
         return v.fail(f"kernel raised {type(e).__name__}: {e}")
     if device is not None:
         got = tuple(_to(o, torch.device("cpu")) for o in got) if isinstance(got, tuple) \

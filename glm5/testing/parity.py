@@ -3,7 +3,7 @@ N generated examples each, judged against the float64 oracle."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -31,6 +31,10 @@ class Row:
     # |error| / bound of each example (1.0 = at the bound).
     ratio_median: float = 0.0
     ratio_max: float = 0.0
+    # Which implementation served the examples: label -> examples (a vendor binding such as
+    # "torch_npu.npu_sparse_flash_attention", "triton", "tvm", "torch:per-expert",
+    # "fallback:reference"); an example served by two (a combined kernel) counts for both.
+    served_by: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,7 +56,9 @@ def check_op(entry: KernelEntry, dtype: torch.dtype, examples: int, seed: int,
         if not entry.accepts(args):
             declined += 1
             continue
-        v = check_example(op, entry.fn, values, dtype, device)
+        v = check_example(op, entry, values, dtype, device)
+        for label in v.served_by:
+            row.served_by[label] = row.served_by.get(label, 0) + 1
         row.examples += 1
         row.tolerance = v.tolerance or row.tolerance
         row.max_abs_err = max(row.max_abs_err, v.max_abs_err)
@@ -110,13 +116,20 @@ def run_parity(backend: Backend, ops: Iterable[str] | None = None, examples: int
     return rows
 
 
+def served_text(served: dict[str, int]) -> str:
+    """"triton", or "torch_npu.npu_sparse_flash_attention x3, triton x7" when several served."""
+    if len(served) <= 1:
+        return next(iter(served), "-")
+    return ", ".join(f"{k} x{n}" for k, n in served.items())
+
+
 def format_table(rows: list[Row]) -> str:
     head = ("backend", "op", "dtype", "status", "examples", "max_abs_err", "err/bound med",
-            "max", "message")
+            "max", "served by", "message")
     body = [
         (r.backend + (" (emulated)" if r.emulated else ""), r.op, r.dtype, r.status.upper(),
          str(r.examples), f"{r.max_abs_err:.2e}", f"{r.ratio_median:.3f}", f"{r.ratio_max:.3f}",
-         r.message)
+         served_text(r.served_by), r.message)
         for r in rows
     ]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
