@@ -452,6 +452,40 @@ def test_composite_op_decomposes_and_parts_use_the_plugin(sel):
     assert sel.CALLS == [("tmpa", "topk_indices")]  # lightning_indexer came from the reference
 
 
+def test_dispatch_records_what_served_each_call(sel):
+    """Inside `recording_impls`, glm5.ops calls record their kernel's label (the backend's name
+    for a plugin kernel given none), the reference fallback and decompositions."""
+    from glm5.backends.api import recording_impls
+
+    x, w, eps = _rms_inputs()
+    xd, wd, _ = _rms_inputs(torch.float64)
+    T, S, H, D = 3, 16, 2, 8
+    q, k, wi = torch.randn(T, H, D), torch.randn(S, D), torch.randn(T, H)
+    ks, ke = torch.zeros(T, dtype=torch.int32), torch.full((T,), S, dtype=torch.int32)
+    glm5.ops.rms_norm(x, w, eps)  # outside a recorder: nothing to collect, nothing breaks
+    with recording_impls() as labels:
+        glm5.ops.rms_norm(x, w, eps)
+    assert labels == ["tmpa"]
+    with recording_impls() as labels:
+        glm5.ops.rms_norm(xd, wd, eps)
+    assert labels == ["fallback:reference"]
+    with recording_impls() as labels:
+        glm5.ops.indexer_topk(q, k, wi, ks, ke, 4)
+    assert labels == ["decomposed", "fallback:reference", "tmpa"]
+    with glm5.use_backend("reference"), recording_impls() as labels:
+        glm5.ops.rms_norm(xd, wd, eps)  # named by an override: served, not a fallback
+    assert labels == ["reference"]
+
+
+def test_one_definition_of_the_plugin_api_names():
+    from glm5.backends import api, policy, registry
+
+    assert registry.strict_mode is api.strict_mode and selection.strict_mode is api.strict_mode
+    assert registry.HookSpecs is api.HookSpecs and selection.REFERENCE is api.REFERENCE
+    assert registry.REFERENCE is api.REFERENCE and policy.REFERENCE is api.REFERENCE
+    assert not hasattr(registry, "RESERVED")
+
+
 def test_strict_mode_fallback_is_an_error_naming_the_op(sel, monkeypatch):
     monkeypatch.setenv("GLM5_STRICT", "1")
     x, w, eps = _rms_inputs()

@@ -319,7 +319,7 @@ def make_quant_linear(npu: Callable[[], Any]) -> Callable[..., torch.Tensor]:
         times both scales, as OPS.md defines. bias is passed to the vendor op in fp32 (exact).
         """
         sc = SCHEMES[scheme]
-        w = w_packed.t()  # [K, N] transpose view: both ops accept a transposed weight
+        w = w_packed.contiguous().t()  # [K, N]: both ops accept the transpose of contiguous
         b = bias.float() if bias is not None else None
         if sc.act_bits is None:
             report_impl(WQBMM_IMPL)
@@ -370,10 +370,12 @@ def make_moe_experts(npu: Callable[[], Any]) -> Callable[..., torch.Tensor]:
         counts = torch.bincount(flat[pairs], minlength=E).to(torch.int64)
         glist, gtype = (counts, 1) if E > 1 else (counts.cumsum(0), 0)
         gmm = npu().npu_grouped_matmul
-        h = gmm([x[tok].contiguous()], [w13.transpose(1, 2)], group_list=glist,
+        # The op takes each weight contiguous [K, N] or as the transpose of a contiguous
+        # [N, K]: a strided view is copied once (a no-op for contiguous weights).
+        h = gmm([x[tok].contiguous()], [w13.contiguous().transpose(1, 2)], group_list=glist,
                 group_list_type=gtype, group_type=0, split_item=3)[0]
         a = npu().npu_swiglu(h, dim=-1)
-        o = gmm([a.contiguous()], [w2.transpose(1, 2)], group_list=glist,
+        o = gmm([a.contiguous()], [w2.contiguous().transpose(1, 2)], group_list=glist,
                 group_list_type=gtype, group_type=0, split_item=3)[0]
         wsel = weights.reshape(-1)[pairs].float()
         y.index_add_(0, tok, o.float() * wsel[:, None])
