@@ -10,6 +10,7 @@ import torch
 from glm5.core.block_select import block_select, pooled_keys
 from glm5.core.config import preset
 from glm5.core.model import GLM5ForCausalLM
+from tolerances_model import assert_logits_close
 
 
 @pytest.fixture(autouse=True)
@@ -32,8 +33,8 @@ def test_pooled_keys_are_block_means():
     keys = torch.arange(2 * 10 * 3, dtype=torch.float32).reshape(20, 3)
     pk = pooled_keys(keys, max_len=10, block=4)  # 3 blocks per sequence, last one padded
     assert pk.shape == (6, 3)
-    torch.testing.assert_close(pk[0], keys[0:4].mean(0))
-    torch.testing.assert_close(pk[4], keys[14:18].mean(0))
+    assert torch.equal(pk[0], keys[0:4].mean(0))  # small integers: exact
+    assert torch.equal(pk[4], keys[14:18].mean(0))
 
 
 def test_selection_is_causal_and_inside_kept_blocks():
@@ -62,7 +63,8 @@ def test_block_mode_incremental_equals_full():
         cache = m.new_cache(2, 30)
         inc = torch.cat([m(ids[:, :13], cache)] + [m(ids[:, t:t + 1], cache)
                                                     for t in range(13, 30)], 1)
-    torch.testing.assert_close(inc, full, rtol=1e-4, atol=1e-4 * float(full.abs().max()))
+    # decoding over the cache and the prefill are two implementations: model-level
+    assert_logits_close(inc, full, what="incremental vs full forward")
 
 
 def test_all_blocks_kept_equals_token_mode():

@@ -259,15 +259,15 @@ def test_ascend_weight_bindings_take_strided_weights():
     ids = torch.tensor([[0, 1], [1, -1], [0, 0]], dtype=I32)
     weights = torch.rand(3, 2, generator=g)
     got = rows["moe_experts"](x, ids, weights, w13, w2)
-    want = OPS["moe_experts"].reference(x.double(), ids, weights.double(), w13.double(),
-                                        w2.double())
-    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    assert_matches("moe_experts", got, {"x": x, "ids": ids, "weights": weights, "w13": w13,
+                                        "w2": w2})
     packed, scale = quantize_weight(torch.randn(16, 64, generator=g), "w8a8")
     strided = torch.cat((packed, packed), 1)[:, ::2]
     assert not strided.is_contiguous()
     xb = torch.randn(2, 64, generator=g).to(torch.bfloat16)
-    torch.testing.assert_close(rows["quant_linear"](xb, strided, scale, "w8a8"),
-                               rows["quant_linear"](xb, strided.contiguous(), scale, "w8a8"))
+    # the strided weight is copied once: the same kernel on the same values, bit for bit
+    assert torch.equal(rows["quant_linear"](xb, strided, scale, "w8a8"),
+                       rows["quant_linear"](xb, strided.contiguous(), scale, "w8a8"))
 
 
 # --------------------------------------------------------------------------- cpu (TVM vs torch)

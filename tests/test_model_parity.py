@@ -1,7 +1,7 @@
 """Parity with transformers' GlmMoeDsaForCausalLM (the public GLM-5 reference): random tiny
-configs saved by transformers, loaded by glm5, fp32 logits within 1e-4 relative and identical
-greedy tokens. Seeds whose oracle has a top-k boundary tie in the indexer are skipped over (a
-tie is checked, not assumed away)."""
+configs saved by transformers, loaded by glm5, fp32 logits within LOGIT_TOL (relative; see
+tests/tolerances_model.py) and identical greedy tokens. Seeds whose oracle has a top-k boundary
+tie in the indexer are skipped over (a tie is checked, not assumed away)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from glm5.core import attention as attn_mod
 from glm5.core.config import preset
 
 from hf_oracle import random_hf_model
+from tolerances_model import NEAR_TIE_REL, assert_logits_close
 
 pytest.importorskip("transformers")
 
@@ -54,8 +55,8 @@ class TieProbe:
             over = n_valid > k
             if bool(over.any()):
                 gap = (srt[over, k - 1] - srt[over, k]).abs()
-                scale = srt[over, 0].abs().clamp(min=1e-12)
-                probe.ties += int((gap <= 1e-5 * scale).sum())
+                scale = srt[over, 0].abs()
+                probe.ties += int((gap <= NEAR_TIE_REL * scale).sum())
             return orig(self, x, c_q, key_cache, st)
 
         monkeypatch.setattr(attn_mod.Indexer, "select", select)
@@ -89,8 +90,7 @@ def test_logits_match_transformers(name, tmp_path, monkeypatch):
     assert ids.shape[1] > cfg.index_topk  # the sparse path is exercised
     with torch.no_grad():
         ref = hm(ids).logits
-    scale = ref.abs().max()
-    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4 * float(scale))
+    assert_logits_close(logits, ref, what=f"logits vs transformers ({name})")
 
 
 def test_greedy_tokens_match_transformers(tmp_path, monkeypatch):
@@ -111,7 +111,8 @@ def test_incremental_decode_equals_full_forward(tmp_path, monkeypatch):
         for t in range(11, 20):
             parts.append(m(ids[:, t : t + 1], cache))
     inc = torch.cat(parts, 1)
-    torch.testing.assert_close(inc, full, rtol=1e-4, atol=1e-4 * float(full.abs().max()))
+    # decoding (absorbed MQA over the cache) and the prefill (MHA) are two implementations
+    assert_logits_close(inc, full, what="incremental vs full forward")
 
 
 def test_query_chunking_does_not_change_logits(tmp_path, monkeypatch):
@@ -120,4 +121,4 @@ def test_query_chunking_does_not_change_logits(tmp_path, monkeypatch):
     monkeypatch.setattr(attn_mod, "QUERY_CHUNK", 5)
     with torch.no_grad():
         chunked = m(ids)
-    torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-5 * float(full.abs().max()))
+    assert torch.equal(chunked, full)

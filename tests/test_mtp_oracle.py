@@ -47,28 +47,16 @@ from glm5.core.layers import MoE
 from glm5.core.model import GLM5ForCausalLM
 
 from hf_oracle import hf_config, install_deterministic_indexer_topk, randomize
+from tolerances_model import LOGIT_TOL, NEAR_TIE_REL, assert_logits_close
 
 pytest.importorskip("transformers")
 
-# Bound on |glm5 - oracle| for MTP (and main) logits, relative to the oracle's largest |logit|;
-# used as rtol and, times that scale, as atol. It is the bound tests/test_model_parity.py puts on
-# whole-model fp32 logits vs transformers, and MTP logits are a whole-model output: they sit
-# behind the 3 main decoder blocks plus the MTP block (4 blocks, ~10 chained fp32 matmuls each,
-# reductions of length <= 2 * hidden = 128, 6 RMSNorms on the way). fp32 rounds at u = 2^-24
-# (6e-8) per op; with random-walk growth over K-term reductions (~sqrt(K) u) and ~40 chained
-# ops the expected relative error is ~40 * sqrt(128) * u ~ 3e-5 at worst and ~1e-6 typically
-# (measured 4e-7 .. 9e-7 here). 1e-4 keeps that worst case inside, and the planted bugs this
-# file was checked against (concat order swapped, hnorm dropped, pre-norm hidden state fed,
-# token i embedded for token i + 1, shared_head.norm dropped) move the logits by 5e-2 to 2 of
-# the scale: at least 500x the bound.
-MTP_LOGIT_TOL = 1e-4
-
-# Tie guard, not a tolerance: a DSA top-k boundary whose two scores differ by less than this
-# (relative to the query's largest score) could be ordered differently by two correct fp32
-# implementations; such inputs are skipped over (seeds advance), as test_model_parity.py does.
-# Exact ties are kept: glm5 and the (patched) transformers indexer both send them to the
-# smaller index.
-NEAR_TIE_REL = 1e-5
+# MTP (and main) logits are whole-model fp32 outputs: held to tolerances_model.LOGIT_TOL (its
+# derivation is there; the planted bugs this file was checked against - concat order swapped,
+# hnorm dropped, pre-norm hidden state fed, token i embedded for token i + 1, shared_head.norm
+# dropped - move the logits by 5e-2 to 2 of the scale, at least 500x the bound). Seeds whose
+# DSA top-k boundary is a near tie (tolerances_model.NEAR_TIE_REL) are skipped, as
+# test_model_parity.py does; exact ties are kept (both indexers send them to the smaller index).
 
 SEQ_LENS = (4, 9, 24)  # MTP rows T-1 = 3, 8, 23 vs tiny's index_topk = 8: dense, boundary, sparse
 BATCH = 2
@@ -230,10 +218,8 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _assert_close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    scale = float(ref.abs().max())
-    torch.testing.assert_close(got.double(), ref, rtol=MTP_LOGIT_TOL, atol=MTP_LOGIT_TOL * scale,
-                               msg=lambda m: f"{what}: max rel err {_rel_err(got, ref):.3e} "
-                                             f"(tol {MTP_LOGIT_TOL:g})\n{m}")
+    assert_logits_close(got.double(), ref, LOGIT_TOL,
+                        f"{what}: max rel err {_rel_err(got, ref):.3e}")
 
 
 # ---------------------------------------------------------------------------- tests

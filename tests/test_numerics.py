@@ -24,19 +24,19 @@ def test_bound_adds_the_terms_with_their_unit_roundoffs():
     ref = torch.tensor([2.0, -4.0], dtype=F64)
     terms = ErrorTerms(mid=torch.tensor([1.0, 0.0], dtype=F64), acc=4.0, step=0.5)
     b = numerics.bound(ref, terms, torch.float32, torch.bfloat16)
-    # every term is a short dyadic number: the sums are exact (the floor, 4 * 2^-133, is far
-    # below an ulp of 0.5 and rounds away)
+    # every term is a short dyadic number: the sums are exact (the floor, 4 * 2^-133 + 2^-126,
+    # is far below an ulp of 0.5 and rounds away)
     want0 = 1.25 * (2.0**-24 * 2.0 + 2.0**-8 * 1.0) + 6.0 * 2.0**-24 * 4.0 + 0.5
     want1 = 1.25 * (2.0**-24 * 4.0) + 6.0 * 2.0**-24 * 4.0 + 0.5
     assert b.tolist() == [want0, want1]
     # nothing to round: the floor alone, four subnormal spacings of the coarser dtype
     zero = numerics.bound(torch.zeros(1, dtype=F64), ErrorTerms(), torch.float32,
                           torch.float16)
-    assert zero.tolist() == [4.0 * 2.0**-24]  # fp16's smallest subnormal
+    assert zero.tolist() == [4.0 * 2.0**-24 + 2.0**-126]  # fp16's smallest subnormal, fp32 FTZ
     # a rounding that may land among fp16 subnormals, times 3 afterwards: 3/2 spacings
     sub = numerics.bound(torch.zeros(1, dtype=F64), ErrorTerms(tiny=3.0), torch.float32,
                          torch.float16)
-    assert sub.tolist() == [1.25 * 2.0**-25 * 3.0 + 4.0 * 2.0**-24]
+    assert sub.tolist() == [1.25 * 2.0**-25 * 3.0 + 4.0 * 2.0**-24 + 2.0**-126]
 
 
 def test_terms_are_linear():

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 import glm5
 from glm5 import ops
+from glm5.testing.compare import assert_matches
+from kit_bounds import output_bound
 
 # These tests pin the reference: the default backend (e.g. cpu) may round differently.
 pytestmark = pytest.mark.usefixtures("reference_only")
@@ -30,6 +32,20 @@ def sig(x):
     return 1.0 / (1.0 + math.exp(-x))
 
 
+def route_vals(logits, bias, top_k, n_group, topk_group, norm, scaling):
+    return {"logits": logits, "bias": bias, "top_k": top_k, "n_group": n_group,
+            "topk_group": topk_group, "norm_topk_prob": norm, "routed_scaling": scaling}
+
+
+def assert_sums_to(w, vals, total):
+    """Normalised weights sum to routed_scaling: the exact sum of the oracle's weights is
+    ``total``, so |sum_j w_j - total| is at most the sum of the kit's bounds on the k weights
+    (the float64 sum of k fp32 values is exact)."""
+    _, b = output_bound("moe_route", vals, "weights", w.dtype)
+    err = (w.double().sum(-1) - total).abs()
+    assert bool((err <= b.sum(-1)).all()), (err, b.sum(-1))
+
+
 # --------------------------------------------------------------------------- moe_route
 def test_weights_sum_to_routed_scaling():
     g = torch.Generator().manual_seed(0)
@@ -38,13 +54,17 @@ def test_weights_sum_to_routed_scaling():
     w, ids = route(logits, bias, 4, 1, 1, True, 2.5)
     assert w.dtype == torch.float32 and ids.dtype == I32
     assert w.shape == ids.shape == (6, 4)
-    torch.testing.assert_close(w.sum(-1), torch.full((6,), 2.5), rtol=1e-6, atol=1e-6)
+    vals = route_vals(logits, bias, 4, 1, 1, True, 2.5)
+    assert_matches("moe_route", (w, ids), vals)  # the fp32 reference against the oracle
+    assert_sums_to(w, vals, 2.5)
     w2, ids2 = ops.moe_route(logits, bias, 4, 1, 1, True, 2.5)
     assert torch.equal(ids2, ids)
-    torch.testing.assert_close(w2, w, rtol=0, atol=0)
+    assert torch.equal(w2, w)
     # grouped routing normalises too
-    w3, _ = route(logits, bias, 4, 4, 2, True, 1.5)
-    torch.testing.assert_close(w3.sum(-1), torch.full((6,), 1.5), rtol=1e-6, atol=1e-6)
+    w3, ids3 = route(logits, bias, 4, 4, 2, True, 1.5)
+    vals3 = route_vals(logits, bias, 4, 4, 2, True, 1.5)
+    assert_matches("moe_route", (w3, ids3), vals3)
+    assert_sums_to(w3, vals3, 1.5)
 
 
 def test_ids_topk_of_sigmoid_plus_bias_ties_to_smaller_id():
@@ -66,13 +86,18 @@ def test_weights_are_sigmoid_of_logits_bias_selects_only():
     w, ids = route(logits, bias, 2, 1, 1, False, 1.0)
     assert ids.tolist() == [[0, 3]]
     assert w.dtype == F64
-    assert w[0].tolist() == pytest.approx([0.5, sig(3.0)], abs=1e-15)
+
+    def hand(*ws):
+        return torch.tensor([ws], dtype=F64), ids
+
+    assert_matches("moe_route", hand(0.5, sig(3.0)),
+                   route_vals(logits, bias, 2, 1, 1, False, 1.0), dtype=F64)
     # scaling multiplies, normalisation divides by the sum of the picked sigmoids
-    w, _ = route(logits, bias, 2, 1, 1, True, 3.0)
     tot = 0.5 + sig(3.0)
-    assert w[0].tolist() == pytest.approx([3.0 * 0.5 / tot, 3.0 * sig(3.0) / tot], abs=1e-14)
-    w, _ = route(logits, bias, 2, 1, 1, False, 2.0)
-    assert w[0].tolist() == pytest.approx([1.0, 2.0 * sig(3.0)], abs=1e-14)
+    assert_matches("moe_route", hand(3.0 * 0.5 / tot, 3.0 * sig(3.0) / tot),
+                   route_vals(logits, bias, 2, 1, 1, True, 3.0), dtype=F64)
+    assert_matches("moe_route", hand(1.0, 2.0 * sig(3.0)),
+                   route_vals(logits, bias, 2, 1, 1, False, 2.0), dtype=F64)
 
 
 def _group_logits():
@@ -90,7 +115,8 @@ def test_group_limit_excludes_dropped_groups():
     assert ids.tolist() == [[0, 2, 3]]  # no group limit: expert 0 wins
     w, ids = route(logits, bias, 3, 4, 2, False, 1.0)
     assert ids.tolist() == [[2, 3, 4]]  # groups 1 and 2 kept; expert 0's group dropped
-    assert w[0].tolist() == pytest.approx([sig(2.0), sig(2.0), sig(1.0)], abs=1e-15)
+    assert_matches("moe_route", (torch.tensor([[sig(2.0), sig(2.0), sig(1.0)]], dtype=F64), ids),
+                   route_vals(logits, bias, 3, 4, 2, False, 1.0), dtype=F64)
     _, ids = route(logits, bias, 4, 4, 2, False, 1.0)
     assert ids.tolist() == [[2, 3, 4, 5]]
     _, ids = route(logits, bias, 2, 4, 1, False, 1.0)
@@ -103,7 +129,8 @@ def test_group_score_uses_biased_scores():
     bias[6] = 1.0  # g3 score: s(-1) + 1 + s(-1) = 1.538 > g2 (1.462), < g1 (1.762)
     w, ids = route(logits, bias, 3, 4, 2, False, 1.0)
     assert ids.tolist() == [[6, 2, 3]]
-    assert w[0].tolist() == pytest.approx([sig(-1.0), sig(2.0), sig(2.0)], abs=1e-15)
+    assert_matches("moe_route", (torch.tensor([[sig(-1.0), sig(2.0), sig(2.0)]], dtype=F64), ids),
+                   route_vals(logits, bias, 3, 4, 2, False, 1.0), dtype=F64)
 
 
 def test_group_score_is_top2_sum_not_max():
@@ -133,35 +160,38 @@ def _tiny_experts():
     return x, w13, w2, e0, e1
 
 
+def _experts_vals(x, ids, weights, w13, w2):
+    return {"x": x, "ids": torch.tensor(ids, dtype=I32),
+            "weights": torch.tensor(weights, dtype=F64), "w13": w13, "w2": w2}
+
+
 def test_experts_hand_case():
     x, w13, w2, e0, e1 = _tiny_experts()
-    y = experts(x, torch.tensor([[0, 1]], dtype=I32), torch.tensor([[0.5, 2.0]], dtype=F64),
-                w13, w2)
+    vals = _experts_vals(x, [[0, 1]], [[0.5, 2.0]], w13, w2)
+    y = experts(*vals.values())
     assert y.dtype == F64 and y.shape == (1, 2)
-    torch.testing.assert_close(y[0], 0.5 * e0 + 2.0 * e1, rtol=0, atol=1e-14)
-    assert y[0].tolist() == pytest.approx([0.5 * 1.4621171572600098 + 2 * 5.284782467867288,
-                                           2 * 0.5 * 1.4621171572600098 - 2 * 5.284782467867288],
-                                          abs=1e-13)
+    assert_matches("moe_experts", (0.5 * e0 + 2.0 * e1)[None], vals, dtype=F64)
+    printed = [0.5 * 1.4621171572600098 + 2 * 5.284782467867288,
+               2 * 0.5 * 1.4621171572600098 - 2 * 5.284782467867288]
+    assert_matches("moe_experts", torch.tensor([printed], dtype=F64), vals, dtype=F64)
 
 
 def test_experts_minus_one_skipped():
     x, w13, w2, e0, e1 = _tiny_experts()
-    y = experts(x, torch.tensor([[0, -1]], dtype=I32), torch.tensor([[0.5, 100.0]], dtype=F64),
-                w13, w2)
-    torch.testing.assert_close(y[0], 0.5 * e0, rtol=0, atol=1e-14)
+    assert_matches("moe_experts", (0.5 * e0)[None],
+                   _experts_vals(x, [[0, -1]], [[0.5, 100.0]], w13, w2), dtype=F64)
     y = experts(x, torch.tensor([[-1, -1]], dtype=I32), torch.tensor([[1.0, 1.0]], dtype=F64),
                 w13, w2)
     assert torch.equal(y, torch.zeros(1, 2, dtype=F64))
-    y = ops.moe_experts(x, torch.tensor([[-1, 1]], dtype=I32),
-                        torch.tensor([[9.0, 1.0]], dtype=F64), w13, w2)
-    torch.testing.assert_close(y[0], e1, rtol=0, atol=1e-14)
+    vals = _experts_vals(x, [[-1, 1]], [[9.0, 1.0]], w13, w2)
+    assert_matches("moe_experts", e1[None], vals, dtype=F64)
+    assert torch.equal(ops.moe_experts(*vals.values()), experts(*vals.values()))
 
 
 def test_experts_duplicate_slot_adds_twice():
     x, w13, w2, e0, e1 = _tiny_experts()
-    y = experts(x, torch.tensor([[1, 1]], dtype=I32), torch.tensor([[0.5, 0.25]], dtype=F64),
-                w13, w2)
-    torch.testing.assert_close(y[0], 0.75 * e1, rtol=0, atol=1e-14)
+    assert_matches("moe_experts", (0.75 * e1)[None],
+                   _experts_vals(x, [[1, 1]], [[0.5, 0.25]], w13, w2), dtype=F64)
 
 
 def _manual_moe(x, ids, weights, w13, w2):
@@ -186,9 +216,12 @@ def test_experts_random_matches_loop():
     ids = torch.tensor([[0, 3, -1], [2, 2, 1], [-1, -1, -1], [3, 0, 1], [1, -1, 1]], dtype=I32)
     weights = torch.rand(T, k, generator=g, dtype=F64)
     y = experts(x, ids, weights, w13, w2)
-    torch.testing.assert_close(y, _manual_moe(x, ids, weights, w13, w2), rtol=1e-12, atol=1e-12)
+    vals = {"x": x, "ids": ids, "weights": weights, "w13": w13, "w2": w2}
+    assert_matches("moe_experts", _manual_moe(x, ids, weights, w13, w2), vals, dtype=F64)
     assert torch.equal(y[2], torch.zeros(D, dtype=F64))
-    # bf16 in -> bf16 out, fp32 weights allowed
-    yb = experts(x.bfloat16(), ids, weights.float(), w13.bfloat16(), w2.bfloat16())
+    # bf16 in -> bf16 out, fp32 weights allowed; against the float64 oracle on the same inputs
+    bvals = {"x": x.bfloat16(), "ids": ids, "weights": weights.float(), "w13": w13.bfloat16(),
+             "w2": w2.bfloat16()}
+    yb = experts(*bvals.values())
     assert yb.dtype == torch.bfloat16
-    torch.testing.assert_close(yb.double(), y, rtol=5e-2, atol=1e-1)
+    assert_matches("moe_experts", yb, bvals)

@@ -9,6 +9,11 @@ import torch
 import glm5
 from glm5 import ops
 from glm5.ir import quant_formats as qf
+from glm5.ir.numerics import ErrorTerms, linear_error, no_error, unit_roundoff
+from glm5.ir.ops_moe import expert_chain_error, moe_experts_ref
+from glm5.testing.compare import assert_matches
+from glm5.testing.tolerances import bound as kit_bound
+from kit_bounds import output_bound
 
 # These tests pin the reference: the default backend (e.g. cpu) may round differently.
 pytestmark = pytest.mark.usefixtures("reference_only")
@@ -17,6 +22,7 @@ F64 = torch.float64
 I32 = torch.int32
 W4, W6, W8 = qf.SCHEMES["w4a8"], qf.SCHEMES["w6a12"], qf.SCHEMES["w8a16"]
 QMAX = {"w8a16": 127, "w8a8": 127, "w4a8": 7, "w6a12": 31}
+U32 = unit_roundoff(torch.float32)  # one fp32 rounding, relative
 ACT = {"w8a16": None, "w8a8": 8, "w4a8": 8, "w6a12": 12}
 
 
@@ -111,10 +117,11 @@ def test_quantize_weight_matches_manual(scheme, K):
     got = qf.unpack(packed, sc, K)
     assert torch.equal(got, codes)
     assert int(got.abs().max()) == QMAX[scheme]  # the amax element maps to +-qmax
-    # dequantized error at most half a step
+    # dequantized error at most half a step, plus the fp32 roundings of the quotient w / s
+    # (u |w| in w) and of the product code * s (u |deq|)
     deq = qf.dequantize_weight(packed, scale, scheme, K)
     step = scale.repeat_interleave(128, -1)[:, :K] if sc.grouped else scale[:, None]
-    assert bool(((deq - w).abs() <= step / 2 * (1 + 1e-6)).all())
+    assert bool(((deq - w).abs() <= step / 2 + U32 * (w.abs() + deq.abs())).all())
 
 
 @pytest.mark.parametrize("scheme", list(QMAX))
@@ -132,10 +139,10 @@ def test_quantize_weight_zero_row_and_group(scheme):
         assert scale[0].tolist() == [1.0, 1.0]
         assert scale[1, 1].item() == 1.0  # row 1's second group is all zero
         assert torch.equal(codes[1, 128:], torch.zeros(72, dtype=I32))
-        assert scale[1, 0].item() == pytest.approx(3.0 / qmax, rel=1e-7)
+        assert scale[1, 0].item() == (torch.tensor(3.0) / qmax).item()  # one fp32 division
     else:
         assert scale[0].item() == 1.0
-        assert scale[1].item() == pytest.approx(3.0 / qmax, rel=1e-7)
+        assert scale[1].item() == (torch.tensor(3.0) / qmax).item()
     assert int(codes[1, 4]) == qmax
     assert torch.equal(codes[2], torch.full((K,), qmax, dtype=I32))
 
@@ -182,8 +189,12 @@ def test_quantize_per_token_random(bits, qmax, dt):
     assert q.dtype == dt and q.shape == x.shape and s.shape == (6,)
     assert int(q.abs().max(-1).values.min()) == qmax  # every row reaches +-qmax
     assert int(q.abs().max()) <= qmax
-    torch.testing.assert_close(s, x.abs().amax(-1) / qmax, rtol=0, atol=0)
-    assert bool(((q.float() * s[:, None] - x).abs() <= s[:, None] / 2 * (1 + 1e-6)).all())
+    assert torch.equal(s, x.abs().amax(-1) / qmax)  # the same fp32 division
+    assert_matches("quantize_per_token", (q, s), {"x": x, "bits": bits})
+    # q s - x is exact in float64; the code is off x / s by half a step plus the fp32 rounding of
+    # the quotient (u |x / s|)
+    err = (q.double() * s.double()[:, None] - x.double()).abs()
+    assert bool((err <= s.double()[:, None] / 2 + U32 * x.double().abs()).all())
 
 
 # --------------------------------------------------------------------------- quant_linear
@@ -230,16 +241,19 @@ def test_quant_linear_matches_manual(scheme, K):
         assert scale.shape == (N, 2)
     want = _manual_quant_linear(x, w, scheme)
     ql = glm5.get_op("quant_linear").reference
-    # float64 activations (fp32-representable, so the same codes): tight
+    vals = {"x": x, "w_packed": packed, "w_scale": scale, "scheme": scheme, "bias": None}
+    vals64 = {**vals, "x": x.double()}
+    # float64 activations (fp32-representable, so the same codes): the float64 bound
     y64 = ql(x.double(), packed, scale, scheme)
     assert y64.dtype == F64 and y64.shape == (M, N)
-    torch.testing.assert_close(y64, want, rtol=1e-12, atol=1e-12)
+    assert_matches("quant_linear", want, vals64, dtype=F64)
     y32 = ql(x, packed, scale, scheme)
     assert y32.dtype == torch.float32
-    torch.testing.assert_close(y32.double(), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ops.quant_linear(x, packed, scale, scheme), y32, rtol=0, atol=0)
+    assert_matches("quant_linear", y32, vals)
+    assert torch.equal(ops.quant_linear(x, packed, scale, scheme), y32)
     # the quantized product approximates the dense one within the rigorous worst case
-    # sum_k |x_k| s_w/2 + sum_k |wd_k| s_x/2 (half a step of each rounding)
+    # sum_k |x_k| s_w/2 + sum_k |wd_k| s_x/2 (half a step of each rounding), plus the float64
+    # rounding of both products (the kit's bounds: quant_linear's, and a linear's)
     dense = x.double() @ w.double().T
     sc = qf.SCHEMES[scheme]
     step_w = (scale.repeat_interleave(128, -1)[:, :K] if sc.grouped
@@ -249,7 +263,9 @@ def test_quant_linear_matches_manual(scheme, K):
         sx = x.abs().amax(-1).double() / (127 if ACT[scheme] == 8 else 2047)
         wd = qf.dequantize_weight(packed, scale, scheme, K).double()
         bound = bound + (sx / 2)[:, None] * wd.abs().sum(-1)[None, :]
-    assert bool(((y64 - dense).abs() <= bound * (1 + 1e-9)).all())
+    _, b64 = output_bound("quant_linear", vals64, "y", F64)
+    b_dense = linear_error(x.double(), no_error(), w.double(), dense, rounded=False).absolute(F64)
+    assert bool(((y64 - dense).abs() <= bound + b64 + b_dense).all())
     assert float((y64 - dense).abs().max()) > 0  # it is quantized
 
 
@@ -261,13 +277,16 @@ def test_w8a16_equals_x_times_dequantized_and_bias():
     packed, scale = qf.quantize_weight(w, "w8a16")
     deq = qf.dequantize_weight(packed, scale, "w8a16", 50)
     ql = glm5.get_op("quant_linear").reference
+    vals = {"x": x, "w_packed": packed, "w_scale": scale, "scheme": "w8a16", "bias": None}
+    bvals = {**vals, "bias": bias}
     y = ql(x, packed, scale, "w8a16")
-    torch.testing.assert_close(y, x @ deq.T, rtol=1e-5, atol=1e-5)
+    assert_matches("quant_linear", y, vals)
+    assert_matches("quant_linear", x @ deq.T, vals)  # x times the dequantized weight
     yb = ql(x, packed, scale, "w8a16", bias)
-    torch.testing.assert_close(yb, x @ deq.T + bias, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(yb - y, bias.expand(4, 6), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ops.quant_linear(x, packed, scale, "w8a16", bias=bias), yb,
-                               rtol=0, atol=0)
+    assert_matches("quant_linear", yb, bvals)
+    assert_matches("quant_linear", x @ deq.T + bias, bvals)
+    assert_matches("quant_linear", y + bias, bvals)  # the bias is added, once
+    assert torch.equal(ops.quant_linear(x, packed, scale, "w8a16", bias=bias), yb)
 
 
 @pytest.mark.parametrize("scheme", ["w8a8", "w4a8", "w6a12"])
@@ -278,8 +297,10 @@ def test_bias_added_activation_schemes(scheme):
     bias = torch.tensor([1.0, -2.0, 0.5], dtype=F64)
     packed, scale = qf.quantize_weight(w, scheme)
     ql = glm5.get_op("quant_linear").reference
-    torch.testing.assert_close(ql(x, packed, scale, scheme, bias) - ql(x, packed, scale, scheme),
-                               bias.expand(2, 3), rtol=1e-12, atol=1e-12)
+    # without the bias, plus the bias: a correct biased result (the bias is added, once)
+    assert_matches("quant_linear", ql(x, packed, scale, scheme) + bias,
+                   {"x": x, "w_packed": packed, "w_scale": scale, "scheme": scheme,
+                    "bias": bias}, dtype=F64)
 
 
 def test_zero_activation_row():
@@ -317,8 +338,11 @@ def test_moe_experts_quant_ops_matches_reference(scheme):
     r = glm5.get_op("moe_experts_quant").reference(x, ids, weights, *packed, scheme)
     assert r.dtype == torch.float32 and r.shape == x.shape
     assert torch.equal(r[3], torch.zeros(x.shape[1]))
+    vals = dict(zip(glm5.get_op("moe_experts_quant").param_names,
+                    (x, ids, weights, *packed, scheme)))
+    assert_matches("moe_experts_quant", r, vals)
     d = ops.moe_experts_quant(x, ids, weights, *packed, scheme)
-    torch.testing.assert_close(d, r, rtol=1e-5, atol=1e-6)
+    assert_matches("moe_experts_quant", d, vals)
     # the reference is moe_experts with quant_linear inside (per-token loop)
     ql = glm5.get_op("quant_linear").reference
     p13, s13, p2, s2 = packed
@@ -331,7 +355,7 @@ def test_moe_experts_quant_ops_matches_reference(scheme):
             h = ql(x[t:t + 1], p13[e], s13[e], scheme)
             h = glm5.get_op("silu_mul").reference(h)
             want[t] += weights[t, j] * ql(h, p2[e], s2[e], scheme)[0]
-    torch.testing.assert_close(r, want, rtol=1e-5, atol=1e-6)
+    assert_matches("moe_experts_quant", want, vals)
 
 
 def test_moe_experts_quant_w8a16_vs_unquantized_on_dequantized_weights():
@@ -342,7 +366,38 @@ def test_moe_experts_quant_w8a16_vs_unquantized_on_dequantized_weights():
     dq2 = torch.stack([qf.dequantize_weight(p2[e], s2[e], "w8a16", I2 // 2) for e in range(3)])
     q = glm5.get_op("moe_experts_quant").reference(x, ids, weights, p13, s13, p2, s2, "w8a16")
     u = glm5.get_op("moe_experts").reference(x, ids, weights, dq13, dq2)
-    torch.testing.assert_close(q, u, rtol=1e-5, atol=1e-5)
-    # and close to the unquantized weights within the scheme's (looser) budget
+    # moe_experts on the dequantized weights is a w8a16 moe_experts_quant
+    vals = dict(zip(glm5.get_op("moe_experts_quant").param_names,
+                    (x, ids, weights, p13, s13, p2, s2, "w8a16")))
+    assert_matches("moe_experts_quant", q, vals)
+    assert_matches("moe_experts_quant", u, vals)
+    # and close to the unquantized weights: within each result's own bound of its oracle plus
+    # the weight rounding (half a step per weight) carried through the expert chain
     u0 = glm5.get_op("moe_experts").reference(x, ids, weights, w13, w2)
-    assert float((q - u0).abs().max()) < 2e-2
+    _, b_q = output_bound("moe_experts_quant", vals, "y")
+    b_w = _weight_rounding_bound(x, ids, weights, w13, w2, s13 / 2, s2 / 2)
+    assert bool(((q - u0).abs() <= b_q + b_w).all())
+    assert float((q - u0).abs().max()) > 0  # it is quantized
+
+
+def _weight_rounding_bound(x, ids, weights, w13, w2, d13, d2):
+    """The kit's fp32 bound on moe_experts(x, ids, weights, w13, w2) (numerics'
+    expert_chain_error) with each weight off by up to its half step (d13 [E, 2I], d2 [E, D]
+    per output channel) as an absolute input error of its projection (first order: |x| |dW|
+    through the chain)."""
+    x, weights, w13, w2 = x.double(), weights.double(), w13.double(), w2.double()
+    d13, d2 = d13.double(), d2.double()
+
+    def up(xr, e):
+        h = torch.nn.functional.linear(xr, w13[e])
+        return h, (linear_error(xr, no_error(), w13[e], h)
+                   + ErrorTerms(step=xr.abs() @ d13[e][:, None].expand_as(w13[e]).T))
+
+    def down(g, eg, e):
+        out = torch.nn.functional.linear(g, w2[e])
+        return out, (linear_error(g, eg, w2[e], out)
+                     + ErrorTerms(step=g.abs() @ d2[e][:, None].expand_as(w2[e]).T))
+
+    terms = expert_chain_error(x, ids, weights, up, down)
+    return kit_bound(moe_experts_ref(x, ids, weights, w13, w2), terms, torch.float32,
+                     torch.float32)

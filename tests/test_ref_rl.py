@@ -11,6 +11,8 @@ import torch
 import glm5
 from glm5 import ops
 from glm5.ir import ops_rl
+from glm5.testing.compare import assert_matches
+from kit_bounds import output_bound
 
 # These tests pin the reference: the default backend (e.g. cpu) may round differently.
 pytestmark = pytest.mark.usefixtures("reference_only")
@@ -28,13 +30,19 @@ def test_token_logprobs_hand_case():
     # logits [0, ln 3] -> p = [1/4, 3/4]
     h = torch.tensor([[1.0]], dtype=F64)
     w = torch.tensor([[0.0], [math.log(3.0)]], dtype=F64)
-    logp, ent = ref("token_logprobs")(h, w, torch.tensor([1], dtype=I32), 1.0)
-    assert logp.item() == pytest.approx(math.log(0.75), abs=1e-15)
-    assert ent.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-15)
+
+    def hand(lp, en):
+        return torch.tensor([lp], dtype=F64), torch.tensor([en], dtype=F64)
+
+    assert_matches("token_logprobs",
+                   hand(math.log(0.75), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))),
+                   {"h": h, "w_vocab": w, "targets": torch.tensor([1], dtype=I32),
+                    "temperature": 1.0}, dtype=F64)
     # temperature 0.5 doubles the logits: [0, 2 ln 3] -> p = [1/10, 9/10]
-    logp, ent = ref("token_logprobs")(h, w, torch.tensor([0], dtype=I32), 0.5)
-    assert logp.item() == pytest.approx(math.log(0.1), abs=1e-14)
-    assert ent.item() == pytest.approx(-(0.1 * math.log(0.1) + 0.9 * math.log(0.9)), abs=1e-14)
+    assert_matches("token_logprobs",
+                   hand(math.log(0.1), -(0.1 * math.log(0.1) + 0.9 * math.log(0.9))),
+                   {"h": h, "w_vocab": w, "targets": torch.tensor([0], dtype=I32),
+                    "temperature": 0.5}, dtype=F64)
 
 
 def test_vocab_chunk_constant():
@@ -59,16 +67,16 @@ def test_token_logprobs_across_chunks(temperature):
     full = torch.log_softmax(h @ w.T / temperature, dim=-1)
     want_lp = full.gather(1, targets.long()[:, None]).squeeze(1)
     want_ent = -(full.exp() * full).sum(-1)
-    torch.testing.assert_close(logp, want_lp, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(ent, want_ent, rtol=1e-12, atol=1e-12)
+    vals = {"h": h, "w_vocab": w, "targets": targets, "temperature": temperature}
+    # one unchunked log_softmax: an implementation, judged against the chunked oracle
+    assert_matches("token_logprobs", (want_lp, want_ent), vals, dtype=F64)
     lp2, ent2 = ops.token_logprobs(h, w, targets, temperature)
-    torch.testing.assert_close(lp2, logp, rtol=0, atol=0)
-    torch.testing.assert_close(ent2, ent, rtol=0, atol=0)
-    # fp32 in -> fp32 out, close to the float64 result
-    lp32, ent32 = ref("token_logprobs")(h.float(), w.float(), targets, temperature)
+    assert torch.equal(lp2, logp) and torch.equal(ent2, ent)
+    # fp32 in -> fp32 out, within the kit's bound of the float64 oracle
+    vals32 = {**vals, "h": h.float(), "w_vocab": w.float()}
+    lp32, ent32 = ref("token_logprobs")(*vals32.values())
     assert lp32.dtype == torch.float32 and ent32.dtype == torch.float32
-    torch.testing.assert_close(lp32.double(), logp, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(ent32.double(), ent, rtol=1e-4, atol=1e-4)
+    assert_matches("token_logprobs", (lp32, ent32), vals32)
 
 
 def test_token_logprobs_bf16_output_is_fp32():
@@ -76,12 +84,13 @@ def test_token_logprobs_bf16_output_is_fp32():
     h = torch.randn(3, 8, generator=g).bfloat16()
     w = torch.randn(50, 8, generator=g).bfloat16()
     t = torch.tensor([0, 10, 49], dtype=I32)
+    vals = {"h": h, "w_vocab": w, "targets": t, "temperature": 1.0}
     logp, ent = ref("token_logprobs")(h, w, t, 1.0)
     assert logp.dtype == torch.float32 and ent.dtype == torch.float32
-    full = torch.log_softmax(h.double() @ w.double().T, -1)
-    torch.testing.assert_close(logp.double(), full.gather(1, t.long()[:, None]).squeeze(1),
-                               rtol=1e-4, atol=1e-4)
-    assert bool((ent >= 0).all()) and bool((ent <= math.log(50) + 1e-5).all())
+    assert_matches("token_logprobs", (logp, ent), vals)
+    # 0 <= entropy <= log V, up to the kit's bound on the entropy
+    _, b_ent = output_bound("token_logprobs", vals, "entropy")
+    assert bool((ent >= 0).all()) and bool((ent.double() <= math.log(50) + b_ent).all())
 
 
 # --------------------------------------------------------------------------- grpo_advantages
@@ -95,12 +104,17 @@ def test_grpo_constant_group_is_zero():
 def test_grpo_hand_case_group2():
     r = torch.tensor([1.0, 3.0, 0.0, 0.0], dtype=F64)
     # group 0: mean 2, unbiased std sqrt(((-1)^2 + 1^2) / 1) = sqrt(2)
-    a = ref("grpo_advantages")(r, 2, True)
-    d = math.sqrt(2.0) + 1e-6
-    assert a.tolist() == pytest.approx([-1 / d, 1 / d, 0.0, 0.0], abs=1e-15)
-    a = ref("grpo_advantages")(r, 2, True, 0.5)
+    def vals(std, eps):
+        return {"rewards": r, "group_size": 2, "std_normalize": std, "eps": eps}
+
+    d = math.sqrt(2.0) + 1e-6  # the default eps
+    assert_matches("grpo_advantages", torch.tensor([-1 / d, 1 / d, 0.0, 0.0], dtype=F64),
+                   vals(True, 1e-6), dtype=F64)
+    assert torch.equal(ref("grpo_advantages")(r, 2, True),
+                       ref("grpo_advantages")(r, 2, True, 1e-6))
     d = math.sqrt(2.0) + 0.5
-    assert a.tolist() == pytest.approx([-1 / d, 1 / d, 0.0, 0.0], abs=1e-15)
+    assert_matches("grpo_advantages", torch.tensor([-1 / d, 1 / d, 0.0, 0.0], dtype=F64),
+                   vals(True, 0.5), dtype=F64)
     a = ref("grpo_advantages")(r, 2, False)
     assert a.tolist() == [-1.0, 1.0, 0.0, 0.0]
     assert ops.grpo_advantages(r, 2, False).tolist() == [-1.0, 1.0, 0.0, 0.0]
@@ -110,9 +124,10 @@ def test_grpo_hand_case_group4_and_groups_are_consecutive():
     r = torch.tensor([0.0, 1.0, 2.0, 3.0, 10.0, 10.0, 10.0, 14.0], dtype=F64)
     std0 = math.sqrt(5.0 / 3.0)  # unbiased std of 0..3
     std1 = math.sqrt((1 + 1 + 1 + 9) / 3.0)  # mean 11
-    a = ref("grpo_advantages")(r, 4, True, 0.0)
     want = [(v - 1.5) / std0 for v in (0, 1, 2, 3)] + [(v - 11) / std1 for v in (10, 10, 10, 14)]
-    assert a.tolist() == pytest.approx(want, abs=1e-14)
+    assert_matches("grpo_advantages", torch.tensor(want, dtype=F64),
+                   {"rewards": r, "group_size": 4, "std_normalize": True, "eps": 0.0},
+                   dtype=F64)
     a = ref("grpo_advantages")(r, 4, False)
     assert a.tolist() == [-1.5, -0.5, 0.5, 1.5, -1.0, -1.0, -1.0, 3.0]
     # one group of 8 differs
@@ -125,6 +140,20 @@ def _pl(*args, **kw):
     return ref("policy_loss")(*args, **kw)
 
 
+def _pl_vals(*args, **kw):
+    return glm5.get_op("policy_loss").bind(args, kw)
+
+
+def _assert_pl(loss, stats, *args, **kw):
+    """Hand loss (a number) and stats (three numbers, or None: the reference's own) judged
+    against the float64 oracle."""
+    if stats is None:
+        stats = _pl(*args, **kw)[1]
+    assert_matches("policy_loss", (torch.tensor(loss, dtype=F64),
+                                   torch.as_tensor(stats, dtype=F64)),
+                   _pl_vals(*args, **kw), dtype=F64)
+
+
 def test_stats_order_constant():
     assert ops_rl.POLICY_STATS == ("clip_frac", "mean_ratio", "approx_kl")
 
@@ -134,8 +163,7 @@ def test_policy_loss_ratio_one():
     adv = torch.tensor([1.0, 2.0, -3.0, 4.0], dtype=F64)
     loss, stats = _pl(lp, lp.clone(), adv, torch.ones(4, dtype=F64))
     assert loss.shape == () and stats.shape == (3,)
-    assert loss.item() == pytest.approx(-1.0, abs=1e-15)  # -mean(adv)
-    assert stats.tolist() == pytest.approx([0.0, 1.0, 0.0], abs=1e-15)
+    assert loss.item() == -1.0 and stats.tolist() == [0.0, 1.0, 0.0]  # -mean(adv): exact
 
 
 def test_policy_loss_clipping_hand_cases():
@@ -150,20 +178,17 @@ def test_policy_loss_clipping_hand_cases():
         (3, -1.0, 0.8, True),    # ratio 0.5, A < 0: clipped at 1 - 0.2
     ]
     for t, a, want, clipped in cases:
-        loss, stats = _pl(lp[t:t + 1], old[:1], torch.tensor([a], dtype=F64), ones)
-        assert loss.item() == pytest.approx(want, abs=1e-14), t
+        args = (lp[t:t + 1], old[:1], torch.tensor([a], dtype=F64), ones)
+        loss, stats = _pl(*args)
         assert stats[0].item() == (1.0 if clipped else 0.0), t
-        assert stats[1].item() == pytest.approx(math.exp(lp[t].item()), abs=1e-14)
-        assert stats[2].item() == pytest.approx(-lp[t].item(), abs=1e-14)  # mean(old - logp)
+        # stats: clip_frac, mean ratio, mean(old - logp)
+        _assert_pl(want, [1.0 if clipped else 0.0, math.exp(lp[t].item()), -lp[t].item()], *args)
     adv = torch.tensor([c[1] for c in cases], dtype=F64)
-    loss, stats = _pl(lp, old, adv, torch.ones(4, dtype=F64))
-    assert loss.item() == pytest.approx((-1.25 + 2.0 - 0.5 + 0.8) / 4, abs=1e-14)
-    assert stats.tolist() == pytest.approx([0.5, 1.25, 0.0], abs=1e-14)
+    _assert_pl((-1.25 + 2.0 - 0.5 + 0.8) / 4, [0.5, 1.25, 0.0], lp, old, adv,
+               torch.ones(4, dtype=F64))
     # other clip bounds
-    loss, _ = _pl(lp[:1], old[:1], torch.tensor([1.0], dtype=F64), ones, clip_high=0.5)
-    assert loss.item() == pytest.approx(-1.5, abs=1e-14)
-    loss, _ = _pl(lp[3:], old[:1], torch.tensor([-1.0], dtype=F64), ones, clip_low=0.1)
-    assert loss.item() == pytest.approx(0.9, abs=1e-14)
+    _assert_pl(-1.5, None, lp[:1], old[:1], torch.tensor([1.0], dtype=F64), ones, clip_high=0.5)
+    _assert_pl(0.9, None, lp[3:], old[:1], torch.tensor([-1.0], dtype=F64), ones, clip_low=0.1)
 
 
 def test_policy_loss_mask():
@@ -171,9 +196,7 @@ def test_policy_loss_mask():
     old = torch.tensor([0.0, -5.0, 0.0], dtype=F64)
     adv = torch.tensor([1.0, 1000.0, 3.0], dtype=F64)
     for mask in (torch.tensor([1.0, 0.0, 1.0], dtype=F64), torch.tensor([True, False, True])):
-        loss, stats = _pl(lp, old, adv, mask)
-        assert loss.item() == pytest.approx(-2.0, abs=1e-14)  # -(1 + 3) / 2
-        assert stats.tolist() == pytest.approx([0.0, 1.0, 0.0], abs=1e-14)
+        _assert_pl(-2.0, [0.0, 1.0, 0.0], lp, old, adv, mask)  # -(1 + 3) / 2
     loss, stats = _pl(lp, old, adv, torch.zeros(3, dtype=F64))
     assert loss.item() == 0.0 and stats.tolist() == [0.0, 0.0, 0.0]
 
@@ -184,14 +207,13 @@ def test_policy_loss_tis_weighting_with_cap():
     adv = torch.tensor([1.0, 2.0, 4.0], dtype=F64)
     # exp(old - rollout): 3 (capped at 2), 0.5, 1
     roll = torch.tensor([-math.log(3.0), math.log(2.0), 0.0], dtype=F64)
-    loss, stats = _pl(lp, old, adv, torch.ones(3, dtype=F64), rollout_logp=roll)
-    assert loss.item() == pytest.approx(-(1.0 * 2.0 + 2.0 * 0.5 + 4.0 * 1.0) / 3, abs=1e-14)
-    assert stats.tolist() == pytest.approx([0.0, 1.0, 0.0], abs=1e-14)
-    loss, _ = _pl(lp, old, adv, torch.ones(3, dtype=F64), rollout_logp=roll, tis_cap=10.0)
-    assert loss.item() == pytest.approx(-(3.0 + 1.0 + 4.0) / 3, abs=1e-14)
-    loss2, _ = ops.policy_loss(lp, old, adv, torch.ones(3, dtype=F64), rollout_logp=roll,
-                               tis_cap=10.0)
-    assert loss2.item() == pytest.approx(loss.item(), abs=1e-15)
+    ones = torch.ones(3, dtype=F64)
+    _assert_pl(-(1.0 * 2.0 + 2.0 * 0.5 + 4.0 * 1.0) / 3, [0.0, 1.0, 0.0], lp, old, adv, ones,
+               rollout_logp=roll)
+    _assert_pl(-(3.0 + 1.0 + 4.0) / 3, None, lp, old, adv, ones, rollout_logp=roll, tis_cap=10.0)
+    loss, _ = _pl(lp, old, adv, ones, rollout_logp=roll, tis_cap=10.0)
+    loss2, _ = ops.policy_loss(lp, old, adv, ones, rollout_logp=roll, tis_cap=10.0)
+    assert torch.equal(loss2, loss)
 
 
 def _grad_case(seed):
@@ -216,14 +238,17 @@ def test_policy_loss_gradient_through_ops(with_rollout):
     b = lp.clone().requires_grad_(True)
     loss_r, stats_r = _pl(b, old, adv, mask, **kw)
     loss_r.backward()
-    torch.testing.assert_close(loss.detach(), loss_r.detach(), rtol=0, atol=1e-15)
-    torch.testing.assert_close(stats, stats_r, rtol=0, atol=1e-15)
-    torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14)
+    # the reference served, and its vjp: bit for bit
+    assert torch.equal(loss.detach(), loss_r.detach()) and torch.equal(stats, stats_r)
+    assert torch.equal(a.grad, b.grad)
     # and by hand: d/dlogp = -ratio * A * w * mask / sum(mask) on unclipped tokens, else 0
     ratio = torch.exp(lp - old)
     clipped = (-torch.clamp(ratio, 0.8, 1.25) * adv) > (-ratio * adv)
     w = torch.exp(old - roll).clamp(max=2.0) if with_rollout else torch.ones_like(lp)
     want = torch.where(clipped, torch.zeros_like(lp), -ratio * adv) * w * mask / mask.sum()
     assert bool(clipped.any()) and bool((~clipped).any())
-    torch.testing.assert_close(a.grad, want, rtol=1e-12, atol=1e-14)
-    assert stats[0].item() == pytest.approx(float((clipped.to(F64) * mask).sum() / mask.sum()))
+    # each gradient entry is one term of the loss's masked mean (d(-ratio A w)/dlogp =
+    # -ratio A w): it may be off by no more than the kit's float64 bound on the loss
+    _, b_loss = output_bound("policy_loss", _pl_vals(lp, old, adv, mask, **kw), "loss", F64)
+    assert bool(((a.grad - want).abs() <= b_loss).all())
+    assert stats[0].item() == float((clipped.to(F64) * mask).sum() / mask.sum())  # exact counts

@@ -15,10 +15,9 @@ import pytest
 import torch
 
 import glm5
-from glm5.ir.ops_norm import rms_norm_ref, rope_ref, silu_mul_ref
 from glm5.ir.ops_quant import quant_linear_ref
-from glm5.ir.ops_rl import token_logprobs_ref
 from glm5.ir.quant_formats import SCHEMES, pack, quantize_per_token_ref, quantize_weight, unpack
+from glm5.testing.compare import assert_matches
 from glm5.testing.parity import format_table, run_parity
 
 pytest.importorskip("triton")
@@ -161,12 +160,12 @@ def test_quant_linear_matches_reference_k_not_multiple_of_128(scheme, K):
         got = _fns()["quant_linear"](x.to(DEV), wp.to(DEV), ws.to(DEV), scheme,
                                      None if b is None else b.to(DEV)).cpu()
         want = quant_linear_ref(x, wp, ws, scheme, b)
+        assert_matches("quant_linear", got,
+                       {"x": x, "w_packed": wp, "w_scale": ws, "scheme": scheme, "bias": b})
         if SCHEMES[scheme].act_bits is not None and K <= 256 and DEV == "cpu":
             # <= 2 groups: the same fp32 operations in the same order as the reference (a GPU
             # may contract the scale products into FMAs)
             assert torch.equal(got, want), (got - want).abs().max()
-        else:
-            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
@@ -179,9 +178,9 @@ def test_quant_linear_many_groups_and_tiles(scheme):
     fn = _fns({"quant_linear": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64,
                                 "BLOCK_N_SMALL_M": 16}})["quant_linear"]
     got = fn(x.to(DEV), wp.to(DEV), ws.to(DEV), scheme).cpu()
-    want = quant_linear_ref(x.double(), wp, ws, scheme)
     assert got.dtype == torch.bfloat16 and got.shape == (M, N)
-    torch.testing.assert_close(got.double(), want, rtol=1.6e-2, atol=1e-2 * want.abs().max())
+    assert_matches("quant_linear", got,
+                   {"x": x, "w_packed": wp, "w_scale": ws, "scheme": scheme, "bias": None})
 
 
 @pytest.mark.parametrize("bits", [8, 12])
@@ -228,16 +227,16 @@ def test_token_logprobs_many_chunks(split):
         over["SPLIT_V"] = split
     fn = _fns({"token_logprobs": over})["token_logprobs"]
     logp, ent = fn(h.to(DEV), w.to(DEV), tgt.to(DEV), 0.8)
-    rl, re = token_logprobs_ref(h.double(), w.double(), tgt, 0.8)
     assert logp.dtype == torch.float32 and ent.dtype == torch.float32 and logp.shape == (T,)
-    torch.testing.assert_close(logp.cpu().double(), rl, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent.cpu().double(), re, rtol=1e-5, atol=1e-5)
+    # the op's targets are int32 (the launcher also takes int64, as here)
+    assert_matches("token_logprobs", (logp.cpu(), ent.cpu()),
+                   {"h": h, "w_vocab": w, "targets": tgt.to(torch.int32), "temperature": 0.8})
     # int32 targets and non-contiguous h
     hn = torch.randn(T, 2 * D, generator=g)[:, ::2]
-    logp, _ = fn(hn.to(DEV), w.to(DEV), tgt.to(torch.int32).to(DEV), 1.0)
-    torch.testing.assert_close(logp.cpu().double(),
-                               token_logprobs_ref(hn.double(), w.double(), tgt, 1.0)[0],
-                               rtol=1e-5, atol=1e-5)
+    t32 = tgt.to(torch.int32)
+    logp, ent = fn(hn.to(DEV), w.to(DEV), t32.to(DEV), 1.0)
+    assert_matches("token_logprobs", (logp.cpu(), ent.cpu()),
+                   {"h": hn, "w_vocab": w, "targets": t32, "temperature": 1.0})
 
 
 def test_token_logprobs_default_split_on_gpu_setting():
@@ -249,9 +248,8 @@ def test_token_logprobs_default_split_on_gpu_setting():
     fn = _fns({"token_logprobs": {"TARGET_PROGRAMS_INTERPRETED": 4, "BLOCK_V": 64}})[
         "token_logprobs"]
     logp, ent = fn(h.to(DEV), w.to(DEV), tgt.to(DEV), 1.3)
-    rl, re = token_logprobs_ref(h.double(), w.double(), tgt, 1.3)
-    torch.testing.assert_close(logp.cpu().double(), rl, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent.cpu().double(), re, rtol=1e-5, atol=1e-5)
+    assert_matches("token_logprobs", (logp.cpu(), ent.cpu()),
+                   {"h": h, "w_vocab": w, "targets": tgt.to(torch.int32), "temperature": 1.3})
 
 
 # --------------------------------------------------------------------------- norm / rope / silu
@@ -266,17 +264,12 @@ def test_rope_middle_dims(interleaved, dtype):
     cos, sin = th.cos().to(dtype), th.sin().to(dtype)
     fn = _fns({"rope": {"BLOCK_M": 4}})["rope"]  # 6 middle rows -> 2 row blocks
     got = fn(x.to(DEV), cos.to(DEV), sin.to(DEV), interleaved).cpu()
-    want = rope_ref(x, cos, sin, interleaved)
     assert got.shape == x.shape and got.dtype == dtype
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    else:
-        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=8e-3)
+    assert_matches("rope", got, {"x": x, "cos": cos, "sin": sin, "interleaved": interleaved})
     # x[T, R] (no middle dims) and x[T, 1, R]
     for xs in (x[:, 0, 0], x[:, :1, 0]):
         got = fn(xs.to(DEV), cos.to(DEV), sin.to(DEV), interleaved).cpu()
-        torch.testing.assert_close(got.float(), rope_ref(xs, cos, sin, interleaved).float(),
-                                   rtol=8e-3, atol=8e-3)
+        assert_matches("rope", got, {"x": xs, "cos": cos, "sin": sin, "interleaved": interleaved})
 
 
 def test_rms_norm_two_pass_and_lead_dims():
@@ -285,10 +278,10 @@ def test_rms_norm_two_pass_and_lead_dims():
     w = torch.randn(100, generator=g)
     fn = _fns({"rms_norm": {"BLOCK_D": 32}})["rms_norm"]  # 4 passes of 32 over D = 100
     got = fn(x.to(DEV), w.to(DEV), 1e-5).cpu()
-    torch.testing.assert_close(got, rms_norm_ref(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    assert_matches("rms_norm", got, {"x": x, "weight": w, "eps": 1e-5})
     x1 = torch.randn(100, generator=g)  # no leading dims
     got = _fns()["rms_norm"](x1.to(DEV), w.to(DEV), 1e-6).cpu()
-    torch.testing.assert_close(got, rms_norm_ref(x1, w, 1e-6), rtol=1e-5, atol=1e-5)
+    assert_matches("rms_norm", got, {"x": x1, "weight": w, "eps": 1e-6})
 
 
 def test_silu_mul_multiple_blocks():
@@ -297,7 +290,7 @@ def test_silu_mul_multiple_blocks():
     fn = _fns({"silu_mul": {"BLOCK_I": 16}})["silu_mul"]
     got = fn(x.to(DEV)).cpu()
     assert got.shape == (3, 2, 50) and got.dtype == torch.float16
-    torch.testing.assert_close(got, silu_mul_ref(x), rtol=2e-3, atol=2e-3)
+    assert_matches("silu_mul", got, {"x": x})
 
 
 # --------------------------------------------------------------------------- the cuda backend

@@ -238,10 +238,14 @@ SMALL = {"BLOCK_T": 16, "BLOCK_S": 16, "BLOCK_D": 16, "BLOCK_K": 16, "BLOCK_DV":
          "BLOCK_H_MAX": 16, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_I": 16}
 
 
-def _generated(op: str, seed: int, dtype: torch.dtype = torch.float32) -> tuple:
+def _generated(op: str, seed: int, dtype: torch.dtype = torch.float32,
+               tier: str = "tile") -> tuple:
+    """A kit example of ``tier``: "tile" is past the first tile of every kernel (a persistent
+    grid of 3 programs loops over tiles); the attention ops take "edge" (T queries, one tile
+    each: they loop too, and their tile-tier key loops are slow interpreted)."""
     from glm5.testing.cases import GENERATORS, RandomDraw
 
-    values, _ = OPS[op].validate((), GENERATORS[op](RandomDraw(seed), dtype))
+    values, _ = OPS[op].validate((), GENERATORS[op](RandomDraw(seed, tier=tier), dtype))
     return tuple(values[n] for n in OPS[op].param_names)
 
 
@@ -268,9 +272,11 @@ def _logprobs_args() -> tuple:
 def _persistent_cases():
     """(name, op, args builder, extra tuning, extra tuning of the default-grid run only): every
     Triton kernel and its launch variants."""
-    gen = [("rms_norm", 11), ("rope", 1), ("silu_mul", 4), ("sparse_attention", 3),
-           ("attention", 3), ("mla_prolog", 0), ("moe_experts", 0)]
-    cases = [(op, op, (lambda op=op, s=s: _generated(op, s)), {}, {}) for op, s in gen]
+    gen = [("rms_norm", 11, "tile"), ("rope", 1, "tile"), ("silu_mul", 4, "tile"),
+           ("sparse_attention", 3, "edge"), ("attention", 3, "edge"), ("mla_prolog", 0, "tile"),
+           ("moe_experts", 0, "tile")]
+    cases = [(op, op, (lambda op=op, s=s, t=t: _generated(op, s, tier=t)), {}, {})
+             for op, s, t in gen]
     cases += [
         ("rms_norm_two_pass", "rms_norm", lambda: _generated("rms_norm", 11, torch.float16),
          {"BLOCK_D": 16}, {}),

@@ -22,7 +22,8 @@ on ``|y - r|``, elementwise, is
   sums achieve; the worst case ``n * u`` is far too loose to catch a dropped key.
 * ``step`` is absolute: quantization codes that may move by one step, i.e. codes whose
   quotient lies within the kernel's rounding error of a half (the oracle finds them).
-* ``floor`` is a few subnormal spacings of the output and working dtypes (underflow).
+* ``floor`` is a few subnormal spacings of the output and working dtypes (underflow) plus the
+  smallest normal fp32 number (fp32 subnormals may be flushed to zero).
 
 The ``out`` and ``mid`` terms count single roundings, each at most u relative to the value
 rounded: worst cases, exact to first order. MARGIN = 1.25 covers the second-order part (a
@@ -62,6 +63,15 @@ def acc_dtype(work: torch.dtype) -> torch.dtype:
 def subnormal_spacing(dtype: torch.dtype) -> float:
     fi = torch.finfo(dtype)
     return fi.smallest_normal * fi.eps
+
+
+def floor(out: torch.dtype, work: torch.dtype) -> float:
+    """The absolute slack every element gets: a few subnormal spacings of the output and
+    working dtypes, and the fp32 arithmetic's smallest normal (GPUs and NPUs flush fp32
+    subnormals to zero: silu(-100) = -3.7e-42 may come out as -0)."""
+    acc = acc_dtype(work)
+    return (FLOOR_SPACINGS * max(subnormal_spacing(out), subnormal_spacing(work))
+            + torch.finfo(acc).smallest_normal)
 
 
 Mag = torch.Tensor | float
@@ -114,8 +124,7 @@ def bound(ref: torch.Tensor, terms: ErrorTerms, out: torch.dtype,
     """The elementwise bound on |y - ref| for an output of dtype ``out`` of a kernel called
     with ``work`` (float64 tensor shaped like ``ref``)."""
     r = ref.to(torch.float64).abs()
-    b = (MARGIN * unit_roundoff(out) * r + terms.absolute(work)
-         + FLOOR_SPACINGS * max(subnormal_spacing(out), subnormal_spacing(work)))
+    b = (MARGIN * unit_roundoff(out) * r + terms.absolute(work) + floor(out, work))
     return torch.broadcast_to(_t(b), ref.shape).to(torch.float64)
 
 
