@@ -60,16 +60,17 @@ def _k_fits(scores: torch.Tensor, k: int) -> bool:
 
 @backend.kernel("topk_indices", dtypes=DTYPES, supports=_k_fits)
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The k largest finite scores per row, descending; -1 past the finite ones; int32.
+    """The k largest finite scores per row, descending, ties to the smaller index; -1 past the
+    finite ones; int32.
 
-    torch.topk does not promise ties to the smaller index as the reference does; the parity
-    checker compares selected scores for selection ops, so a tie broken otherwise is not a
-    failure.
+    The tie rule is part of the contract (deterministic selection keeps RL rollouts the same on
+    every backend) and the kit checks it exactly: ``torch.topk`` does not promise it, a stable
+    descending sort does (equal scores keep their index order).
     """
     finite = torch.isfinite(scores)
     keyed = scores.masked_fill(~finite, float("-inf"))  # NaN and +inf never get selected
-    vals, idx = torch.topk(keyed, k, dim=-1, largest=True, sorted=True)
-    idx = idx.to(torch.int32)
+    vals, idx = torch.sort(keyed, dim=-1, descending=True, stable=True)
+    vals, idx = vals[..., :k], idx[..., :k].to(torch.int32)
     # Non-finite entries sort last (as -inf), so valid entries come first and the tail is -1.
     return idx.masked_fill(vals == float("-inf"), -1)
 
