@@ -361,9 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--ops", default="", help="comma-separated ops (default: all it claims)")
     q.add_argument("--examples", type=int, default=None,
                    help="examples per (op, dtype) (default: 10 for the default profile, 6 "
-                        "quick, 100 full)")
-    q.add_argument("--profile", choices=("quick", "default", "full"), default="default",
-                   help="size tiers the examples cycle through: quick = edge, tile, model "
+                        "quick, 4 smoke, 100 full)")
+    q.add_argument("--profile", choices=("smoke", "quick", "default", "full"), default="default",
+                   help="size tiers the examples cycle through: smoke = edge, tile; quick = "
+                        "edge, tile, model "
                         "(interpreters); default adds large and huge (thousands of keys, past "
                         "every kernel's tiles); full = the same tiers, 100 examples")
     q.add_argument("--seed", type=int, default=0)

@@ -23,7 +23,7 @@ def _backend(name: str) -> glm5.Backend:
 
 
 def _status(b, op, examples=12):
-    rows = run_parity(b, [op], examples=examples, seed=3)
+    rows = run_parity(b, [op], examples=examples, seed=3, profile="quick")
     assert rows, f"no parity row for {op}"
     return rows
 

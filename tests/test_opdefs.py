@@ -9,14 +9,14 @@ import torch
 
 import glm5
 from glm5.ir.catalog import OPS
-from glm5.testing.cases import GENERATORS, RandomDraw, case_dtypes
+from glm5.testing.cases import GENERATORS, PROFILES, RandomDraw, case_dtypes
 from glm5.testing.compare import assert_matches
 
 
 def _cases(op, n=4):
     for dt in case_dtypes(op, None) + [torch.float64] * (torch.float64 not in case_dtypes(op, None)):
         for s in range(n):
-            values = GENERATORS[op.name](RandomDraw(100 + s), dt)
+            values = GENERATORS[op.name](RandomDraw(100 + s, tiers=PROFILES["smoke"]), dt)
             if op.dispatch_dtype(values) != dt:  # float64 only where the op allows it
                 values = None
             if values is not None:

@@ -113,7 +113,8 @@ def test_public_modules_do_not_import_kernels():
 # --------------------------------------------------------------------------- conformance
 @pytest.mark.parametrize("op", OPS)
 def test_parity(op):
-    rows = run_parity(_backend(), [op], examples=EXAMPLES, seed=0, emulate=DEV == "cpu")
+    rows = run_parity(_backend(), [op], examples=EXAMPLES, seed=0, emulate=DEV == "cpu",
+                      profile="smoke" if DEV == "cpu" else "default")
     assert len(rows) == 3, format_table(rows)  # float32, bfloat16, float16
     assert all(r.status == "pass" and r.examples == EXAMPLES for r in rows), format_table(rows)
 
@@ -299,7 +300,7 @@ def test_cuda_backend_serves_these_rows():
     b = glm5.get_registry().get("cuda")
     assert set(OPS) <= set(b.kernels)
     if DEV == "cpu":
-        rows = run_parity(b, list(OPS), examples=2, seed=1, emulate=True)
+        rows = run_parity(b, list(OPS), examples=2, seed=1, emulate=True, profile="smoke")
         assert all(r.status == "pass" for r in rows), format_table(rows)
 
 

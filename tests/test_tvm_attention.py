@@ -50,10 +50,10 @@ def test_kernel_rows_shape(ctx):
 def test_parity(ctx):
     from glm5.testing.parity import format_table, run_parity
 
-    rows = run_parity(_backend(ctx), ["sparse_attention", "attention"], examples=25, seed=0)
+    rows = run_parity(_backend(ctx), ["sparse_attention", "attention"], examples=10, seed=0)
     assert {(r.op, r.dtype) for r in rows} == {
         (op, dt) for op in ("sparse_attention", "attention") for dt in ("float32", "bfloat16")}
-    assert all(r.status == "pass" and r.examples == 25 for r in rows), format_table(rows)
+    assert all(r.status == "pass" and r.examples == 10 for r in rows), format_table(rows)
 
 
 def _mqa(dtype, T=3, S=40, H=8, Dqk=576, Dv=512, K=100, seed=1):

@@ -475,7 +475,8 @@ def test_emulated_parity_subset(name, ops, monkeypatch):
             monkeypatch.setattr(contract, fn_name,
                                 lambda *a, _f=real, _n=fn_name, **k: (vendor_calls.append(_n),
                                                                         _f(*a, **k))[1])
-    rows = run_parity(b, [o for o in ops if o in b.kernels], examples=2, seed=2, emulate=True)
+    rows = run_parity(b, [o for o in ops if o in b.kernels], examples=2, seed=2, emulate=True,
+                      profile="smoke")
     assert rows and all(r.emulated for r in rows)
     assert all(r.status == "pass" for r in rows), format_table(rows)
     if name == "ascend" and "moe_route" in b.kernels:

@@ -153,7 +153,30 @@ def linear_error(x: torch.Tensor, ex: ErrorTerms, w: torch.Tensor, y: torch.Tens
     wa = w.abs().transpose(-1, -2)
     own = ErrorTerms(mid=y.abs() if rounded else 0.0, acc=sqrt_n(K) * (x.abs() @ wa),
                      tiny=1.0 if rounded else 0.0)
-    return ex.map(lambda e: torch.broadcast_to(e, x.shape) @ wa) + own
+    w2 = w.pow(2).transpose(-1, -2)
+    return carry(ex, x.shape, lambda e: e @ wa, lambda e2: e2 @ w2) + own
+
+
+def carry(ex: ErrorTerms, shape: torch.Size, through_abs: Callable[[torch.Tensor], torch.Tensor],
+          through_sq: Callable[[torch.Tensor], torch.Tensor]) -> ErrorTerms:
+    """The error ``ex`` of an input (shaped ``shape``) carried through a linear map that sums
+    over it: ``through_abs(e)`` applies |W| (the worst case, every error aligned with W's
+    signs), ``through_sq(e2)`` applies W^2. The errors of different elements come from
+    independent roundings: by Hoeffding's inequality their weighted sum exceeds LAMBDA *
+    sqrt(sum W^2 b^2) with probability below 2 exp(-LAMBDA^2 / 2) (the Higham & Mary model
+    again), which for a K-term sum is up to sqrt(K) / LAMBDA times tighter. The smaller of the
+    two is kept. ``acc`` terms are already the scale of a random error (the bound applies
+    LAMBDA once): they carry in plain quadrature."""
+
+    def f(e: torch.Tensor, lam: float) -> torch.Tensor:
+        e = torch.broadcast_to(e, shape)
+        return torch.minimum(through_abs(e), lam * torch.sqrt(through_sq(e * e)))
+
+    def g(x: Mag, lam: float) -> Mag:
+        return 0.0 if _zero(x) else f(_t(x), lam)
+
+    return ErrorTerms(mid=g(ex.mid, LAMBDA), acc=g(ex.acc, 1.0), step=g(ex.step, LAMBDA),
+                      tiny=g(ex.tiny, LAMBDA))
 
 
 def no_error() -> ErrorTerms:

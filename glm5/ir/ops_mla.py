@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from glm5.ir.numerics import (
     ErrorTerms,
+    carry,
     linear_error,
     rms_norm_error,
     rope_error,
@@ -83,7 +84,9 @@ def mla_prolog_error(o, r, work):
     if o["absorb"]:
         wuk = o["w_uk"].abs()
         q_main = torch.einsum("thd,hdc->thc", q_nope, o["w_uk"])
-        eqm = split[0].map(lambda e: torch.einsum("thd,hdc->thc", e, wuk)) + ErrorTerms(
+        wuk2 = o["w_uk"].pow(2)
+        eqm = carry(split[0], q_nope.shape, lambda e: torch.einsum("thd,hdc->thc", e, wuk),
+                    lambda e2: torch.einsum("thd,hdc->thc", e2, wuk2)) + ErrorTerms(
             mid=q_main.abs(), acc=sqrt_n(Dn) * torch.einsum("thd,hdc->thc", q_nope.abs(), wuk))
     else:
         eqm = split[0]

@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from glm5.ir.numerics import (
+    LAMBDA,
     QUOTIENT_ULPS,
     ErrorTerms,
+    carry,
     fragile_codes,
     power_of_two,
     linear_error,
@@ -141,14 +143,20 @@ def _ql_terms(x, ex, w_packed, w_scale, scheme, y, has_bias, work) -> ErrorTerms
     sc = get_scheme(scheme, "quant_linear")
     K = x.shape[-1]
     w = dequantize_weight(w_packed, w_scale, scheme, K).to(torch.float64)
-    wa = w.abs().T
+    wa, w2 = w.abs().T, w.pow(2).T
     ex = torch.broadcast_to(torch.as_tensor(ex, dtype=torch.float64), x.shape)
     yb = y.abs() if has_bias else 0.0
+
+    def through(e: torch.Tensor) -> torch.Tensor:  # independent errors of the K inputs
+        return carry(ErrorTerms(step=e), x.shape, lambda v: v @ wa, lambda v2: v2 @ w2).step
+
     if sc.act_bits is None:
         mag = x.abs() @ wa
-        return ErrorTerms(mid=mag + yb, acc=sqrt_n(K) * mag + y.abs(), step=ex @ wa)
+        # the dequantized weight rounded to the working dtype: K independent roundings
+        wround = torch.minimum(mag, LAMBDA * torch.sqrt(x.pow(2) @ w2))
+        return ErrorTerms(mid=wround + yb, acc=sqrt_n(K) * mag + y.abs(), step=through(ex))
     qf, s, deq, err = act_codes(x, sc.act_bits, ex)
-    return ErrorTerms(mid=yb, acc=sqrt_n(K) * (deq.abs() @ wa) + y.abs(), step=err @ wa)
+    return ErrorTerms(mid=yb, acc=sqrt_n(K) * (deq.abs() @ wa) + y.abs(), step=through(err))
 
 
 def check_packed_weight(op: str, prefix: str, packed, scale, scheme: str, N: int, K: int) -> None:

@@ -18,7 +18,8 @@ A profile (``PROFILES``) names the tiers a run cycles through: ``glm5 parity`` g
 ``i`` the tier ``tiers[i % len(tiers)]``, so every run of at least ``len(tiers)`` examples
 reaches every tier; hypothesis draws the tier (and shrinks towards ``edge``). ``default`` is
 what ``glm5 parity`` runs; ``quick`` (edge, tile, model) keeps interpreted backends fast;
-``full`` adds ``huge`` for vendors.
+``smoke`` (edge, tile) is for unit tests of interpreted kernels; ``full`` is ``default`` with
+100 examples, for vendors.
 
 A generator is written once against a small `Draw` interface, so the same definition drives
 hypothesis (`HypothesisDraw`, used by the pytest plugin, with shrinking) and the `glm5 parity`
@@ -41,13 +42,14 @@ DEFAULT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.
 
 TIERS = ("edge", "model", "tile", "large", "huge")
 PROFILES: dict[str, tuple[str, ...]] = {
+    "smoke": ("edge", "tile"),
     "quick": ("edge", "tile", "model"),
     "default": ("edge", "model", "tile", "large", "huge"),
     "full": ("edge", "model", "tile", "large", "huge"),
 }
 DEFAULT_PROFILE = "default"
 # Examples per (op, dtype) of a profile when the caller does not say.
-PROFILE_EXAMPLES = {"quick": 6, "default": 10, "full": 100}
+PROFILE_EXAMPLES = {"smoke": 4, "quick": 6, "default": 10, "full": 100}
 
 # GLM-5's shapes (glm5.core.config preset "glm-5"; the kit does not import the model layer).
 GLM5 = dict(hidden=6144, q_lora=2048, kv_lora=512, rope=64, nope=192, heads=64,

@@ -16,7 +16,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--glm5-ops", action="store", default="",
                     help="comma-separated ops to check (default: every op the backend claims)")
     group.addoption("--glm5-profile", action="store", default="default",
-                    choices=("quick", "default", "full"),
+                    choices=("smoke", "quick", "default", "full"),
                     help="size tiers hypothesis draws from (glm5.testing.cases.PROFILES)")
 
 
