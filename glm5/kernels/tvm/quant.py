@@ -23,11 +23,10 @@ the supports check) and then
 ``y = s_x[m] · Σ_g s_w[n, g] · float(isum_g)`` in fp32.
 
 The kernel is a GEMV with 4-row register blocks: it wins where the op is memory-bound
-(decode, few rows) and, on the machine measured (AMD EPYC, AVX2, 2 vCPUs), up to a few hundred
-rows. Above ``ROWS_TVM[scheme]`` rows the torch path (`gemm_torch`) runs: w8a16 dequantizes to
+(decode, few rows) and up to a few hundred rows. Above ``ROWS_TVM[scheme]`` rows the torch path (`gemm_torch`) runs: w8a16 dequantizes to
 fp32 and calls one sgemm, w8a8 runs exact fp32 sgemms over K-chunks of codes. torch's integer
-CPU kernels (``aten._weight_int8pack_mm``, ``torch._int_mm``) measured 4-15x slower than the
-TVM GEMV at 4..64 rows there and are not used; the grouped schemes keep the TVM kernel at every
+CPU kernels (``aten._weight_int8pack_mm``, ``torch._int_mm``) are slower than the TVM GEMV at
+4..64 rows and are not used; the grouped schemes keep the TVM kernel at every
 row count (their torch path pays a full unpack per call). The numbers are in
 docs/performance.md, "quant_linear". Only M, N and K are runtime values: one build per
 (scheme, row block).
@@ -52,8 +51,8 @@ REV = 2
 VL = 16  # lanes (AVX-512: 16 fp32 / int32)
 MB = 4  # activation rows per weight-vector unpack (fewer rows than MB: a 1-row build)
 DTYPES = (torch.float32, torch.bfloat16)
-# Rows up to which the TVM GEMV is used; above, `gemm_torch` (measured crossover: w8a16 and
-# w8a8 between 256 and 512 rows at K=N=4096; grouped schemes: TVM at 512 rows too).
+# Rows up to which the TVM GEMV is used; above, `gemm_torch` (the crossover of w8a16 and w8a8
+# lies between 256 and 512 rows at K=N=4096; grouped schemes keep TVM: docs/performance.md).
 ROWS_TVM = {"w8a16": 384, "w8a8": 384, "w4a8": 2**31, "w6a12": 2**31}
 
 # (bytes per unit, values per unit) of each weight width

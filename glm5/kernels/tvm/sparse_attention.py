@@ -459,16 +459,15 @@ def head_chunks(T: int, H: int, Hk: int, Dqk: int, Dv: int) -> int:
     return max(1, min(H // plan(H, Hk, Dqk, Dv)["hb"], -(-n // T)))
 
 
-# Bytes of k / v rows one key-block pass gathers from (see block_rows). Measured on a 2-vCPU
-# AMD EPYC (Zen 3) VM whose 32 MiB L3 is shared with other tenants: 4-6 MiB blocks were best,
-# 2 MiB and 12 MiB worse (docs/performance.md). GLM5_TVM_SPARSE_BLOCK_BYTES overrides.
+# Bytes of k / v rows one key-block pass gathers from (see block_rows): a slice that stays in a
+# shared last-level cache; 4-6 MiB blocks beat 2 and 12 MiB (docs/performance.md).
+# GLM5_TVM_SPARSE_BLOCK_BYTES overrides.
 BLOCK_BYTES = int(os.environ.get("GLM5_TVM_SPARSE_BLOCK_BYTES", 6 << 20))
 # A pass pays off only when each of its rows is gathered this many times on average ...
 MIN_REUSE = 2
 # ... and when what a query gathers in one pass is this many times the query state the pass
-# reloads (its q, and its fp32 accumulator read and written). Measured in cache (S = 8K forced
-# into 1/2/4/8 passes, small preset dims: 164 KB gathered per query, 13 KB of state): 31 / 34 /
-# 38 / 47 µs per query, so passes are kept to ≥ ~3x the state.
+# reloads (its q, and its fp32 accumulator read and written): each extra pass costs that state
+# again, so passes are kept to >= ~3x the state (the forced-pass costs: docs/performance.md).
 MIN_GATHER_PER_STATE = 3
 
 
