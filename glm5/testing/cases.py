@@ -8,7 +8,8 @@ Every generator draws a *tier* first, then shapes within it:
   BLOCK_K 32, BLOCK_T 16, BLOCK_V 128), head dims that are and are not multiples of the tiles;
 * ``model`` — GLM-5's real shapes at small T: MQA attention 64 heads x 576/512 over 2048
   selected keys, the indexer's 32 heads x 128, the MLA prolog's 6144 -> 2048 / 512 + 64
-  projections, 256 experts choosing 8, the hidden size and the MoE intermediate size;
+  projections (alternating with DeepSeek-V3's 7168 -> 1536, the sizes torch_npu's MLA prolog
+  documents), 256 experts choosing 8, the hidden size and the MoE intermediate size;
 * ``large`` — thousands: S and K up to 2048-4500, T past the cpu kernels' 64-query blocks,
   rows past the torch-path thresholds of quant_linear (384) and moe_experts (1024 routed rows);
 * ``huge``  — past the largest blocks: S > 8192 (the TVM indexer's key tile), k rows larger
@@ -82,6 +83,11 @@ class Draw(abc.ABC):
         whatever the seed); hypothesis draws it."""
         return self.choice(options)
 
+    def variant(self, options: Sequence[Any]) -> Any:
+        """A variant of the example's tier that successive passes over the tiers rotate through
+        (the first pass takes the first option)."""
+        return self.choice(options)
+
 
 class RandomDraw(Draw):
     """Choices from random.Random(seed); ``tier`` fixes the example's tier and ``index`` (the
@@ -110,6 +116,11 @@ class RandomDraw(Draw):
         self._covers += 1
         return options[(self._index + self._covers * (self._index // len(options) + 1))
                        % len(options)]
+
+    def variant(self, options: Sequence[Any]) -> Any:
+        if self._index is None:
+            return self.choice(options)
+        return options[(self._index // len(self.tiers)) % len(options)]
 
 
 class HypothesisDraw(Draw):
@@ -421,6 +432,10 @@ def gen_mla_prolog(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
         T, D = d.int(1, 4), d.choice((8, 16))
         Rq, H, Dn, Dr, Rkv = (d.choice((8, 16)), d.choice((1, 2)), d.choice((4, 8)),
                               d.choice((4, 8)), 8)
+    elif tier == "model" and d.variant(("deepseek-v3", "glm-5")) == "deepseek-v3":
+        # the MLA sizes torch_npu's npu_mla_prolog_v3 documents (DeepSeek-V3: 7168 -> 1536,
+        # 128 + 64 head dims; 16 of its 128 heads), absorbed: what reaches that binding
+        T, D, Rq, H, Dn, Dr, Rkv = d.int(1, 2), 7168, 1536, 16, 128, GLM5["rope"], GLM5["kv_lora"]
     elif tier == "model":
         T, D, Rq, H = d.int(1, 2), GLM5["hidden"], GLM5["q_lora"], GLM5["heads"]
         Dn, Dr, Rkv = GLM5["nope"], GLM5["rope"], GLM5["kv_lora"]
@@ -446,7 +461,7 @@ def gen_mla_prolog(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
         "cos": cos, "sin": sin, "eps": 1e-5,
         "kv_cache": m.randn(N, Rkv + Dr, noncontig=False),
         "slots": _i32(slots),
-        "absorb": d.flag(),
+        "absorb": True if D == 7168 else d.flag(),
     }
 
 
