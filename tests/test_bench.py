@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
+import time
 
 import torch
 
@@ -31,8 +33,12 @@ def test_bench_rows_against_reference(capsys):
 
 
 def test_peak_rss_sees_an_allocation():
+    # An anonymous mapping is fresh memory whatever allocator the process runs (a torch tensor
+    # can reuse pages an earlier test freed, and then the resident set never grows).
     with PeakRSS() as p:
-        x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-        del x
+        m = mmap.mmap(-1, 64 * 2**20)
+        m.write(b"\x01" * len(m))  # touched: every page resident
+        time.sleep(0.05)  # the sampler's fallback sees it too where VmHWM cannot be reset
+        m.close()
     assert p.peak > 32 * 2**20
     assert time_it(lambda: sum(range(100)), repeat=2) > 0
