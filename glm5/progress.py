@@ -47,12 +47,13 @@ def enabled() -> bool:
     return True
 
 
-def progress_bar(total: float | None, desc: str, unit: str = "it") -> Any:
+def progress_bar(total: float | None, desc: str, unit: str = "it", delay: float = 0.5) -> Any:
     """A tqdm bar on stderr (a no-op object when `enabled()` is false).
 
     ``total``: the amount of work (None: unknown); ``unit="B"`` shows bytes scaled to KiB/MiB/GiB.
-    Use it as a context manager and call ``update(n)`` as work is done; the bar is removed when
-    closed (``leave=False``) so that the command's own output follows directly.
+    The bar appears only once the work has taken ``delay`` seconds, so quick work (a tiny
+    checkpoint) draws nothing. Use it as a context manager and call ``update(n)`` as work is
+    done; the bar is removed when closed (``leave=False``) so the command's output follows.
     """
     if not enabled():
         return _NoBar()
@@ -61,4 +62,4 @@ def progress_bar(total: float | None, desc: str, unit: str = "it") -> Any:
     scaled = unit == "B"
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=scaled,
                 unit_divisor=1024 if scaled else 1000, file=sys.stderr, leave=False,
-                dynamic_ncols=True)
+                dynamic_ncols=True, delay=delay)
