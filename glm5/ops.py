@@ -82,5 +82,10 @@ def repack_weight(op_name: str, packed: torch.Tensor, scale: torch.Tensor, schem
                             scheme)
 
 
+# The model marks its runs (forward, generate) with this, so that the reference fallbacks of
+# one run are logged in one line (the model reaches dispatch only through this module).
+model_run = selection.model_run
+
+
 def __getattr__(name: str) -> Any:
     raise AttributeError(f"glm5.ops has no op {name!r}; known ops: {', '.join(OPS)}")

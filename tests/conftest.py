@@ -1,10 +1,15 @@
 """Test-suite set-up: hypothesis profiles (`ci` under CI=true, else `dev`) come from the glm5
-pytest plugin; every test starts from a fresh backend registry and selection cache; Triton runs
-interpreted when there is no GPU."""
+pytest plugin; every test starts from a fresh backend registry and selection cache that load
+glm5's own plugins only (a third-party plugin installed in the environment changes nothing:
+`[plugins] enabled` of a test policy; tests/test_kit.py checks it with one installed); Triton
+runs interpreted when there is no GPU."""
 
 from __future__ import annotations
 
+import importlib
 import os
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +20,33 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _toml_list(names) -> str:
+    return "[" + ", ".join(f'"{n}"' for n in names) + "]"
+
+
+def write_policy(path, *, disabled=(), enabled_extra=()) -> str:
+    """Write a plugins.toml at ``path`` that loads glm5's own plugins and ``enabled_extra``
+    only, without ``disabled``; returns the path (for GLM5_PLUGINS)."""
+    from glm5.backends.registry import builtin_plugin_names
+
+    # "reference" keeps the list non-empty (empty = everything) when glm5 runs from a source
+    # tree without entry points.
+    enabled = (*(builtin_plugin_names() or ("reference",)), *enabled_extra)
+    Path(path).write_text(f"[plugins]\ndisabled = {_toml_list(disabled)}\n"
+                          f"enabled = {_toml_list(enabled)}\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def _builtin_only_policy(tmp_path_factory) -> str:
+    return write_policy(tmp_path_factory.mktemp("glm5-policy") / "builtin_only.toml")
+
+
 @pytest.fixture(autouse=True)
-def _fresh_registry():
+def _fresh_registry(monkeypatch, _builtin_only_policy):
     import glm5
 
+    monkeypatch.setenv("GLM5_PLUGINS", _builtin_only_policy)
     glm5.reset_registry()
     yield
     glm5.reset_registry()
@@ -27,15 +55,77 @@ def _fresh_registry():
 BUILTIN_ACCELERATED = ("cpu", "cuda", "ascend", "cambricon", "mthreads", "hygon")
 
 
-def accelerators_off_policy(directory) -> str:
-    """A plugins.toml that disables glm5's built-in accelerated backends, for tests that reason
-    about selection among the reference and their own test plugins only."""
-    import pathlib
+def accelerators_off_policy(directory, enabled_extra=()) -> str:
+    """A plugins.toml that disables glm5's built-in accelerated backends (and loads no
+    third-party plugin but ``enabled_extra``), for tests that reason about selection among the
+    reference and their own test plugins only."""
+    return write_policy(Path(directory) / "accelerators_off.toml", disabled=BUILTIN_ACCELERATED,
+                       enabled_extra=enabled_extra)
 
-    p = pathlib.Path(directory) / "accelerators_off.toml"
-    p.write_text("[plugins]\ndisabled = [" + ", ".join(f'"{n}"' for n in BUILTIN_ACCELERATED)
-                 + "]\n")
-    return str(p)
+
+class PluginDir:
+    """Writes temporary distributions exposing ``glm5.backends`` entry points into ``root``
+    (put it on sys.path): the same path an installed vendor package takes. With ``policy``
+    set, each added plugin is also enabled in that plugins.toml (an accelerators-off one)."""
+
+    def __init__(self, root: Path, policy: bool = False) -> None:
+        self.root = root
+        self.policy = policy
+        self.names: list[str] = []
+        if policy:
+            self.policy_path = accelerators_off_policy(root)
+
+    def enable(self, ep_name: str) -> None:
+        self.names.append(ep_name)
+        if self.policy:
+            accelerators_off_policy(self.root, enabled_extra=self.names)
+
+    def add(self, ep_name: str, source: str, *, module: str | None = None,
+            dist: str | None = None) -> str:
+        module = module or f"glm5_tmp_{ep_name}"
+        dist = dist or f"glm5-tmp-{ep_name.replace('_', '-')}"
+        (self.root / f"{module}.py").write_text(textwrap.dedent(source))
+        info = self.root / f"{dist.replace('-', '_')}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(f"[glm5.backends]\n{ep_name} = {module}\n")
+        importlib.invalidate_caches()
+        self.enable(ep_name)
+        return f"{dist} 0.1"
+
+
+# A third-party plugin as a user may have installed it: a cpu backend of the highest priority
+# whose kernels are all wrong (zeros), so any glm5 test it reached would fail loudly.
+HOSTILE = """
+    import torch
+    import glm5
+
+    GLM5_API_VERSION = "1.0"
+    hostile = glm5.Backend("hostile", vendor="Elsewhere", device_type="cpu", priority=1000)
+    for _op in ("rms_norm", "layer_norm", "silu_mul", "rope", "topk_indices", "moe_route"):
+        hostile.kernel(_op)(lambda *args: torch.zeros(()))
+
+    @glm5.hookimpl
+    def glm5_register_backends(registry):
+        registry.register(hostile)
+"""
+
+
+@pytest.fixture
+def third_party_installed(tmp_path_factory, monkeypatch):
+    """The HOSTILE plugin installed (a distribution with a ``glm5.backends`` entry point on
+    sys.path); the test's registry policy is left as it is."""
+    import sys
+
+    import glm5
+
+    site = tmp_path_factory.mktemp("site")
+    PluginDir(site).add("hostile", HOSTILE, module="glm5_hostile", dist="glm5-hostile")
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    glm5.reset_registry()
+    yield site
+    sys.modules.pop("glm5_hostile", None)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import torch
 import glm5
 from glm5 import cli
 from glm5.ir.catalog import OPS
+from glm5.testing.compare import assert_matches
 from glm5.testing.parity import run_parity
 
 F32 = (torch.float32,)
@@ -145,16 +146,35 @@ def test_supports_declining_everything_is_a_skip():
     assert row.status == "skip" and "declined" in row.message
 
 
-def test_unavailable_backend_rows_skip_and_strict_cli_fails(monkeypatch, capsys):
+def test_unavailable_backend_rows_skip_but_cli_parity_of_it_fails(monkeypatch, capsys):
+    """The runner marks what cannot run as skipped; `glm5 parity --backend X` of a backend
+    that is unavailable here checked nothing, and says so with a non-zero exit (strict or
+    not), unless --emulate runs its kernels."""
     b = _backend("t_absent")
     b.kernel("silu_mul", dtypes=F32)(OPS["silu_mul"].reference)
     b.availability(lambda: (False, "libfoo.so not found"))
     row = _status(b, "silu_mul")[0]
     assert row.status == "skip" and "libfoo.so" in row.message
-    monkeypatch.setenv("GLM5_STRICT", "1")
+    for strict in ("", "1"):
+        monkeypatch.setenv("GLM5_STRICT", strict)
+        assert cli.main(["parity", "--backend", "t_absent", "--json"]) == 1
+        rows = json.loads(capsys.readouterr().out)["rows"]
+        assert [(r["op"], r["status"]) for r in rows] == [("*", "fail")]
+        assert rows[0]["message"] == "backend unavailable here: libfoo.so not found"
+    monkeypatch.delenv("GLM5_STRICT")
+    assert cli.main(["parity", "--backend", "t_absent"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "libfoo.so not found" in out and "0 passed, 1 failed" in out
+    assert cli.main(["parity", "--backend", "t_absent", "--emulate", "--json"]) == 1
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows[0]["status"] == "fail" and rows[0]["message"].startswith(
+        "backend cannot be emulated here: the backend declares no emulation mode")
+    b.emulation(lambda: (True, "interpreter"))
     assert cli.main(["parity", "--backend", "t_absent", "--json"]) == 1
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["rows"][0]["status"] == "fail"
+    assert "(--emulate runs its kernels on CPU through its emulator)" in \
+        json.loads(capsys.readouterr().out)["rows"][0]["message"]
+    assert cli.main(["parity", "--backend", "t_absent", "--emulate", "--examples", "2"]) == 0
+    assert "1 passed, 0 failed" in capsys.readouterr().out
 
 
 def test_cli_parity_json_and_exit_codes(capsys):
@@ -175,7 +195,16 @@ def test_cli_parity_json_and_exit_codes(capsys):
     assert "unknown backend" in capsys.readouterr().err
 
 
-def test_cli_backends_and_ops(capsys, reference_only):
+@pytest.fixture(params=["clean", "third_party_installed"])
+def environment(request):
+    """Run a test as is and with a third-party plugin installed (conftest.HOSTILE: every
+    kernel wrong, the highest priority): glm5's tests see glm5's own plugins only."""
+    if request.param == "third_party_installed":
+        request.getfixturevalue("third_party_installed")
+    return request.param
+
+
+def test_cli_backends_and_ops(capsys, reference_only, environment):
     assert cli.main(["backends", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     ref = next(b for b in doc["backends"] if b["name"] == "reference")
@@ -195,6 +224,24 @@ def test_cli_backends_and_ops(capsys, reference_only):
     assert cli.main(["ops", "--json"]) == 0
     by = {r["op"]: r for r in json.loads(capsys.readouterr().out)["ops"]}
     assert by["rms_norm"]["mode"] == "native" and by["rms_norm"]["served_by"] == "t_ops"
+
+
+def test_an_installed_third_party_plugin_stays_out_of_glm5s_tests(third_party_installed,
+                                                                 monkeypatch):
+    """The plugin behind `environment` is really installed: a user's process (no test policy)
+    loads it and it serves the cpu's rms_norm; glm5's tests' registry does not load it."""
+    x, w = torch.randn(2, 8), torch.ones(8)
+    reg = glm5.get_registry()  # the test suite's policy: glm5's own plugins only
+    assert "hostile" not in reg.backends and reg.plugins["hostile"].status == "disabled"
+    assert reg.plugins["cpu"].status == "loaded"
+    assert_matches("rms_norm", glm5.ops.rms_norm(x, w, 1e-6), {"x": x, "weight": w, "eps": 1e-6},
+                   dtype=x.dtype)
+    monkeypatch.delenv("GLM5_PLUGINS")
+    glm5.reset_registry()
+    reg = glm5.get_registry()
+    assert reg.plugins["hostile"].status == "loaded"
+    values, _ = OPS["rms_norm"].validate((x, w, 1e-6), {})
+    assert glm5.backends.selection.kernel_for(OPS["rms_norm"], values) == ("hostile", "native")
 
 
 @pytest.mark.parametrize("op", list(OPS))

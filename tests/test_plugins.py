@@ -14,19 +14,21 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 import glm5
-from conftest import accelerators_off_policy
+from conftest import PluginDir
+from glm5 import cli
 from glm5.backends import selection
 from glm5.backends.registry import PluginLoadError
 from glm5.ir.ops_dsa import topk_indices_ref
 from glm5.ir.ops_norm import rms_norm_ref
 from glm5.testing.compare import assert_matches
+
+pytest_plugins = ["pytester"]  # runs the conformance kit in-process
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "glm5-example-plugin"
@@ -34,25 +36,6 @@ GLM5_ENV = ("GLM5_BACKEND", "GLM5_STRICT", "GLM5_PLUGINS")
 
 
 # --------------------------------------------------------------------------- fixtures
-class PluginDir:
-    """Writes temporary distributions exposing ``glm5.backends`` entry points."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def add(self, ep_name: str, source: str, *, module: str | None = None,
-            dist: str | None = None) -> str:
-        module = module or f"glm5_tmp_{ep_name}"
-        dist = dist or f"glm5-tmp-{ep_name.replace('_', '-')}"
-        (self.root / f"{module}.py").write_text(textwrap.dedent(source))
-        info = self.root / f"{dist.replace('-', '_')}-0.1.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
-        (info / "entry_points.txt").write_text(f"[glm5.backends]\n{ep_name} = {module}\n")
-        importlib.invalidate_caches()
-        return f"{dist} 0.1"
-
-
 def _clean_modules_under(root: Path, before: set[str]) -> None:
     for name in set(sys.modules) - before:
         f = getattr(sys.modules.get(name), "__file__", None) or ""
@@ -65,12 +48,15 @@ def plugin_dir(tmp_path, monkeypatch):
     """A sys.path entry for temporary plugin distributions, and a clean registry around it."""
     for var in GLM5_ENV:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("GLM5_PLUGINS", accelerators_off_policy(tmp_path))
+    # glm5's built-ins but the accelerated ones, and the plugins the test adds (any plugin
+    # installed in the environment stays out)
+    pdir = PluginDir(tmp_path, policy=True)
+    monkeypatch.setenv("GLM5_PLUGINS", pdir.policy_path)
     before = set(sys.modules)
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
     glm5.reset_registry()
-    yield PluginDir(tmp_path)
+    yield pdir
     glm5.use_backend(None)  # a function-style override must not leak into the next test
     monkeypatch.undo()  # sys.path and environment
     _clean_modules_under(tmp_path, before)
@@ -187,13 +173,101 @@ def test_plugin_with_another_minor_version_is_loaded(plugin_dir):
     assert "tmpgood" in reg.backends
 
 
-def test_plugin_without_api_version_is_refused(plugin_dir):
+def test_plugin_without_api_version_loads_with_a_warning_shown_by_diagnose(plugin_dir, capsys):
     plugin_dir.add("tmpnover", GOOD.replace('GLM5_API_VERSION = "1.0"', ""))
     reg = glm5.get_registry()
     rec = reg.plugins["tmpnover"]
-    assert rec.status == "refused"
-    assert "GLM5_API_VERSION" in rec.message
-    assert "tmpgood" not in reg.backends
+    assert (rec.status, rec.backends) == ("loaded", ("tmpgood",))
+    assert len(rec.warnings) == 1
+    assert "declares no GLM5_API_VERSION" in rec.warnings[0]
+    assert f'GLM5_API_VERSION = "{glm5.API_VERSION}"' in rec.warnings[0]  # what to add
+    assert reg.errors() == []
+    x, w, eps = _rms_inputs()
+    assert _served("rms_norm", x, w, eps) == ("tmpgood", "native")
+    _rms_ok(x, w, eps)
+    assert cli.main(["backends", "--diagnose"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "warning:" in ln)
+    assert "declares no GLM5_API_VERSION" in line
+    assert cli.main(["backends"]) == 0  # the short listing points at --diagnose
+    assert "1 plugin(s) loaded with warnings" in capsys.readouterr().out
+    assert cli.main(["backends", "--json"]) == 0
+    plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}
+    assert plugins["tmpnover"]["warnings"] == list(rec.warnings)
+    assert plugins["reference"]["warnings"] == []
+
+
+REFUSED_WHY = ("was refused", "built for glm5 plugin API 2.0", "major versions differ")
+
+
+def test_refused_plugin_is_explained_by_every_command_that_names_it(plugin_dir, capsys,
+                                                                     monkeypatch):
+    """The entry point and the backend share the name (as they usually do): parity, bench,
+    ops, use_backend and GLM5_BACKEND all say the plugin was refused and why."""
+    plugin_dir.add("tmpgood", GOOD.replace('"1.0"', '"2.0"'))
+    for argv in (["parity", "--backend", "tmpgood"], ["bench", "--backend", "tmpgood"],
+                 ["ops", "--backend", "tmpgood"]):
+        assert cli.main(argv) != 0, argv
+        err = capsys.readouterr().err
+        assert "backend 'tmpgood' is not loaded: plugin 'tmpgood' (glm5-tmp-tmpgood 0.1)" in err
+        for why in REFUSED_WHY:
+            assert why in err, (argv, err)
+    with pytest.raises(KeyError) as e:
+        glm5.use_backend("tmpgood")
+    assert str(e.value).startswith("glm5: backend 'tmpgood' is not loaded")  # no KeyError quotes
+    assert all(why in str(e.value) for why in REFUSED_WHY)
+    monkeypatch.setenv("GLM5_BACKEND", "tmpgood")
+    x, w, eps = _rms_inputs()
+    with pytest.raises(KeyError, match=r"GLM5_BACKEND='tmpgood': .*was refused"):
+        glm5.ops.rms_norm(x, w, eps)
+
+
+def test_refused_plugin_is_named_when_its_backend_name_differs(plugin_dir):
+    """A refused plugin's hook never ran, so its backends' names are unknown: asking for any
+    unknown backend lists the plugins that were not loaded, with their reasons."""
+    plugin_dir.add("tmpfuture", GOOD.replace('"1.0"', '"3.1"'))
+    with pytest.raises(KeyError) as e:
+        glm5.use_backend("tmpgood")
+    msg = str(e.value)
+    assert msg.startswith("glm5: unknown backend 'tmpgood'; known backends: ")
+    assert "plugins not loaded: tmpfuture (glm5-tmp-tmpfuture 0.1) was refused" in msg
+    assert "API 3.1" in msg
+
+
+def test_conformance_kit_says_why_a_backend_is_not_loaded(plugin_dir, pytester):
+    """`pytest --pyargs glm5.testing --glm5-backend X` of a refused plugin stops at session
+    start with one line saying why (not a collection error with a truncated KeyError)."""
+    plugin_dir.add("tmpgood", GOOD.replace('"1.0"', '"2.0"'))
+    res = pytester.runpytest_inprocess("--pyargs", "glm5.testing", "--glm5-backend", "tmpgood",
+                                       "-p", "no:cacheprovider")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    err = res.stderr.str()
+    assert ("ERROR: glm5 conformance kit: --glm5-backend tmpgood: backend 'tmpgood' is not "
+            "loaded: plugin 'tmpgood' (glm5-tmp-tmpgood 0.1) was refused") in err
+    assert all(why in err for why in REFUSED_WHY)
+    assert "KeyError" not in err + res.stdout.str()
+    res = pytester.runpytest_inprocess("--pyargs", "glm5.testing", "--glm5-backend",
+                                       "reference", "--glm5-ops", "rms_norm,nosuch_op")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--glm5-ops: unknown op(s) nosuch_op; known ops: rms_norm" in res.stderr.str()
+
+
+def test_enabled_list_loads_only_those_plugins(plugin_dir, tmp_path, monkeypatch):
+    plugin_dir.add("tmpgood", GOOD)
+    plugin_dir.add("tmpother", GOOD.replace('"tmpgood"', '"tmpother"'))
+    user = tmp_path / "only.toml"
+    user.write_text('[plugins]\nenabled = ["tmpother"]\n')
+    monkeypatch.setenv("GLM5_PLUGINS", str(user))
+    glm5.reset_registry()
+    reg = glm5.get_registry()
+    assert reg.plugins["tmpother"].status == "loaded"
+    rec = reg.plugins["tmpgood"]
+    assert rec.status == "disabled" and "[plugins] enabled" in rec.message
+    assert "glm5_tmp_tmpgood" not in sys.modules  # not even imported
+    assert set(reg.backends) == {"reference", "tmpother"}  # the oracle always loads
+    with pytest.raises(KeyError, match=r"plugin 'tmpgood' .* is disabled: not in the "
+                                       r"\[plugins\] enabled list"):
+        reg.get("tmpgood")
 
 
 def test_plugin_without_hook_is_refused(plugin_dir):
@@ -504,20 +578,101 @@ def test_strict_mode_fallback_is_an_error_naming_the_op(sel, monkeypatch):
     assert sel.CALLS == [("tmpa", "rms_norm")]
 
 
-def test_reference_fallback_is_logged_once_per_op(sel, caplog):
+def _glm5_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "glm5" and r.levelno == logging.WARNING]
+
+
+def test_reference_fallback_outside_a_model_run_is_logged_once_per_op(sel, caplog):
     caplog.set_level(logging.WARNING, logger="glm5")
     xd, wd, eps = _rms_inputs(torch.float64)
     for _ in range(3):
         glm5.ops.rms_norm(xd, wd, eps)
-    recs = [r for r in caplog.records if r.name == "glm5"]
-    assert len(recs) == 1
-    msg = recs[0].getMessage()
-    assert recs[0].levelno == logging.WARNING
-    assert "glm5.rms_norm on cpu/float64 falls back to the reference" in msg
-    assert "tmpa: dtype float64 not in (float32)" in msg
+    msgs = _glm5_warnings(caplog)
+    assert len(msgs) == 1
+    # the reasons of the backends for this device only: tmpgpu (cuda) is glm5 ops' business
+    assert msgs[0].startswith("glm5: reference fallback on cpu/float64 for: rms_norm (")
+    for why in ("tmpa: dtype float64 not in (float32)",
+                "tmpb: dtype float64 not in (bfloat16, float32)",
+                "tmpoff: unavailable: no Acme device found"):
+        assert why in msgs[0]
+    assert "tmpgpu" not in msgs[0] and "serves cuda" not in msgs[0]
     # another op falling back gets its own line
     glm5.ops.layer_norm(xd, wd, wd, eps)
-    assert len([r for r in caplog.records if r.name == "glm5"]) == 2
+    assert len(_glm5_warnings(caplog)) == 2
+
+
+def test_fallbacks_of_a_model_run_are_logged_once_in_one_line(sel, caplog, monkeypatch):
+    caplog.set_level(logging.WARNING, logger="glm5")
+    xd, wd, eps = _rms_inputs(torch.float64)
+    scores = torch.randn(2, 4)
+
+    @glm5.ops.model_run
+    def run():
+        before = len(_glm5_warnings(caplog))
+        for _ in range(2):
+            with glm5.ops.model_run():  # nested: part of the outer run
+                glm5.ops.rms_norm(xd, wd, eps)
+                glm5.ops.layer_norm(xd, wd, wd, eps)
+            glm5.ops.topk_indices(scores, 6)  # tmpa's supports() declines k > S
+        assert len(_glm5_warnings(caplog)) == before  # nothing until the run ends
+
+    run()
+    msgs = _glm5_warnings(caplog)
+    assert len(msgs) == 1, msgs
+    assert msgs[0].startswith("glm5: reference fallback for: rms_norm on cpu/float64 (")
+    assert "layer_norm on cpu/float64 (tmpoff: unavailable: no Acme device found; tmpa: no " \
+           "kernel; tmpb: no kernel)" in msgs[0]
+    assert "topk_indices on cpu/float32 (tmpoff: unavailable: no Acme device found; tmpb: no " \
+           "kernel; tmpa: supports() declined the call)" in msgs[0]
+    assert msgs[0].count("layer_norm") == 1 and "tmpgpu" not in msgs[0]
+    run()  # the same fallbacks again: already said in this process
+    assert len(_glm5_warnings(caplog)) == 1
+    monkeypatch.setenv("GLM5_STRICT", "1")  # inside a run, strict mode still raises
+    with pytest.raises(glm5.FallbackError, match=r"glm5\.rms_norm: .*GLM5_STRICT=1"):
+        run()
+
+
+def test_model_forward_and_generate_log_fallbacks_in_one_line(reference_only, caplog):
+    """A tiny model on a registry of the reference alone: every op of the forward falls back,
+    and the run says so in one line (not one warning per op listing every device backend)."""
+    from glm5.core.config import preset
+
+    caplog.set_level(logging.WARNING, logger="glm5")
+    torch.manual_seed(0)
+    model = glm5.GLM5ForCausalLM(preset("tiny"))
+    ids = torch.tensor([[1, 2, 3]])
+    model.generate(ids, 2)
+    msgs = _glm5_warnings(caplog)
+    assert len(msgs) == 1, msgs
+    assert msgs[0].startswith("glm5: reference fallback on cpu/float32 for: rms_norm, rope, ")
+    for op in ("attention", "silu_mul", "moe_route", "moe_experts"):
+        assert op in msgs[0]
+    assert msgs[0].count("(no backend for cpu is registered)") == 1
+    model(ids)
+    assert len(_glm5_warnings(caplog)) == 1
+
+
+def test_unknown_glm5_backend_is_an_error_naming_the_variable(sel, monkeypatch, capsys):
+    x, w, eps = _rms_inputs()
+    for value in ("nosuch", "tmpb, nosuch"):
+        monkeypatch.setenv("GLM5_BACKEND", value)
+        with pytest.raises(KeyError) as e:
+            glm5.ops.rms_norm(x, w, eps)
+        msg = str(e.value)
+        assert msg.startswith(f"glm5: GLM5_BACKEND={value!r}: unknown backend 'nosuch'; "
+                              f"known backends: ")
+        assert "tmpa" in msg and "unset it" in msg
+        assert isinstance(e.value, glm5.backends.api.UnknownBackendError)
+    assert sel.CALLS == []
+    assert cli.main(["ops"]) != 0
+    assert "GLM5_BACKEND='tmpb, nosuch'" in capsys.readouterr().err
+    assert cli.main(["backends", "--diagnose"]) == 0  # the place to find out still works
+    assert "(error: unknown backend  nosuch)" in capsys.readouterr().out
+    with glm5.use_backend("tmpb"):  # an explicit override does not read the variable
+        assert _served("rms_norm", x, w, eps) == ("tmpb", "native")
+    monkeypatch.setenv("GLM5_BACKEND", "tmpb")
+    assert _served("rms_norm", x, w, eps) == ("tmpb", "native")
 
 
 # --------------------------------------------------------------------------- (c) the example
@@ -550,6 +705,7 @@ EXAMPLE_OPS = {"rms_norm", "silu_mul", "topk_indices"}
 
 
 def test_example_plugin_in_process(example_site, plugin_dir, monkeypatch):
+    plugin_dir.enable("example")
     monkeypatch.syspath_prepend(str(example_site))
     importlib.invalidate_caches()
     glm5.reset_registry()

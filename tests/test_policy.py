@@ -3,6 +3,8 @@ policy's effect on selection (allow/deny, global and per-op order)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -36,10 +38,12 @@ def _user(tmp_path, monkeypatch, text: str):
 def test_packaged_default():
     pol = load_policy()
     assert pol.sources == (PACKAGED,)
-    assert pol.order == ("ascend", "cuda", "hygon", "cambricon", "mthreads", "cpu")
+    # The packaged file names no backend: priority alone ranks built-ins and plugins alike
+    # (see `selection.ranked`); only a user's file orders them otherwise.
+    assert pol.order == ()
     assert pol.allow == frozenset() and pol.deny == frozenset()
     assert pol.op_orders == {}
-    assert pol.disabled_plugins == frozenset()
+    assert pol.disabled_plugins == frozenset() and pol.enabled_plugins == frozenset()
     assert pol.settings_for("reference") == {"quant_scheme": "none", "collective": "gloo"}
     assert pol.settings_for("nosuch") == {}
 
@@ -86,20 +90,34 @@ compile_cache = "/tmp/acme-cache"
     assert pol.settings_for("acme") == {"quant_scheme": "w4a8", "compile_cache": "/tmp/acme-cache"}
 
 
-def test_user_file_without_selection_keeps_packaged_order(tmp_path, monkeypatch):
-    _user(tmp_path, monkeypatch, '[plugins]\ndisabled = ["cuda"]\n')
+def test_user_file_without_selection_keeps_packaged_selection(tmp_path, monkeypatch):
+    _user(tmp_path, monkeypatch, '[plugins]\ndisabled = ["cuda"]\nenabled = ["cpu", "acme"]\n')
     pol = load_policy()
-    assert pol.order[0] == "ascend" and len(pol.order) == 6
+    assert pol.order == () and pol.allow == frozenset()
     assert pol.disabled_plugins == frozenset({"cuda"})
+    assert pol.enabled_plugins == frozenset({"cpu", "acme"})
 
 
 def test_get_policy_rereads_when_glm5_plugins_changes(tmp_path, monkeypatch):
-    assert get_policy().order[0] == "ascend"
+    assert get_policy().order == ()
     _user(tmp_path, monkeypatch, '[selection]\norder = ["cpu"]\n')
     assert get_policy().order == ("cpu",)
     monkeypatch.delenv("GLM5_PLUGINS")
-    assert get_policy().order[0] == "ascend"
+    assert get_policy().order == ()
 
+
+def test_packaged_file_states_the_builtin_priorities():
+    """plugins.toml's comment tells users how built-ins rank (a plugin picks its priority by
+    it): it must say what the backends say."""
+    from importlib import resources
+
+    text = resources.files("glm5").joinpath("plugins.toml").read_text()
+    reg = glm5.get_registry()
+    builtin = sorted((b for b in reg.backends.values() if b.name != "reference"),
+                     key=lambda b: -b.priority)
+    stated = ", ".join(f"{b.name} {b.priority}" for b in builtin)
+    comments = " ".join(ln.lstrip("# ") for ln in text.splitlines() if ln.startswith("#"))
+    assert f"built-ins rank {stated}," in comments
 
 @pytest.mark.parametrize(
     ("doc", "names"),
@@ -108,6 +126,9 @@ def test_get_policy_rereads_when_glm5_plugins_changes(tmp_path, monkeypatch):
         ({"selection": {"allow": ["cpu", 3]}}, "[selection] allow"),
         ({"selection": {"deny": {"cpu": True}}}, "[selection] deny"),
         ({"plugins": {"disabled": "cuda"}}, "[plugins] disabled"),
+        ({"plugins": {"enabled": [1]}}, "[plugins] enabled"),
+        ({"plugins": ["cuda"]}, "[plugins]"),
+        ({"selection": ["cpu"]}, "[selection]"),
         ({"ops": {"rms_norm": {"order": "cpu"}}}, "[ops.rms_norm] order"),
         ({"ops": {"rms_norm": ["cpu"]}}, "[ops.rms_norm]"),
         ({"ops": ["rms_norm"]}, "[ops]"),
@@ -242,3 +263,78 @@ def test_allow_restricts_backends_and_reference_stays_the_fallback(two_backends,
     monkeypatch.setenv("GLM5_STRICT", "1")
     with pytest.raises(glm5.FallbackError, match=r"glm5\.rms_norm.*pa: denied by plugins\.toml"):
         glm5.ops.rms_norm(X, W, 1e-6)
+
+
+# --------------------------------------------------------------------------- one rule, four users
+def _third_party(name: str, priority: int, ops) -> glm5.Backend:
+    from glm5.ir.catalog import OPS
+
+    b = glm5.Backend(name, vendor="Third Party", device_type="cpu", priority=priority)
+    for op in ops:
+        b.kernel(op)(OPS[op].reference)
+    glm5.get_registry().register(b)
+    return b
+
+
+def _bench_pick(monkeypatch, capsys) -> str:
+    """The backend `glm5 bench` (no --backend) would time (the timing itself is stubbed)."""
+    from glm5 import cli
+
+    picked = []
+
+    def fake_run_bench(backend, *args, **kwargs):
+        picked.append(backend.name)
+        return {}, []
+
+    monkeypatch.setattr("glm5.testing.bench.run_bench", fake_run_bench)
+    assert cli.main(["bench", "--json"]) == 0
+    capsys.readouterr()
+    return picked[0]
+
+
+def _ops_served(capsys) -> dict[str, dict]:
+    from glm5 import cli
+
+    assert cli.main(["ops", "--json"]) == 0
+    return {r["op"]: r for r in json.loads(capsys.readouterr().out)["ops"]}
+
+
+def test_one_rule_ranks_plugins_among_builtins_for_model_ops_and_bench(tmp_path, monkeypatch,
+                                                                       capsys):
+    """glm5's built-ins and third-party plugins rank by priority alike: a plugin of priority
+    50 serves rms_norm ahead of glm5's cpu backend (10) in the model's dispatch, in `glm5 ops`
+    and as `glm5 bench`'s choice; one of priority 5 serves only what the cpu backend does not.
+    A user's plugins.toml order, or GLM5_BACKEND, decides otherwise, for all of them."""
+    from glm5.ir.catalog import OPS
+
+    reg = glm5.get_registry()
+    cpu = reg.get("cpu")
+    prims = [op.name for op in OPS.values() if not op.is_composite]
+    _third_party("hi", 50, ["rms_norm"])
+    _third_party("lo", 5, prims)
+
+    def cpu_serves(op: str, dtype_name: str) -> bool:
+        k = cpu.kernels.get(op)
+        return cpu.is_available()[0] and k is not None and k.accepts_dtype(
+            getattr(torch, dtype_name))
+
+    rows = _ops_served(capsys)
+    for op in prims:
+        r = rows[op]
+        want = "hi" if op == "rms_norm" else "cpu" if cpu_serves(op, r["dtype"]) else "lo"
+        assert r["served_by"] == want, (op, r)
+        plan = selection.resolve(OPS[op], "cpu", getattr(torch, r["dtype"]))
+        assert plan.served_by == want  # what the model's calls get
+    assert _served("rms_norm", X, W, 1e-6) == ("hi", "native")
+    assert _bench_pick(monkeypatch, capsys) == "hi"
+
+    _user(tmp_path, monkeypatch, '[selection]\norder = ["cpu"]\n')  # the user's word
+    rows = _ops_served(capsys)
+    want = "cpu" if cpu_serves("rms_norm", rows["rms_norm"]["dtype"]) else "hi"
+    assert rows["rms_norm"]["served_by"] == want
+    assert _bench_pick(monkeypatch, capsys) == ("cpu" if cpu.is_available()[0] else "hi")
+
+    monkeypatch.setenv("GLM5_BACKEND", "lo")
+    assert _ops_served(capsys)["rms_norm"]["served_by"] == "lo"
+    assert _served("rms_norm", X, W, 1e-6) == ("lo", "native")
+    assert _bench_pick(monkeypatch, capsys) == "lo"

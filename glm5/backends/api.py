@@ -56,6 +56,16 @@ class BackendError(RuntimeError):
     """A backend or plugin broke the API contract."""
 
 
+class UnknownBackendError(BackendError, KeyError):
+    """A backend name (``glm5.use_backend``, ``GLM5_BACKEND``, ``--backend``) that no loaded
+    plugin registered. The message names the known backends and, where a plugin of that name
+    was refused, failed or is disabled, why. A `KeyError` (what ``use_backend`` always raised)
+    whose text prints without KeyError's quotes."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 # --------------------------------------------------------------------------- implementation labels
 # A label names the code that served a call: "triton", "tvm", "torch:per-expert", a vendor
 # binding such as "torch_npu.npu_sparse_flash_attention", "reference", "fallback:reference".

@@ -1,5 +1,6 @@
 """plugins.toml: selection order, per-op orders, allow/deny, per-backend settings, disabled
-plugins. The packaged default is overridden key by key by the file named in GLM5_PLUGINS."""
+and enabled plugins. The packaged default is overridden key by key by the file named in
+GLM5_PLUGINS. How the orders meet backend priorities is `glm5.backends.selection.ranked`."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class Policy:
     deny: frozenset[str] = frozenset()
     op_orders: dict[str, tuple[str, ...]] = field(default_factory=dict)
     disabled_plugins: frozenset[str] = frozenset()
+    enabled_plugins: frozenset[str] = frozenset()  # non-empty: load only these (and reference)
     backend_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     sources: tuple[str, ...] = ()
 
@@ -49,15 +51,20 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _str_list(doc: dict, where: str, key: str) -> tuple[str, ...]:
+def _str_list(doc: dict, where: str, key: str, what: str = "backend names") -> tuple[str, ...]:
     v = doc.get(key, [])
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        raise PolicyError(f"plugins.toml: [{where}] {key} expected a list of backend names, got {v!r}")
+        raise PolicyError(f"plugins.toml: [{where}] {key} expected a list of {what}, got {v!r}")
     return tuple(v)
+
+
+_EP_NAMES = "plugin (entry-point) names"
 
 
 def parse(doc: dict[str, Any], sources: tuple[str, ...] = ()) -> Policy:
     sel = doc.get("selection", {})
+    if not isinstance(sel, dict):
+        raise PolicyError(f"plugins.toml: [selection] expected a table, got {sel!r}")
     ops = doc.get("ops", {})
     if not isinstance(ops, dict):
         raise PolicyError(f"plugins.toml: [ops] expected a table, got {ops!r}")
@@ -66,6 +73,9 @@ def parse(doc: dict[str, Any], sources: tuple[str, ...] = ()) -> Policy:
         if not isinstance(table, dict):
             raise PolicyError(f"plugins.toml: [ops.{name}] expected a table with 'order'")
         op_orders[name] = _str_list(table, f"ops.{name}", "order")
+    plugins = doc.get("plugins", {})
+    if not isinstance(plugins, dict):
+        raise PolicyError(f"plugins.toml: [plugins] expected a table, got {plugins!r}")
     backends = doc.get("backends", {})
     if not isinstance(backends, dict) or not all(isinstance(v, dict) for v in backends.values()):
         raise PolicyError("plugins.toml: [backends.<name>] entries expected tables of settings")
@@ -74,7 +84,8 @@ def parse(doc: dict[str, Any], sources: tuple[str, ...] = ()) -> Policy:
         allow=frozenset(_str_list(sel, "selection", "allow")),
         deny=frozenset(_str_list(sel, "selection", "deny")),
         op_orders=op_orders,
-        disabled_plugins=frozenset(_str_list(doc.get("plugins", {}), "plugins", "disabled")),
+        disabled_plugins=frozenset(_str_list(plugins, "plugins", "disabled", _EP_NAMES)),
+        enabled_plugins=frozenset(_str_list(plugins, "plugins", "enabled", _EP_NAMES)),
         backend_settings={k: dict(v) for k, v in backends.items()},
         sources=sources,
     )

@@ -2,7 +2,10 @@
 
 Every backend, built-in or third party, arrives through the same path. A plugin that fails to
 import, declares another API major version, or raises while registering is recorded with its
-reason and skipped; under ``GLM5_STRICT=1`` the error is re-raised.
+reason and skipped; under ``GLM5_STRICT=1`` the error is re-raised. A plugin that declares no
+API version is loaded (as built for this major version) with a warning on its record. Asking
+for a backend that is not loaded (`Registry.get`) says why: the plugin of that name was
+refused, failed or is disabled, or the name is unknown.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from glm5.backends.api import (
     Backend,
     BackendError,
     HookSpecs,
+    UnknownBackendError,
     strict_mode,
 )
 
 BUILTIN_REFERENCE = "glm5.backends.reference"  # the module of glm5's own reference plugin
+GLM5_DISTRIBUTION = "glm5"
 
 
 @dataclass
@@ -37,6 +42,12 @@ class PluginRecord:
     message: str = ""
     detail: str = ""  # traceback for failures
     backends: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()  # a loaded plugin's problems (e.g. no GLM5_API_VERSION)
+
+
+# How a record's status reads in a sentence: "plugin 'acme' (glm5-acme 0.1) was refused: ...".
+_STATUS_PHRASE = {"failed": "failed to load", "refused": "was refused",
+                  "disabled": "is disabled"}
 
 
 class PluginLoadError(BackendError):
@@ -85,11 +96,29 @@ class Registry:
         selection.clear_cache()
 
     def get(self, name: str) -> Backend:
+        """The backend ``name``; `UnknownBackendError` (a KeyError) saying why it is not
+        loaded (see `why_not_loaded`) otherwise."""
         try:
             return self.backends[name]
         except KeyError:
-            known = ", ".join(sorted(self.backends)) or "none"
-            raise KeyError(f"glm5: unknown backend {name!r}; known backends: {known}") from None
+            raise UnknownBackendError(f"glm5: {self.why_not_loaded(name)}") from None
+
+    def why_not_loaded(self, name: str) -> str:
+        """Why no backend ``name`` is registered, in one sentence: the plugin of that
+        entry-point name was refused / failed / is disabled (with its reason), else the name is
+        unknown, followed by the known backends and every plugin that is not loaded (its
+        backends' names are unknown until its hook runs, so any of them may be the one)."""
+        known = ", ".join(sorted(self.backends)) or "none"
+        rec = self.plugins.get(name)
+        if rec is not None and rec.status in _STATUS_PHRASE:
+            return (f"backend {name!r} is not loaded: plugin {name!r} ({rec.source}) "
+                    f"{_STATUS_PHRASE[rec.status]}: {rec.message}; known backends: {known}")
+        msg = f"unknown backend {name!r}; known backends: {known}"
+        others = [p for p in self.plugins.values() if p.status in ("failed", "refused")]
+        if others:
+            msg += "; plugins not loaded: " + "; ".join(
+                f"{p.name} ({p.source}) {_STATUS_PHRASE[p.status]}: {p.message}" for p in others)
+        return msg
 
     def errors(self) -> list[PluginRecord]:
         return [p for p in self.plugins.values() if p.status in ("failed", "refused")]
@@ -98,11 +127,15 @@ class Registry:
     def load_plugin(self, name: str, obj: Any, source: str, pm: pluggy.PluginManager) -> None:
         """Check the API version of ``obj``, register it with pluggy and call its hook."""
         declared = getattr(obj, "GLM5_API_VERSION", None)
+        warnings: list[str] = []
         if declared is None:
-            raise _Refused(
-                f"plugin does not declare GLM5_API_VERSION (this glm5 speaks API {API_VERSION})"
-            )
-        if _major(declared) != _major(API_VERSION):
+            # Loaded as built for this major version: refusing it would break every plugin
+            # written before the declaration existed; the warning tells its author what to add.
+            warnings.append(
+                f"plugin declares no GLM5_API_VERSION; loaded as built for glm5 plugin API "
+                f"{_major(API_VERSION)}.x (this glm5 speaks API {API_VERSION}): add "
+                f"GLM5_API_VERSION = \"{API_VERSION}\" to the plugin object")
+        elif _major(declared) != _major(API_VERSION):
             raise _Refused(
                 f"plugin was built for glm5 plugin API {declared}, this glm5 speaks API "
                 f"{API_VERSION} (major versions differ)"
@@ -126,10 +159,15 @@ class Registry:
             self._current_source = ""
             self._builtin = False
         self.plugins[name] = PluginRecord(
-            name, source, "loaded", backends=tuple(self._current_backends)
+            name, source, "loaded", backends=tuple(self._current_backends),
+            warnings=tuple(warnings),
         )
 
-    def discover(self, disabled: set[str] | frozenset[str] = frozenset()) -> None:
+    def discover(self, disabled: set[str] | frozenset[str] = frozenset(),
+                 enabled: set[str] | frozenset[str] = frozenset()) -> None:
+        """Load every entry point of group ``glm5.backends``: ``disabled`` names are not
+        imported; a non-empty ``enabled`` loads only the names it lists (glm5's reference
+        plugin always loads: it is the oracle)."""
         pm = pluggy.PluginManager(PROJECT)
         pm.add_hookspecs(HookSpecs)
         # glm5's own oracle first, so no plugin can take its place; then by name.
@@ -150,6 +188,11 @@ class Registry:
             if ep.name in disabled:
                 self.plugins[ep.name] = PluginRecord(ep.name, source, "disabled",
                                                      "disabled in plugins.toml")
+                continue
+            if enabled and ep.name not in enabled and ep.value != BUILTIN_REFERENCE:
+                self.plugins[ep.name] = PluginRecord(
+                    ep.name, source, "disabled",
+                    "not in the [plugins] enabled list of plugins.toml")
                 continue
             try:
                 obj = ep.load()
@@ -180,6 +223,19 @@ class _Refused(Exception):
     pass
 
 
+def builtin_plugin_names() -> tuple[str, ...]:
+    """The entry-point names glm5's own distribution declares (``reference``, ``cpu``,
+    ``cuda``, ...), sorted: what ``[plugins] enabled`` lists to run with glm5's backends only
+    (e.g. to check whether a third-party plugin causes a problem; glm5's own tests do)."""
+    names = set()
+    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(ep, "dist", None)
+        ours = dist is None or (dist.name or "").lower() == GLM5_DISTRIBUTION
+        if ours and ep.value.startswith("glm5.backends."):
+            names.add(ep.name)
+    return tuple(sorted(names))
+
+
 _lock = threading.Lock()
 _registry: Registry | None = None
 
@@ -192,8 +248,9 @@ def get_registry() -> Registry:
             if _registry is None:
                 from glm5.backends.policy import get_policy
 
+                pol = get_policy()
                 reg = Registry()
-                reg.discover(frozenset(get_policy().disabled_plugins))
+                reg.discover(pol.disabled_plugins, pol.enabled_plugins)
                 _registry = reg
     return _registry
 

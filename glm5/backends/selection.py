@@ -1,19 +1,29 @@
 """Kernel selection per (op, device type, dtype): override, then plugins.toml policy, then
-priority; `dtypes`/`supports` that decline pass the call on; composite ops decompose; the
-reference is the explicit, logged last resort (an error under GLM5_STRICT=1)."""
+priority (`ranked`, the one rule that model dispatch, `glm5 ops`, `glm5 bench` and
+`glm5 parity` share); `dtypes`/`supports` that decline pass the call on; composite ops
+decompose; the reference is the explicit last resort, an error under GLM5_STRICT=1 and
+otherwise logged once: in one line per model run (`model_run`), else one line per op."""
 
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
 from glm5.backends import api
-from glm5.backends.api import REFERENCE, STRICT_ENV, Backend, KernelEntry, strict_mode
+from glm5.backends.api import (
+    REFERENCE,
+    STRICT_ENV,
+    Backend,
+    KernelEntry,
+    UnknownBackendError,
+    strict_mode,
+)
 from glm5.ir.opdef import OpDef
 
 log = logging.getLogger("glm5")
@@ -54,12 +64,35 @@ class use_backend:
         _override.reset(self._token)
 
 
+BACKEND_ENV = "GLM5_BACKEND"
+
+
 def current_override() -> tuple[str, ...]:
+    """The backend names preferred in this context: `use_backend`'s, else ``GLM5_BACKEND``'s
+    (comma-separated), else ()."""
     o = _override.get()
     if o:
         return o
-    env = os.environ.get("GLM5_BACKEND", "").strip()
+    env = os.environ.get(BACKEND_ENV, "").strip()
     return tuple(n.strip() for n in env.split(",") if n.strip()) if env else ()
+
+
+def check_override() -> tuple[str, ...]:
+    """`current_override`, with every name known to the registry: a ``GLM5_BACKEND`` naming a
+    backend that is not loaded raises `UnknownBackendError` naming the variable, the value and
+    the known backends (`use_backend` checks its names when called)."""
+    names = current_override()
+    if names and not _override.get():
+        from glm5.backends.registry import get_registry
+
+        reg = get_registry()
+        bad = [n for n in names if n not in reg.backends]
+        if bad:
+            value = os.environ.get(BACKEND_ENV, "")
+            raise UnknownBackendError(
+                f"glm5: {BACKEND_ENV}={value!r}: {reg.why_not_loaded(bad[0])} (set "
+                f"{BACKEND_ENV} to known backend names, comma-separated, or unset it)")
+    return names
 
 
 @dataclass
@@ -99,14 +132,32 @@ def clear_cache() -> None:
     _fallback_logged.clear()
 
 
-def _ordered_backends(op: str, override: tuple[str, ...]) -> tuple[list[Backend], set[str]]:
+def ranked(op: str | None = None, override: tuple[str, ...] | None = None
+           ) -> tuple[list[Backend], set[str]]:
+    """THE selection rule: every registered backend in the order it is offered a call of
+    ``op`` (None: any op), and the names chosen explicitly (the reference is a candidate only
+    when one of these names it).
+
+    1. the override (``override``; default: `use_backend`'s, else ``GLM5_BACKEND``'s names);
+    2. the names plugins.toml gives: ``[ops.<op>] order``, then ``[selection] order`` (the
+       packaged file gives none; a user's ``GLM5_PLUGINS`` file may);
+    3. every other backend by ``priority``, highest first, then by name: glm5's built-ins and
+       third-party plugins alike, so a plugin with a higher priority than a built-in goes
+       ahead of it.
+
+    Model dispatch (`resolve`), ``glm5 ops`` and ``glm5 bench`` (`preferred_backend`) order
+    backends with this function; ``glm5 parity`` checks the kernels of the backend it is
+    given directly, and any ``glm5.ops`` call inside them is dispatched by this rule."""
     from glm5.backends.policy import get_policy
     from glm5.backends.registry import get_registry
 
+    if override is None:
+        override = check_override()
     reg = get_registry()
     pol = get_policy()
+    op_order = pol.op_orders.get(op, ()) if op is not None else ()
     names: list[str] = []
-    for n in (*override, *pol.op_orders.get(op, ()), *pol.order):
+    for n in (*override, *op_order, *pol.order):
         if n in reg.backends and n not in names:
             names.append(n)
     rest = sorted(
@@ -114,8 +165,23 @@ def _ordered_backends(op: str, override: tuple[str, ...]) -> tuple[list[Backend]
         key=lambda b: (-b.priority, b.name),
     )
     names += [b.name for b in rest]
-    explicit = set(override) | set(pol.op_orders.get(op, ()))
+    explicit = set(override) | set(op_order)
     return [reg.backends[n] for n in names], explicit
+
+
+def preferred_backend(device_type: str) -> Backend | None:
+    """The backend the selection rule (`ranked`, no particular op) offers calls on
+    ``device_type`` first among those that are available and allowed by plugins.toml; None
+    when only the reference is left. What ``glm5 bench`` times without ``--backend``."""
+    from glm5.backends.policy import get_policy
+
+    pol = get_policy()
+    ordered, _ = ranked()
+    for b in ordered:
+        if (b.name != REFERENCE and pol.allowed(b.name) and b.serves_device(device_type)
+                and b.is_available()[0]):
+            return b
+    return None
 
 
 def resolve(op: OpDef, device_type: str, dtype: torch.dtype | None) -> Plan:
@@ -129,7 +195,7 @@ def resolve(op: OpDef, device_type: str, dtype: torch.dtype | None) -> Plan:
     from glm5.backends.registry import get_registry
 
     pol = get_policy()
-    ordered, explicit = _ordered_backends(op.name, override)
+    ordered, explicit = ranked(op.name, check_override())
     cands: list[KernelEntry] = []
     declined: list[tuple[str, str]] = []
     explicit_ref = REFERENCE in explicit
@@ -165,24 +231,110 @@ def _decline_reason(b: Backend, op: str, device_type: str, dtype, allowed: bool)
     return ""
 
 
+# Reference fallbacks of the model run open in this context (see `model_run`):
+# (op, device type, dtype name) -> short reason, in the order they happened.
+_run: contextvars.ContextVar[dict[tuple[str, str, str], str] | None] = contextvars.ContextVar(
+    "glm5_model_run", default=None)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class _ModelRun:
+    """One model run (see `model_run`). Only the outermost run in a context collects and
+    logs: a forward inside ``generate`` is part of generate's run."""
+
+    def __init__(self) -> None:
+        self._token: contextvars.Token | None = None
+        self._fallbacks: dict[tuple[str, str, str], str] = {}
+
+    def __enter__(self) -> "_ModelRun":
+        if _run.get() is None:
+            self._fallbacks = {}
+            self._token = _run.set(self._fallbacks)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._token is None:
+            return
+        _run.reset(self._token)
+        self._token = None
+        new = {k: r for k, r in self._fallbacks.items() if k not in _fallback_logged}
+        if new:
+            _fallback_logged.update(new)
+            log.warning("%s", fallback_line(new))
+
+
+def model_run(fn: _F | None = None) -> Any:
+    """Mark a model run (a forward, a generate call): the reference fallbacks inside it are
+    logged when the outermost run ends, in ONE warning line on the ``glm5`` logger naming each
+    op with the reason of the backends for its device (``glm5 ops`` shows every candidate's);
+    an op is named once per process. Under GLM5_STRICT=1 a fallback raises as always.
+
+    ``with model_run(): ...`` or, as a decorator, ``@model_run`` (a new run per call).
+    Costs one context-variable read and set per run."""
+    if fn is None:
+        return _ModelRun()
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced: no kernel runs, nothing to log
+            return fn(*args, **kwargs)
+        with _ModelRun():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _short_reason(plan: Plan, tried: list[str]) -> str:
+    """Why the backends for the call's device declined (those for other devices are noise
+    here: ``glm5 ops`` lists them)."""
+    from glm5.backends.registry import get_registry
+
+    backends = get_registry().backends
+    parts = [f"{n}: {r}" for n, r in plan.declined
+             if n in backends and n != REFERENCE and backends[n].serves_device(plan.device_type)]
+    parts += [f"{n}: supports() declined the call" for n in tried]
+    return "; ".join(parts) or f"no backend for {plan.device_type} is registered"
+
+
+def fallback_line(fallbacks: dict[tuple[str, str, str], str]) -> str:
+    """The one log line for reference fallbacks {(op, device type, dtype name): reason}: ops
+    with the same reason share it ("rms_norm, rope (cpu: no kernel)"), in first-seen order."""
+    where = {(d, t) for _, d, t in fallbacks}
+    one_place = len(where) == 1
+    groups: dict[str, list[str]] = {}
+    for (op, d, t), reason in fallbacks.items():
+        groups.setdefault(reason, []).append(op if one_place else f"{op} on {d}/{t}")
+    items = ", ".join(f"{', '.join(ops)} ({reason})" for reason, ops in groups.items())
+    if one_place:
+        d, t = next(iter(where))
+        head = f"glm5: reference fallback on {d}/{t} for: {items}"
+    else:
+        head = f"glm5: reference fallback for: {items}"
+    return head + " (`glm5 ops` shows every backend's reason; GLM5_STRICT=1 makes it an error)"
+
+
 def _fallback(plan: Plan, tried: list[str]) -> KernelEntry:
-    strict = strict_mode()
-    key = (plan.op.name, plan.device_type, plan.dtype)
-    if strict or key not in _fallback_logged or plan.reference is None:
+    dt = str(plan.dtype).replace("torch.", "")
+    if strict_mode():
         why = "; ".join(f"{n}: {r}" for n, r in plan.declined) or "no other backend registered"
         if tried:
             why += "; declined by supports(): " + ", ".join(tried)
-        dt = str(plan.dtype).replace("torch.", "")
-        if strict:
-            raise FallbackError(
-                f"glm5.{plan.op.name}: no backend serves it on {plan.device_type} for {dt} "
-                f"({why}); falling back to the reference is an error under GLM5_STRICT=1"
-            )
-        if plan.reference is None:
-            raise FallbackError(f"glm5.{plan.op.name}: no reference backend is registered")
-        _fallback_logged.add(key)
-        log.warning("glm5.%s on %s/%s falls back to the reference (%s)",
-                    plan.op.name, plan.device_type, dt, why)
+        raise FallbackError(
+            f"glm5.{plan.op.name}: no backend serves it on {plan.device_type} for {dt} "
+            f"({why}); falling back to the reference is an error under GLM5_STRICT=1"
+        )
+    if plan.reference is None:
+        raise FallbackError(f"glm5.{plan.op.name}: no reference backend is registered")
+    key = (plan.op.name, plan.device_type, dt)
+    if key not in _fallback_logged:
+        run = _run.get()
+        if run is not None:
+            if key not in run:
+                run[key] = _short_reason(plan, tried)
+        else:
+            _fallback_logged.add(key)
+            log.warning("%s", fallback_line({key: _short_reason(plan, tried)}))
     return plan.reference
 
 

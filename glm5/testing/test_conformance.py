@@ -17,11 +17,11 @@ from glm5.testing.compare import check_example  # noqa: E402
 
 
 def _params(config: pytest.Config) -> list:
-    import glm5
+    from glm5.testing.pytest_plugin import kit_backend, kit_ops
 
-    name = config.getoption("--glm5-backend")
-    backend = glm5.get_registry().get(name)
-    only = [o for o in config.getoption("--glm5-ops").split(",") if o]
+    backend = kit_backend(config)  # checked at session start too (a one-line usage error)
+    name = backend.name
+    only = kit_ops(config)
     out = []
     for op_name, entry in backend.kernels.items():
         if only and op_name not in only:
