@@ -101,6 +101,8 @@ class GLM5ForCausalLM(nn.Module):
         return Step(cos, sin, slots, ks, ke, used, cache.max_len), rows
 
     # ------------------------------------------------------------------ forward
+    # A run (ops.model_run): the reference fallbacks of one call are logged in one line.
+    @ops.model_run
     def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Final hidden states before the last norm: [B, T, D]. Appends to ``cache``."""
         if input_ids.dim() != 2:
@@ -139,6 +141,7 @@ class GLM5ForCausalLM(nn.Module):
         save_pretrained(self, path, max_shard_bytes)
 
     # ------------------------------------------------------------------ MTP
+    @ops.model_run
     def mtp_logits(self, hidden: torch.Tensor, next_ids: torch.Tensor,
                    cache: KVCache | None = None, depth: int = 0) -> torch.Tensor:
         """Logits of the MTP layer ``depth``: ``hidden`` [B, T, D] are the main model's final
@@ -214,6 +217,7 @@ class GLM5ForCausalLM(nn.Module):
         return torch.cat((input_ids, torch.stack(out[:max_new_tokens], 1)), 1)
 
     @torch.no_grad()
+    @ops.model_run
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, use_mtp: bool = False) -> torch.Tensor:
