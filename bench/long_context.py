@@ -14,7 +14,7 @@ grows; the indexer is O(L) per token by design) — the least of the passes' spa
 totals (`op_seconds_min`; `op_seconds` is the fastest pass's). transformers is skipped where
 its [H, L, L] attention weights would not fit in memory. Logits: after its timed passes,
 transformers runs once more with its indexer's top-k ties broken to the smaller index
-(OPS.md's rule; `tests/hf_oracle.install_deterministic_indexer_topk`) — random weights produce
+(docs/ops.md's rule; `tests/hf_oracle.install_deterministic_indexer_topk`) — random weights produce
 exact score ties, which torch.topk orders arbitrarily — and glm5's logits are compared with
 those, position by position.
 """
@@ -72,7 +72,7 @@ for i in range(int(sys.argv[4])):
 best = min(range(len(runs)), key=runs.__getitem__)
 if which == "transformers":
     # One more (untimed) pass with the indexer's top-k ties broken to the smaller index, as
-    # glm5 does (OPS.md), so the logits can be compared: torch.topk leaves tie order open.
+    # glm5 does (docs/ops.md), so the logits can be compared: torch.topk leaves tie order open.
     sys.path.insert(0, sys.argv[6])
     from hf_oracle import install_deterministic_indexer_topk
     install_deterministic_indexer_topk()

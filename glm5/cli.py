@@ -420,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     qz = sub.add_parser("quantize", help="quantize a transformers-format checkpoint (or convert "
                         "an msModelSlim one) into glm5's canonical quantized format")
     qz.add_argument("--scheme", choices=("w8a16", "w8a8", "w4a8", "w6a12"),
-                    help="quantization scheme (OPS.md); required unless --from msmodelslim")
+                    help="quantization scheme (docs/ops.md); required unless --from msmodelslim")
     qz.add_argument("--from", dest="from_format", choices=("transformers", "msmodelslim"),
                     default="transformers", help="SRC format (default transformers)")
     qz.add_argument("--clamp-int8", action="store_true",

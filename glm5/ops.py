@@ -61,7 +61,8 @@ def _make(op: OpDef) -> Callable[..., Any]:
     fn.__name__ = fn.__qualname__ = op.name
     sig = ", ".join(p.name for p in op.params)
     outs = ", ".join(o.name for o in op.outputs)
-    fn.__doc__ = f"glm5.ops.{op.name}({sig}) -> {outs}\n\n{op.summary}\n(see OPS.md)"
+    fn.__doc__ = (f"glm5.ops.{op.name}({sig}) -> {outs}\n\n{op.summary}\n"
+                  f"(contract: docs/ops.md#{op.name})")
     return fn
 
 

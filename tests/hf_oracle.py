@@ -52,14 +52,14 @@ def randomize(model, seed: int = 0, std: float = 0.1):
 
 
 def _stable_topk(self, k, dim=-1, largest=True, sorted=True):
-    """torch.topk with ties to the smaller index (OPS.md's rule) via a stable sort."""
+    """torch.topk with ties to the smaller index (docs/ops.md's rule) via a stable sort."""
     vals, idx = torch.sort(self, dim=dim, descending=largest, stable=True)
     return torch.return_types.topk((vals.narrow(dim, 0, k), idx.narrow(dim, 0, k)))
 
 
 def install_deterministic_indexer_topk() -> None:
     """Make transformers' DSA indexer break exact score ties to the smaller index, as glm5 does
-    (OPS.md). Its own `torch.topk` leaves tie order unspecified, and random-weight models have
+    (docs/ops.md). Its own `torch.topk` leaves tie order unspecified, and random-weight models have
     exact ties (ReLU zeros under negative head weights), so without this the two models select
     different — equally valid — token sets. Only the indexer's top-k changes."""
     import transformers.models.glm_moe_dsa.modeling_glm_moe_dsa as M

@@ -622,7 +622,7 @@ mutant("moe_experts_w13_up_gate_swapped", "moe_experts",
 
 
 # =========================================================================== quantization
-# (weight bits, activation bits or None, grouped by 128) -- the schemes of OPS.md.
+# (weight bits, activation bits or None, grouped by 128) -- the schemes of docs/ops.md.
 SCHEMES = {"w8a16": (8, None, False), "w8a8": (8, 8, False), "w4a8": (4, 8, True),
            "w6a12": (6, 12, True)}
 GROUP = 128
@@ -634,7 +634,7 @@ def quantize_per_token_k(x, bits, *, qmax8=127, reciprocal=False, half_away=Fals
     amax = xf.abs().amax(-1, keepdim=True)
     s = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
     quot = xf * (1.0 / s) if reciprocal else xf / s
-    # round half away from zero (C's round()) instead of OPS.md's half to even
+    # round half away from zero (C's round()) instead of docs/ops.md's half to even
     q = (torch.sign(quot) * torch.floor(quot.abs() + 0.5) if half_away else torch.round(quot))
     q = q.clamp(-qmax, qmax)
     q = q.to(torch.int32).to(torch.int8 if bits == 8 else torch.int16)

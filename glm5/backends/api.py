@@ -47,7 +47,7 @@ def strict_mode() -> bool:
     """``GLM5_STRICT`` is set (1/true/yes/on): a broken plugin or a reference fallback raises."""
     return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
-# Ops whose weights come in a canonical packed format (OPS.md) that a backend may repack once at
+# Ops whose weights come in a canonical packed format (docs/ops.md) that a backend may repack once at
 # load time (`@backend.repack`).
 REPACK_OPS = ("quant_linear", "moe_experts_quant")
 
@@ -252,7 +252,7 @@ class Backend:
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator: register ``fn`` as this backend's kernel for ``op``.
 
-        The kernel takes the op's arguments exactly as OPS.md lists them (positionally) and
+        The kernel takes the op's arguments exactly as docs/ops.md lists them (positionally) and
         returns what the op's reference returns. ``impl`` labels its implementation ("triton",
         "tvm", "torch", "torch_npu.npu_lightning_indexer", ...); None derives it from ``fn``
         (`default_impl`). A kernel that chooses among implementations per call reports the

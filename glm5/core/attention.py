@@ -139,7 +139,7 @@ class Attention(nn.Module):
     def _prolog_quant(self, x: torch.Tensor, w_uk: torch.Tensor, st: Step,
                       latent: torch.Tensor, absorb: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """mla_prolog by its OPS.md decomposition with quantized projections (quant_linear for
+        """mla_prolog by its docs/ops.md decomposition with quantized projections (quant_linear for
         q_a / q_b / kv_a): same outputs, same in-place cache write at ``st.slots``."""
         c = self.cfg
         H, Dn, R = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank

@@ -39,7 +39,7 @@ def linear(d_in: int, d_out: int, bias: bool = False) -> nn.Linear:
 
 
 class QuantLinear(nn.Module):
-    """A linear layer whose weight is held in a canonical quantized scheme (OPS.md).
+    """A linear layer whose weight is held in a canonical quantized scheme (docs/ops.md).
 
     Buffers (names as in a glm5-quantized checkpoint): ``weight_packed`` [N, P] int8/uint8
     (the scheme's packed codes), ``weight_scale`` fp32 [N] or [N, ceil(K/128)], optional

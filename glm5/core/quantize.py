@@ -5,7 +5,7 @@ Output format (a directory, `format_version` 1; see docs/quantization.md):
 - `config.json`: the source config plus `quantization_config = {"quant_method": "glm5",
   "scheme": ..., "format_version": 1}`;
 - safetensors (single file, or shards with `model.safetensors.index.json`): each quantized
-  `X.weight` [N, K] is replaced by `X.weight_packed` (the scheme's canonical packed codes, OPS.md)
+  `X.weight` [N, K] is replaced by `X.weight_packed` (the scheme's canonical packed codes, docs/ops.md)
   and `X.weight_scale` (fp32 [N] or [N, ceil(K/128)]); per-expert tensors are quantized per
   expert (their own scales). Kept tensors are copied unchanged;
 - `quant_description.json`: `{"quant_method": "glm5", "format_version": 1, "scheme": ...,

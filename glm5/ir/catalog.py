@@ -1,4 +1,4 @@
-"""The op catalog: every OpDef of OPS.md, by name, in OPS.md order."""
+"""The op catalog: every OpDef, by name, in the order of docs/ops.md."""
 
 from __future__ import annotations
 

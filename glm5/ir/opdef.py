@@ -33,7 +33,7 @@ def has_data(t: torch.Tensor) -> bool:
 
 @dataclass
 class OpDef:
-    """One op of OPS.md.
+    """One op of the contract (docs/ops.md).
 
     ``reference(**args)`` is plain torch, dtype-generic, and runs in float64. ``cost(args, syms)``
     returns ``(flops, bytes)``. ``check(args, syms)`` adds op-specific validation beyond the

@@ -1,4 +1,4 @@
-"""Canonical quantization formats of OPS.md: schemes, weight quantization, int4/int6 packing.
+"""Canonical quantization formats (docs/ops.md): schemes, weight quantization, int4/int6 packing.
 
 All quantization arithmetic is fp32 (scales are fp32 by definition, the quotient ``x / s`` is
 taken in fp32 and rounded half-to-even), so the float64 oracle and an fp32 kernel produce the

@@ -2,7 +2,7 @@
 
 It registers one backend, ``example`` (vendor "Example Corp", device type ``cpu``, priority 10),
 with plain-torch kernels for ``rms_norm``, ``silu_mul`` and ``topk_indices``. Each kernel takes
-the op's arguments positionally, exactly as OPS.md lists them, and returns what OPS.md says
+the op's arguments positionally, exactly as docs/ops.md lists them, and returns what docs/ops.md says
 (same shapes, output dtypes, -1 conventions). See docs/plugins.md in the glm5 repository.
 """
 

@@ -214,7 +214,7 @@ def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None,
 
     Tie order: the op pages do not state one; the CANN golden
     (``tests/pytest/lightning_indexer_golden.py``) sorts stably, ties to the smaller position,
-    and so does this emulator (it is also what glm5's OPS.md requires).
+    and so does this emulator (it is also what glm5's docs/ops.md requires).
     """
     op = "npu_lightning_indexer"
     _req(layout_query in ("BSND", "TND"), op, "layout_query", "'BSND' or 'TND'", layout_query)

@@ -1,6 +1,6 @@
 """Bindings of glm5 ops onto torch_npu's fused ops (the ascend backend's vendor kernels).
 
-Each binding takes the glm5 op's arguments exactly as OPS.md lists them, converts layouts to the
+Each binding takes the glm5 op's arguments exactly as docs/ops.md lists them, converts layouts to the
 vendor op's contract (TND / PA_BSND / block tables / prefix-sum sequence lengths / transposed
 weights), calls the vendor op through ``npu()`` and converts the result back. Its ``supports``
 predicate declines the calls the vendor op cannot express (head dims, head counts, dtypes, quant
@@ -204,7 +204,7 @@ def make_sparse_attention(npu: Callable[[], Any]) -> Callable[..., tuple[torch.T
         because the torch_npu page returns softmax_max/softmax_sum only when layout_kv is not
         PA_BSND. glm5 allows -1 anywhere in a row; the op wants valid entries first, so each row
         is compacted stably. ``lse = softmax_max + log(softmax_sum)`` (natural log of the scaled
-        scores). Rows with no valid index get out 0 and lse -inf (OPS.md; the vendor pages do
+        scores). Rows with no valid index get out 0 and lse -inf (docs/ops.md; the vendor pages do
         not define that case). To confirm on A2/A3: the torch_npu page calls the lse outputs
         "supported only during training when layout_kv is not PA_BSND" (docs/vendors.md).
         """
@@ -269,7 +269,7 @@ def make_mla_prolog(npu: Callable[[], Any]) -> Callable[..., tuple[torch.Tensor,
         and kr rows come back half-split and are re-interleaved to glm5's layout. glm5's
         kv_cache [N, 512+64] is not the op's split PA_BSND pair, so the op writes token t into
         row t of scratch kv/kr caches (16-token blocks, cache_index = arange(T)) and the binding
-        copies rows with slot >= 0 into kv_cache[slot] (slot -1 skipped, as OPS.md says).
+        copies rows with slot >= 0 into kv_cache[slot] (slot -1 skipped, as docs/ops.md says).
         """
         T = x.shape[0]
         dev = x.device
@@ -316,7 +316,7 @@ def make_quant_linear(npu: Callable[[], Any]) -> Callable[..., torch.Tensor]:
         as vllm-ascend's w8a16 method stores it; a bf16/fp16 rounding of the fp32 scale). w8a8:
         ``npu_dynamic_quant(x)`` (per-token, amax/127) then ``npu_quant_matmul(x_q, w_packedᵀ,
         scale=w_scale [N] fp32, pertoken_scale=s_x, output_dtype=x.dtype)``: exact int8 sums
-        times both scales, as OPS.md defines. bias is passed to the vendor op in fp32 (exact).
+        times both scales, as docs/ops.md defines. bias is passed to the vendor op in fp32 (exact).
         """
         sc = SCHEMES[scheme]
         w = w_packed.contiguous().t()  # [K, N]: both ops accept the transpose of contiguous

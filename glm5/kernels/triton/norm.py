@@ -2,7 +2,7 @@
 
 One tile per row (or per block of rows for rope), fp32 math, output in the input's dtype; the
 tuning entry's grid policy maps tiles to programs (glm5.kernels.triton._grid).
-Launchers take the op's arguments as OPS.md lists them and return what the reference returns.
+Launchers take the op's arguments as docs/ops.md lists them and return what the reference returns.
 The @triton.jit kernels live in ``_norm_kernels`` and are imported on first call.
 """
 

@@ -1,4 +1,4 @@
-"""Triton quant_linear for the canonical schemes w8a16, w8a8, w4a8 and w6a12 (OPS.md).
+"""Triton quant_linear for the canonical schemes w8a16, w8a8, w4a8 and w6a12 (docs/ops.md).
 
 Activation schemes run two kernels: per-token dynamic quantization (codes int8 / int16 and an
 fp32 scale per row, bit for bit ``quantize_per_token_ref``), then a tiled GEMM that unpacks the

@@ -1,4 +1,4 @@
-"""TVM (llvm, host CPU) kernels for `rms_norm`, `rope` and `silu_mul` (OPS.md, normalisation).
+"""TVM (llvm, host CPU) kernels for `rms_norm`, `rope` and `silu_mul` (docs/ops.md, normalisation).
 
 Loop-level TensorIR, one work item per row (``T.parallel``), fp32 math in registers:
 

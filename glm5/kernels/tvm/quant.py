@@ -1,4 +1,4 @@
-"""`quant_linear` (all four schemes of OPS.md) and `moe_experts_quant` for the cpu backend.
+"""`quant_linear` (all four schemes of docs/ops.md) and `moe_experts_quant` for the cpu backend.
 
 One TVM kernel per scheme reads the canonical packed weight ``w[N, P]`` directly (no repacking,
 no dequantized copy) and unpacks in registers:

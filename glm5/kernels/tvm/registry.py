@@ -1,6 +1,6 @@
 """The TVM kernels the cpu backend serves: (op, fn, dtypes, supports) rows.
 
-`fn` takes the op's arguments exactly as OPS.md lists them; `context` is a callable returning
+`fn` takes the op's arguments exactly as docs/ops.md lists them; `context` is a callable returning
 the backend's TVMContext (resolved lazily, so nothing imports tvm before a kernel runs).
 """
 

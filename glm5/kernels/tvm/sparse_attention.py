@@ -1,4 +1,4 @@
-"""TVM (llvm, host CPU) kernels for `sparse_attention` and `attention` (OPS.md, DSA section).
+"""TVM (llvm, host CPU) kernels for `sparse_attention` and `attention` (docs/ops.md, DSA section).
 
 One hand-scheduled TensorIR generator serves both ops (loop-level TIR: ``T.parallel``,
 ``T.vectorized``, ``T.unroll`` and register-scoped ``local`` tiles are written into the loops
