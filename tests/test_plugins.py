@@ -649,8 +649,14 @@ def test_model_forward_and_generate_log_fallbacks_in_one_line(reference_only, ca
     for op in ("attention", "silu_mul", "moe_route", "moe_experts"):
         assert op in msgs[0]
     assert msgs[0].count("(no backend for cpu is registered)") == 1
-    model(ids)
+    with torch.no_grad():
+        model(ids)  # a forward is a run too: nothing new to say
     assert len(_glm5_warnings(caplog)) == 1
+    selection.clear_cache()  # forget what was said: a lone forward says it in one line
+    with torch.no_grad():
+        model(ids)
+    msgs = _glm5_warnings(caplog)
+    assert len(msgs) == 2 and msgs[1] == msgs[0]
 
 
 def test_unknown_glm5_backend_is_an_error_naming_the_variable(sel, monkeypatch, capsys):
