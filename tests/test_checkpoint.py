@@ -123,3 +123,149 @@ def test_generate_sampling_is_seeded():
     assert a.shape == (2, 9) and torch.equal(a, b)
     with pytest.raises(ValueError, match="top_p"):
         m.generate(ids, 2, top_p=0.0)
+
+
+# --------------------------------------------------------------------------- atomic saving
+def _tiny(seed: int) -> GLM5ForCausalLM:
+    return randomize(GLM5ForCausalLM(preset("tiny")), seed).eval()
+
+
+def _tree(path) -> dict[str, bytes]:
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*"))
+            if f.is_file()}
+
+
+def _same_weights(a: GLM5ForCausalLM, b: GLM5ForCausalLM) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_save_over_a_sharded_save_replaces_it_whole(tmp_path):
+    """Defect 2: a single-file save into a directory holding a sharded save left the old shards
+    and index, and load_model returned the OLD weights."""
+    old, new = _tiny(0), _tiny(1)
+    d = tmp_path / "ck"
+    old.save_pretrained(d, max_shard_bytes=64 * 1024)
+    assert len(list(d.glob("model-*-of-*.safetensors"))) > 1
+    (d / "tokenizer.json").write_text("{}")  # not part of the checkpoint: kept
+    new.save_pretrained(d, overwrite=True)
+    assert sorted(f.name for f in d.iterdir()) == ["config.json", "model.safetensors",
+                                                   "tokenizer.json"]
+    assert _same_weights(glm5.load_model(d), new)
+    assert (d / "tokenizer.json").read_text() == "{}"
+    assert [f.name for f in tmp_path.iterdir()] == ["ck"]  # no temporary directory left
+
+
+def test_save_refuses_an_existing_checkpoint_unless_overwrite(tmp_path):
+    from glm5.core.output import OutputExistsError
+
+    d = tmp_path / "ck"
+    _tiny(0).save_pretrained(d)
+    before = _tree(d)
+    with pytest.raises(OutputExistsError, match=r"ck already holds a checkpoint .*overwrite=True"):
+        _tiny(1).save_pretrained(d)
+    assert _tree(d) == before
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="is a file, expected a directory"):
+        _tiny(1).save_pretrained(tmp_path / "f")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _tiny(1).save_pretrained(empty)  # an empty directory holds nothing to overwrite
+    assert (empty / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_failed_save_leaves_the_target_as_it_was(tmp_path, monkeypatch, exchange):
+    """A save that fails half-way (here: at the second shard) loses nothing: the earlier save is
+    intact and loadable, and no temporary directory or new parent directory is left."""
+    import safetensors.torch
+
+    from glm5.core import output
+
+    if not exchange:  # the portable path (no renameat2): still whole, never mixed
+        monkeypatch.setattr(output, "_exchange", lambda a, b: False)
+    old = _tiny(0)
+    d = tmp_path / "ck"
+    old.save_pretrained(d, max_shard_bytes=64 * 1024)
+    before = _tree(d)
+    real, calls = safetensors.torch.save_file, []
+
+    def failing(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    with pytest.raises(OSError, match="No space left"):
+        _tiny(1).save_pretrained(d, max_shard_bytes=64 * 1024, overwrite=True)
+    assert _tree(d) == before and _same_weights(glm5.load_model(d), old)
+    calls.clear()
+    with pytest.raises(OSError, match="No space left"):
+        _tiny(1).save_pretrained(tmp_path / "new" / "deeper" / "ck", max_shard_bytes=64 * 1024)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["ck"]
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    _tiny(1).save_pretrained(d, overwrite=True)  # and a save that succeeds replaces it
+    assert _same_weights(glm5.load_model(d), _tiny(1))
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["ck"]
+
+
+# --------------------------------------------------------------------------- corrupt files
+def _corrupt(d, how: str) -> tuple[str, str]:
+    """Damage the sharded checkpoint ``d``; returns (file named in the error, what is wrong)."""
+    shards = sorted(d.glob("model-*-of-*.safetensors"))
+    if how == "truncated":
+        shards[1].write_bytes(shards[1].read_bytes()[:-100])
+        return shards[1].name, "incomplete metadata"
+    if how == "garbage":
+        shards[0].write_bytes(b"not a safetensors file")
+        return shards[0].name, "header"
+    if how == "empty":
+        shards[-1].write_bytes(b"")
+        return shards[-1].name, "header too small"
+    if how == "index-json":
+        (d / "model.safetensors.index.json").write_text('{"weight_map": {')
+        return "model.safetensors.index.json", "not valid JSON"
+    shards[1].unlink()
+    return shards[1].name, "missing"
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage", "empty", "index-json", "missing-shard"])
+def test_corrupt_checkpoint_is_an_error_naming_the_file(tmp_path, how):
+    """Defect 3: a corrupt safetensors file raised safetensors' bare SafetensorError."""
+    _tiny(0).save_pretrained(tmp_path, max_shard_bytes=64 * 1024)
+    name, what = _corrupt(tmp_path, how)
+    with pytest.raises(CheckpointError, match="^glm5.load_model: ") as ei:
+        glm5.load_model(tmp_path)
+    assert name in str(ei.value) and what in str(ei.value)
+
+
+def test_loading_reports_progress_in_bytes(tmp_path, monkeypatch):
+    """load_model drives one progress bar over a sharded checkpoint: its total is the bytes
+    stored and the updates add up to exactly that."""
+    import glm5.progress
+
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, desc, unit="it", delay=0.5):
+            self.total, self.desc, self.unit, self.done = total, desc, unit, 0
+            bars.append(self)
+
+        def update(self, n=1):
+            self.done += n
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    m = _tiny(0)
+    m.save_pretrained(tmp_path / "ck", max_shard_bytes=64 * 1024)
+    monkeypatch.setattr(glm5.progress, "progress_bar", Recorder)
+    glm5.load_model(tmp_path / "ck")
+    stored = sum(f.stat().st_size for f in (tmp_path / "ck").glob("*.safetensors"))
+    (bar,) = bars
+    assert bar.unit == "B" and "ck" in bar.desc
+    assert bar.done == bar.total and 0.9 * stored < bar.total < stored  # headers excluded

@@ -160,7 +160,9 @@ def test_loaded_modules_and_errors(fp32_dir, tmp_path):
     (dst / DESCRIPTION).write_text(json.dumps(desc))
     with pytest.raises(CheckpointError, match="format_version"):
         glm5.load_model(dst)
-    with pytest.raises(QuantizeError, match="not empty"):
+    from glm5.core.output import OutputExistsError
+
+    with pytest.raises(OutputExistsError, match="already holds a checkpoint"):
         quantize_checkpoint(fp32_dir / "fp32", dst, "w8a8")
     with pytest.raises(ValueError, match="scheme"):
         quantize_checkpoint(fp32_dir / "fp32", tmp_path / "x", "w3a3")

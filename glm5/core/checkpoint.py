@@ -53,15 +53,80 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the model (missing, unexpected or mis-shaped tensors)."""
 
 
+def is_output_file(name: str) -> bool:
+    """Whether a directory entry is part of a checkpoint as glm5 writes it (what a new save
+    replaces; anything else in the directory, e.g. a tokenizer, is kept)."""
+    return name in ("config.json", DESCRIPTION, MSMODELSLIM_DESCRIPTION) or name.endswith(
+        (".safetensors", ".safetensors.index.json"))
+
+
+def open_safetensors(f: Path, who: str):
+    """``safe_open(f)`` (use it as a context manager), or a `CheckpointError` naming the file and
+    what is wrong with it instead of safetensors' bare `SafetensorError`."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(f), "pt", device="cpu")
+    except SafetensorError as e:
+        why = str(e).removeprefix("Error while deserializing header: ")
+        raise CheckpointError(f"{who}: {f} is not a valid safetensors file (header: {why}); "
+                              f"it is truncated or corrupt: download or save it again") from e
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{who}: {f} is missing") from e
+    except OSError as e:
+        raise CheckpointError(f"{who}: cannot read {f}: {e.strerror or e}") from e
+
+
+def get_tensor(handle, name: str, f: Path, who: str) -> torch.Tensor:
+    """``handle.get_tensor(name)``; a tensor the file does not hold (an index that disagrees
+    with its shards) or cannot return is a `CheckpointError` naming both."""
+    from safetensors import SafetensorError
+
+    try:
+        return handle.get_tensor(name)
+    except SafetensorError as e:
+        raise CheckpointError(f"{who}: cannot read tensor {name} from {f}: {e}") from e
+
+
+def read_index(index: Path, who: str) -> dict[str, Path]:
+    """tensor name -> shard file of a sharded checkpoint's ``*.safetensors.index.json``, checked:
+    valid JSON with a ``weight_map`` of file names, every shard present."""
+    try:
+        doc = json.loads(index.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{who}: {index} is not valid JSON ({e.msg} at line {e.lineno}); "
+                              f"it is truncated or corrupt") from e
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise CheckpointError(f"{who}: {index} expected a \"weight_map\" object mapping tensor "
+                              f"names to shard file names")
+    missing = sorted({v for v in wm.values() if not (index.parent / v).is_file()})
+    if missing:
+        raise CheckpointError(f"{who}: {index} names {len(missing)} shard(s) missing from "
+                              f"{index.parent}: {', '.join(missing[:3])}")
+    return {k: index.parent / v for k, v in wm.items()}
+
+
+def stored_bytes(files: dict[str, Path]) -> int:
+    """Bytes of the tensors named in ``files`` (tensor name -> file), read from the files'
+    headers (no tensor data is read); used as a progress bar's total."""
+    by_file: dict[Path, list[str]] = {}
+    for name, f in files.items():
+        by_file.setdefault(f, []).append(name)
+    total = 0
+    for f, names in by_file.items():
+        with open(f, "rb") as h:
+            header = json.loads(h.read(int.from_bytes(h.read(8), "little")))
+        total += sum(e - s for s, e in (header[n]["data_offsets"] for n in names if n in header))
+    return total
+
+
 def _files(path: Path) -> dict[str, Path]:
     """tensor name -> safetensors file."""
     if (path / INDEX).exists():
-        wm = json.loads((path / INDEX).read_text())["weight_map"]
-        return {k: path / v for k, v in wm.items()}
+        return read_index(path / INDEX, "glm5.load_model")
     if (path / SINGLE).exists():
-        from safetensors import safe_open
-
-        with safe_open(str(path / SINGLE), "pt") as f:
+        with open_safetensors(path / SINGLE, "glm5.load_model") as f:
             return {k: path / SINGLE for k in f.keys()}
     raise CheckpointError(f"glm5.load_model: no {SINGLE} or {INDEX} in {path}")
 
@@ -99,7 +164,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None,
     """
     from contextlib import ExitStack
 
-    from safetensors import safe_open
+    from glm5.progress import progress_bar
 
     p = Path(path)
     cfg = GLM5Config.from_pretrained(p)
@@ -158,12 +223,14 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None,
     loaded: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
+        for f in dict.fromkeys(files.values()):  # every shard's header, before any data is read
+            handles[f] = stack.enter_context(open_safetensors(f, "glm5.load_model"))
+        bar = stack.enter_context(progress_bar(stored_bytes(files), f"loading {p.name}", "B"))
 
         def read(name: str, target: str) -> torch.Tensor:
             f = files[name]
-            if f not in handles:
-                handles[f] = stack.enter_context(safe_open(str(f), "pt", device="cpu"))
-            t = handles[f].get_tensor(name)
+            t = get_tensor(handles[f], name, f, "glm5.load_model")
+            bar.update(t.numel() * t.element_size())
             keep_fp32 = target.endswith(("mlp.gate.weight", "e_score_correction_bias",
                                          "_scale"))  # quantization scales are fp32 by format
             if dtype is not None and t.is_floating_point() and not keep_fp32:
@@ -319,13 +386,23 @@ def _checkpoint_tensors(model: GLM5ForCausalLM) -> Iterator[tuple[str, torch.Ten
 
 
 def save_pretrained(model: GLM5ForCausalLM, path: str | Path,
-                    max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write config.json + safetensors (sharded with an index above ``max_shard_bytes``)."""
+                    max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> None:
+    """Write config.json + safetensors (sharded with an index above ``max_shard_bytes``).
+
+    The directory is written atomically (glm5/core/output.py): into a temporary directory beside
+    ``path`` that then replaces it, so a reader never sees a mixture of two saves, a failed or
+    interrupted save leaves ``path`` as it was, and no shard of an earlier save survives. A
+    ``path`` that already holds a checkpoint is refused (`OutputExistsError`) unless
+    ``overwrite``; other files in it (a tokenizer, a README) are kept.
+    """
     from safetensors.torch import save_file
 
-    p = Path(path)
-    p.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(p)
+    from glm5.core.output import atomic_dir
+    from glm5.progress import progress_bar
+
+    if max_shard_bytes <= 0:
+        raise ValueError(f"glm5.save_pretrained: argument 'max_shard_bytes' expected > 0, got "
+                         f"{max_shard_bytes}")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in _checkpoint_tensors(model):
@@ -333,18 +410,22 @@ def save_pretrained(model: GLM5ForCausalLM, path: str | Path,
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][name] = t.detach().contiguous().cpu()
+        shards[-1][name] = t
         size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(p / SINGLE), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    total = 0
-    for i, sh in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(sh, str(p / fname), metadata={"format": "pt"})
-        for k, t in sh.items():
-            weight_map[k] = fname
-            total += t.numel() * t.element_size()
-    (p / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
-                                       "weight_map": weight_map}, indent=2))
+    total = sum(t.numel() * t.element_size() for sh in shards for t in sh.values())
+    with atomic_dir(path, overwrite=overwrite, who="glm5.save_pretrained",
+                    replaces=is_output_file, kind="a checkpoint") as p, \
+            progress_bar(total, f"saving {Path(path).name}", "B") as bar:
+        model.config.save_pretrained(p)
+        weight_map = {}
+        for i, sh in enumerate(shards):
+            # one shard at a time on the CPU, so saving needs one shard of extra memory
+            sh = {k: t.detach().contiguous().cpu() for k, t in sh.items()}
+            fname = SINGLE if len(shards) == 1 else \
+                f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(sh, str(p / fname), metadata={"format": "pt"})
+            bar.update(sum(t.numel() * t.element_size() for t in sh.values()))
+            weight_map.update({k: fname for k in sh})
+        if len(shards) > 1:
+            (p / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                               "weight_map": weight_map}, indent=2))

@@ -25,16 +25,34 @@ class _Prefill(torch.nn.Module):
 
 
 def export_onnx(model: GLM5ForCausalLM, out: str | Path, seq_len: int = 16, batch: int = 1,
-                keep_functions: bool = True) -> Path:
-    """Write ``out`` (.onnx) for input_ids [batch, seq_len] int64 -> logits."""
-    from glm5.ir.onnx_export import export
+                keep_functions: bool = True, overwrite: bool = False) -> Path:
+    """Write ``out`` (.onnx) for input_ids [batch, seq_len] int64 -> logits.
+
+    The file is written atomically (glm5/core/output.py): into a temporary directory beside
+    ``out``, then renamed into place, so a failed export leaves nothing behind; an existing
+    ``out`` is replaced only with ``overwrite`` (`OutputExistsError` otherwise)."""
+    from glm5.core.output import atomic_file
+    from glm5.ir.onnx_export import EXPORT_STEPS, export
+    from glm5.progress import progress_bar
 
     if seq_len < 1 or batch < 1:
         raise ValueError(f"glm5 export: seq_len and batch expected >= 1, got {seq_len}, {batch}")
     ids = torch.zeros(batch, seq_len, dtype=torch.long)
-    with torch.no_grad():
-        prog = export(_Prefill(model.eval()), (ids,), keep_functions=keep_functions)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    prog.save(str(out))
-    return out
+    steps = (*EXPORT_STEPS, "write")
+    with atomic_file(out, overwrite=overwrite, who="glm5 export") as tmp, \
+            progress_bar(len(steps), "export", "step") as bar:
+        done = 0
+
+        def on_step(name: str) -> None:
+            nonlocal done
+            bar.update(steps.index(name) - done)
+            done = steps.index(name)
+            bar.set_description_str(f"export: {name}")
+
+        with torch.no_grad():
+            prog = export(_Prefill(model.eval()), (ids,), keep_functions=keep_functions,
+                          on_step=on_step)
+        on_step("write")
+        prog.save(str(tmp))
+        bar.update(len(steps) - done)
+    return Path(out)

@@ -134,11 +134,14 @@ class GLM5ForCausalLM(nn.Module):
         h = self.model.norm(self.hidden_states(input_ids, cache))
         return F.linear(h, self.lm_head.weight), h
 
-    def save_pretrained(self, path, max_shard_bytes: int = 5 * 2**30) -> None:
-        """Write config.json + safetensors in the transformers format."""
+    def save_pretrained(self, path, max_shard_bytes: int = 5 * 2**30,
+                        overwrite: bool = False) -> None:
+        """Write config.json + safetensors in the transformers format, atomically; a ``path``
+        holding a checkpoint is replaced only with ``overwrite=True`` (see
+        `glm5.core.checkpoint.save_pretrained`)."""
         from glm5.core.checkpoint import save_pretrained
 
-        save_pretrained(self, path, max_shard_bytes)
+        save_pretrained(self, path, max_shard_bytes, overwrite=overwrite)
 
     # ------------------------------------------------------------------ MTP
     @ops.model_run

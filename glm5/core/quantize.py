@@ -23,7 +23,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -36,9 +36,14 @@ from glm5.core.checkpoint import (  # noqa: F401  (the format's names, importabl
     MSMODELSLIM_DESCRIPTION,
     SINGLE,
     CheckpointError,
+    get_tensor,
+    is_output_file,
     load_model,
+    open_safetensors,
     read_description,
+    read_index,
     repack_model,
+    stored_bytes,
 )
 from glm5.core.quant_policy import high_precision_reason, is_quantized
 from glm5.ir.quant_formats import get_scheme, quantize_weight
@@ -80,39 +85,42 @@ class QuantizeError(ValueError):
 # --------------------------------------------------------------------------- reading
 def source_files(path: Path) -> dict[str, Path]:
     """tensor name -> safetensors file of a checkpoint directory: an index (transformers'
-    or any `*.safetensors.index.json`), `model.safetensors`, or every `*.safetensors` in it."""
-    from safetensors import safe_open
-
+    or any `*.safetensors.index.json`), `model.safetensors`, or every `*.safetensors` in it.
+    A missing shard or a corrupt file is a `CheckpointError` naming it."""
     indexes = [path / INDEX] if (path / INDEX).exists() else sorted(
         path.glob("*.safetensors.index.json"))
     if indexes:
-        wm = json.loads(indexes[0].read_text())["weight_map"]
-        return {k: path / v for k, v in wm.items()}
+        return read_index(indexes[0], "glm5 quantize")
     single = [path / SINGLE] if (path / SINGLE).exists() else sorted(path.glob("*.safetensors"))
     if not single:
         raise QuantizeError(f"glm5 quantize: no safetensors files in {path}")
     out: dict[str, Path] = {}
     for f in single:
-        with safe_open(str(f), "pt") as h:
+        with open_safetensors(f, "glm5 quantize") as h:
             for k in h.keys():
                 out[k] = f
     return out
 
 
 class _Reader:
-    """Memory-mapped reads, one tensor at a time, one open handle per file."""
+    """Memory-mapped reads, one tensor at a time, one open handle per file (every file is
+    opened, so checked, before any output is written). The first read of each tensor advances
+    the progress bar ``bar`` by its bytes."""
 
-    def __init__(self, files: dict[str, Path]) -> None:
+    def __init__(self, files: dict[str, Path], bar: Any = None) -> None:
         self.files = files
-        self._handles: dict[Path, object] = {}
+        self._handles = {f: open_safetensors(f, "glm5 quantize")
+                         for f in dict.fromkeys(files.values())}
+        self.bar = bar
+        self._counted: set[str] = set()
 
     def __call__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         f = self.files[name]
-        if f not in self._handles:
-            self._handles[f] = safe_open(str(f), "pt", device="cpu")
-        return self._handles[f].get_tensor(name)
+        t = get_tensor(self._handles[f], name, f, "glm5 quantize")
+        if self.bar is not None and name not in self._counted:
+            self._counted.add(name)
+            self.bar.update(_nbytes(t))
+        return t
 
     def names_in_file_order(self) -> list[str]:
         return sorted(self.files, key=lambda n: (str(self.files[n]), n))
@@ -221,17 +229,25 @@ def _write_metadata(src: Path, dst: Path, summary: Summary) -> None:
     }, indent=2) + "\n")
 
 
-def _prepare(src: str | Path, dst: str | Path) -> tuple[Path, Path]:
+def _source(src: str | Path, dst: str | Path) -> Path:
+    """SRC as a Path, checked: a readable GLM-5 config (ConfigError otherwise), not DST."""
     from glm5.core.config import GLM5Config
 
-    s, d = Path(src), Path(dst)
-    GLM5Config.from_pretrained(s)  # a readable GLM-5 config (ConfigError otherwise)
-    if d.resolve() == s.resolve():
+    s = Path(src)
+    GLM5Config.from_pretrained(s)
+    if Path(dst).resolve() == s.resolve():
         raise QuantizeError("glm5 quantize: DST must differ from SRC")
-    if d.exists() and any(d.iterdir()):
-        raise QuantizeError(f"glm5 quantize: DST {d} exists and is not empty")
-    d.mkdir(parents=True, exist_ok=True)
-    return s, d
+    return s
+
+
+def _output(dst: str | Path, overwrite: bool):
+    """The atomic output directory of a quantization (glm5/core/output.py): written beside
+    ``dst`` and renamed into place at the end, so a failure leaves nothing behind; an existing
+    checkpoint at ``dst`` is replaced only with ``overwrite``."""
+    from glm5.core.output import atomic_dir
+
+    return atomic_dir(dst, overwrite=overwrite, who="glm5 quantize", replaces=is_output_file,
+                      kind="a checkpoint")
 
 
 def _put_quantized(w: _ShardWriter, base: str, packed: torch.Tensor, scale: torch.Tensor,
@@ -270,10 +286,16 @@ def quantize_tensor(t: torch.Tensor, scheme: str, name: str) -> tuple[torch.Tens
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str,
                         max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                        log: Callable[[str], None] | None = None) -> Summary:
+                        log: Callable[[str], None] | None = None,
+                        overwrite: bool = False) -> Summary:
     """Quantize the transformers-format checkpoint ``src`` into ``dst`` with ``scheme``
     (w8a16 | w8a8 | w4a8 | w6a12). Tensors that `quant_policy.is_quantized` selects become
-    packed codes + fp32 scales; every other tensor is copied. Streams tensor by tensor."""
+    packed codes + fp32 scales; every other tensor is copied. Streams tensor by tensor.
+
+    ``dst`` is written atomically: it appears complete or not at all, and an existing
+    checkpoint there is replaced only with ``overwrite`` (`OutputExistsError` otherwise)."""
+    from glm5.progress import progress_bar
+
     get_scheme(scheme, "quantize")
     for already in (DESCRIPTION, MSMODELSLIM_DESCRIPTION):
         if (Path(src) / already).exists():
@@ -281,21 +303,24 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str,
                                 f"quantize an unquantized checkpoint"
                                 + (" or use --from msmodelslim" if already != DESCRIPTION
                                    else ""))
-    s, d = _prepare(src, dst)
-    reader = _Reader(source_files(s))
-    writer = _ShardWriter(d, max_shard_bytes)
-    summary = Summary(schemes={scheme})
-    for name in reader.names_in_file_order():
-        t = reader(name)
-        summary.bytes_before += _nbytes(t)
-        if is_quantized(name):
-            packed, scale = quantize_tensor(t, scheme, name)
-            _put_quantized(writer, name, packed, scale, scheme, summary, t.numel())
-        else:
-            _keep(writer, name, t, summary)
-        del t
-    writer.close()
-    _write_metadata(s, d, summary)
+    s = _source(src, dst)
+    reader = _Reader(source_files(s))  # opens (checks) every file before DST is touched
+    with _output(dst, overwrite) as d, \
+            progress_bar(stored_bytes(reader.files), f"quantize {scheme}", "B") as bar:
+        reader.bar = bar
+        writer = _ShardWriter(d, max_shard_bytes)
+        summary = Summary(schemes={scheme})
+        for name in reader.names_in_file_order():
+            t = reader(name)
+            summary.bytes_before += _nbytes(t)
+            if is_quantized(name):
+                packed, scale = quantize_tensor(t, scheme, name)
+                _put_quantized(writer, name, packed, scale, scheme, summary, t.numel())
+            else:
+                _keep(writer, name, t, summary)
+            del t
+        writer.close()
+        _write_metadata(s, d, summary)
     for line in summary.lines():
         (log or (lambda _x: None))(line)
     return summary
@@ -409,11 +434,9 @@ def _float_dtype(cfg: dict, reader: _Reader, desc: dict) -> torch.dtype:
     dt = named.get(str(cfg.get("torch_dtype") or cfg.get("dtype")))
     if dt is not None:
         return dt
-    from safetensors import safe_open
-
     for name, f in reader.files.items():
         if desc.get(name, FLOAT) == FLOAT:
-            with safe_open(str(f), "pt") as h:
+            with open_safetensors(f, "glm5 quantize") as h:
                 dt = _ST_DTYPES.get(h.get_slice(name).get_dtype())
             if dt is not None:
                 return dt
@@ -422,19 +445,39 @@ def _float_dtype(cfg: dict, reader: _Reader, desc: dict) -> torch.dtype:
 
 def import_msmodelslim(src: str | Path, dst: str | Path,
                        max_shard_bytes: int = DEFAULT_SHARD_BYTES, clamp_min_code: bool = False,
-                       log: Callable[[str], None] | None = None) -> Summary:
+                       log: Callable[[str], None] | None = None,
+                       overwrite: bool = False) -> Summary:
     """Convert an msModelSlim checkpoint (``quant_model_description.json`` + safetensors) into
     glm5's format: W8A16 -> w8a16, W8A8 (static) and W8A8_DYNAMIC -> w8a8 (per-token dynamic
     activations; static W8A8's offsets and quant_bias become a float bias), FLOAT copied.
     Layers that glm5's quant_policy keeps in high precision are dequantized (to the config's
-    dtype, else the dtype of the checkpoint's FLOAT tensors)."""
-    s, d = _prepare(src, dst)
+    dtype, else the dtype of the checkpoint's FLOAT tensors). ``dst`` is written atomically, as
+    by `quantize_checkpoint`."""
+    from glm5.progress import progress_bar
+
+    s = _source(src, dst)
     f = s / MSMODELSLIM_DESCRIPTION
     if not f.exists():
         raise QuantizeError(f"glm5 quantize: no {MSMODELSLIM_DESCRIPTION} in {s}")
-    desc = json.loads(f.read_text())
+    try:
+        desc = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise QuantizeError(f"glm5 quantize: {f} is not valid JSON ({e.msg} at line "
+                            f"{e.lineno})") from e
     cfg = json.loads((s / "config.json").read_text())
-    reader = _Reader(source_files(s))
+    reader = _Reader(source_files(s))  # opens (checks) every file before DST is touched
+    with _output(dst, overwrite) as d, \
+            progress_bar(stored_bytes(reader.files), "import msModelSlim", "B") as bar:
+        reader.bar = bar
+        summary = _import_msmodelslim(s, d, desc, cfg, reader, max_shard_bytes, clamp_min_code)
+    for line in summary.lines():
+        (log or (lambda _x: None))(line)
+    return summary
+
+
+def _import_msmodelslim(s: Path, d: Path, desc: dict, cfg: dict, reader: _Reader,
+                        max_shard_bytes: int, clamp_min_code: bool) -> Summary:
+    """The body of `import_msmodelslim`, writing into the (temporary) directory ``d``."""
     present = set(reader.files)
     hp_dtype = _float_dtype(cfg, reader, desc)
     prefixes: dict[str, str] = {}
@@ -499,8 +542,6 @@ def import_msmodelslim(src: str | Path, dst: str | Path,
             summary.kept -= 1
     writer.close()
     _write_metadata(s, d, summary)
-    for line in summary.lines():
-        (log or (lambda _x: None))(line)
     return summary
 
 
@@ -523,11 +564,9 @@ def logit_agreement(ref: torch.Tensor, test: torch.Tensor) -> dict[str, float]:
 
 def checkpoint_params(path: str | Path) -> int:
     """Parameters stored in an unquantized checkpoint directory."""
-    from safetensors import safe_open
-
     n = 0
     for name, f in source_files(Path(path)).items():
-        with safe_open(str(f), "pt") as h:
+        with open_safetensors(f, "glm5 quantize") as h:
             shape = h.get_slice(name).get_shape()
         n += int(torch.tensor(shape).prod()) if shape else 1
     return n

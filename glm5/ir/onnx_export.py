@@ -639,7 +639,8 @@ def quiet_export() -> Iterator[None]:
 
 def export(model: torch.nn.Module | torch.export.ExportedProgram, args: tuple = (), *,
            kwargs: dict[str, Any] | None = None, dynamic_shapes: Any = None,
-           keep_functions: bool = True, quiet: bool = True, **onnx_kwargs: Any) -> Any:
+           keep_functions: bool = True, quiet: bool = True,
+           on_step: Callable[[str], None] | None = None, **onnx_kwargs: Any) -> Any:
     """Export to ONNX with the glm5 translations; returns torch's ONNXProgram.
 
     Captures `model` with `torch.export.export` (unless it is an ExportedProgram already),
@@ -647,26 +648,35 @@ def export(model: torch.nn.Module | torch.export.ExportedProgram, args: tuple = 
     custom_translation_table=...)`. keep_functions=True keeps each glm5 op as one node calling
     an ONNX function of domain glm5 (bodies attached after export); False gives standard ops
     only. quiet silences the exporter's prints, warnings and logs. Other keyword arguments go to
-    torch.onnx.export (e.g. optimize, opset_version)."""
+    torch.onnx.export (e.g. optimize, opset_version). ``on_step(name)`` is called as each of
+    the steps in `EXPORT_STEPS` starts (a progress bar's hook)."""
+    step = on_step or (lambda _name: None)
     onnx_kwargs.setdefault("verbose", False)
     table = dict(onnx_kwargs.pop("custom_translation_table", None) or {})
     table.update(translation_table(keep_functions))
     with quiet_export() if quiet else contextlib.nullcontext():
+        step(EXPORT_STEPS[0])
         if isinstance(model, torch.export.ExportedProgram):
             ep = model
         else:
             ep = torch.export.export(model, tuple(args), kwargs=kwargs,
                                      dynamic_shapes=dynamic_shapes)
         ep = functionalize(ep)
+        step(EXPORT_STEPS[1])
         prog = torch.onnx.export(ep, tuple(args), kwargs=kwargs, dynamo=True,
                                  custom_translation_table=table, **onnx_kwargs)
+    step(EXPORT_STEPS[2])
     if keep_functions:
         attach_functions(prog.model)
     return prog
 
 
+#: the steps `export` reports to ``on_step``, in order
+EXPORT_STEPS = ("capture (torch.export)", "translate to ONNX", "attach glm5 functions")
+
+
 __all__ = [
-    "COVERED", "DOMAIN", "FUNCTIONS", "GLM5", "VERSION", "attach_functions", "export",
+    "COVERED", "DOMAIN", "EXPORT_STEPS", "FUNCTIONS", "GLM5", "VERSION", "attach_functions", "export",
     "function_protos", "functional_mla_prolog", "functionalize", "quiet_export",
     "translation_table",
 ]

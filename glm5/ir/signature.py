@@ -277,9 +277,11 @@ def bind_shapes(
                 continue
             x = (n - f0) / a
             if x != int(x) or x < 0:
+                known = {k: v for k, v in syms.items() if k in _SYMBOLS.findall(expr)}
+                given = f" with {', '.join(f'{k}={v}' for k, v in known.items())}" if known else ""
                 raise OpInputError(
-                    f"glm5.{op_name}: argument {name!r} has a dim of {n} that does not fit "
-                    f"{expr} with {', '.join(f'{k}={v}' for k, v in syms.items())}"
+                    f"glm5.{op_name}: argument {name!r} expected shape {_fmt_shape(spec)}, got "
+                    f"a dim of {n}, which is not {expr} for any whole {u} >= 0{given}"
                 )
             syms[u] = int(x)
             progress = True
