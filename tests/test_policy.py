@@ -106,10 +106,11 @@ def test_get_policy_rereads_when_glm5_plugins_changes(tmp_path, monkeypatch):
     assert get_policy().order == ()
 
 
-def test_packaged_file_states_the_builtin_priorities():
-    """plugins.toml's comment tells users how built-ins rank (a plugin picks its priority by
-    it): it must say what the backends say."""
+def test_packaged_file_and_docs_state_the_builtin_priorities():
+    """plugins.toml's comment and docs/plugins.md's table tell users how built-ins rank (a
+    plugin picks its priority by them): they must say what the backends say."""
     from importlib import resources
+    from pathlib import Path
 
     text = resources.files("glm5").joinpath("plugins.toml").read_text()
     reg = glm5.get_registry()
@@ -118,6 +119,10 @@ def test_packaged_file_states_the_builtin_priorities():
     stated = ", ".join(f"{b.name} {b.priority}" for b in builtin)
     comments = " ".join(ln.lstrip("# ") for ln in text.splitlines() if ln.startswith("#"))
     assert f"built-ins rank {stated}," in comments
+    docs = (Path(__file__).parents[1] / "docs" / "plugins.md").read_text()
+    assert ("| backend | " + " | ".join(b.name for b in builtin) + " | reference |\n") in docs
+    assert ("| priority | " + " | ".join(str(b.priority) for b in builtin)
+            + " | last resort only |\n") in docs
 
 @pytest.mark.parametrize(
     ("doc", "names"),
