@@ -111,13 +111,55 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts as stacked tensors: gate_up_proj [E, 2I, D] (gate rows first), down_proj
-    [E, D, I]. Checkpoints store them per expert; glm5.core.checkpoint maps the names."""
+    [E, D, I]. Checkpoints store them per expert; glm5.core.checkpoint maps the names. Allocated
+    uninitialised (as transformers does): `init_weights` or a checkpoint gives them values."""
 
     def __init__(self, cfg: GLM5Config) -> None:
         super().__init__()
         E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
+
+
+def init_weights(module: nn.Module, std: float, pad_token_id: int | None = None) -> None:
+    """Initialise ``module`` and its children as transformers initialises GlmMoeDsa
+    (``PreTrainedModel._init_weights`` + ``GlmMoeDsaPreTrainedModel._init_weights``):
+    nn.Linear / nn.Embedding weights, the router weight and the stacked expert weights
+    ~ normal(0, ``std``) (the config's ``initializer_range``); linear biases zero; the norms'
+    weights one and biases zero; the router's ``e_score_correction_bias`` zero; the embedding
+    row ``pad_token_id`` zero (transformers builds the embedding with that padding index).
+    Quantized modules (their codes come from a checkpoint) are left alone. In place, no grad;
+    a tensor on the meta device is left as it is."""
+    seen: set[int] = set()  # a tied weight (lm_head = embed_tokens) is initialised once
+
+    def first(t: torch.Tensor) -> bool:
+        if id(t) in seen:
+            return False
+        seen.add(id(t))
+        return True
+
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.Linear):
+                if first(m.weight):
+                    m.weight.normal_(0.0, std)
+                if m.bias is not None:
+                    m.bias.zero_()
+            elif isinstance(m, nn.Embedding):
+                if first(m.weight):
+                    m.weight.normal_(0.0, std)
+                    if pad_token_id is not None and 0 <= pad_token_id < m.weight.shape[0]:
+                        m.weight[pad_token_id].zero_()
+            elif isinstance(m, (RMSNorm, LayerNorm)):
+                m.weight.fill_(1.0)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.zero_()
+            elif isinstance(m, Router):
+                m.weight.normal_(0.0, std)
+                m.e_score_correction_bias.zero_()
+            elif isinstance(m, Experts):
+                m.gate_up_proj.normal_(0.0, std)
+                m.down_proj.normal_(0.0, std)
 
 
 class QuantExperts(nn.Module):

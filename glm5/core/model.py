@@ -14,7 +14,7 @@ from glm5.ir.opdef import has_data
 from glm5.core.attention import Attention, Step
 from glm5.core.cache import KVCache
 from glm5.core.config import GLM5Config
-from glm5.core.layers import MLP, MoE, RMSNorm, apply_linear, linear
+from glm5.core.layers import MLP, MoE, RMSNorm, apply_linear, init_weights, linear
 from glm5.core.rope import inv_freq, rope_tables
 
 
@@ -63,21 +63,37 @@ class GLM5Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class GLM5ForCausalLM(nn.Module):
-    """GLM-5. ``model(input_ids)`` -> logits [B, T, V]; ``generate(...)`` decodes with a KV cache."""
+class NonFiniteLogitsError(FloatingPointError):
+    """`generate` met logits that are NaN or infinite; the message names the first module whose
+    output was not finite (and the non-finite weights it holds, if any)."""
 
-    def __init__(self, cfg: GLM5Config, with_mtp: bool = False) -> None:
+
+class GLM5ForCausalLM(nn.Module):
+    """GLM-5. ``model(input_ids)`` -> logits [B, T, V]; ``generate(...)`` decodes with a KV cache.
+
+    Built from a config, every weight is initialised as transformers initialises GlmMoeDsa
+    (`glm5.core.layers.init_weights`: normal(0, ``initializer_range``), norms one, biases and
+    the router's correction bias zero). ``with_mtp``: None (default) builds the config's
+    ``num_nextn_predict_layers`` MTP layers; False builds none (``self.mtp`` is None: a model
+    for a checkpoint saved without them); True is the same as None.
+    """
+
+    def __init__(self, cfg: GLM5Config, with_mtp: bool | None = None) -> None:
         super().__init__()
+        if with_mtp not in (None, True, False):
+            raise TypeError(f"GLM5ForCausalLM: with_mtp expected None, True or False, got "
+                            f"{with_mtp!r}")
         self.config = cfg
         self.model = GLM5Model(cfg)
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.mtp = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers)) \
-            if with_mtp else None
+        n_mtp = cfg.num_nextn_predict_layers if with_mtp is not False else 0
+        self.mtp = nn.ModuleList(MTPLayer(cfg) for _ in range(n_mtp)) if n_mtp else None
         freqs, scale = inv_freq(cfg)
         self.register_buffer("inv_freq", freqs, persistent=False)
         self.rope_scaling = scale
+        init_weights(self, cfg.initializer_range, cfg.pad_token_id)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -196,13 +212,16 @@ class GLM5ForCausalLM(nn.Module):
         mcache = KVCache(self.config, B, total, self.dtype, self.device, n_layers=1,
                          indexer_layers=[True])
         logits, h = self.forward_with_hidden(input_ids, cache)
+        self._check_finite(logits[:, -1], input_ids, 0)
         tok = _argmax(logits[:, -1])
         out = [tok]
         ml = self.mtp_logits(h, torch.cat((input_ids[:, 1:], tok[:, None]), 1), mcache)
+        self._check_finite(ml[:, -1], _tokens(input_ids, out), 0, mtp=True)
         draft = _argmax(ml[:, -1])
         stats = {"drafted": 0, "accepted": 0}
         while len(out) < max_new_tokens:
             logits, h = self.forward_with_hidden(torch.stack((tok, draft), 1), cache)
+            self._check_finite(logits, _tokens(input_ids, out), len(out))
             first = _argmax(logits[:, 0])
             stats["drafted"] += 1
             if bool((first == draft).all()):  # every sequence accepts the draft
@@ -215,6 +234,7 @@ class GLM5ForCausalLM(nn.Module):
                 tok = first
                 out.append(tok)
                 ml = self.mtp_logits(h[:, :1], tok[:, None], mcache)
+            self._check_finite(ml[:, -1], _tokens(input_ids, out), len(out), mtp=True)
             draft = _argmax(ml[:, -1])
         self.last_mtp_stats = stats
         return torch.cat((input_ids, torch.stack(out[:max_new_tokens], 1)), 1)
@@ -225,6 +245,11 @@ class GLM5ForCausalLM(nn.Module):
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, use_mtp: bool = False) -> torch.Tensor:
         """Greedy or sampled decoding with the KV cache: returns [B, T + max_new_tokens].
+
+        Logits that are NaN or infinite raise `NonFiniteLogitsError` naming the first module
+        whose output was not finite (found by re-running the tokens so far with a check on
+        every module's output; in the normal case each step costs one ``isfinite`` reduction
+        over its [B, V] logits).
 
         ``use_mtp``: greedy self-speculative decoding, the MTP layer drafting one token per
         step that the main model verifies (same tokens as plain greedy decoding); acceptance
@@ -256,12 +281,96 @@ class GLM5ForCausalLM(nn.Module):
         cache = self.new_cache(B, T + max_new_tokens)
         out = [input_ids]
         logits = self.forward(input_ids, cache)[:, -1]
+        self._check_finite(logits, input_ids, 0)
         for step in range(max_new_tokens):
             nxt = sample_next(logits.float(), do_sample, temperature, top_p, top_k, gen)
             out.append(nxt[:, None])
             if step + 1 < max_new_tokens:
                 logits = self.forward(nxt[:, None], cache)[:, -1]
+                self._check_finite(logits, out, step + 1)
         return torch.cat(out, dim=1)
+
+    # ------------------------------------------------------------------ non-finite logits
+    def _check_finite(self, logits: torch.Tensor, tokens: torch.Tensor | list[torch.Tensor],
+                      step: int, mtp: bool = False) -> None:
+        """Raise `NonFiniteLogitsError` when ``logits`` hold a NaN or an infinity. ``tokens``
+        ([B, N], or a list of [B, n] pieces) are the tokens the model has consumed so far: only
+        on failure are they run again to find the module at fault."""
+        if bool(torch.isfinite(logits).all()):
+            return
+        ids = torch.cat(tokens, 1) if isinstance(tokens, list) else tokens
+        where = "MTP logits" if mtp else "logits"
+        why = self.first_nonfinite(ids, mtp, decode_last=step > 0)
+        raise NonFiniteLogitsError(f"glm5 generate: the {where} at step {step} are not finite "
+                                   f"(NaN or inf); {why}")
+
+    @torch.no_grad()
+    def first_nonfinite(self, input_ids: torch.Tensor, mtp: bool = False,
+                        decode_last: bool = False) -> str:
+        """Which module first produces a non-finite output on ``input_ids`` [B, N], and which
+        weights are not finite, as a sentence (a diagnostic: it costs a forward and one
+        reduction per module output).
+
+        Every module's output is checked in the order the modules finish, so the innermost
+        one is named. The tokens run as one prefill, or with ``decode_last`` as a prefill of
+        all but the last followed by a one-token step (the path a decode step takes: MLA's
+        absorbed mode). ``mtp``: the MTP layers run too, on the main model's hidden states."""
+        names = {m: n for n, m in self.named_modules() if n}
+        found: list[str] = []
+
+        def hook(mod: nn.Module, args: object, out: object) -> None:
+            t = out[0] if isinstance(out, tuple) else out
+            if (not found and isinstance(t, torch.Tensor) and t.is_floating_point()
+                    and not bool(torch.isfinite(t).all())):
+                found.append(names[mod])
+
+        def check(t: torch.Tensor, name: str) -> None:
+            if not found and not bool(torch.isfinite(t).all()):
+                found.append(name)
+
+        B, N = input_ids.shape
+        handles = [m.register_forward_hook(hook) for m in names]
+        try:
+            cache = self.new_cache(B, N)
+            if decode_last and N > 1:
+                check(self.forward_with_hidden(input_ids[:, :-1], cache)[0], "lm_head")
+            logits, h = self.forward_with_hidden(input_ids[:, cache.length:], cache)
+            check(logits, "lm_head")
+            if mtp and self.mtp is not None and N > 1:
+                if cache.length != N - h.shape[1]:  # the hidden states of every position
+                    logits, h = self.forward_with_hidden(input_ids)
+                for d in range(len(self.mtp)):
+                    check(self.mtp_logits(h[:, :-1], input_ids[:, 1:], depth=d),
+                          f"mtp.{d}.shared_head")
+        finally:
+            for hd in handles:
+                hd.remove()
+        if not found:
+            return ("a fresh run of the same tokens is finite in every module (the non-finite "
+                    "values came from state this run does not rebuild)")
+
+        def nonfinite(mod: nn.Module, prefix: str) -> list[str]:
+            return [f"{prefix}{n}" for n, t in (*mod.named_parameters(), *mod.named_buffers())
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+        def listed(bad: list[str]) -> str:
+            return ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+
+        name = found[0]
+        bad = nonfinite(self.get_submodule(name), f"{name}.")
+        if bad:
+            weights = f"its weights hold non-finite values: {listed(bad)}"
+        else:
+            elsewhere = nonfinite(self, "")
+            weights = (f"its weights are finite; non-finite weights elsewhere: "
+                       f"{listed(elsewhere)}" if elsewhere else
+                       f"no weight is non-finite (an overflow in {self.dtype}?)")
+        return f"the first module with a non-finite output is {name}; {weights}"
+
+
+def _tokens(input_ids: torch.Tensor, out: list[torch.Tensor]) -> torch.Tensor:
+    """The prompt and the tokens generated so far ([B] each) as [B, T + len(out)]."""
+    return torch.cat((input_ids, torch.stack(out, 1)), 1)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
