@@ -1,12 +1,85 @@
-"""`glm5` command line: backends | ops | parity | info."""
+"""`glm5` command line: backends | ops | parity | bench | info | plan | quantize | export.
+
+Errors (the framework in `main`): every error a user can cause prints one line on stderr,
+``glm5 <command>: what is wrong, what was expected``, and no traceback unless ``--debug`` is
+given (before or after the command). Exit status:
+
+- 0: success;
+- 1: the command ran and failed: an input file is unreadable, corrupt or inconsistent, a check
+  failed, a backend is unavailable, an unexpected error (`CommandError`, and any error a command
+  does not declare as a usage error);
+- 2: the command line is wrong: an unknown option or name (backend, op, preset, chip, scheme), a
+  bad value, a path argument that does not exist or is of the wrong kind, an output that exists
+  without ``--force`` (`UsageError`, argparse's errors, ``KeyError``, ``ValueError``);
+- 130: interrupted (Ctrl-C); 141: stdout was closed early (``glm5 ops | head``), which ends the
+  command quietly, as a program ended by SIGPIPE.
+
+Tables cut their last column (reasons, messages) to the terminal's width; ``--wide`` prints it
+whole. Output to a pipe or file is never cut.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, Sequence
+
+
+class UsageError(ValueError):
+    """The command line is wrong (a bad value, a missing or conflicting option): exit 2."""
+
+
+class CommandError(Exception):
+    """A well-formed command could not do its job (an input unreadable or corrupt, a check
+    that failed): exit 1."""
+
+
+class _ParseError(Exception):
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is raised to `main` (one line, exit 2) instead of printing the
+    usage block and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _ParseError(self.prog, message)
+
+
+def _config_from(path: str, option: str):
+    """The GLM5Config of a checkpoint directory (or config file) named by ``option``: a path
+    that does not exist or holds no config.json is a usage error, a config.json that is not
+    valid a failure."""
+    from glm5.core.config import ConfigError, GLM5Config
+
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{option} {path}: no config.json there (no such file or directory); "
+                         f"expected a checkpoint directory")
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise UsageError(f"{option} {path}: no config.json in this directory; expected a "
+                         f"checkpoint directory (config.json + safetensors)")
+    try:
+        return GLM5Config.from_pretrained(p)
+    except ConfigError as e:
+        raise CommandError(str(e).removeprefix("glm5 config: ")) from e
+
+
+def _preset(name: str):
+    """The preset ``name`` (case-insensitive: argparse lower-cases it); unknown is a usage
+    error."""
+    from glm5.core.config import ConfigError, preset
+
+    try:
+        return preset(name)
+    except ConfigError as e:
+        raise UsageError(str(e).removeprefix("glm5 config: ")) from None
 
 
 def _registry():
@@ -175,7 +248,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
                           "bound": bound_form(), "rows": [r.as_dict() for r in rows]},
                          indent=2))
     else:
-        print(format_table(rows))
+        print(_fit(format_table(rows)))
     return 1 if any(r.status == "fail" for r in rows) else 0
 
 
@@ -185,13 +258,9 @@ def _billions(n: int) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from glm5.core.config import ConfigError, GLM5Config, preset
     from glm5.core.info import model_info
 
-    try:
-        cfg = preset(args.preset) if args.preset else GLM5Config.from_pretrained(args.model)
-    except ConfigError as e:
-        raise ValueError(str(e).removeprefix("glm5 config: ")) from None
+    cfg = _preset(args.preset) if args.preset else _config_from(args.model, "--model")
     info = model_info(cfg)
     source = {"preset": args.preset} if args.preset else {"model": str(args.model)}
     if args.json:
@@ -267,33 +336,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- export
+def _force_hint(e: Exception) -> UsageError:
+    """An `OutputExistsError` said as the command line says it (--force, not overwrite=True)."""
+    return UsageError(f"{e.path} {e.what}; pass --force to replace it")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from glm5.core.config import ConfigError, preset
     from glm5.core.export import export_onnx
     from glm5.core.model import GLM5ForCausalLM
+    from glm5.core.output import OutputExistsError
 
     if args.format != "onnx":
-        raise ValueError(f"--format expected 'onnx', got {args.format!r}")
-    try:
-        if args.preset:
-            if args.preset == "glm-5":
-                raise ValueError("exporting the 744 B glm-5 preset with random weights is not "
-                                 "useful; export a checkpoint with --model")
-            torch.manual_seed(args.seed)
-            model = GLM5ForCausalLM(preset(args.preset))  # random initialisation
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.dim() > 1:
-                        p.normal_(0.0, preset(args.preset).initializer_range)
-        else:
-            from glm5.core.checkpoint import load_model
+        raise UsageError(f"--format expected 'onnx', got {args.format!r}")
+    if args.preset:
+        cfg = _preset(args.preset)
+        if args.preset == "glm-5":
+            raise UsageError("exporting the 744 B glm-5 preset with random weights is not "
+                             "useful; export a checkpoint with --model")
+        torch.manual_seed(args.seed)
+        model = GLM5ForCausalLM(cfg)  # random initialisation
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, cfg.initializer_range)
+    else:
+        from glm5.core.checkpoint import load_model
 
-            model = load_model(args.model)
-    except ConfigError as e:
-        raise ValueError(str(e).removeprefix("glm5 config: ")) from None
-    out = export_onnx(model, args.out, seq_len=args.seq_len, batch=args.batch)
+        _config_from(args.model, "--model")
+        model = load_model(args.model)
+    try:
+        out = export_onnx(model, args.out, seq_len=args.seq_len, batch=args.batch,
+                          overwrite=args.force)
+    except OutputExistsError as e:
+        raise _force_hint(e) from e
     print(f"wrote {out} (input_ids [{args.batch}, {args.seq_len}] int64 -> logits; glm5 ops "
           f"as ONNX functions in domain 'glm5')")
     return 0
@@ -301,18 +378,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- plan
 def cmd_plan(args: argparse.Namespace) -> int:
-    import re
-
-    from glm5.core.config import GLM5Config, preset
     from glm5.core.plan import format_plan, plan
 
+    cfg = _preset(args.preset) if args.preset else _config_from(args.model, "--model")
     try:
-        cfg = preset(args.preset) if args.preset else GLM5Config.from_pretrained(args.model)
         p = plan(cfg, args.chip, args.quant, args.batch, args.context, tp=args.tp, ep=args.ep,
                  kv_dtype=args.kv_dtype, reserve_gb=args.reserve_gb, mtp=args.mtp)
     except ValueError as e:  # PlanError, ConfigError: name the command-line option
         msg = str(e).removeprefix("glm5.plan: ").removeprefix("glm5 config: ")
-        raise ValueError(re.sub(r"argument '(\w+)'",
+        raise UsageError(re.sub(r"argument '(\w+)'",
                                 lambda m: "--" + m[1].replace("_", "-"), msg)) from None
     source = {"preset": args.preset} if args.preset else {"model": str(args.model)}
     if args.json:
@@ -325,39 +399,117 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- quantize
 def cmd_quantize(args: argparse.Namespace) -> int:
     from glm5.core.config import ConfigError
+    from glm5.core.output import OutputExistsError
     from glm5.core.quantize import DEFAULT_SHARD_BYTES, import_msmodelslim, quantize_checkpoint
 
+    if args.max_shard_gb < 0:
+        raise UsageError(f"--max-shard-gb expected a positive number of GiB, got "
+                         f"{args.max_shard_gb}")
     shard = int(args.max_shard_gb * 2**30) if args.max_shard_gb else DEFAULT_SHARD_BYTES
+    if args.from_format == "msmodelslim":
+        if args.scheme:
+            raise UsageError("--scheme does not apply to --from msmodelslim (each tensor's "
+                             "scheme follows its msModelSlim type)")
+    else:
+        if not args.scheme:
+            raise UsageError("--scheme is required (w8a16, w8a8, w4a8, w6a12)")
+        if args.clamp_int8:
+            raise UsageError("--clamp-int8 applies only to --from msmodelslim")
+    _config_from(args.src, "SRC")
+    if Path(args.dst).resolve() == Path(args.src).resolve():
+        raise UsageError("DST must differ from SRC")
     try:
         if args.from_format == "msmodelslim":
-            if args.scheme:
-                raise ValueError("--scheme does not apply to --from msmodelslim (each tensor's "
-                                 "scheme follows its msModelSlim type)")
-            import_msmodelslim(args.src, args.dst, shard, args.clamp_int8, log=print)
+            import_msmodelslim(args.src, args.dst, shard, args.clamp_int8, log=print,
+                               overwrite=args.force)
         else:
-            if not args.scheme:
-                raise ValueError("--scheme is required (w8a16, w8a8, w4a8, w6a12)")
-            if args.clamp_int8:
-                raise ValueError("--clamp-int8 applies only to --from msmodelslim")
-            quantize_checkpoint(args.src, args.dst, args.scheme, shard, log=print)
+            quantize_checkpoint(args.src, args.dst, args.scheme, shard, log=print,
+                                overwrite=args.force)
+    except OutputExistsError as e:
+        raise _force_hint(e) from e
     except ConfigError as e:
-        raise ValueError(str(e).removeprefix("glm5 config: ")) from None
+        raise CommandError(str(e).removeprefix("glm5 config: ")) from e
     print(f"wrote {args.dst}")
     return 0
 
 
 # --------------------------------------------------------------------------- main
+_WIDE = False  # --wide: tables print their last column whole (set by `main`)
+_MIN_LAST = 24  # the last column is never cut narrower than this
+_CUT_NOTE = "(… = cut to the terminal's width; --wide prints it whole)"
+
+
+def _table_width() -> int | None:
+    """Columns a table may use: None (unlimited) with --wide or when stdout is not a terminal
+    (pipes and files get whole lines), else $COLUMNS or the terminal's width."""
+    import shutil
+
+    if _WIDE:
+        return None
+    cols = os.environ.get("COLUMNS", "")
+    if cols.isdigit() and int(cols) > 0:
+        return int(cols)
+    try:
+        if not sys.stdout.isatty():
+            return None
+    except (AttributeError, ValueError):
+        return None
+    return shutil.get_terminal_size().columns
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
 def _fmt(rows: Sequence[Sequence[str]]) -> str:
+    """An aligned table (first row = header). The last column (reasons, candidates) is cut to
+    the terminal's width (`_table_width`), with a note saying so."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    limit = _table_width()
+    cut = False
+    if limit is not None:
+        room = max(limit - sum(widths[:-1]) - 2 * (len(widths) - 1), _MIN_LAST)
+        if widths[-1] > room:
+            widths[-1], cut = room, True
+            rows = [(*r[:-1], _cut(r[-1], room)) for r in rows]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    if cut:
+        lines.append(_CUT_NOTE)
     return "\n".join(lines)
 
 
+def _fit(table: str) -> str:
+    """A table formatted elsewhere (the parity table), its long lines cut to the terminal's
+    width (its last column is the message), with a note when any was cut."""
+    limit = _table_width()
+    if limit is None:
+        return table
+    lines = table.split("\n")
+    out = [_cut(ln, max(limit, _MIN_LAST)) for ln in lines]
+    return "\n".join(out + ([_CUT_NOTE] if out != lines else []))
+
+
+def _add_global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
+    """--debug and --wide, accepted before the command (``suppress`` False: they default to
+    False there) and after it (``suppress`` True: no default, so the value given before the
+    command is not reset)."""
+    d = argparse.SUPPRESS if suppress else False
+    if "--debug" not in p._option_string_actions:
+        p.add_argument("--debug", action="store_true", default=d,
+                       help="show the traceback of an error")
+    if "--wide" not in p._option_string_actions:
+        p.add_argument("--wide", action="store_true", default=d,
+                       help="print tables' long columns (reasons, messages) whole")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="glm5", description="GLM-5 on an op IR with pluggable "
-                                "hardware backends")
-    sub = p.add_subparsers(dest="command", required=True)
+    from glm5 import __version__
+
+    p = _Parser(prog="glm5", description="GLM-5 on an op IR with pluggable hardware backends")
+    p.add_argument("--version", action="version", version=f"glm5 {__version__}")
+    _add_global_options(p, suppress=False)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     b = sub.add_parser("backends", help="list discovered backends and plugins")
     b.add_argument("--json", action="store_true")
@@ -392,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="parameter counts and KV-cache size of a model config")
     src = i.add_mutually_exclusive_group(required=True)
-    src.add_argument("--preset", help="a built-in config: glm-5, tiny, small")
+    src.add_argument("--preset", type=str.lower, help="a built-in config: glm-5, tiny, small")
     src.add_argument("--model", help="a directory (or file) with a transformers config.json")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)
@@ -409,17 +561,20 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="export the model's prefill forward to ONNX")
     e.add_argument("--format", default="onnx", help="onnx (the only format)")
     src = e.add_mutually_exclusive_group(required=True)
-    src.add_argument("--preset", help="a built-in config with random weights (tiny, small)")
+    src.add_argument("--preset", type=str.lower,
+                     help="a built-in config with random weights (tiny, small)")
     src.add_argument("--model", help="a transformers-format checkpoint directory")
     e.add_argument("--seq-len", type=int, default=16, help="tokens per sequence in the graph")
     e.add_argument("--batch", type=int, default=1)
     e.add_argument("--seed", type=int, default=0, help="weights seed for --preset")
-    e.add_argument("out", help="output .onnx path")
+    e.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    e.add_argument("out", help="output .onnx path (written atomically; refused if it exists "
+                   "unless --force)")
     e.set_defaults(func=cmd_export)
 
     qz = sub.add_parser("quantize", help="quantize a transformers-format checkpoint (or convert "
                         "an msModelSlim one) into glm5's canonical quantized format")
-    qz.add_argument("--scheme", choices=("w8a16", "w8a8", "w4a8", "w6a12"),
+    qz.add_argument("--scheme", type=str.lower, choices=("w8a16", "w8a8", "w4a8", "w6a12"),
                     help="quantization scheme (docs/ops.md); required unless --from msmodelslim")
     qz.add_argument("--from", dest="from_format", choices=("transformers", "msmodelslim"),
                     default="transformers", help="SRC format (default transformers)")
@@ -428,48 +583,144 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--max-shard-gb", type=float, default=0.0,
                     help="largest output shard in GiB (default 5)")
     qz.add_argument("src", help="source checkpoint directory")
-    qz.add_argument("dst", help="output directory (new or empty)")
+    qz.add_argument("--force", action="store_true",
+                    help="replace DST if it holds a checkpoint")
+    qz.add_argument("dst", help="output directory (written atomically: it appears complete or "
+                    "not at all; refused if it holds a checkpoint unless --force)")
     qz.set_defaults(func=cmd_quantize)
 
     pl = sub.add_parser("plan", help="memory and roofline time of a model on a chip, per device")
     src = pl.add_mutually_exclusive_group(required=True)
-    src.add_argument("--preset", help="a built-in config: glm-5, tiny, small")
+    src.add_argument("--preset", type=str.lower, help="a built-in config: glm-5, tiny, small")
     src.add_argument("--model", help="a directory (or file) with a transformers config.json")
-    pl.add_argument("--chip", required=True, help="ascend-910b, mlu590, mtt-s4000, hygon-k100, "
-                    "h100-sxm, h200")
-    pl.add_argument("--quant", default="bf16", help="bf16 (none), w8a16, w8a8, w4a8, w6a12")
+    pl.add_argument("--chip", required=True, type=str.lower, help="ascend-910b, mlu590, "
+                    "mtt-s4000, hygon-k100, h100-sxm, h200 (any case)")
+    pl.add_argument("--quant", default="bf16", type=str.lower,
+                    help="bf16 (none), w8a16, w8a8, w4a8, w6a12")
     pl.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     pl.add_argument("--context", type=int, default=8192, help="tokens per sequence")
     pl.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     pl.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
-    pl.add_argument("--kv-dtype", default="bf16", help="KV-cache element: bf16 or fp8")
+    pl.add_argument("--kv-dtype", default="bf16", type=str.lower,
+                    help="KV-cache element: bf16 or fp8")
     pl.add_argument("--reserve-gb", type=float, default=None,
                     help="activation/workspace reserve per device (default 10%% of memory)")
     pl.add_argument("--mtp", action="store_true", help="add the MTP layer to each decode step")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
+
+    for command in sub.choices.values():  # every command takes the global options after it too
+        _add_global_options(command, suppress=True)
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "examples", None) is not None and args.examples < 1:
-        print("glm5 parity: --examples expected a positive integer", file=sys.stderr)
-        return 2
-    try:
-        return args.func(args)
-    except (KeyError, ValueError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        msg = msg.removeprefix("glm5: ")
-        print(f"glm5 {args.command}: {msg}", file=sys.stderr)
-        return 2
-    except Exception as e:
-        from glm5.backends.registry import PluginLoadError
+# The ValueError subclasses that say an input is broken, not that the command line is wrong
+# (module, class): matched only once their module is loaded (an error of a module never
+# imported cannot have been raised), so `main` imports nothing to classify an error.
+_FAILURE_VALUE_ERRORS = (("glm5.core.checkpoint", "CheckpointError"),
+                         ("glm5.core.quantize", "QuantizeError"),
+                         ("glm5.backends.policy", "PolicyError"))
+# Prefixes library messages carry (`glm5 quantize: `, `glm5 config: `, `glm5.load_model: `),
+# dropped so the line starts with the command once: `glm5 <command>: what is wrong`.
+_PREFIX = re.compile(r"^glm5(?: [\w-]+|\.(?:load_model|save_pretrained|plan))?: ")
 
-        if isinstance(e, PluginLoadError):
-            print(f"glm5 {args.command}: {e}", file=sys.stderr)
-            return 2
+
+def _loaded_class(module: str, name: str) -> type | None:
+    m = sys.modules.get(module)
+    return getattr(m, name, None) if m is not None else None
+
+
+def _classify(e: BaseException) -> tuple[int, str]:
+    """(exit status, message) of an error raised by a command (see the module docstring)."""
+    exists = _loaded_class("glm5.core.output", "OutputExistsError")
+    if exists is not None and isinstance(e, exists):
+        return 2, f"{e.path} {e.what}; pass --force to replace it"
+    if isinstance(e, KeyError):  # an unknown name (backend, op)
+        return 2, str(e.args[0]) if e.args else "unknown name"
+    if isinstance(e, OSError) and e.strerror and e.filename:
+        return 1, f"{e.strerror}: {e.filename}"
+    failures = tuple(c for c in (_loaded_class(m, n) for m, n in _FAILURE_VALUE_ERRORS) if c)
+    if isinstance(e, UsageError) or (isinstance(e, ValueError) and not isinstance(e, failures)):
+        return 2, str(e)
+    if isinstance(e, (CommandError, OSError, ValueError)):
+        return 1, str(e)
+    known = [(m, n) for m, n in (("glm5.backends.api", "BackendError"),
+                                 ("glm5.backends.selection", "FallbackError"))
+             if (c := _loaded_class(m, n)) is not None and isinstance(e, c)]
+    if known:
+        return 1, str(e)
+    return 1, (f"unexpected {type(e).__name__}: {e} (a bug in glm5 or a plugin: rerun with "
+               f"--debug for the traceback)")
+
+
+def _one_line(msg: str) -> str:
+    return re.sub(r"\s*\n\s*", " ", _PREFIX.sub("", msg.strip())) or "failed"
+
+
+def _quiet_closed_stdout() -> None:
+    """After EPIPE: point stdout at /dev/null, so that the interpreter's final flush of what is
+    still buffered does not print a second BrokenPipeError."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _err(line: str) -> None:
+    try:
+        print(line, file=sys.stderr)
+    except (OSError, ValueError):  # stderr closed too: nothing more can be said
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `glm5` command line ``argv`` (default: sys.argv[1:]); returns the exit status
+    (0 success, 1 failure, 2 usage error, 130 interrupted, 141 stdout closed)."""
+    try:
+        rc = _run(argv)
+        sys.stdout.flush()  # here, so that a closed pipe is seen while it can end quietly
+        return rc
+    except BrokenPipeError:  # `glm5 ops | head`: the reader has all it wanted
+        _quiet_closed_stdout()
+        return 141
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    global _WIDE
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except _ParseError as e:
+        msg = e.args[0]
+        if msg.startswith("the following arguments are required: COMMAND"):
+            msg = "a command is required"
+        _err(f"{e.prog}: {msg} (see `{e.prog} --help`)")
+        return 2
+    except SystemExit as e:  # --help, --version: argparse printed and exits 0
+        return int(e.code or 0)
+    command = f"glm5 {args.command}"
+    _WIDE = bool(getattr(args, "wide", False))
+    try:
+        if getattr(args, "examples", None) is not None and args.examples < 1:
+            raise UsageError("--examples expected a positive integer")
+        return args.func(args)
+    except BrokenPipeError:
         raise
+    except KeyboardInterrupt:
+        if getattr(args, "debug", False):
+            raise
+        _err(f"{command}: interrupted")
+        return 130
+    except Exception as e:
+        code, msg = _classify(e)
+        if getattr(args, "debug", False):
+            import traceback
+
+            traceback.print_exc()
+        _err(f"{command}: {_one_line(msg)}")
+        return code
 
 
 if __name__ == "__main__":
