@@ -676,7 +676,7 @@ EXPORT_STEPS = ("capture (torch.export)", "translate to ONNX", "attach glm5 func
 
 
 __all__ = [
-    "COVERED", "DOMAIN", "EXPORT_STEPS", "FUNCTIONS", "GLM5", "VERSION", "attach_functions", "export",
-    "function_protos", "functional_mla_prolog", "functionalize", "quiet_export",
+    "COVERED", "DOMAIN", "EXPORT_STEPS", "FUNCTIONS", "GLM5", "VERSION", "attach_functions",
+    "export", "function_protos", "functional_mla_prolog", "functionalize", "quiet_export",
     "translation_table",
 ]
