@@ -203,6 +203,14 @@ def test_failed_save_leaves_the_target_as_it_was(tmp_path, monkeypatch, exchange
     calls.clear()
     with pytest.raises(OSError, match="No space left"):
         _tiny(1).save_pretrained(tmp_path / "new" / "deeper" / "ck", max_shard_bytes=64 * 1024)
+
+    def interrupted(tensors, filename, metadata=None):  # Ctrl-C during the write
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _tiny(1).save_pretrained(d, overwrite=True)
+    assert _tree(d) == before
     assert sorted(f.name for f in tmp_path.iterdir()) == ["ck"]
     monkeypatch.setattr(safetensors.torch, "save_file", real)
     _tiny(1).save_pretrained(d, overwrite=True)  # and a save that succeeds replaces it
