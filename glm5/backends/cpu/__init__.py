@@ -2,10 +2,13 @@
 on a machine without accelerators. Registered through glm5's `glm5.backends` entry point.
 
 Kernel sources live in glm5/kernels/tvm; this module owns the build context (cache directory,
-target) and declares which ops and dtypes it serves. Two kernels choose per call between their
-TVM pipeline and a torch path (`moe_experts` above ``moe.ROWS_TVM`` routed rows, `quant_linear`
-above ``quant.ROWS_TVM[scheme]`` rows); they are registered with a wrapper that reports the path
-taken (`glm5.backends.api.report_impl`): "tvm", "torch:per-expert" or "torch:gemm".
+target) and declares which ops and dtypes it serves: every op the model calls on CPU (norms,
+rope, silu_mul, the DSA indexer and selection, attention, MoE routing and experts, quantized
+linears), so a model run makes no reference fallback. Three kernels choose per call between
+their TVM pipeline and a torch path (`moe_experts` above ``moe.ROWS_TVM`` routed rows,
+`quant_linear` above ``quant.ROWS_TVM[scheme]`` rows, `topk_indices` below ``topk.RADIX_MIN``
+scores a row); they are registered with a wrapper that reports the path taken
+(`glm5.backends.api.report_impl`): "tvm", "torch:per-expert", "torch:gemm" or "torch:topk".
 """
 
 from __future__ import annotations
@@ -82,10 +85,20 @@ def _quant_linear_path(x, w_packed, w_scale, scheme, bias=None) -> str | None:
     return "tvm" if M <= quant.ROWS_TVM[scheme] else "torch:gemm"
 
 
+def _topk_path(scores, k) -> str | None:
+    """The selection `glm5.kernels.tvm.topk.topk_indices` uses (None: nothing to select)."""
+    from glm5.kernels.tvm import topk
+
+    if scores.shape[0] == 0 or min(k, scores.shape[1]) == 0:
+        return None
+    return topk.path(scores.shape[1])
+
+
 # op -> (the path it takes per call, its static label)
 _CHOOSERS: dict[str, tuple[Callable[..., str | None], str]] = {
     "moe_experts": (_moe_path, "tvm|torch:per-expert"),
     "quant_linear": (_quant_linear_path, "tvm|torch:gemm"),
+    "topk_indices": (_topk_path, "tvm|torch:topk"),
 }
 
 

@@ -1,10 +1,15 @@
-"""TVM (llvm, host CPU) kernels for `rms_norm`, `rope` and `silu_mul` (docs/ops.md, normalisation).
+"""TVM (llvm, host CPU) kernels for `rms_norm`, `layer_norm`, `rope` and `silu_mul` (docs/ops.md,
+normalisation).
 
 Loop-level TensorIR, one work item per row (``T.parallel``), fp32 math in registers:
 
 * rms_norm: ``x[N, D]`` (leading dims flattened) — sum of squares in ``VL`` fp32 lanes plus a
   scalar tail, one horizontal sum, ``r = 1 / sqrt(mean + eps)``, then ``y = (x · r) · w`` (the
   reference's order) vectorised the same way. ``w`` goes in as fp32.
+* layer_norm: ``x[N, D]`` — two passes for the moments (the mean, then the sum of squared
+  deviations from it: no cancellation when the mean is large against the spread, where
+  E[x²] − mean² loses every digit), ``r = 1 / sqrt(var + eps)``, then
+  ``y = ((x − mean) · r) · w + b``. ``w`` and ``b`` go in as fp32.
 * rope: ``x[T, H, R]`` (middle dims flattened to H, 1 when absent), ``cos``/``sin[T, R/2]`` fp32.
   NeoX pairs ``(x[i], x[i + R/2])`` are two contiguous vectors; interleaved pairs
   ``(x[2i], x[2i+1])`` are handled VL/2 pairs at a time: ``y[r] = x[r]·c2[r] + x[r^1]·s2[r]``
@@ -73,6 +78,64 @@ def build_rms_norm(dt: str) -> Any:
                     T, widen(T, X[n, D // VL * VL + j], dt) * r * W[D // VL * VL + j], dt)
 
     return rms_norm
+
+
+def build_layer_norm(dt: str) -> Any:
+    from tvm.script import tirx as T
+
+    sdt = storage(dt)
+
+    @T.prim_func
+    def layer_norm(x_h: T.handle, w_h: T.handle, b_h: T.handle, y_h: T.handle,
+                   eps: T.float32):
+        T.func_attr({"global_symbol": "layer_norm", "tirx.noalias": True})
+        N = T.int32()
+        D = T.int32()
+        X = T.match_buffer(x_h, (N, D), sdt)
+        W = T.match_buffer(w_h, (D,), "float32")
+        B = T.match_buffer(b_h, (D,), "float32")
+        Y = T.match_buffer(y_h, (N, D), sdt)
+        for n in T.parallel(N):
+            acc = T.alloc_buffer((VL,), "float32", scope="local")
+            tot = T.alloc_buffer((2,), "float32", scope="local")  # mean, then 1/std
+            # pass 1: the mean
+            for ll in T.vectorized(VL):
+                acc[ll] = T.float32(0)
+            for c in range(D // VL):
+                for ll in T.vectorized(VL):
+                    acc[ll] = acc[ll] + widen(T, X[n, c * VL + ll], dt)
+            tot[0] = T.float32(0)
+            for ll in T.unroll(VL):
+                tot[0] = tot[0] + acc[ll]
+            for j in range(D % VL):
+                tot[0] = tot[0] + widen(T, X[n, D // VL * VL + j], dt)
+            tot[0] = tot[0] / T.Cast("float32", D)
+            # pass 2: the variance, as the mean of squared deviations
+            for ll in T.vectorized(VL):
+                acc[ll] = T.float32(0)
+            for c in range(D // VL):
+                for ll in T.vectorized(VL):
+                    acc[ll] = acc[ll] + (widen(T, X[n, c * VL + ll], dt) - tot[0]) * (
+                        widen(T, X[n, c * VL + ll], dt) - tot[0])
+            tot[1] = T.float32(0)
+            for ll in T.unroll(VL):
+                tot[1] = tot[1] + acc[ll]
+            for j in range(D % VL):
+                tot[1] = tot[1] + (widen(T, X[n, D // VL * VL + j], dt) - tot[0]) * (
+                    widen(T, X[n, D // VL * VL + j], dt) - tot[0])
+            tot[1] = T.float32(1) / T.sqrt(tot[1] / T.Cast("float32", D) + eps)
+            # pass 3: normalise, scale, shift
+            for c in range(D // VL):
+                for ll in T.vectorized(VL):
+                    Y[n, c * VL + ll] = narrow(
+                        T, (widen(T, X[n, c * VL + ll], dt) - tot[0]) * tot[1] * W[c * VL + ll]
+                        + B[c * VL + ll], dt)
+            for j in range(D % VL):
+                Y[n, D // VL * VL + j] = narrow(
+                    T, (widen(T, X[n, D // VL * VL + j], dt) - tot[0]) * tot[1]
+                    * W[D // VL * VL + j] + B[D // VL * VL + j], dt)
+
+    return layer_norm
 
 
 def build_rope(dt: str, interleaved: bool) -> Any:
@@ -195,6 +258,19 @@ def rms_norm(context: Callable[[], Any], x: torch.Tensor, weight: torch.Tensor,
     return y.view(x.shape)
 
 
+def layer_norm(context: Callable[[], Any], x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] fp32/bf16, weight / bias [D] -> [..., D] in x's dtype (fp32 math)."""
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D).contiguous()
+    y = torch.empty_like(x2)
+    if x2.numel():
+        fn = _fn(context, "layer_norm", x.dtype, lambda: build_layer_norm(_TVM[x.dtype]))
+        fn(bits(x2), weight.to(torch.float32).contiguous(), bias.to(torch.float32).contiguous(),
+           bits(y), float(eps))
+    return y.view(x.shape)
+
+
 def rope(context: Callable[[], Any], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
          interleaved: bool) -> torch.Tensor:
     """x [T, ..., R] fp32/bf16, cos/sin [T, R/2] -> like x."""
@@ -240,6 +316,12 @@ def _rms_supports(x, weight, eps) -> bool:
             and x.dim() >= 1 and _small(x))
 
 
+def _layer_norm_supports(x, weight, bias, eps) -> bool:
+    return (x.dtype in DTYPES and weight.dtype in DTYPES + (torch.float64,)
+            and bias.dtype in DTYPES + (torch.float64,) and _cpu(x, weight, bias)
+            and x.dim() >= 1 and _small(x))
+
+
 def _rope_supports(x, cos, sin, interleaved) -> bool:
     return (x.dtype in DTYPES and cos.dtype in DTYPES and sin.dtype in DTYPES
             and _cpu(x, cos, sin) and x.dim() >= 2 and x.shape[-1] % 2 == 0 and _small(x))
@@ -254,6 +336,8 @@ def kernels(context: Callable[[], Any]) -> list[tuple[str, Callable, tuple | Non
     return [
         ("rms_norm", lambda x, weight, eps: rms_norm(context, x, weight, eps), DTYPES,
          _rms_supports),
+        ("layer_norm", lambda x, weight, bias, eps: layer_norm(context, x, weight, bias, eps),
+         DTYPES, _layer_norm_supports),
         ("rope", lambda x, cos, sin, interleaved: rope(context, x, cos, sin, interleaved),
          DTYPES, _rope_supports),
         ("silu_mul", lambda x: silu_mul(context, x), DTYPES, _silu_supports),

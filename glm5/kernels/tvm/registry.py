@@ -10,7 +10,7 @@ import importlib
 from typing import Any, Callable
 
 # (module under glm5.kernels.tvm, the function building its rows)
-MODULES = ("sparse_attention", "indexer", "norm", "moe", "quant")
+MODULES = ("sparse_attention", "indexer", "topk", "norm", "moe", "route", "quant")
 
 
 def kernels(context: Callable[[], Any]) -> list[tuple[str, Callable, tuple | None, Any]]:

@@ -444,9 +444,9 @@ def threads() -> int:
     hardware_concurrency / 2 on x86 (it assumes SMT): 1 thread on a 2-vCPU VM."""
     global _num_threads
     if _num_threads is None:
-        import tvm
+        from glm5.kernels.tvm.build import runtime_function
 
-        _num_threads = tvm.get_global_func("runtime.NumThreads")
+        _num_threads = runtime_function("runtime.NumThreads")
     return int(_num_threads())
 
 
