@@ -134,3 +134,12 @@ def test_generate_names_a_non_finite_mtp_layer():
                        r"mtp\.0\.block\.input_layernorm; its weights are finite; non-finite "
                        r"weights elsewhere: mtp\.0\.eh_proj\.weight"):
         m.generate(torch.tensor([[5, 6, 7, 8]]), 4, use_mtp=True)
+
+
+@pytest.mark.parametrize("bad", [0, -0.02, float("nan"), "0.02", True])
+def test_initializer_range_must_be_a_positive_number(bad):
+    from glm5.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"glm5 config: initializer_range expected a positive "
+                       r"number"):
+        preset("tiny").replace(initializer_range=bad)

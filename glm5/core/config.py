@@ -107,6 +107,10 @@ class GLM5Config:
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 0,
                  f"{name} expected a non-negative integer, got {v!r}")
         need(self.hidden_act == "silu", f"hidden_act expected 'silu', got {self.hidden_act!r}")
+        ir = self.initializer_range
+        need(isinstance(ir, (int, float)) and not isinstance(ir, bool) and math.isfinite(ir)
+             and ir > 0, f"initializer_range expected a positive number (the std of the "
+             f"initial weights), got {ir!r}")
         need(len(self.mlp_layer_types) == self.num_hidden_layers,
              f"mlp_layer_types expected {self.num_hidden_layers} entries, got "
              f"{len(self.mlp_layer_types)}")
