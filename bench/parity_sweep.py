@@ -24,6 +24,17 @@ def _seeds(text: str) -> list[int]:
     return [int(s) for s in text.split(",")]
 
 
+def _write(a: argparse.Namespace, summary: dict, runs: list) -> None:
+    rows = {k: {**{f: v for f, v in s.items() if f != "ratio_medians"},
+                "ratio_median": statistics.median(s["ratio_medians"])}
+            for k, s in summary.items()}
+    doc = {"command": " ".join(sys.argv), "examples": a.examples, "profile": a.profile,
+           "summary": rows, "runs": runs}
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default="reference,cpu")
@@ -62,13 +73,7 @@ def main() -> int:
                 s["ratio_medians"].append(r.ratio_median)
                 for k, n in r.served_by.items():
                     s["served_by"][k] = s["served_by"].get(k, 0) + n
-    for s in summary.values():
-        s["ratio_median"] = statistics.median(s.pop("ratio_medians"))
-    doc = {"command": " ".join(sys.argv), "examples": a.examples, "profile": a.profile,
-           "summary": summary, "runs": runs}
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
+            _write(a, summary, runs)  # after every seed: a long sweep cut short keeps its seeds
     failed = sum(s["seeds"] - s["passed_seeds"] for s in summary.values())
     print(f"{len(summary)} rows x seeds: {failed} failed -> {a.out}")
     return 1 if failed else 0
