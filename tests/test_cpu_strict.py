@@ -54,3 +54,35 @@ def test_small_forward_and_generate_strict_on_cpu(strict):
     with torch.no_grad():
         assert bool(torch.isfinite(m(ids)).all())
     assert m.generate(ids[:, :16], 2).shape == (1, 18)
+
+
+def _misaligned(*shape: int, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:
+    """A contiguous tensor starting 4 bytes past a 64-byte boundary, as a weight read from a
+    checkpoint or a row view can (TVM assumes 64-byte aligned buffers by default)."""
+    n = 1
+    for s in shape:
+        n *= s
+    base = torch.randn(n + 16) * scale
+    t = base[1: 1 + n].view(*shape).to(dtype)
+    if dtype == torch.float32:
+        assert t.data_ptr() % 64 != 0
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernels_take_misaligned_tensors(strict, dtype):
+    """layer_norm / moe_route / topk_indices on buffers off TVM's 64-byte alignment (the
+    layer_norm kernel faulted on an indexer norm weight loaded from a checkpoint)."""
+    from glm5 import ops
+    from glm5.testing.compare import assert_matches
+
+    for D in (16, 64, 100):
+        v = {"x": _misaligned(24, D, dtype=dtype), "weight": _misaligned(D),
+             "bias": _misaligned(D), "eps": 1e-6}
+        assert_matches("layer_norm", ops.layer_norm(**v), v)
+    v = {"logits": _misaligned(24, 64), "bias": _misaligned(64, scale=0.1), "top_k": 8,
+         "n_group": 4, "topk_group": 2, "norm_topk_prob": True, "routed_scaling": 2.5}
+    assert_matches("moe_route", ops.moe_route(**v), v)
+    for S in (100, 2000):  # the torch.topk and the radix-select paths
+        v = {"scores": _misaligned(30, S, dtype=dtype), "k": 40}
+        assert_matches("topk_indices", ops.topk_indices(**v), v)

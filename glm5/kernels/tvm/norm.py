@@ -37,6 +37,7 @@ REV = 3  # bump when the generated code changes (part of the build-cache key)
 VL = 16  # fp32 lanes per vector (one AVX-512 / two AVX2 registers)
 DTYPES = (torch.float32, torch.bfloat16)
 _TVM = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+ALIGN = {"float32": 4, "bfloat16": 2}  # bytes of one element (see build_layer_norm)
 
 
 # --------------------------------------------------------------------------- builders
@@ -91,10 +92,13 @@ def build_layer_norm(dt: str) -> Any:
         T.func_attr({"global_symbol": "layer_norm", "tirx.noalias": True})
         N = T.int32()
         D = T.int32()
-        X = T.match_buffer(x_h, (N, D), sdt)
-        W = T.match_buffer(w_h, (D,), "float32")
-        B = T.match_buffer(b_h, (D,), "float32")
-        Y = T.match_buffer(y_h, (N, D), sdt)
+        # align: element alignment only. Weights read from a checkpoint, and row views, need
+        # not start on the 64-byte boundary TVM assumes by default (its aligned vector loads
+        # then fault).
+        X = T.match_buffer(x_h, (N, D), sdt, align=ALIGN[dt])
+        W = T.match_buffer(w_h, (D,), "float32", align=4)
+        B = T.match_buffer(b_h, (D,), "float32", align=4)
+        Y = T.match_buffer(y_h, (N, D), sdt, align=ALIGN[dt])
         for n in T.parallel(N):
             acc = T.alloc_buffer((VL,), "float32", scope="local")
             tot = T.alloc_buffer((2,), "float32", scope="local")  # mean, then 1/std

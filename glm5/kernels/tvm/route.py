@@ -43,8 +43,10 @@ def build_route() -> Any:
         E = T.int32()
         G = T.int32()
         K = T.int32()
-        L = T.match_buffer(l_h, (Tn, E), "float32")
-        Bs = T.match_buffer(b_h, (E,), "float32")
+        # align=4: the bias comes from a checkpoint and need not sit on TVM's default 64-byte
+        # boundary (aligned vector loads of a misaligned buffer fault)
+        L = T.match_buffer(l_h, (Tn, E), "float32", align=4)
+        Bs = T.match_buffer(b_h, (E,), "float32", align=4)
         S = T.match_buffer(s_h, (Tn, E), "float32")
         GS = T.match_buffer(g_h, (Tn, G), "float32")
         W = T.match_buffer(w_h, (Tn, K), "float32")

@@ -44,7 +44,8 @@ def build_keys() -> Any:
         T.func_attr({"global_symbol": "score_keys", "tirx.noalias": True})
         R = T.int32()
         S = T.int32()
-        X = T.match_buffer(x_h, (R, S), "float32")
+        # align=4: a block of rows is a view at any offset (TVM assumes 64-byte alignment)
+        X = T.match_buffer(x_h, (R, S), "float32", align=4)
         K = T.match_buffer(k_h, (R, S), "int64")
         for r in T.parallel(R):
             for s in range(S):
