@@ -298,3 +298,32 @@ def test_model_forward_with_key_block_passes(monkeypatch):
     torch.testing.assert_close(many, one, rtol=0, atol=REORDER_LOGIT_TOL * scale)
     torch.testing.assert_close(many, ref, rtol=0, atol=LOGIT_TOL * scale)
 
+
+
+@pytest.mark.parametrize("op", ["attention", "sparse_attention"])
+def test_nan_key_reaches_exactly_the_queries_that_see_it(fns, op):
+    # The kernel's expf clamps its argument with min/max, which drop a NaN: a NaN score came out
+    # as a finite (or -inf) output. The reference gives NaN to every query that sees the key and
+    # leaves the others alone; so must the kernel.
+    g = torch.Generator().manual_seed(3)
+    T, S = 4, 9
+    q = torch.randn(T, 4, 16, generator=g)
+    k = torch.randn(S, 1, 16, generator=g)
+    v = torch.randn(S, 1, 8, generator=g)
+    k[5, 0, 3] = float("nan")
+    if op == "attention":
+        args = (q, k, v, torch.zeros(T, dtype=torch.int32),
+                torch.tensor([3, 6, 9, 5], dtype=torch.int32), 0.3)
+    else:
+        idx = torch.tensor([[0, 1, 2, -1], [4, 5, 6, -1], [5, 8, 0, 1], [1, 2, 3, 4]],
+                           dtype=torch.int32)
+        args = (q, k, v, idx, 0.3)
+    out, lse = fns[op](*args)
+    sees = torch.tensor([False, True, True, False])
+    assert out[sees].isnan().all() and lse[sees].isnan().all()
+    assert out[~sees].isfinite().all() and lse[~sees].isfinite().all()
+    # and the rows that do not see it are still right (judged on their own inputs)
+    rest = [a[~sees] if isinstance(a, torch.Tensor) and a.shape[0] == T and a is not k
+            and a is not v else a for a in args]
+    names = [p.name for p in get_op(op).params]
+    assert_matches(op, (out[~sees], lse[~sees]), dict(zip(names, rest)))

@@ -33,7 +33,8 @@ def narrow(T: Any, x: Any, dtype: str) -> Any:
 
 
 def fexp(T: Any, x: Any) -> Any:
-    """Vectorisable expf (Cephes polynomial, ~2 ulp); exp(-inf) = 0, large x saturate."""
+    """Vectorisable expf (Cephes polynomial, ~2 ulp); exp(-inf) = 0, large x saturate, NaN stays
+    NaN."""
     xc = T.max(T.min(x, T.float32(88.3762626647949)), T.float32(-87.33654475))
     fx = T.floor(xc * T.float32(1.4426950408889634) + T.float32(0.5))
     r = xc - fx * T.float32(0.693359375) - fx * T.float32(-2.12194440e-4)
@@ -43,8 +44,13 @@ def fexp(T: Any, x: Any) -> Any:
         + r + T.float32(1.0)
     e = T.reinterpret("float32", T.shift_left(T.Cast("int32", fx) + 127, 23))
     inf = T.float32(float("inf"))
-    return T.Select(x > T.float32(88.3762626647949), inf,
-                    T.Select(x < T.float32(-87.33654475), T.float32(0.0), y * e))
+    # The clamps above are min/max, which drop a NaN: pass it through explicitly, so a NaN score
+    # reaches the softmax sum and the output as it does in the reference. Tested on the bits:
+    # TVM's simplifier folds `x != x` to false.
+    nan = (T.reinterpret("int32", x) & T.int32(0x7FFFFFFF)) > T.int32(0x7F800000)
+    return T.Select(nan, x, T.Select(x > T.float32(88.3762626647949), inf,
+                                        T.Select(x < T.float32(-87.33654475), T.float32(0.0),
+                                                 y * e)))
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
