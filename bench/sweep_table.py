@@ -18,11 +18,15 @@ def table(paths: list[str]) -> str:
     acc: dict[tuple[str, str, str], dict] = {}
     backends: list[str] = []
     meta = []
+    seen: set[tuple[str, int]] = set()
     for p in paths:
         with open(p) as f:
             doc = json.load(f)
         meta.append(f"`{doc['command']}`")
         for run in doc["runs"]:
+            if (run["backend"], run["seed"]) in seen:  # a seed run by two processes counts once
+                continue
+            seen.add((run["backend"], run["seed"]))
             if run["backend"] not in backends:
                 backends.append(run["backend"])
             for r in run["rows"]:
