@@ -161,6 +161,17 @@ def _check_dir(target: Path, overwrite: bool, who: str, replaces: Callable[[str]
                                              f"{more})")
 
 
+def _scratch_beside(target: Path, who: str) -> tuple[Path, list[Path]]:
+    """A fresh temporary directory beside ``target`` (same filesystem: the final rename is
+    atomic), creating missing parents; returns it and the parents it created."""
+    created = _make_parents(target, who)
+    try:
+        return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent)), created
+    except BaseException:
+        _remove_created(created)
+        raise
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike[str], *, overwrite: bool, who: str,
                replaces: Callable[[str], bool], kind: str = "an output") -> Iterator[Path]:
@@ -175,12 +186,7 @@ def atomic_dir(path: str | os.PathLike[str], *, overwrite: bool, who: str,
     """
     target = _target(path)
     _check_dir(target, overwrite, who, replaces, kind)
-    created = _make_parents(target, who)
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    except BaseException:
-        _remove_created(created)
-        raise
+    tmp, created = _scratch_beside(target, who)
     try:
         yield tmp
         _check_dir(target, overwrite, who, replaces, kind)  # again: it may have appeared meanwhile
@@ -221,12 +227,7 @@ def atomic_file(path: str | os.PathLike[str], *, overwrite: bool, who: str) -> I
         raise OutputPathError(f"{who}: {target} is a directory, expected a file path")
     if target.exists() and not overwrite:
         raise OutputExistsError(who, target, "exists")
-    created = _make_parents(target, who)
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    except BaseException:
-        _remove_created(created)
-        raise
+    tmp, created = _scratch_beside(target, who)
     try:
         yield tmp / target.name
         if not (tmp / target.name).is_file():

@@ -21,8 +21,8 @@ Loop-level TensorIR, one work item per row (``T.parallel``), fp32 math in regist
 Every length (rows, D, R, I) is symbolic: one build per (op, dtype[, interleaved]) serves any
 shape. bf16 is bound as its uint16 bits (a free view) and widened with a shift; the output is
 rounded to nearest even in-kernel (``widen`` / ``narrow`` from ``tirlib``, shared by the other
-cpu kernels of this package). Vectors are ``VL = 16`` fp32 lanes: one AVX-512 register, or two AVX2 registers
-on the llvm target TVM detects on an AVX2-only host (the development VM: AMD EPYC, znver3).
+cpu kernels of this package). Vectors are ``VL = 16`` fp32 lanes: one AVX-512 register, or two
+AVX2 registers on an AVX2-only host (the llvm target TVM detects at run time).
 """
 
 from __future__ import annotations
