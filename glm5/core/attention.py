@@ -44,19 +44,47 @@ def _chunks(n: int) -> list[tuple[int, int]]:
 
 
 @dataclass
+class Pages:
+    """A paged cache's layout for one forward (the serving engine's): the caches are pools of
+    pages of ``page_size`` rows; sequence b's logical position j lives in physical row
+    ``block_table[b, j // page_size] * page_size + j % page_size``."""
+
+    block_table: torch.Tensor  # [B, P] int32 page ids (-1: not allocated)
+    seq: torch.Tensor  # [N] int32: the block_table row of each query
+    k_len: torch.Tensor  # [N] int32: query n sees logical keys 0 .. k_len[n] - 1 (causal)
+    page_size: int
+
+    def rows(self, a: int, b: int) -> "Pages":
+        return Pages(self.block_table, self.seq[a:b], self.k_len[a:b], self.page_size)
+
+    def all_slots(self, width: int) -> torch.Tensor:
+        """[N, width] int32 physical rows of logical keys 0 .. width - 1 of each query, -1 past
+        k_len: the selection when every query attends to all its keys (context <= top-k)."""
+        j = torch.arange(width, device=self.seq.device)
+        page = self.block_table[self.seq.long()][:, j // self.page_size].long()
+        rows = page * self.page_size + j % self.page_size
+        return torch.where(j[None, :] < self.k_len[:, None], rows, -1).to(torch.int32)
+
+
+@dataclass
 class Step:
-    """Per-forward layout shared by all layers: rope tables, cache slots, key ranges."""
+    """Per-forward layout shared by all layers: rope tables, cache slots, key ranges (or, for
+    a paged cache, the block tables in ``pages``; k_start / k_end are then None)."""
 
     cos: torch.Tensor  # [N, R/2]
     sin: torch.Tensor
     slots: torch.Tensor  # [N] int32 flat cache rows written by this step
-    k_start: torch.Tensor  # [N] int32
-    k_end: torch.Tensor  # [N] int32
+    k_start: torch.Tensor | None  # [N] int32
+    k_end: torch.Tensor | None  # [N] int32
     max_range: int  # longest causal key range of any query
-    max_len: int  # rows per sequence in the flat caches
+    max_len: int  # rows per sequence in the flat caches (0 for a paged cache)
+    pages: Pages | None = None
 
     def rows(self, a: int, b: int) -> "Step":
         """The layout of queries a..b-1."""
+        if self.pages is not None:
+            return Step(self.cos[a:b], self.sin[a:b], self.slots[a:b], None, None,
+                        self.max_range, self.max_len, self.pages.rows(a, b))
         return Step(self.cos[a:b], self.sin[a:b], self.slots[a:b], self.k_start[a:b],
                     self.k_end[a:b], self.max_range, self.max_len)
 
@@ -94,6 +122,13 @@ class Indexer(nn.Module):
         q = _rope_head(q, st.cos, st.sin, c.qk_rope_head_dim)
         w = F.linear(x.float(), self.weights_proj.weight.float()) * self.w_scale
         with torch.no_grad():  # the selection is not differentiable; the indexer is trained apart
+            if st.pages is not None:
+                if c.dsa_selection == "block":
+                    raise ValueError("glm5 paged cache: dsa_selection='block' is not supported "
+                                     "(use 'token', the published model's selection)")
+                p = st.pages
+                return ops.paged_indexer_topk(q, key_cache, w, p.block_table, p.seq, p.k_len,
+                                              p.page_size, c.index_topk)
             if c.dsa_selection == "block":
                 return block_select(q, w, key_cache, st.k_start, st.k_end, st.max_len,
                                     c.dsa_block_size, c.dsa_block_topk, c.index_topk)
@@ -191,7 +226,10 @@ class Attention(nn.Module):
         H, Dn = c.num_attention_heads, c.qk_nope_head_dim
         w_uk, w_uv = self._w_kv()
         dense = st.max_range <= c.index_topk
-        absorb = self.use_absorbed(x.shape[0], rows.numel(), not dense, latent.element_size())
+        # A paged cache is read through the block table by sparse attention in MQA (absorbed)
+        # mode, as FlashMLA's paged kernels do; the MHA mode's row gather assumes flat rows.
+        absorb = st.pages is not None or self.use_absorbed(
+            x.shape[0], rows.numel(), not dense, latent.element_size())
         if self.quantized_prolog():
             q_main, q_pe, c_q = self._prolog_quant(x, w_uk, st, latent, absorb)
         else:
@@ -218,6 +256,8 @@ class Attention(nn.Module):
                 raise ValueError("glm5: a 'shared' indexer layer needs an earlier 'full' layer")
             else:
                 idx = prev_idx
+        elif st.pages is not None:
+            idx = st.pages.all_slots(st.max_range)
         # Keys from the cache (after this step's write): the latent rows in use.
         if absorb:
             q = torch.cat((q_main, q_pe), -1)  # [N, H, Rkv + Dr]

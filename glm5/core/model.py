@@ -11,7 +11,7 @@ from torch import nn
 
 from glm5 import ops
 from glm5.ir.opdef import has_data
-from glm5.core.attention import Attention, Step
+from glm5.core.attention import Attention, Pages, Step
 from glm5.core.cache import KVCache
 from glm5.core.config import GLM5Config
 from glm5.core.layers import MLP, MoE, RMSNorm, apply_linear, init_weights, linear
@@ -149,6 +149,58 @@ class GLM5ForCausalLM(nn.Module):
         """(logits [B, T, V], final normed hidden states [B, T, D] — what MTP consumes)."""
         h = self.model.norm(self.hidden_states(input_ids, cache))
         return F.linear(h, self.lm_head.weight), h
+
+    # ------------------------------------------------------------------ paged (serving)
+    def paged_step(self, positions: torch.Tensor, slots: torch.Tensor,
+                   block_table: torch.Tensor, seq: torch.Tensor, page_size: int) -> Step:
+        """The layout of one forward over a paged cache (the serving engine's): N tokens of any
+        number of sequences, token n at logical ``positions[n]`` of sequence ``seq[n]`` (a row of
+        ``block_table`` [B, P] int32), written to physical row ``slots[n]``; it attends to its
+        sequence's positions 0 .. positions[n] (causal)."""
+        cos, sin = rope_tables(self.inv_freq, self.rope_scaling, positions, self.dtype)
+        k_len = (positions + 1).to(torch.int32)
+        return Step(cos, sin, slots.to(torch.int32), None, None, int(k_len.max()), 0,
+                    Pages(block_table.to(torch.int32), seq.to(torch.int32), k_len, page_size))
+
+    @ops.model_run
+    def hidden_states_paged(self, input_ids: torch.Tensor, st: Step,
+                            latent: list[torch.Tensor], index_keys: list[torch.Tensor | None]
+                            ) -> torch.Tensor:
+        """Final hidden states before the last norm, [N, D], of the N tokens ``input_ids`` [N]
+        laid out by ``st`` (`paged_step`); ``latent`` / ``index_keys`` are the per-layer page
+        pools [num_pages * page_size, *] (written in place at ``st.slots``)."""
+        if input_ids.dim() != 1 or input_ids.numel() == 0:
+            raise ValueError(f"glm5 model: paged input_ids expected [N] with N >= 1, got "
+                             f"{list(input_ids.shape)}")
+        h = self.model.embed_tokens(input_ids)
+        idx = None
+        for i, layer in enumerate(self.model.layers):
+            h, idx = layer(h, st, latent[i], index_keys[i], idx, None)
+        return h
+
+    def logits_and_hidden(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [..., V], normed hidden [..., D]) of pre-norm hidden states [..., D]."""
+        hn = self.model.norm(h)
+        return F.linear(hn, self.lm_head.weight), hn
+
+    @ops.model_run
+    def mtp_paged(self, hidden: torch.Tensor, next_ids: torch.Tensor, st: Step,
+                  latent: torch.Tensor, index_keys: torch.Tensor, depth: int = 0
+                  ) -> torch.Tensor:
+        """`mtp_logits` over a paged cache: ``hidden`` [N, D] at positions i (the main model's
+        normed final hidden states, or this layer's own output when drafting recursively),
+        ``next_ids`` [N] the tokens at i + 1. Returns the layer's output [N, D] (before
+        shared_head.norm); `mtp_head` turns rows of it into logits for the tokens at i + 2."""
+        if self.mtp is None:
+            raise ValueError("glm5 model: this checkpoint has no MTP layer")
+        m = self.mtp[depth]
+        e = m.enorm(self.model.embed_tokens(next_ids))
+        x = apply_linear(m.eh_proj, torch.cat((e, m.hnorm(hidden)), -1))
+        return m.block(x, st, latent, index_keys, None, None)[0]
+
+    def mtp_head(self, h: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """Logits [..., V] of MTP layer ``depth``'s output rows [..., D]."""
+        return F.linear(self.mtp[depth].shared_head.norm(h), self.lm_head.weight)
 
     def save_pretrained(self, path, max_shard_bytes: int = 5 * 2**30,
                         overwrite: bool = False) -> None:

@@ -1,0 +1,59 @@
+"""The serving engine's paged cache: per layer a pool of pages for the MLA latent
+([num_pages * page_size, kv_lora_rank + qk_rope_head_dim]) and, on layers that run the
+indexer, the indexer keys ([num_pages * page_size, index_head_dim]); the MTP layers get pools
+of their own, addressed by the same page ids (a token's MTP entry lives in the same page as its
+main-model entries)."""
+
+from __future__ import annotations
+
+import torch
+
+from glm5.core.model import GLM5ForCausalLM
+
+
+class KVPool:
+    """Page pools of one model. Page p holds rows [p * page_size, (p + 1) * page_size)."""
+
+    def __init__(self, model: GLM5ForCausalLM, num_pages: int, page_size: int,
+                 mtp: bool = False) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"glm5 KVPool: num_pages and page_size expected >= 1, got "
+                             f"{num_pages}, {page_size}")
+        cfg = model.config
+        rows = num_pages * page_size
+        dt, dev = model.dtype, model.device
+        self.num_pages, self.page_size = num_pages, page_size
+
+        def pool(width: int) -> torch.Tensor:
+            return torch.zeros(rows, width, dtype=dt, device=dev)
+
+        self.latent = [pool(cfg.kv_cache_dim) for _ in range(cfg.num_hidden_layers)]
+        self.index_keys = [pool(cfg.index_head_dim) if t == "full" else None
+                           for t in cfg.indexer_types]
+        n_mtp = len(model.mtp) if (mtp and model.mtp is not None) else 0
+        self.mtp_latent = [pool(cfg.kv_cache_dim) for _ in range(n_mtp)]
+        self.mtp_index_keys = [pool(cfg.index_head_dim) for _ in range(n_mtp)]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (*self.latent, *self.index_keys, *self.mtp_latent,
+                            *self.mtp_index_keys) if t is not None]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy every pool's rows of page ``src`` into page ``dst`` (copy-on-write of a shared
+        page a request must write into)."""
+        ps = self.page_size
+        for t in self.tensors():
+            t[dst * ps:(dst + 1) * ps] = t[src * ps:(src + 1) * ps]
+
+    @staticmethod
+    def page_bytes(model: GLM5ForCausalLM, page_size: int, mtp: bool = False) -> int:
+        """Bytes one page takes in every pool."""
+        cfg = model.config
+        per_row = cfg.num_hidden_layers * cfg.kv_cache_dim + sum(
+            cfg.index_head_dim for t in cfg.indexer_types if t == "full")
+        if mtp and model.mtp is not None:
+            per_row += len(model.mtp) * (cfg.kv_cache_dim + cfg.index_head_dim)
+        return per_row * page_size * model.model.embed_tokens.weight.element_size()

@@ -1,0 +1,230 @@
+"""Continuous batching: which requests run in the next step and how many of their tokens.
+
+Every step the running requests (decodes: one token plus their MTP drafts; unfinished
+prefills: a chunk) go first, then waiting requests are admitted while the step's token budget
+(``max_num_batched_tokens``), the sequence limit (``max_num_seqs``) and the free pages allow.
+Prefills are chunked (``chunk_size`` tokens per step), so a long prompt shares every step with
+the running decodes instead of stalling them. Pages come from the allocator; when it runs out
+the prefix cache gives back unreferenced pages (LRU), and then the most recently admitted
+running request is preempted: its pages are freed and it goes back to the front of the queue
+to be recomputed (prompt and generated tokens), so no request is lost.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from glm5.engine.pages import OutOfPages, PageAllocator
+from glm5.engine.radix import RadixCache
+from glm5.engine.request import Request, Status
+
+
+@dataclass
+class Item:
+    """One request's share of a step: tokens at positions start .. start + len(tokens) - 1."""
+
+    req: Request
+    start: int
+    tokens: list[int]
+    sample: bool  # the chunk reaches the request's last known token: sample after it
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens_queried: int = 0  # prompt tokens looked up in the prefix cache
+    prompt_tokens_hit: int = 0
+    prefill_tokens: int = 0  # tokens computed while not decoding (prompts and recomputes)
+    preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, radix: RadixCache, page_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int,
+                 num_speculative_tokens: int, copy_page: Callable[[int, int], None]) -> None:
+        self.alloc, self.radix, self.ps = allocator, radix, page_size
+        self.max_num_seqs, self.max_tokens, self.chunk = (max_num_seqs, max_num_batched_tokens,
+                                                          chunk_size)
+        self.k = num_speculative_tokens
+        self.copy_page = copy_page
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request) -> None:
+        """Release a finished (or aborted / failed) request: its fully computed pages go to the
+        prefix cache, its references are dropped."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._cache_pages(req)
+        self._release(req)
+        req.status = Status.FINISHED
+
+    def _release(self, req: Request) -> None:
+        if req.pages:
+            self.alloc.decref(req.pages)
+        req.pages = []
+
+    def _cache_pages(self, req: Request) -> None:
+        """Offer the request's fully computed pages to the prefix cache (switching its block
+        table to pages the cache already held for the same tokens)."""
+        full = min(req.num_computed // self.ps, len(req.pages))
+        if full and self.radix.enabled:
+            toks = req.tokens(0, full * self.ps)
+            req.pages[:full] = self.radix.adopt(toks, req.pages[:full])
+
+    # ------------------------------------------------------------------ pages
+    def _pages_for(self, req: Request, n_positions: int) -> bool:
+        """Make ``req``'s block table cover positions 0 .. n_positions - 1; False when the pages
+        cannot be found without preempting ``req`` itself."""
+        need = -(-n_positions // self.ps) - len(req.pages)
+        while need > 0:
+            try:
+                req.pages += self.alloc.alloc(need)
+                return True
+            except OutOfPages as e:
+                short = e.requested - e.free
+                if self.radix.evict(short) >= short:
+                    continue
+                victim = self._victim()
+                if victim is None or victim is req:
+                    return False
+                self._preempt(victim)
+        return True
+
+    def _victim(self) -> Request | None:
+        """The running request admitted last that has no tokens in this step yet."""
+        for r in reversed(self.running):
+            if r.request_id not in self._scheduled:
+                return r
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed = 0
+        req.drafts, req.draft_probs = [], []
+        req.status = Status.WAITING
+        req.metrics.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req)
+        self._preempted.append(req)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> list[Item]:
+        self._preempted: list[Request] = []
+        self._scheduled: set[str] = set()
+        items: list[Item] = []
+        budget = self.max_tokens
+        # Running requests first, oldest first: decodes and continuing prefills.
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req not in self.running:  # preempted by an older request's page demand
+                continue
+            item = self._item(req, budget)
+            if not self._pages_for(req, item.start + len(item.tokens) + max(self.k - 1, 0)):
+                self._preempt(req)
+                continue
+            items.append(item)
+            self._scheduled.add(req.request_id)
+            budget -= len(item.tokens)
+        # Then admit waiting requests in arrival order (preempted ones are at the front).
+        prefilling = [r for r in self.running if r.in_prefill]
+        deferred: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.popleft()
+            if req in self._preempted:  # not in the step that preempted it
+                deferred.append(req)
+                continue
+            if self._shares_prefill(req, prefilling):
+                deferred.append(req)  # its prefix will be cached in a step or two: wait
+                continue
+            self._admit_prefix(req)
+            item = self._item(req, budget)
+            need = item.start + len(item.tokens) + max(self.k - 1, 0)
+            if not self._can_alloc(req, need):
+                self._release(req)
+                req.num_computed = 0
+                deferred.append(req)
+                break
+            self._pages_for(req, need)
+            hit = min(req.num_computed, len(req.prompt_ids))
+            self.stats.prompt_tokens_queried += len(req.prompt_ids)
+            self.stats.prompt_tokens_hit += hit
+            if req.metrics.num_preemptions == 0:
+                req.metrics.num_cached_prompt_tokens = hit
+            req.status = Status.RUNNING
+            self.running.append(req)
+            self._scheduled.add(req.request_id)
+            prefilling.append(req)
+            items.append(item)
+            budget -= len(item.tokens)
+        self.waiting.extendleft(reversed(deferred))
+        for it in items:
+            if it.req.num_tokens - it.start > 1:  # not a decode step
+                self.stats.prefill_tokens += len(it.tokens)
+        return items
+
+    def _item(self, req: Request, budget: int) -> Item:
+        start = req.num_computed
+        left = req.num_tokens - start
+        if left == 1:  # decoding: the last token and the drafts that follow it
+            drafts = req.drafts[: max(budget - 1, 0)]
+            req.drafts, req.draft_probs = drafts, req.draft_probs[: len(drafts)]
+            return Item(req, start, [req.token(start)] + drafts, True)
+        n = min(left, self.chunk, budget)
+        return Item(req, start, req.tokens(start, start + n), start + n == req.num_tokens)
+
+    def _can_alloc(self, req: Request, n_positions: int) -> bool:
+        """Whether a new request's pages can be found without preempting a running one."""
+        need = -(-n_positions // self.ps) - len(req.pages)
+        return need <= self.alloc.num_free + self.radix.evictable_pages()
+
+    def _shares_prefill(self, req: Request, prefilling: list[Request]) -> bool:
+        """Whether a request now prefilling starts with the same first page: admitting ``req``
+        once that prefill is cached prefills the shared prompt once (a GRPO group)."""
+        if len(req.prompt_ids) <= self.ps or not self.radix.enabled:
+            return False
+        head = req.prompt_ids[: self.ps]
+        return any(r.prompt_ids[: self.ps] == head and r.num_computed < len(r.prompt_ids)
+                   for r in prefilling)
+
+    def _admit_prefix(self, req: Request) -> None:
+        """Reuse the cached prefix of a request's tokens. At least its last token is computed
+        (its logits are needed): a prefix covering every token gives up its last page, which
+        is copied into a private page (copy on write) and only the last token is recomputed."""
+        toks = req.tokens(0, req.num_tokens)
+        pages, n = self.radix.match(toks)
+        if n >= req.num_tokens and pages:
+            try:
+                own = self.alloc.alloc(1)
+            except OutOfPages:
+                own = None
+                if self.radix.evict(1):
+                    own = self.alloc.alloc(1)
+            if own is None:
+                self.alloc.decref(pages[-1:])
+                pages, n = pages[:-1], n - self.ps
+            else:
+                self.copy_page(pages[-1], own[0])
+                self.alloc.decref(pages[-1:])
+                pages = pages[:-1] + own
+                n = req.num_tokens - 1
+        req.pages = pages
+        req.num_computed = n
+
+    def cache_progress(self, req: Request) -> None:
+        """After a step: put a prefilling request's newly completed pages in the prefix cache, so
+        that requests sharing its prompt can start from them."""
+        self._cache_pages(req)
