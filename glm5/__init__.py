@@ -28,6 +28,9 @@ _LAZY = {
     "load_model": ("glm5.core.checkpoint", "load_model"),
     "GLM5Config": ("glm5.core.config", "GLM5Config"),
     "GLM5ForCausalLM": ("glm5.core.model", "GLM5ForCausalLM"),
+    "LLM": ("glm5.engine.llm", "LLM"),
+    "SamplingParams": ("glm5.engine.sampling", "SamplingParams"),
+    "EngineConfig": ("glm5.engine.engine", "EngineConfig"),
 }
 
 __all__ = ["__version__", *_LAZY]
