@@ -231,7 +231,8 @@ def _python_blocks(path: pathlib.Path) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("path,line,code", [
     pytest.param(p, ln, code, id=f"{p.name}:{ln}")
-    for p in (ROOT / "README.md", OPS_MD) for ln, code in _python_blocks(p)])
+    for p in (ROOT / "README.md", OPS_MD, ROOT / "docs" / "serving.md")
+    for ln, code in _python_blocks(p)])
 def test_python_examples_run_as_written(path, line, code, tmp_path, monkeypatch):
     """Each ```python block runs on its own, in a fresh namespace (shell blocks are not run)."""
     monkeypatch.chdir(tmp_path)
