@@ -75,7 +75,7 @@ def test_schema_of_every_op_is_bound_as_torch_op():
 def test_composites_decompose_to_the_reference():
     from glm5 import ops
 
-    for name in ("indexer_topk", "mla_prolog", "moe_experts_quant"):
+    for name in ("indexer_topk", "paged_indexer_topk", "mla_prolog", "moe_experts_quant"):
         op = OPS[name]
         assert op.is_composite
         for _, values in _cases(op, 3):

@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import glm5
+import paged_util
 from glm5 import ops
+from glm5.testing.cases import GENERATORS, PROFILES, HypothesisDraw
 from glm5.testing.compare import assert_matches, judge
 
 # These tests pin the reference: the default backend (e.g. cpu) may round differently.
@@ -166,6 +168,98 @@ def test_indexer_topk_is_the_composition(seed, integer, topk):
         sel = [i for i in want[t].tolist() if i >= 0]
         assert all(ks[t] <= i < ke[t] for i in sel)
         assert len(sel) == min(topk, int(ke[t] - ks[t]))
+
+
+# --------------------------------------------------------------------------- paged_indexer_topk
+def _paged_hand():
+    """A pool of 3 pages of 2 rows (Hi = Di = 1, q = w = 1: a key's score is relu(k)).
+    Sequence 0's table [2, 0, -1]: logical keys 0, 1, 2, 3 are pool rows 4, 5, 0, 1.
+    Sequence 1's table [1, -1, -1]: logical 0, 1 are rows 2, 3 (scores 9, the largest: a kernel
+    reading sequence 1's page for sequence 0 selects them)."""
+    k = torch.tensor([[5.0], [1.0], [9.0], [9.0], [3.0], [5.0]], dtype=F64)
+    table = i32([[2, 0, -1], [1, -1, -1]])
+    q = torch.ones(4, 1, 1, dtype=F64)
+    w = torch.ones(4, 1, dtype=F64)
+    return q, k, w, table
+
+
+def test_paged_indexer_topk_hand_case():
+    q, k, w, table = _paged_hand()
+    seq, k_len = i32([0, 0, 1, 0]), i32([3, 4, 2, 0])
+    got = ref("paged_indexer_topk")(q, k, w, table, seq, k_len, 2, 4)
+    # query 0 (k_len 3, ends mid-page): logical scores [3, 5, 5] -> logical 1, 2 (a tie: the
+    # smaller LOGICAL position first, though its pool row 5 > 0), then 0 -> rows 5, 0, 4
+    # query 1 (k_len 4, a page boundary): adds logical 3 (row 1, score 1)
+    # query 2 (sequence 1): rows 2, 3 (scores 9, 9); query 3: no key
+    want = i32([[5, 0, 4, -1], [5, 0, 4, 1], [2, 3, -1, -1], [-1, -1, -1, -1]])
+    assert got.dtype == I32 and torch.equal(got, want)
+    op = glm5.get_op("paged_indexer_topk")
+    assert torch.equal(op.decompose(ops, q, k, w, table, seq, k_len, 2, 4), want)
+    assert torch.equal(ops.paged_indexer_topk(q, k, w, table, seq, k_len, 2, 4), want)
+    assert_matches(op, want, dict(zip(paged_util.PARAMS, (q, k, w, table, seq, k_len, 2, 4))))
+    # the same rows mapped to the wrong page (one page on) are judged wrong by the kit
+    shifted = torch.where(want >= 0, (want + 2) % 6, want)
+    assert not judge(op, shifted, dict(zip(paged_util.PARAMS,
+                                           (q, k, w, table, seq, k_len, 2, 4)))).ok
+
+
+@given(data=st.data(), integer=st.booleans(), dtype=st.sampled_from([F64, torch.float32]))
+def test_paged_is_indexer_topk_on_the_sequence_keys_mapped(data, integer, dtype):
+    """The defining property on the kit's paged cases (shuffled pools, shared prefixes, -1
+    pages, k_len mid-page and on boundaries): reference and decomposition equal indexer_topk's
+    reference over each query's logical keys, mapped to pool rows."""
+    v = GENERATORS["paged_indexer_topk"](HypothesisDraw(data, PROFILES["smoke"]), dtype)
+    if integer:
+        v = paged_util.integer_valued(v, data.draw(st.integers(0, 2**16)))
+    op = glm5.get_op("paged_indexer_topk")
+    op.validate((), v)
+    want = paged_util.unpaged_then_mapped(ref("indexer_topk"), v)
+    got = op.reference(*paged_util.args(v))
+    assert torch.equal(got, want)
+    assert torch.equal(op.decompose(ops, *paged_util.args(v)), want)
+    assert_matches(op, got, v)
+
+
+def _paged_call(**over):
+    q, k, w, table = _paged_hand()
+    a = dict(zip(paged_util.PARAMS, (q, k, w, table, i32([0, 0, 1, 0]), i32([3, 4, 2, 0]), 2,
+                                      4)))
+    a.update(over)
+    return paged_util.args(a)
+
+
+@pytest.mark.parametrize("over,arg,expected", [
+    (dict(page_size=4), "'k'", "multiple of page_size=4"),
+    (dict(seq=i32([0, 2, 1, 0])), "'seq'", "seq[1]=2"),
+    (dict(seq=i32([0, -1, 1, 0])), "'seq'", "[0, 2)"),
+    (dict(k_len=i32([3, 7, 2, 0])), "'k_len'", "k_len[1]=7"),
+    (dict(k_len=i32([3, -1, 2, 0])), "'k_len'", "[0, 6]"),
+    # sequence 0's key 4 lies on its third page, -1 (unallocated)
+    (dict(k_len=i32([3, 5, 2, 0])), "'block_table'", "block_table[0, 2]=-1"),
+    (dict(block_table=i32([[2, 3, -1], [1, -1, -1]])), "'block_table'", "[0, 3)"),
+    (dict(block_table=i32([[2, 2, -1], [1, -1, -1]])), "'block_table'", "page 2 twice"),
+    (dict(seq=i32([0, 0, 1])), "'seq'", "shape"),
+    (dict(topk=0), "'topk'", ">= 1"),
+    (dict(page_size=0), "'page_size'", ">= 1"),
+])
+def test_paged_indexer_topk_errors(over, arg, expected):
+    with pytest.raises(glm5.OpInputError) as ei:
+        ops.paged_indexer_topk(*_paged_call(**over))
+    msg = str(ei.value)
+    assert msg.startswith("glm5.paged_indexer_topk: argument ") and arg in msg, msg
+    assert expected in msg, msg
+
+
+def test_paged_indexer_topk_reads_only_used_pages():
+    """Entries past a sequence's used pages are not read (any value is accepted there), a
+    page shared by two sequences is fine, an index dtype other than int32 is refused."""
+    q, k, w, _ = _paged_hand()
+    table = i32([[2, 0, 7], [2, -5, 1]])  # row 1 shares page 2 (a prefix) with row 0
+    got = ops.paged_indexer_topk(q, k, w, table, i32([0, 0, 1, 1]), i32([3, 4, 2, 1]), 2, 3)
+    assert got.tolist() == [[5, 0, 4], [5, 0, 4], [5, 4, -1], [4, -1, -1]]
+    with pytest.raises(glm5.OpTypeError, match="'block_table'"):
+        ops.paged_indexer_topk(q, k, w, table.long(), i32([0, 0, 1, 1]), i32([3, 4, 2, 1]), 2,
+                               3)
 
 
 # --------------------------------------------------------------------------- attention

@@ -37,6 +37,7 @@ COMPUTED_SHAPES: dict[tuple[str, str], tuple[tuple[str, tuple[str, ...]], ...]] 
     ("silu_mul", "y"): (("", ("...", "I")),),
     ("topk_indices", "idx"): (("", ("T", "k")),),
     ("indexer_topk", "idx"): (("", ("T", "topk")),),
+    ("paged_indexer_topk", "idx"): (("", ("T", "topk")),),
     ("mla_prolog", "q_main"): (("absorb", ("T", "H", "Rkv")), ("not absorb", ("T", "H", "Dn"))),
     ("moe_route", "weights"): (("", ("T", "top_k")),),
     ("moe_route", "ids"): (("", ("T", "top_k")),),
@@ -110,6 +111,9 @@ OP_SYMBOLS: dict[tuple[str, str], str] = {
     ("token_logprobs", "D"): "hidden size",
     ("lightning_indexer", "S"): "key rows",
     ("topk_indices", "S"): "candidates per row",
+    ("paged_indexer_topk", "S"): "rows of the key pool (pages * page_size)",
+    ("paged_indexer_topk", "B"): "sequences (block_table rows)",
+    ("paged_indexer_topk", "P"): "logical pages per sequence (block_table columns)",
 }
 
 # A display order for dtype sets.

@@ -1,5 +1,5 @@
-"""DSA ops: lightning_indexer, topk_indices, indexer_topk (composite), sparse_attention,
-attention."""
+"""DSA ops: lightning_indexer, topk_indices, indexer_topk (composite), paged_indexer_topk
+(composite: indexer_topk through a paged key cache), sparse_attention, attention."""
 
 from __future__ import annotations
 
@@ -195,6 +195,194 @@ INDEXER_TOPK = OpDef(
 )
 
 
+# --------------------------------------------------------------------------- paged_indexer_topk
+# The paged form of indexer_topk: keys live in a pool of pages of `page_size` rows; sequence b's
+# logical key j is pool row block_table[b, j // page_size] * page_size + j % page_size, and
+# query t (of sequence seq[t]) sees logical keys 0 .. k_len[t] - 1.
+def paged_logical_rows(block_table: torch.Tensor, page_size: int, b: int, n: int) -> torch.Tensor:
+    """[n] int64: the pool rows of sequence ``b``'s logical keys 0 .. n-1 (a page id of -1, an
+    unallocated page, gives negative rows: the caller masks them)."""
+    j = torch.arange(n, device=block_table.device)
+    return block_table[b].long()[j // page_size] * page_size + j % page_size
+
+
+def paged_compact_rows(block_table: torch.Tensor, seq: torch.Tensor, k_len: torch.Tensor,
+                       page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compact key buffer of a paged call: every sequence the queries use, its logical keys
+    0 .. (the longest k_len among its queries) - 1, one sequence after another.
+
+    Returns ``rows`` [C] int64, the pool row of each compact key (in logical order within a
+    sequence, so compact order breaks ties as logical order does), and ``start`` [T] int64, where
+    query t's sequence begins in it: query t sees compact keys start[t] .. start[t] + k_len[t].
+    One host sync (C)."""
+    B = block_table.shape[0]
+    need = torch.zeros(B, dtype=torch.int64, device=seq.device).scatter_reduce(
+        0, seq.long(), k_len.long(), "amax", include_self=True)
+    ends = need.cumsum(0)
+    first = ends - need
+    C = int(ends[-1]) if B else 0
+    c = torch.arange(C, device=seq.device)
+    b = torch.searchsorted(ends, c, right=True)
+    j = c - first[b]
+    rows = block_table.long()[b, j // page_size] * page_size + j % page_size
+    return rows, first[seq.long()]
+
+
+def paged_indexer_topk_ref(q, k, w, block_table, seq, k_len, page_size, topk):
+    """indexer_topk over each sequence's logically ordered keys, mapped to pool rows."""
+    T = q.shape[0]
+    out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
+    L = block_table.shape[1] * page_size
+    if L == 0 or k.shape[0] == 0:  # no page, or an empty pool: no query sees a key
+        return out
+    for b in seq.unique().tolist():
+        sel = (seq == b).nonzero()[:, 0]
+        rows = paged_logical_rows(block_table, page_size, b, L)
+        keys = k[rows.clamp(min=0)]  # pages of -1 lie past every k_len: masked by k_end
+        ks = torch.zeros_like(k_len[sel])
+        logical = indexer_topk_ref(q[sel], keys, w[sel], ks, k_len[sel], topk)
+        out[sel] = torch.where(logical >= 0, rows[logical.long().clamp(min=0)],
+                               -1).to(torch.int32)
+    return out
+
+
+def paged_indexer_topk_decompose(ops, q, k, w, block_table, seq, k_len, page_size, topk):
+    """ops.indexer_topk over the compact buffer of the sequences' keys (one call: a fused
+    indexer_topk kernel serves it), then compact -> pool rows."""
+    rows, start = paged_compact_rows(block_table, seq, k_len, page_size)
+    if rows.numel() == 0:  # no query sees a key
+        return torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
+    ks = start.to(torch.int32)
+    idx = ops.indexer_topk(q, k[rows], w, ks, ks + k_len, topk)
+    return torch.where(idx >= 0, rows[idx.long().clamp(min=0)], -1).to(torch.int32)
+
+
+def paged_reachable(block_table: torch.Tensor, seq: torch.Tensor, k_len: torch.Tensor,
+                    page_size: int, S: int) -> torch.Tensor:
+    """[T, S] bool: pool row r holds a key query t sees (r = the row of a logical j < k_len[t]).
+    Reference-only helper."""
+    T, P = seq.shape[0], block_table.shape[1]
+    out = torch.zeros(T, S, dtype=torch.bool, device=seq.device)
+    if T == 0 or P == 0:
+        return out
+    j = torch.arange(P * page_size, device=seq.device)
+    rows = block_table.long()[seq.long()][:, j // page_size] * page_size + j % page_size
+    ok = j[None, :] < k_len.long()[:, None]
+    t = torch.arange(T, device=seq.device)[:, None].expand_as(rows)
+    out[t[ok], rows[ok]] = True
+    return out
+
+
+def _paged_check(a, s) -> None:
+    op = "paged_indexer_topk"
+    ps, S = a["page_size"], s["S"]
+    require(S % ps == 0, op, "k", f"a row count S that is a multiple of page_size={ps} (the "
+            f"pool holds whole pages)", f"S={S}")
+    bt, seq, k_len = a["block_table"], a["seq"], a["k_len"]
+    if not (has_data(bt) and has_data(seq) and has_data(k_len)) or seq.numel() == 0:
+        return
+    B, P = bt.shape
+    bad = (seq < 0) | (seq >= B)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        raise OpInputError(f"glm5.{op}: argument 'seq' expected entries in [0, {B}) (rows of "
+                           f"block_table), got seq[{t}]={int(seq[t])}")
+    bad = (k_len < 0) | (k_len > P * ps)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        raise OpInputError(f"glm5.{op}: argument 'k_len' expected entries in [0, {P * ps}] "
+                           f"(P={P} pages of page_size={ps}), got k_len[{t}]={int(k_len[t])}")
+    # The pages a sequence's queries read: its first ceil(max k_len / page_size) entries.
+    need = torch.zeros(B, dtype=torch.int64, device=seq.device).scatter_reduce(
+        0, seq.long(), k_len.long(), "amax", include_self=True)
+    used = torch.arange(P, device=bt.device)[None, :] < (need[:, None] + ps - 1) // ps
+    pages = S // ps
+    bad = used & ((bt < 0) | (bt >= pages))
+    if bool(bad.any()):
+        b, p = (int(x) for x in bad.nonzero()[0])
+        t = int(((seq == b) & (k_len.long() > p * ps)).nonzero()[0, 0])
+        raise OpInputError(
+            f"glm5.{op}: argument 'block_table' expected a page id in [0, {pages}) for every "
+            f"key a query sees, got block_table[{b}, {p}]={int(bt[b, p])} (logical keys "
+            f"{p * ps}..{(p + 1) * ps - 1} of sequence {b}, seen by query {t} with "
+            f"k_len[{t}]={int(k_len[t])})")
+    # A page twice in one sequence would make two logical keys one pool row.
+    key = torch.where(used, bt.long(), -1 - torch.arange(P, device=bt.device)[None, :])
+    srt = key.sort(dim=1).values
+    dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+    if bool(dup.any()):
+        b, i = (int(x) for x in dup.nonzero()[0])
+        raise OpInputError(
+            f"glm5.{op}: argument 'block_table' expected distinct pages within a sequence's "
+            f"used entries, got page {int(srt[b, i])} twice in row {b}")
+
+
+def _paged_rows(o, got, work) -> SelectionRows:
+    """As indexer_topk's rule, through the mapping: query t's candidates are the pool rows of its
+    logical keys j < k_len[t], each with the oracle score and bound of its key k[row]; other
+    rows are not selectable."""
+    q, k, w = o["q"], o["k"], o["w"]
+    T, S = q.shape[0], k.shape[0]
+    full_s = torch.zeros(T, dtype=torch.int32)
+    scores = lightning_indexer_ref(q, k, w, full_s, torch.full_like(full_s, S))
+    reach = paged_reachable(o["block_table"], o["seq"], o["k_len"], o["page_size"], S)
+    terms = indexer_score_terms(q, k, w)
+    return SelectionRows(scores.masked_fill(~reach, float("-inf")), terms, o["topk"],
+                         torch.zeros(T, dtype=torch.bool))
+
+
+PAGED_INDEXER_TOPK_SELECTION = Selection(
+    "idx", _paged_rows,
+    "by score as indexer_topk, through the page mapping: the selected pool rows' oracle scores "
+    "match the oracle's top-k over the query's logical keys position by position within the "
+    "two keys' score bounds; valid entries first, distinct, rows the query sees, in descending "
+    "order within the bound")
+
+
+def _paged_cost(a, s):
+    T, Hi, Di, ps = s["T"], s["Hi"], s["Di"], a["page_size"]
+    kl, seq = a["k_len"], a["seq"]
+    if has_data(kl) and kl.numel():
+        n = float(kl.double().mean())
+        # each sequence's keys are read once, up to its longest query
+        need = torch.zeros(s["B"], dtype=torch.int64).scatter_reduce(
+            0, seq.long().cpu(), kl.long().cpu(), "amax", include_self=True)
+        keys = float(need.sum())
+    else:
+        n = keys = float(s["P"] * ps)
+    esz = a["k"].element_size()
+    flops = T * n * (2.0 * Hi * Di + 3.0 * Hi + 1.0) + T * a["topk"]
+    return flops, (_bytes(a["q"], a["w"], a["seq"], a["k_len"], a["block_table"])
+                   + keys * Di * esz + 4.0 * T * a["topk"])
+
+
+PAGED_INDEXER_TOPK = OpDef(
+    name="paged_indexer_topk",
+    summary="composite: indexer_topk over each query's sequence's keys read through a block "
+            "table of pages, returned as pool rows",
+    params=(
+        TensorArg("q", ("T", "Hi", "Di"), doc="indexer queries"),
+        TensorArg("k", ("S", "Di"), doc="the paged key pool: S = pages * page_size rows"),
+        TensorArg("w", ("T", "Hi"), doc="per-head weights, all scale factors folded in"),
+        TensorArg("block_table", ("B", "P"), INDEX_DTYPES,
+                  doc="page ids of each sequence's logical pages; -1 = not allocated"),
+        TensorArg("seq", ("T",), INDEX_DTYPES, doc="the block_table row of each query"),
+        TensorArg("k_len", ("T",), INDEX_DTYPES,
+                  doc="query t sees logical keys 0 .. k_len[t]-1 of its sequence"),
+        scalar("page_size", int, minimum=1),
+        scalar("topk", int, minimum=1),
+    ),
+    outputs=(OutArg("idx", lambda s, a: (s["T"], a["topk"]), torch.int32, differentiable=False),),
+    reference=paged_indexer_topk_ref,
+    cost=_paged_cost,
+    check=_paged_check,
+    decompose=paged_indexer_topk_decompose,
+    selection=PAGED_INDEXER_TOPK_SELECTION,
+    differentiable=False,
+    category="dsa",
+)
+
+
 # --------------------------------------------------------------------------- sparse_attention
 def _softmax_out(scores: torch.Tensor, valid: torch.Tensor, v: torch.Tensor, eq: str):
     """Masked softmax(scores) @ v with lse; rows without a valid key give 0 and -inf."""
@@ -375,4 +563,5 @@ ATTENTION = OpDef(
     category="dsa",
 )
 
-OPS = (LIGHTNING_INDEXER, TOPK_INDICES, INDEXER_TOPK, SPARSE_ATTENTION, ATTENTION)
+OPS = (LIGHTNING_INDEXER, TOPK_INDICES, INDEXER_TOPK, PAGED_INDEXER_TOPK, SPARSE_ATTENTION,
+       ATTENTION)

@@ -354,6 +354,103 @@ def gen_indexer_topk(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
     return a
 
 
+def _paged_pool(d: Draw, m: Maker, lens: list[int], ps: int, Di: int,
+                mag: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A serving engine's paged key pool for sequences of lengths ``lens``: (k [pages * ps, Di],
+    block_table [B, P] int32). Page ids are a shuffled permutation of the pool (non-identity
+    physical order) with free pages left over; a sequence's row holds its pages, sometimes one
+    pre-allocated page past its length, then at least one -1 (unallocated); sequences may share a
+    page-aligned prefix with sequence 0 (a prefix cache); the table may be a column slice of a
+    wider one (non-contiguous rows)."""
+    B = len(lens)
+    used = [-(-n // ps) for n in lens]
+    extra = [int(u < 64 and d.int(0, 3) == 0) for u in used]  # a page allocated ahead
+    P = max(u + e for u, e in zip(used, extra)) + d.int(1, 2)  # -1 columns at the end
+    shared = 0
+    if B > 1 and d.flag():
+        shared = d.int(0, min([lens[0] // ps] + used[1:]))
+    need = sum(u + e for u, e in zip(used, extra)) - shared * (B - 1)
+    n_pages = need + d.int(0, 3)  # free pages: a kernel reading one selects keys no query sees
+    ids = m.perm(n_pages).tolist()
+    if ids == sorted(ids):  # never the identity: a kernel ignoring the table must fail
+        ids.reverse()
+    wide = P + (d.int(1, 3) if d.flag() else 0)
+    table = torch.full((B, wide), -1, dtype=torch.int32)
+    nxt = 0
+    for b in range(B):
+        for p in range(used[b] + extra[b]):
+            if b > 0 and p < shared:
+                table[b, p] = table[0, p]
+            else:
+                table[b, p] = ids[nxt]
+                nxt += 1
+    k = m.randn(n_pages * ps, Di, scale=mag)
+    return k, table[:, :P]
+
+
+def gen_paged_indexer_topk(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    """indexer_topk through a paged pool (`_paged_pool`): B sequences, lengths ending mid-page
+    and on page boundaries; queries as prefill chunks (causal k_len ending at the sequence's
+    length, grouped by sequence), decode steps (k_len = the length, sequences interleaved) or
+    random (any k_len in [0, length], empty rows included, interleaved)."""
+    tier = d.tier()
+    m = Maker(d, dtype)
+    if tier == "edge":
+        B, ps, T = d.int(1, 3), d.choice((1, 2, 3, 4, 8)), d.int(1, 6)
+        Hi, Di, lo, hi = d.int(1, 4), d.choice((4, 8, 16)), 0, 12
+    elif tier == "tile":  # past BLOCK_T 16 / BLOCK_S 64; pages smaller and larger than tiles
+        B, ps, T = d.int(1, 4), d.choice((16, 5, 64)), d.int(17, 40)
+        Hi, Di, lo, hi = d.int(2, 8), d.choice((24, 48, 128, 160)), 65, 300
+    elif tier == "model":
+        B, ps, T = d.int(1, 3), 64, d.int(1, 4)
+        Hi, Di, lo, hi = GLM5["index_heads"], GLM5["index_dim"], GLM5["index_topk"] + 1, 3000
+    elif tier == "large":  # past the TVM 64-query block
+        B, ps, T = d.int(1, 3), d.choice((64, 16)), d.int(65, 130)
+        Hi, Di, lo, hi = d.int(4, 8), 64, 1000, 4500
+    else:  # past the TVM 8192-key tile
+        B, ps, T = d.int(1, 2), 64, d.int(1, 3)
+        Hi, Di, lo, hi = 4, 32, 8193, 9000
+    lens = []
+    for _ in range(B):
+        n = d.int(lo, hi)
+        if d.flag() and n >= ps:  # ends on a page boundary
+            n -= n % ps
+        lens.append(n)
+    mag = m.magnitude() if dtype != torch.float16 else 1.0
+    if tier != "edge":
+        mag = d.choice((0.3, 1.0))
+    k, table = _paged_pool(d, m, lens, ps, Di, mag)
+    S = k.shape[0]
+    if d.flag() and tier in ("edge", "tile") and S >= 2:  # duplicated keys: exact ties
+        k[S // 2:] = k[: S - S // 2].clone()
+    mode = d.cover(("prefill", "decode", "random"))
+    if mode == "prefill":  # T split into consecutive chunks, one per sequence
+        cuts = sorted(d.int(0, T) for _ in range(B - 1))
+        bounds = [0, *cuts, T]
+        seq, kl = [], []
+        for b in range(B):
+            n = bounds[b + 1] - bounds[b]
+            seq += [b] * n
+            kl += [max(0, lens[b] - n + 1 + i) for i in range(n)]
+        seq_t, kl_t = torch.tensor(seq), torch.tensor(kl)
+    else:
+        seq_t = m.randint(0, B, T)
+        full = torch.tensor(lens)[seq_t]
+        if mode == "decode":
+            kl_t = full
+        else:
+            kl_t = (torch.rand(T, generator=m.g) * (full + 1).double()).long().clamp(max=full)
+    Lmax = max(lens)
+    topk = {"edge": lambda: d.int(1, Lmax + 2),
+            "tile": lambda: d.choice((1, 16, 64, Lmax // 2, Lmax + 5)),
+            "model": lambda: GLM5["index_topk"],
+            "large": lambda: d.choice((64, 512, 2048)),
+            "huge": lambda: GLM5["index_topk"]}[tier]()
+    return {"q": m.randn(T, Hi, Di, scale=mag), "k": k, "w": m.randn(T, Hi, scale=Hi ** -0.5),
+            "block_table": table, "seq": _i32(seq_t), "k_len": _i32(kl_t), "page_size": ps,
+            "topk": max(1, topk)}
+
+
 def _attn_heads(d: Draw, tier: str) -> tuple[int, int, int, int, bool]:
     """(H, Hk, Dqk, Dv, mqa_view): mqa_view = absorbed MLA, v the first Dv columns of k."""
     if tier in ("model", "huge"):
