@@ -363,6 +363,8 @@ def test_parse_whole_output():
     assert parse_chat_output("</think>Hi") == ParsedChat(None, "Hi", [])
     # a model that opens a think block itself when the prompt did not
     assert parse_chat_output("<think>hm</think>ok", thinking=False) == ParsedChat("hm", "ok", [])
+    # ... or repeats the one the prompt opened
+    assert parse_chat_output("<think>hm</think>ok", thinking=True) == ParsedChat("hm", "ok", [])
 
 
 def test_parser_one_character_at_a_time():

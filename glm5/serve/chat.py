@@ -9,7 +9,8 @@ Generated text looks like (thinking on: the generation prompt already opened ``<
 
 Parsing rules (the same for any chunking of the text):
 
-- ``</think>`` ends reasoning; ``<think>`` in content starts reasoning again.
+- ``</think>`` ends reasoning; ``<think>`` in content starts reasoning again (and one inside
+  reasoning is dropped: a model may repeat the ``<think>`` the generation prompt opened).
 - ``<tool_call>NAME(<arg_key>K</arg_key><arg_value>V</arg_value>)*</tool_call>`` is one tool
   call (whitespace between the tags is allowed, as GLM-4.5 wrote it). A value that is valid
   JSON of a non-string type is decoded (``2`` -> 2, ``{"a": 1}`` -> dict); anything else stays
@@ -292,13 +293,15 @@ class ChatParser:
     ``finish()`` returns the rest. Any chunking of a text gives the same events as
     ``parse_chat_output`` on the whole text, up to how text events are split."""
 
-    _REASONING_TAGS = (THINK_CLOSE,)
+    # a <think> repeated inside reasoning (the prompt already opened one) is dropped
+    _REASONING_TAGS = (THINK_CLOSE, THINK_OPEN)
     _CONTENT_TAGS = (THINK_OPEN, TOOL_CALL_OPEN)
 
     def __init__(self, thinking: bool = True, tools: Sequence[Mapping[str, Any]] | None = None):
         self._mode: Literal["reasoning", "content", "tool"] = "reasoning" if thinking else "content"
         self._string_params = _string_params(tools)
         self._buf = ""          # unconsumed text (a possible tag start, in text modes)
+        self._scan = 0          # in a tool call: where to look for </tool_call> next
         self._started = False   # the current segment has had non-whitespace text
         self._ws = ""           # whitespace held at the end of the current segment
         self._events: list[ChatEvent] = []
@@ -362,9 +365,12 @@ class ChatParser:
     def _run(self, final: bool) -> None:
         while self._buf:
             if self._mode == "tool":
-                end = self._buf.find(TOOL_CALL_CLOSE)
+                end = self._buf.find(TOOL_CALL_CLOSE, self._scan)
                 if end < 0:
+                    # a long call fed in small pieces is scanned once, not once per piece
+                    self._scan = max(0, len(self._buf) - len(TOOL_CALL_CLOSE) + 1)
                     return
+                self._scan = 0
                 inner, self._buf = self._buf[:end], self._buf[end + len(TOOL_CALL_CLOSE):]
                 raw = TOOL_CALL_OPEN + inner + TOOL_CALL_CLOSE
                 call = _parse_tool_call(inner, self._string_params)
