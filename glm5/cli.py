@@ -1,4 +1,5 @@
-"""`glm5` command line: backends | ops | parity | bench | info | plan | quantize | export.
+"""`glm5` command line: backends | ops | parity | bench | info | plan | quantize | export |
+serve.
 
 Errors (the framework in `main`): every error a user can cause prints one line on stderr,
 ``glm5 <command>: what is wrong, what was expected``, and no traceback unless ``--debug`` is
@@ -452,6 +453,98 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- serve
+_SERVE_ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size",
+                         "num_pages", "max_model_len", "num_speculative_tokens",
+                         "long_prompt_tokens", "long_prompt_qps")
+_SERVE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _listen_socket(host: str, port: int):
+    """A socket bound to host:port (port 0: a free one), before the model loads: a port in use
+    fails in a second, not after the load."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise CommandError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise CommandError(f"needs the serve extra ({e.name} is not installed): "
+                           f"pip install 'glm5[serve]'") from None
+    import torch
+
+    from glm5.engine.engine import EngineConfig
+
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port expected 0..65535, got {args.port}")
+    settings = {k: getattr(args, k) for k in _SERVE_ENGINE_OPTIONS if getattr(args, k) is not None}
+    if args.no_prefix_cache:
+        settings["enable_prefix_cache"] = False
+    try:
+        engine_config = EngineConfig(**settings)
+    except ValueError as e:  # name the option, not the EngineConfig field
+        msg = str(e).removeprefix("glm5 EngineConfig: ")
+        raise UsageError(re.sub(r"argument '(\w+)'", lambda m: "--" + m[1].replace("_", "-"),
+                                msg)) from None
+    _config_from(args.model_dir, "MODEL_DIR")
+    if args.backend:
+        b = _registry().get(args.backend)
+        ok, reason = b.is_available()
+        if not ok:
+            raise UsageError(f"--backend {b.name} is unavailable here: {reason}")
+    name = args.served_model_name or Path(args.model_dir).resolve().name
+    sock = _listen_socket(args.host, args.port)
+    try:
+        from glm5.core.checkpoint import load_model
+        from glm5.engine.async_engine import AsyncEngine
+        from glm5.engine.engine import LLMEngine
+        from glm5.engine.llm import load_tokenizer
+        from glm5.serve.app import build_app
+
+        print(f"glm5 serve: loading {args.model_dir}", flush=True)
+        model = load_model(args.model_dir, getattr(torch, args.dtype) if args.dtype else None)
+        try:
+            tokenizer = load_tokenizer(Path(args.model_dir))
+        except (OSError, ValueError) as e:  # a broken tokenizer file is a bad input, not usage
+            raise CommandError(str(e)) from None
+        if tokenizer is None:
+            _err(f"glm5 serve: {args.model_dir} has no tokenizer.json: only token-id prompts "
+                 f"are served (no text, no chat)")
+        try:
+            engine = LLMEngine(model, engine_config, tokenizer, args.backend)
+        except ValueError as e:
+            raise UsageError(str(e).removeprefix("glm5 engine: ")) from None
+        app = build_app(AsyncEngine(engine), name, tokenizer)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"glm5 serve: {name} at http://{shown}:{port}/v1 ({engine.allocator.num_pages} "
+              f"pages of {engine_config.page_size} tokens, backend "
+              f"{args.backend or 'auto'}; Ctrl-C or SIGTERM drains and stops)", flush=True)
+        # uvicorn handles SIGINT / SIGTERM: it stops accepting connections, lets the open ones
+        # finish, then the app's lifespan drains the engine (a second Ctrl-C forces the exit).
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 _WIDE = False  # --wide: tables print their last column whole (set by `main`)
 _MIN_LAST = 24  # the last column is never cut narrower than this
@@ -630,6 +723,37 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--mtp", action="store_true", help="add the MTP layer to each decode step")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn) "
+                        "over the serving engine")
+    sv.add_argument("model_dir", metavar="MODEL_DIR",
+                    help="checkpoint directory (config.json + safetensors; tokenizer.json for "
+                         "text and chat)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
+                    "127.0.0.1; 0.0.0.0 for every interface)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one)")
+    sv.add_argument("--backend", help="ops backend (default: the usual selection)")
+    sv.add_argument("--dtype", choices=_SERVE_DTYPES, type=str.lower,
+                    help="weights dtype (default: the checkpoint's)")
+    sv.add_argument("--served-model-name", help="the model name clients send (default: the "
+                    "directory's name)")
+    sv.add_argument("--max-num-seqs", type=int, help="sequences in the running batch (256)")
+    sv.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (8192)")
+    sv.add_argument("--chunk-size", type=int, help="prefill tokens per request and step (512)")
+    sv.add_argument("--page-size", type=int, help="tokens per cache page (64)")
+    sv.add_argument("--num-pages", type=int, help="cache pages (default: as many as 2 GiB hold)")
+    sv.add_argument("--max-model-len", type=int,
+                    help="context length (default: the model's max_position_embeddings)")
+    sv.add_argument("--num-speculative-tokens", type=int, help="MTP drafts per step (0: off)")
+    sv.add_argument("--no-prefix-cache", action="store_true", help="disable prefix reuse")
+    sv.add_argument("--long-prompt-tokens", type=int,
+                    help="prompts longer than this get their own rate limit (32768)")
+    sv.add_argument("--long-prompt-qps", type=float,
+                    help="long prompts admitted per second; over it: 429 + Retry-After (0.5)")
+    sv.add_argument("--log-level", default="info", type=str.lower,
+                    choices=("critical", "error", "warning", "info", "debug"),
+                    help="uvicorn's log level (default info: one line per request)")
+    sv.set_defaults(func=cmd_serve)
 
     for command in sub.choices.values():  # every command takes the global options after it too
         _add_global_options(command, suppress=True)

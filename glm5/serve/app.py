@@ -1,0 +1,592 @@
+"""The OpenAI-compatible HTTP front end of the serving engine (FastAPI; `glm5 serve` runs it
+under uvicorn).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming by SSE),
+``GET /v1/models``, ``GET /health`` (503 once shutdown has begun), ``GET /metrics``
+(prometheus text, see `glm5.serve.metrics`).
+
+How a request maps onto the engine: each prompt x ``n`` becomes one engine request (choice
+``i * n + j``; with a ``seed``, choice j samples with ``seed + j`` so the choices differ but
+the response is reproducible). The response starts once every choice has its first output, so
+that a request the engine refuses gets a plain HTTP error (400 naming the field, 429 with
+``Retry-After``, 503 while draining) instead of a stream that fails. A choice whose generation
+fails gets a 500 (non-streaming) or an SSE ``{"error": ...}`` event before ``[DONE]``
+(streaming); other requests are not affected. A client that goes away (mid-stream, or while a
+non-streaming request is generating) aborts its engine requests, which frees their pages in
+the engine's next step. The app's lifespan ends with ``AsyncEngine.shutdown``: running requests
+finish (drain) before the engine thread stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from glm5.engine.async_engine import AsyncEngine
+from glm5.engine.engine import RequestRejected
+from glm5.engine.outputs import RequestOutput
+from glm5.engine.sampling import SamplingParams
+from glm5.serve.chat import ChatParser, ChatEvent
+from glm5.serve.metrics import ServerMetrics
+from glm5.serve.protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs,
+                                 completion_logprobs, error_body, field_name)
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error body with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.retry_after = (status, message, param,
+                                                                   retry_after)
+
+    def response(self) -> JSONResponse:
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        return JSONResponse(error_body(self.status, self.message, self.param), self.status,
+                            headers=headers)
+
+
+def _engine_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, RequestRejected):
+        return APIError(e.status, str(e), e.param, e.retry_after)
+    return APIError(500, f"glm5 serve: the request failed: {type(e).__name__}: {e}")
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+_DONE = "data: [DONE]\n\n"
+
+
+class _SSEResponse(StreamingResponse):
+    """An SSE response that always closes its body generator when it ends: Starlette cancels
+    the sending task when the client disconnects, which can leave the generator suspended at a
+    ``yield`` with its engine requests still running; closing it runs its ``finally`` (abort)."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class _Choices:
+    """The engine requests of one API request (``n`` per prompt), their outputs merged into one
+    stream of ``(choice index, RequestOutput)``. `start` waits until every choice has its
+    first output (or raises the `APIError` of one the engine refused, aborting the others);
+    `close` aborts whatever has not finished."""
+
+    def __init__(self, engine: AsyncEngine, subs: Sequence[tuple[str, Any, SamplingParams]]):
+        self._q: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self._gens = [engine.generate(rid, prompt, sp) for rid, prompt, sp in subs]
+        self._tasks = [asyncio.create_task(self._pump(i, g)) for i, g in enumerate(self._gens)]
+        self._buf: list[tuple[int, RequestOutput]] = []
+        self.n = len(subs)
+
+    async def _pump(self, i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in gen:
+                self._q.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which answers it
+            self._q.put_nowait((i, e))
+
+    async def start(self) -> None:
+        started: set[int] = set()
+        while len(started) < self.n:
+            i, x = await self._q.get()
+            if isinstance(x, BaseException):
+                await self.close()
+                raise _engine_error(x)
+            started.add(i)
+            self._buf.append((i, x))
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        done = 0
+        buf, self._buf = self._buf, []
+        while done < self.n:
+            if buf:
+                i, x = buf.pop(0)
+            else:
+                i, x = await self._q.get()
+            if isinstance(x, BaseException):
+                raise _engine_error(x)
+            if x.finished:
+                done += 1
+            yield i, x
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()  # a generator cancelled while waiting aborts its request
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for g in self._gens:
+            await g.aclose()  # one never started (or suspended at a yield) aborts here
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work) -> Any:
+    """Run ``work`` (a coroutine); cancel it if the client disconnects first (its engine
+    requests are aborted by its cleanup). Returns its result, or None after a disconnect."""
+    task = asyncio.create_task(work)
+    watch = asyncio.create_task(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(watch, task, return_exceptions=True)
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+def _check_failed(out: RequestOutput) -> None:
+    if out.finish_reason == "error":
+        raise APIError(500, f"glm5 serve: generation failed: {out.error}")
+    if out.finish_reason == "abort":
+        raise APIError(500, "glm5 serve: the request was aborted by the engine")
+
+
+_ARG = re.compile(r"argument '(\w+)'")
+
+
+def _sampling(req: Any, max_tokens: int, logprobs: int | None, seed: int | None,
+              names: dict[str, str]) -> SamplingParams:
+    """The request's `SamplingParams`; a value SamplingParams refuses is a 400 naming the
+    request field (``names`` maps SamplingParams argument names to request field names)."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=seed, stop=req.stop or (), stop_token_ids=req.stop_token_ids or (),
+            ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs)
+    except ValueError as e:
+        m = _ARG.search(str(e))
+        arg = m[1] if m else None
+        field = names.get(arg, arg) if arg else None
+        msg = str(e).removeprefix("glm5 SamplingParams: ")
+        if m and field != arg:
+            msg = msg.replace(f"argument '{arg}'", f"'{field}'")
+        raise APIError(400, msg, field) from None
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class _Server:
+    def __init__(self, engine: AsyncEngine, model_name: str, tokenizer: Any) -> None:
+        self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
+        self.metrics = ServerMetrics(engine.stats)
+        self.created = int(time.time())
+        self.max_model_len = engine.engine.max_model_len
+
+    # ------------------------------------------------------------------ shared
+    def _check(self, req: Any) -> None:
+        if req.model != self.model_name:
+            raise APIError(400, f"model {req.model!r} is not served here; this server serves "
+                           f"{self.model_name!r} (see /v1/models)", "model")
+        bad = req.unsupported()
+        if bad is not None:
+            raise APIError(400, bad[1], bad[0])
+        limit = self.engine.engine.config.max_num_seqs
+        if not 1 <= req.n <= limit:
+            raise APIError(400, f"n expected an int in [1, {limit}] (the server's "
+                           f"max_num_seqs), got {req.n}", "n")
+
+    def _default_max_tokens(self, n_prompt: int) -> int:
+        """Without max_tokens a chat turn may fill the context (and the cache) after its
+        prompt; at least 1, so that a prompt that is already too long gets the engine's 400."""
+        e = self.engine.engine
+        cfg = e.config
+        room = e.allocator.num_pages * cfg.page_size - 2 * cfg.num_speculative_tokens
+        return max(1, min(self.max_model_len, room) - n_prompt)
+
+    def _seeds(self, seed: int | None, n: int) -> list[int | None]:
+        return [None if seed is None else (seed + j) % 2**64 for j in range(n)]
+
+    def _finish_reason(self, out: RequestOutput) -> str:
+        return out.finish_reason or "stop"
+
+    # ------------------------------------------------------------------ completions
+    async def completions(self, req: CompletionRequest, http: Request) -> Response:
+        self._check(req)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        lp = req.logprobs
+        seeds = self._seeds(req.seed, req.n)
+        params = [_sampling(req, max_tokens, lp, s, {}) for s in seeds]
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        subs = [(f"{cid}-{p * req.n + j}", prompt, params[j])
+                for p, prompt in enumerate(req.prompt) for j in range(req.n)]
+        choices = _Choices(self.engine, subs)
+        head = {"id": cid, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name}
+        try:
+            await choices.start()
+        except BaseException:
+            await choices.close()
+            raise
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _SSEResponse(self._stream_completion(choices, head, lp is not None,
+                                                        include_usage, req.n))
+
+        async def collect() -> list[RequestOutput]:
+            finals: list[RequestOutput | None] = [None] * choices.n
+            try:
+                async for i, out in choices.events():
+                    if out.finished:
+                        _check_failed(out)
+                        self.metrics.observe(out)
+                        finals[i] = out
+            finally:
+                await choices.close()
+            return finals  # type: ignore[return-value]
+
+        finals = await _unless_disconnected(http, collect())
+        if finals is None:
+            return Response(status_code=499)  # nobody is listening
+        body_choices = []
+        for i, out in enumerate(finals):
+            body_choices.append({
+                "index": i, "text": out.text,
+                "logprobs": (completion_logprobs(self.tokenizer, out.logprobs or [], 0)
+                             if lp is not None else None),
+                "finish_reason": self._finish_reason(out), "stop_reason": out.stop_reason})
+        firsts = finals[::req.n]  # one per prompt: its tokens are counted once
+        usage = _usage(sum(len(o.prompt_token_ids) for o in firsts),
+                       sum(len(o.token_ids) for o in finals),
+                       sum(o.metrics.num_cached_prompt_tokens for o in firsts if o.metrics))
+        return JSONResponse({**head, "choices": body_choices, "usage": usage})
+
+    async def _stream_completion(self, choices: _Choices, head: dict, logprobs: bool,
+                                 include_usage: bool, n: int) -> AsyncIterator[str]:
+        offsets = [0] * choices.n
+        finals: list[RequestOutput | None] = [None] * choices.n
+        try:
+            try:
+                async for i, out in choices.events():
+                    if out.finished:
+                        _check_failed(out)
+                    block = None
+                    if logprobs and out.new_logprobs:
+                        block = completion_logprobs(self.tokenizer, out.new_logprobs, offsets[i])
+                        offsets[i] += sum(len(t) for t in block["tokens"])
+                    if out.new_text or block is not None or out.finished:
+                        yield _sse({**head, "choices": [{
+                            "index": i, "text": out.new_text,
+                            "logprobs": block if logprobs else None,
+                            "finish_reason": self._finish_reason(out) if out.finished else None,
+                            "stop_reason": out.stop_reason if out.finished else None}]})
+                    if out.finished:
+                        self.metrics.observe(out)
+                        finals[i] = out
+            except APIError as e:
+                yield _sse(error_body(e.status, e.message, e.param))
+                yield _DONE
+                return
+            if include_usage:
+                done = [o for o in finals if o is not None]
+                firsts = finals[::n]
+                usage = _usage(sum(len(o.prompt_token_ids) for o in firsts if o),
+                               sum(len(o.token_ids) for o in done),
+                               sum(o.metrics.num_cached_prompt_tokens for o in firsts
+                                   if o and o.metrics))
+                yield _sse({**head, "choices": [], "usage": usage})
+            yield _DONE
+        finally:
+            await choices.close()
+
+    # ------------------------------------------------------------------ chat
+    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], bool, list | None]:
+        """(prompt ids, thinking, tools shown to the model)."""
+        if self.tokenizer is None:
+            raise APIError(400, f"model {self.model_name!r} has no tokenizer (tokenizer.json in "
+                           f"its directory): chat completions are unavailable; use "
+                           f"/v1/completions with token ids", "messages")
+        kw = dict(req.chat_template_kwargs or {})
+        thinking = kw.pop("enable_thinking", True)
+        messages = []
+        for m in req.messages:
+            d = m.model_dump(exclude_none=True)
+            if d["role"] == "developer":
+                d["role"] = "system"
+            messages.append(d)
+        tools = None
+        if req.tools and req.tool_choice != "none":
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools,
+                                                      enable_thinking=thinking, **kw)
+        except (ValueError, TypeError) as e:
+            msg = str(e).removeprefix("Tokenizer.apply_chat_template: ")
+            raise APIError(400, f"the conversation cannot be rendered: {msg}", "messages") from None
+        return self.tokenizer.encode(text), thinking, tools
+
+    async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
+        self._check(req)
+        ids, thinking, tools = self._chat_prompt(req)
+        if req.max_completion_tokens is not None:
+            max_tokens, mt_name = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, mt_name = req.max_tokens, "max_tokens"
+        if max_tokens is None:
+            max_tokens = self._default_max_tokens(len(ids))
+        lp = (req.top_logprobs or 0) if req.logprobs else None
+        names = {"max_tokens": mt_name, "logprobs": "top_logprobs"}
+        params = [_sampling(req, max_tokens, lp, s, names) for s in self._seeds(req.seed, req.n)]
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        choices = _Choices(self.engine, [(f"{cid}-{j}", ids, params[j]) for j in range(req.n)])
+        head = {"id": cid, "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name}
+        try:
+            await choices.start()
+        except APIError as e:
+            if e.param == "max_tokens":
+                e.param = mt_name
+            raise
+        except BaseException:
+            await choices.close()
+            raise
+        parse_tools = tools is not None
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            head["object"] = "chat.completion.chunk"
+            return _SSEResponse(self._stream_chat(choices, head, thinking, tools, parse_tools,
+                                                  lp is not None, include_usage, len(ids)))
+
+        async def collect() -> list[RequestOutput]:
+            finals: list[RequestOutput | None] = [None] * choices.n
+            try:
+                async for i, out in choices.events():
+                    if out.finished:
+                        _check_failed(out)
+                        self.metrics.observe(out)
+                        finals[i] = out
+            finally:
+                await choices.close()
+            return finals  # type: ignore[return-value]
+
+        finals = await _unless_disconnected(http, collect())
+        if finals is None:
+            return Response(status_code=499)
+        body_choices = []
+        for i, out in enumerate(finals):
+            parser = ChatParser(thinking=thinking, tools=tools)
+            events = _fold(parser.feed(out.text) + parser.finish(), parse_tools)
+            reasoning = "".join(e.text for e in events if e.kind == "reasoning")
+            content = "".join(e.text for e in events if e.kind == "content")
+            calls = [_tool_call(e) for e in events if e.kind == "tool_call"]
+            message: dict[str, Any] = {"role": "assistant",
+                                       "content": content if content or not calls else None,
+                                       "reasoning_content": reasoning or None}
+            if calls:
+                message["tool_calls"] = calls
+            reason = self._finish_reason(out)
+            body_choices.append({
+                "index": i, "message": message,
+                "logprobs": ({"content": chat_logprobs(self.tokenizer, out.logprobs or [])}
+                             if lp is not None else None),
+                "finish_reason": "tool_calls" if calls and reason == "stop" else reason,
+                "stop_reason": out.stop_reason})
+        m0 = finals[0].metrics
+        usage = _usage(len(ids), sum(len(o.token_ids) for o in finals),
+                       m0.num_cached_prompt_tokens if m0 else 0)
+        return JSONResponse({**head, "choices": body_choices, "usage": usage})
+
+    async def _stream_chat(self, choices: _Choices, head: dict, thinking: bool,
+                           tools: list | None, parse_tools: bool, logprobs: bool,
+                           include_usage: bool, n_prompt: int) -> AsyncIterator[str]:
+        parsers = [ChatParser(thinking=thinking, tools=tools) for _ in range(choices.n)]
+        n_calls = [0] * choices.n
+        finals: list[RequestOutput | None] = [None] * choices.n
+
+        def chunk(i: int, delta: dict, lps: list | None = None, finish: str | None = None,
+                  stop_reason: Any = None) -> str:
+            c: dict[str, Any] = {"index": i, "delta": delta,
+                                 "logprobs": {"content": lps} if lps is not None else None,
+                                 "finish_reason": finish}
+            if finish is not None:
+                c["stop_reason"] = stop_reason
+            return _sse({**head, "choices": [c]})
+
+        try:
+            for i in range(choices.n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            try:
+                async for i, out in choices.events():
+                    if out.finished:
+                        _check_failed(out)
+                    events = parsers[i].feed(out.new_text) if out.new_text else []
+                    if out.finished:
+                        events += parsers[i].finish()
+                    deltas = []
+                    for e in _fold(events, parse_tools):
+                        if e.kind == "tool_call":
+                            deltas.append({"tool_calls": [{"index": n_calls[i],
+                                                           **_tool_call(e)}]})
+                            n_calls[i] += 1
+                        elif e.kind == "reasoning":
+                            deltas.append({"reasoning_content": e.text})
+                        else:
+                            deltas.append({"content": e.text})
+                    lps = (chat_logprobs(self.tokenizer, out.new_logprobs)
+                           if logprobs and out.new_logprobs else None)
+                    if lps is not None and not deltas:
+                        deltas.append({})
+                    for k, d in enumerate(deltas):
+                        yield chunk(i, d, lps if k == 0 else None)
+                    if out.finished:
+                        reason = self._finish_reason(out)
+                        if n_calls[i] and reason == "stop":
+                            reason = "tool_calls"
+                        yield chunk(i, {}, finish=reason, stop_reason=out.stop_reason)
+                        self.metrics.observe(out)
+                        finals[i] = out
+            except APIError as e:
+                yield _sse(error_body(e.status, e.message, e.param))
+                yield _DONE
+                return
+            if include_usage:
+                done = [o for o in finals if o is not None]
+                m0 = done[0].metrics if done else None
+                yield _sse({**head, "choices": [], "usage": _usage(
+                    n_prompt, sum(len(o.token_ids) for o in done),
+                    m0.num_cached_prompt_tokens if m0 else 0)})
+            yield _DONE
+        finally:
+            await choices.close()
+
+
+def _fold(events: list[ChatEvent], parse_tools: bool) -> list[ChatEvent]:
+    """Without tools (or with tool_choice "none") tool-call markup is the model's text."""
+    if parse_tools:
+        return events
+    return [ChatEvent("content", e.text) if e.kind == "tool_call" else e for e in events]
+
+
+def _tool_call(e: ChatEvent) -> dict[str, Any]:
+    call = e.tool_call
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call.name,
+                         "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+
+
+def build_app(engine: AsyncEngine, model_name: str, tokenizer: Any = None,
+              drain_timeout: float = 60.0) -> FastAPI:
+    """The FastAPI app serving ``engine`` as model ``model_name``. ``tokenizer`` (a
+    `glm5.serve.tokenizer.Tokenizer`; None: token-id prompts only, no chat) renders chat
+    prompts and shows tokens in logprobs. When the app shuts down (uvicorn's lifespan, after
+    SIGINT / SIGTERM) the engine drains its running requests (up to ``drain_timeout`` s)."""
+    if not isinstance(engine, AsyncEngine):
+        raise TypeError(f"glm5 build_app: engine expected an AsyncEngine, got "
+                        f"{type(engine).__name__}")
+    if not isinstance(model_name, str) or not model_name:
+        raise ValueError(f"glm5 build_app: model_name expected a non-empty string, got "
+                         f"{model_name!r}")
+    srv = _Server(engine, model_name, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await engine.shutdown(drain_timeout)
+
+    app = FastAPI(title="glm5", lifespan=lifespan)
+    app.state.server = srv
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if not errors:
+            return APIError(400, "the request body is not valid").response()
+        first = errors[0]
+        if first.get("type") == "json_invalid":
+            return APIError(400, f"the request body is not valid JSON: "
+                            f"{first.get('ctx', {}).get('error', first.get('msg'))}").response()
+        param = field_name(tuple(first.get("loc", ())))
+        msgs = []
+        for e in errors:  # a union field fails once per member: say each reason once
+            if field_name(tuple(e.get("loc", ()))) == param:
+                msg = str(e.get("msg", "")).removeprefix("Value error, ")
+                if msg not in msgs:
+                    msgs.append(msg)
+        where = f"{param}: " if param else "the request body: "
+        return APIError(400, where + "; or ".join(msgs), param).response()
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await srv.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await srv.chat(body, request)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": srv.created, "owned_by": "glm5",
+                "max_model_len": srv.max_model_len}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise APIError(404, f"model {model_id!r} is not served here; this server serves "
+                           f"{model_name!r}", "model")
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.accepting:
+            return JSONResponse({"status": "draining"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        body = await asyncio.to_thread(srv.metrics.render)  # the snapshot takes the engine lock
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,136 @@
+"""Prometheus metrics of `glm5 serve` (``GET /metrics``), one `CollectorRegistry` per app.
+
+Engine gauges and counters are read from `AsyncEngine.stats` when the endpoint is scraped (one
+consistent snapshot per scrape; nothing is counted twice). Latency histograms are observed by
+the app as each request finishes, from the engine's `RequestMetrics`. Rates (tokens/s, the
+prefix-cache hit rate over a window) come from the counters: ``rate(glm5_generation_tokens_total
+[1m])``.
+
+=========================================  =========  ===========================================
+metric                                     type       meaning
+=========================================  =========  ===========================================
+glm5_num_requests_waiting                  gauge      requests queued (not yet admitted)
+glm5_num_requests_running                  gauge      requests in the running batch
+glm5_cache_usage_ratio                     gauge      pages in use / all pages (0..1)
+glm5_cache_pages_total                     gauge      pages in the paged cache
+glm5_cache_pages_free                      gauge      pages nobody holds
+glm5_prefix_cache_pages                    gauge      pages held by the prefix cache
+glm5_prompt_tokens_total                   counter    prompt tokens of admitted requests
+glm5_generation_tokens_total               counter    tokens generated
+glm5_prefill_tokens_total                  counter    tokens computed in prefill (and recompute)
+glm5_prefix_cache_queried_tokens_total     counter    prompt tokens looked up in the prefix cache
+glm5_prefix_cache_hit_tokens_total         counter    of those, tokens served from the cache
+glm5_prefix_cache_hit_rate                 gauge      hit / queried since start (0 before any)
+glm5_spec_decode_draft_tokens_total        counter    MTP draft tokens verified
+glm5_spec_decode_accepted_tokens_total     counter    MTP draft tokens accepted
+glm5_spec_decode_acceptance_rate           gauge      accepted / drafted since start
+glm5_num_preemptions_total                 counter    requests preempted (recomputed later)
+glm5_engine_steps_total                    counter    engine steps run
+glm5_requests_total{outcome}               counter    finished | failed | aborted | rejected
+glm5_time_to_first_token_seconds           histogram  arrival to first generated token
+glm5_time_per_output_token_seconds         histogram  (finish - first token) / (tokens - 1)
+glm5_e2e_request_latency_seconds           histogram  arrival to finish
+=========================================  =========  ===========================================
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+               40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class _EngineCollector:
+    """Turns one `AsyncEngine.stats()` snapshot into gauges and counters at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list:  # nothing to describe ahead of time: collect() is cheap enough
+        return []
+
+    def collect(self) -> Iterator:
+        s = self._stats()
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=value)
+
+        n = s["num_pages"]
+        yield gauge("glm5_num_requests_waiting", "Requests queued, not yet admitted.",
+                    s["waiting"])
+        yield gauge("glm5_num_requests_running", "Requests in the running batch.", s["running"])
+        yield gauge("glm5_cache_usage_ratio", "Cache pages in use (by requests or the prefix "
+                    "cache) over all pages.", (n - s["free_pages"]) / n if n else 0.0)
+        yield gauge("glm5_cache_pages_total", "Pages of the paged latent cache.", n)
+        yield gauge("glm5_cache_pages_free", "Pages nobody holds.", s["free_pages"])
+        yield gauge("glm5_prefix_cache_pages", "Pages held by the prefix cache.",
+                    s["cached_pages"])
+        yield counter("glm5_prompt_tokens", "Prompt tokens of admitted requests.",
+                      s["prompt_tokens"])
+        yield counter("glm5_generation_tokens", "Tokens generated.", s["generation_tokens"])
+        yield counter("glm5_prefill_tokens", "Tokens computed in prefill (prompts and "
+                      "recomputes after preemption).", s["prefill_tokens"])
+        q, h = s["prefix_queried_tokens"], s["prefix_hit_tokens"]
+        yield counter("glm5_prefix_cache_queried_tokens", "Prompt tokens looked up in the "
+                      "prefix cache.", q)
+        yield counter("glm5_prefix_cache_hit_tokens", "Prompt tokens served by the prefix "
+                      "cache.", h)
+        yield gauge("glm5_prefix_cache_hit_rate", "Prefix cache hit tokens / queried tokens "
+                    "since start.", h / q if q else 0.0)
+        d, a = s["drafted"], s["accepted"]
+        yield counter("glm5_spec_decode_draft_tokens", "MTP draft tokens verified.", d)
+        yield counter("glm5_spec_decode_accepted_tokens", "MTP draft tokens accepted.", a)
+        yield gauge("glm5_spec_decode_acceptance_rate", "Accepted / drafted MTP tokens since "
+                    "start.", a / d if d else 0.0)
+        yield counter("glm5_num_preemptions", "Requests preempted (recomputed later).",
+                      s["preemptions"])
+        yield counter("glm5_engine_steps", "Engine steps run.", s["steps"])
+        c = CounterMetricFamily("glm5_requests", "Requests by outcome (rejected: refused by "
+                                "the engine at admission).", labels=["outcome"])
+        for outcome in ("finished", "failed", "aborted", "rejected"):
+            c.add_metric([outcome], s[outcome])
+        yield c
+
+
+class ServerMetrics:
+    """The registry of one app: engine gauges/counters plus the latency histograms."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats))
+        self.ttft = Histogram("glm5_time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("glm5_time_per_output_token_seconds",
+                              "Mean time per generated token after the first, per request.",
+                              buckets=TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("glm5_e2e_request_latency_seconds",
+                             "Time from arrival to finish.", buckets=E2E_BUCKETS,
+                             registry=self.registry)
+
+    def observe(self, output: Any) -> None:
+        """Record a finished `RequestOutput` (stopped or at its length; not aborted/failed)."""
+        m = output.metrics
+        if m is None or m.finished is None or output.finish_reason not in ("stop", "length"):
+            return
+        self.e2e.observe(m.finished - m.arrival)
+        if m.first_token is not None:
+            self.ttft.observe(m.first_token - m.arrival)
+            n = len(output.token_ids)
+            if n > 1:
+                self.tpot.observe((m.finished - m.first_token) / (n - 1))
+
+    def render(self) -> bytes:
+        """The text exposition format (call it off the event loop: it takes the engine lock)."""
+        return generate_latest(self.registry)
