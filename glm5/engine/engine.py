@@ -395,11 +395,15 @@ class LLMEngine:
         pos_t = torch.tensor(pos, device=dev)
         seq_t = torch.tensor(seq, dtype=torch.int32, device=dev)
         sel = list(last)
+        # int64 even when empty: torch.tensor([]) is float and cannot index
+        last_t = torch.tensor([last[i] for i in sel], dtype=torch.long)
         logits, h = self.runner.mtp(batch, hn[torch.tensor(rows)], torch.tensor(nxt, device=dev),
-                                    pos_t, seq_t, torch.tensor([last[i] for i in sel]))
+                                    pos_t, seq_t, last_t)
+        if not sel:  # only prefill chunks: their MTP cache rows are written, nothing to draft
+            return {}
         drafts: dict[int, tuple[list[int], list[torch.Tensor | None]]] = {i: ([], []) for i in sel}
-        hid = h[torch.tensor([last[i] for i in sel])]
-        p_pos = pos_t[torch.tensor([last[i] for i in sel])]
+        hid = h[last_t]
+        p_pos = pos_t[last_t]
         for depth in range(k):
             params = [items[i].req.params for i in sel]
             s = sample(logits, params, [items[i].req.generator for i in sel])

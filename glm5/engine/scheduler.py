@@ -172,8 +172,11 @@ class Scheduler:
             budget -= len(item.tokens)
         self.waiting.extendleft(reversed(deferred))
         for it in items:
-            if it.req.num_tokens - it.start > 1:  # not a decode step
-                self.stats.prefill_tokens += len(it.tokens)
+            # Prompt positions, and generated ones recomputed after a preemption (all but the
+            # last, where decoding resumes). Not "more than one token left": a prompt's last
+            # chunk can be a single token when the budget split it.
+            end = max(len(it.req.prompt_ids), it.req.num_tokens - 1)
+            self.stats.prefill_tokens += max(0, min(end, it.start + len(it.tokens)) - it.start)
         return items
 
     def _item(self, req: Request, budget: int) -> Item:

@@ -1,0 +1,400 @@
+"""The serving engine (glm5/engine) on the ``tiny`` preset in float32.
+
+The oracle throughout is ``model.generate`` (greedy, the flat KV cache) and ``model.forward``
+(a full forward, for logprobs): the engine's paged cache, chunked prefill, prefix reuse,
+preemption, continuous batching and MTP drafts must not change a single greedy token. ``tiny``
+has ``index_topk = 8``, so prompts longer than 8 tokens take the sparse path (the paged
+indexer) and shorter ones the dense path; small pages (1, 4, 16 tokens) make block tables
+long and shuffled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+
+import pytest
+import torch
+
+from glm5 import ops
+from glm5.core.config import preset
+from glm5.core.model import GLM5ForCausalLM
+from glm5.engine.engine import EngineConfig, LLMEngine, RequestRejected
+from glm5.engine.kv_pool import KVPool
+from glm5.engine.outputs import RequestOutput
+from glm5.engine.sampling import SamplingParams
+
+from tolerances_model import assert_logits_close
+
+N_NEW = 6  # tokens generated per request in the greedy comparisons
+
+
+@pytest.fixture(scope="module")
+def model() -> GLM5ForCausalLM:
+    torch.manual_seed(0)
+    return GLM5ForCausalLM(preset("tiny")).float().eval()
+
+
+def _prompts(seed: int, lengths: list[int], vocab: int = 128) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+# Lengths on both sides of index_topk = 8 (dense / sparse), a repeat (a full prefix hit) and
+# an extension of another prompt (a partial prefix hit).
+PROMPTS = _prompts(1, [1, 3, 5, 8, 9, 12, 17])
+PROMPTS += [list(PROMPTS[6]), PROMPTS[5] + [7, 8, 9, 10, 11]]
+
+
+@functools.lru_cache(maxsize=None)
+def _greedy_cached(model_id: int, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
+    m = _MODELS[model_id]
+    with torch.no_grad():
+        out = m.generate(torch.tensor([prompt]), n)
+    return tuple(out[0, len(prompt):].tolist())
+
+
+_MODELS: dict[int, GLM5ForCausalLM] = {}
+
+
+def greedy(model: GLM5ForCausalLM, prompt: list[int], n: int = N_NEW) -> list[int]:
+    """``model.generate``'s greedy continuation (cached per model, prompt and length)."""
+    _MODELS[id(model)] = model
+    return list(_greedy_cached(id(model), tuple(prompt), n))
+
+
+def make_engine(model: GLM5ForCausalLM, engine_cls: type = LLMEngine, **kw) -> LLMEngine:
+    base = dict(page_size=4, num_pages=64, max_num_batched_tokens=32, chunk_size=8)
+    base.update(kw)
+    return engine_cls(model, EngineConfig(**base))
+
+
+def greedy_params(n: int = N_NEW, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def run_all(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams | list
+            ) -> list[RequestOutput]:
+    """Add every prompt, step to completion; the final outputs in prompt order."""
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, plist)):
+        eng.add_request(f"r{i}", p, sp)
+    done = {o.request_id: o for o in eng.run_to_completion()}
+    assert sorted(done) == sorted(f"r{i}" for i in range(len(prompts))), "a request was lost"
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def assert_pages_returned(eng: LLMEngine) -> None:
+    """Nothing runs or waits, and every page is free or held by the prefix cache alone."""
+    assert not eng.scheduler.running and not eng.scheduler.waiting and not eng.requests
+    alloc = eng.allocator
+    assert alloc.num_free + eng.radix.num_cached_pages == alloc.num_pages
+    for p in range(alloc.num_pages):
+        assert alloc.refcount(p) == (1 if p in eng.radix else 0), p
+
+
+# --------------------------------------------------------------------------- 1. greedy parity
+@pytest.mark.parametrize("chunk,page,prefix", [
+    (1, 4, True), (3, 1, False), (3, 16, True), (64, 4, False), (64, 16, True), (3, 4, True),
+])
+def test_greedy_matches_generate(model, chunk, page, prefix):
+    eng = make_engine(model, chunk_size=chunk, page_size=page, enable_prefix_cache=prefix,
+                      num_pages=(64 * 4) // page + 8, max_num_batched_tokens=max(chunk, 24))
+    outs = run_all(eng, PROMPTS, greedy_params())
+    for p, o in zip(PROMPTS, outs):
+        assert o.finish_reason == "length"
+        assert o.token_ids == greedy(model, p), (len(p), o.token_ids)
+    if prefix:  # the repeated prompt and the extension reuse the cached pages
+        assert eng.scheduler.stats.prompt_tokens_hit > 0
+    else:
+        assert eng.scheduler.stats.prompt_tokens_hit == 0
+    assert_pages_returned(eng)
+
+
+# --------------------------------------------------------------------------- 2. paged forward
+def _paged_run(model, pool, table, steps):
+    """Run ``steps`` (each a list of (sequence, start, tokens)) on the paged cache; returns
+    {sequence: {position: hidden [D]}}."""
+    from glm5.engine.runner import Batch
+
+    got: dict[int, dict[int, torch.Tensor]] = {}
+    ps = pool.page_size
+    for step in steps:
+        ids, pos, seq = [], [], []
+        for b, start, toks in step:
+            ids += toks
+            pos += range(start, start + len(toks))
+            seq += [b] * len(toks)
+        batch = Batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(seq, dtype=torch.int32),
+                      table, [])
+        slots = batch.slots(batch.positions, batch.seq, ps)
+        st = model.paged_step(batch.positions, slots, table, batch.seq, ps)
+        with torch.no_grad():
+            h = model.hidden_states_paged(batch.ids, st, pool.latent, pool.index_keys)
+        for r, (b, p) in enumerate(zip(seq, pos)):
+            got.setdefault(b, {})[p] = h[r]
+    return got
+
+
+@pytest.mark.parametrize("lens,split", [((3, 5), 2), ((4, 13), 6)], ids=["dense", "sparse"])
+def test_paged_forward_matches_flat_cache(model, monkeypatch, lens, split):
+    """hidden_states_paged over a shuffled block table (two sequences in one batch, the second
+    prefilled in two chunks, then two decode steps each) == hidden_states with the flat KVCache
+    (prefill, then one token at a time) for every position."""
+    ps, n_dec = 4, 2
+    seqs = _prompts(7, [n + n_dec for n in lens])
+    la, lb = lens
+    pool = KVPool(model, 16, ps)
+    g = torch.Generator().manual_seed(3)
+    perm = torch.randperm(16, generator=g)
+    assert not torch.equal(perm, torch.arange(16))
+    table = torch.stack((perm[:5], perm[5:10])).to(torch.int32)  # 5 pages of 4 >= 15 tokens
+    A, B = seqs
+    steps = [
+        [(0, 0, A[:la]), (1, 0, B[:split])],  # A's prompt, B's first chunk
+        [(1, split, B[split:lb]), (0, la, A[la:la + 1])],  # B's second chunk with A's decode
+        [(0, la + 1, A[la + 1:la + 2]), (1, lb, B[lb:lb + 1])],
+        [(1, lb + 1, B[lb + 1:lb + 2])],
+    ]
+    calls = []
+    real = ops.paged_indexer_topk
+    monkeypatch.setattr(ops, "paged_indexer_topk", lambda *a: calls.append(1) or real(*a))
+    got = _paged_run(model, pool, table, steps)
+    # the dense case attends to all keys through the block table; the sparse one selects
+    assert bool(calls) == (max(lens) > model.config.index_topk)
+    for b, (s, n) in enumerate(zip(seqs, lens)):
+        cache = model.new_cache(1, len(s))
+        with torch.no_grad():
+            ref = [model.hidden_states(torch.tensor([s[:n]]), cache)[0]]
+            for t in s[n:]:
+                ref.append(model.hidden_states(torch.tensor([[t]]), cache)[0])
+        ref = torch.cat(ref)
+        paged = torch.stack([got[b][p] for p in range(len(s))])
+        # Flat prefill may run MLA in MHA mode while the paged cache always runs MQA (absorbed):
+        # the same math in another order, so the whole-model bound (LOGIT_TOL) on the hidden
+        # states and the logits.
+        assert_logits_close(paged, ref, what=f"hidden states of sequence {b}")
+        with torch.no_grad():
+            lp, _ = model.logits_and_hidden(paged)
+            lr, _ = model.logits_and_hidden(ref)
+        assert_logits_close(lp, lr, what=f"logits of sequence {b}")
+
+
+# --------------------------------------------------------------------------- 3. MTP
+MTP_PROMPTS = [PROMPTS[1], PROMPTS[4], PROMPTS[6]]  # 3, 9 and 17 tokens
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_mtp_greedy_equals_plain_greedy(model, k):
+    eng = make_engine(model, num_speculative_tokens=k)
+    outs = run_all(eng, MTP_PROMPTS, greedy_params())
+    for p, o in zip(MTP_PROMPTS, outs):
+        assert o.token_ids == greedy(model, p)
+    assert eng.stats.drafted > 0  # drafts were proposed and verified
+    assert eng.stats.drafted == sum(o.metrics.num_drafted for o in outs)
+    assert eng.stats.accepted == sum(o.metrics.num_accepted for o in outs)
+    assert_pages_returned(eng)
+
+
+def test_mtp_step_of_prefill_chunks_only(model):
+    """A step whose items are all non-final prefill chunks samples nothing: the MTP layer still
+    writes its cache for them and drafts nothing (it used to index with an empty float tensor
+    and fail the request)."""
+    eng = make_engine(model, num_speculative_tokens=1, chunk_size=4)
+    (out,) = run_all(eng, [PROMPTS[6]], greedy_params())  # 17 tokens: 4 chunk-only steps
+    assert out.finish_reason == "length" and out.token_ids == greedy(model, PROMPTS[6])
+
+
+class _OracleDrafts(LLMEngine):
+    """Drafts the true greedy continuation (``wrong``: each draft + 1 mod V, never right)."""
+
+    oracle: dict[tuple[int, ...], list[int]] = {}
+    wrong = False
+
+    def _draft(self, items, batch, hn, new_tokens, fails):
+        k, V = self.config.num_speculative_tokens, self.model.config.vocab_size
+        out = {}
+        for i, it in enumerate(items):
+            if i in fails or not it.sample:
+                continue
+            req = it.req
+            done = len(req.output_ids) + len(new_tokens[i])  # committed after drafting
+            d = self.oracle[tuple(req.prompt_ids)][done:done + k]
+            assert len(d) == k, "the oracle continuation is too short"
+            out[i] = ([(t + 1) % V if self.wrong else t for t in d], [None] * k)
+        return out
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_mtp_oracle_drafts_all_accepted_wrong_drafts_none(model, k):
+    # the greedy continuation beyond max_tokens too: the last step drafts past the end
+    oracle = {tuple(p): greedy(model, p, N_NEW + 5) for p in MTP_PROMPTS}
+    plain = make_engine(model)
+    run_all(plain, MTP_PROMPTS, greedy_params())
+    steps = {}
+    for wrong in (False, True):
+        eng = make_engine(model, _OracleDrafts, num_speculative_tokens=k)
+        eng.oracle, eng.wrong = oracle, wrong
+        outs = run_all(eng, MTP_PROMPTS, greedy_params())
+        for p, o in zip(MTP_PROMPTS, outs):
+            assert o.token_ids == oracle[tuple(p)][:N_NEW]
+        assert eng.stats.drafted > 0
+        assert eng.stats.accepted == (0 if wrong else eng.stats.drafted)
+        steps[wrong] = eng.stats.steps
+        assert_pages_returned(eng)
+    # every accepted draft saves a step: k + 1 tokens per decode step instead of 1
+    assert steps[False] < plain.stats.steps
+    assert steps[True] == plain.stats.steps
+
+
+def test_mtp_sampled_seeded(model):
+    """Sampling with MTP drafts: tokens in range, max_tokens each, the acceptance counters
+    consistent, and a seeded run reproducible."""
+    params = [SamplingParams(max_tokens=N_NEW, temperature=1.0, seed=s, ignore_eos=True)
+              for s in (11, 12, 13)]
+    runs = []
+    for _ in range(2):
+        eng = make_engine(model, num_speculative_tokens=2)
+        outs = run_all(eng, MTP_PROMPTS, params)
+        V = model.config.vocab_size
+        for o in outs:
+            assert len(o.token_ids) == N_NEW and all(0 <= t < V for t in o.token_ids)
+        s = eng.stats
+        assert 0 <= s.accepted <= s.drafted and s.drafted > 0
+        assert s.drafted == sum(o.metrics.num_drafted for o in outs)
+        assert s.accepted == sum(o.metrics.num_accepted for o in outs)
+        assert s.generation_tokens == len(outs) * N_NEW
+        runs.append([o.token_ids for o in outs])
+        assert_pages_returned(eng)
+    assert runs[0] == runs[1]
+
+
+# --------------------------------------------------------------------------- 4. preemption
+@pytest.mark.parametrize("k", [0, 1])
+def test_preemption_by_recompute_loses_nothing(model, k):
+    """8 pages of 4 tokens for requests that need up to 6 each: running requests are preempted
+    (pages freed, recomputed later) and every output is still the greedy one."""
+    prompts = [PROMPTS[i] for i in (4, 5, 6, 3)]  # 9, 12, 17, 8 tokens
+    eng = make_engine(model, num_pages=8, num_speculative_tokens=k, enable_prefix_cache=False)
+    outs = run_all(eng, prompts, greedy_params())
+    assert eng.scheduler.stats.preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in outs) == eng.scheduler.stats.preemptions
+    for p, o in zip(prompts, outs):
+        assert o.finish_reason == "length" and o.token_ids == greedy(model, p)
+    assert eng.allocator.num_free == eng.allocator.num_pages
+
+
+# --------------------------------------------------------------------------- 5. prefix cache
+@pytest.mark.parametrize("n_prompt", [13, 12], ids=["partial-page", "full-prompt-match"])
+def test_prefix_cache_grpo_group_prefills_once(model, n_prompt):
+    """One prompt, 8 samples: the prompt is prefilled once. A prompt of whole pages (12 = 3 x 4)
+    is matched entirely: the last page is copied (copy on write) and its last token
+    recomputed, so the shared page is never written."""
+    prompt = _prompts(5, [n_prompt])[0]
+    G = 8
+    prefilled, hit = {}, 0
+    for prefix in (True, False):
+        eng = make_engine(model, enable_prefix_cache=prefix)
+        copies = []
+        real_copy = eng.pool.copy_page
+        eng.scheduler.copy_page = lambda s, d: copies.append((s, d)) or real_copy(s, d)
+        outs = run_all(eng, [prompt] * G, greedy_params(4))
+        for o in outs:
+            assert o.token_ids == greedy(model, prompt, 4)
+        prefilled[prefix] = eng.scheduler.stats.prefill_tokens
+        s = eng.scheduler.stats
+        assert s.prompt_tokens_queried == G * n_prompt
+        if prefix:
+            whole = n_prompt // 4 * 4
+            # every sample after the first reuses the full pages; a full match leaves the
+            # last token to recompute (its logits are needed)
+            hit = whole - 1 if whole == n_prompt else whole
+            assert s.prompt_tokens_hit == (G - 1) * hit
+            assert [o.metrics.num_cached_prompt_tokens for o in outs] == [0] + [hit] * (G - 1)
+            assert len(copies) == (G - 1 if whole == n_prompt else 0)
+        else:
+            assert s.prompt_tokens_hit == 0 and not copies
+        assert_pages_returned(eng)
+    # once (each later sample computes only its tokens past the cached pages), against once
+    # per sample without the cache
+    assert prefilled[True] == n_prompt + (G - 1) * (n_prompt - hit) < 2 * n_prompt
+    assert prefilled[False] == G * n_prompt
+
+
+def test_prefix_cache_reuse_after_finish_and_eviction(model):
+    """Pages cached by finished requests serve later ones; when the cache fills, unreferenced
+    leaves are evicted for new requests and outputs stay greedy."""
+    eng = make_engine(model, num_pages=10)
+    first = run_all(eng, [PROMPTS[6]], greedy_params())  # 17 + 6 tokens: 5 pages cached
+    assert eng.radix.num_cached_pages == 5
+    again = run_all(eng, [PROMPTS[6], PROMPTS[5], PROMPTS[4]], greedy_params())
+    assert again[0].metrics.num_cached_prompt_tokens == 16
+    assert eng.radix.evictable_pages() == eng.radix.num_cached_pages
+    for p, o in zip([PROMPTS[6], PROMPTS[6], PROMPTS[5], PROMPTS[4]], first + again):
+        assert o.token_ids == greedy(model, p)
+    assert_pages_returned(eng)
+
+
+# --------------------------------------------------------------------------- 6. scheduler
+def _record_schedule(eng: LLMEngine) -> list[list[tuple[str, int, int, bool]]]:
+    """Wrap Scheduler.schedule: every step's items as (request id, start, n tokens, decode),
+    and the running batch's size after scheduling."""
+    log: list = []
+    real = eng.scheduler.schedule
+
+    def schedule():
+        items = real()
+        log.append(([(it.req.request_id, it.start, len(it.tokens),
+                      it.req.num_tokens - it.start == 1) for it in items],
+                    len(eng.scheduler.running)))
+        return items
+
+    eng.scheduler.schedule = schedule
+    return log
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_scheduler_limits_every_step(model, k):
+    seqs, budget, chunk = 3, 10, 4
+    eng = make_engine(model, max_num_seqs=seqs, max_num_batched_tokens=budget, chunk_size=chunk,
+                      num_speculative_tokens=k)
+    log = _record_schedule(eng)
+    prompts = PROMPTS[:7]
+    outs = run_all(eng, prompts, greedy_params())
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == greedy(model, p)
+    mixed = False
+    for items, running in log:
+        assert 0 < len(items) <= seqs and running <= seqs
+        assert sum(n for _, _, n, _ in items) <= budget
+        assert len({r for r, *_ in items}) == len(items)  # a request once per step
+        for _, _, n, decode in items:
+            assert n <= (1 + k if decode else chunk)
+        kinds = {decode for *_, decode in items}
+        mixed |= kinds == {True, False}
+    assert mixed  # chunked prefills shared steps with decodes
+    assert max(len(items) for items, _ in log) == seqs  # the limit was reached
+    assert max(sum(n for _, _, n, _ in items) for items, _ in log) == budget
+
+
+def test_continuous_batching_join_and_leave(model):
+    """A short request added while a long one runs starts at the next step and finishes (and
+    leaves the batch) while the long one is still decoding."""
+    eng = make_engine(model)
+    log = _record_schedule(eng)
+    eng.add_request("long", PROMPTS[5], greedy_params(12))
+    for _ in range(3):
+        eng.step()
+    eng.add_request("short", PROMPTS[2], greedy_params(2))
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = (o, len(log))
+    ids = [{r for r, *_ in items} for items, _ in log]
+    assert ids[3] == {"long", "short"}  # joined the running batch at once
+    assert done["short"][1] < done["long"][1]  # left before the long one finished
+    assert ids[done["short"][1]] == {"long"}
+    assert done["long"][0].token_ids == greedy(model, PROMPTS[5], 12)
+    assert done["short"][0].token_ids == greedy(model, PROMPTS[2], 2)
