@@ -517,6 +517,42 @@ def test_disconnect_while_waiting_for_a_plain_response_aborts_it(srv):
     assert eng.allocator.num_free + eng.radix.num_cached_pages == eng.allocator.num_pages
 
 
+def test_sse_response_closes_its_generator_when_the_client_leaves_during_a_send():
+    """A client that disconnects while the server is blocked writing to it (the generator is
+    suspended at a ``yield``, not waiting on the engine): the generator's cleanup — which
+    aborts the engine requests — must still run when the response ends."""
+    from glm5.serve.app import _SSEResponse
+
+    cleaned: list[bool] = []
+
+    async def body():
+        try:
+            yield "data: 1\n\n"
+            yield "data: 2\n\n"
+        finally:
+            cleaned.append(True)
+
+    async def run():
+        sent_start = asyncio.Event()
+
+        async def receive():
+            await sent_start.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                sent_start.set()
+            else:
+                await asyncio.Event().wait()  # the socket never drains
+
+        gen = body()  # referenced here: it cannot be collected (and closed) meanwhile
+        await _SSEResponse(gen)({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+        # checked before asyncio.run's own shutdown_asyncgens would close it
+        assert cleaned == [True]
+
+    asyncio.run(run())
+
+
 # --------------------------------------------------------------------------- metrics
 def _scrape(srv) -> dict[str, float]:
     r = httpx.get(srv.url + "/metrics")
