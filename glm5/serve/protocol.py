@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-# The vLLM extensions accepted in both endpoints' bodies (``extra_body`` in the openai client).
+# Strict types (no "1" for 1, no 1 for true); fields this server does not know are ignored.
 _STRICT = ConfigDict(strict=True, extra="ignore")
 
 
@@ -44,7 +44,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # vLLM extensions
+    # vLLM's extensions (``extra_body`` in the openai client)
     top_k: int | None = None
     min_p: float | None = None
     ignore_eos: bool = False
