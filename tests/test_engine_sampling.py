@@ -293,6 +293,10 @@ def test_logprob_hand_case_is_untruncated():
     out = sample(x, [SP(temperature=0.5, top_p=0.5)], gens([0]))
     assert out.logprobs.item() == pytest.approx(math.log(0.9), abs=1e-6)
     assert out.top_ids is None and out.top_logprobs is None
+    # a temperature below 1e-5 is greedy and its logprobs are those at temperature 1
+    out = sample(x, [SP(temperature=1e-6)], gens([0]))
+    assert out.tokens.tolist() == [1]
+    assert out.logprobs.item() == pytest.approx(math.log(0.75), abs=1e-6)
 
 
 @given(st.data())
@@ -505,8 +509,8 @@ def test_sample_and_verify_argument_errors():
             "max 3")):
         token_logprobs(x, two, torch.tensor([0, 3]))
     with pytest.raises(ValueError, match=re.escape(
-            "glm5 speculative_verify: argument 'draft_tokens' expected an int64 tensor [2], "
-            "got (2,) torch.float32")):
+            "glm5 speculative_verify: argument 'draft_tokens' expected an int64 or int32 "
+            "tensor [2], got (2,) torch.float32")):
         speculative_verify(x, torch.zeros(2), torch.full((2, 3), 1 / 3), two, gens([0, 1]))
     with pytest.raises(ValueError, match=re.escape(
             "glm5 speculative_verify: argument 'draft_probs' expected a floating tensor "

@@ -11,8 +11,9 @@ Definitions (one place; the engine and its tests rely on them):
   mass *before* it is ``< top_p`` (the smallest prefix whose mass reaches ``top_p``; the first
   entry is always kept); min-p then keeps entries with ``p_i >= min_p * max_j p_j``. Masked
   entries are ``-inf``; ``target_probs`` is their softmax.
-- **Greedy** rows (``temperature < 1e-5`` — dividing logits by a smaller one overflows float32 —
-  or ``top_k == 1``) take the first maximum of the logits; their processed logits are the logits
+- **Greedy** rows (``temperature < 1e-5``, as vLLM: below it the tempered distribution is
+  one-hot unless two logits lie within ~1e-4, and logits / T heads for float32 overflow; or
+  ``top_k == 1``) take the first maximum of the logits; their processed logits are the logits
   unchanged and their target distribution is one-hot at that token.
 - **Logprobs** are ``log_softmax(logits / T)`` with ``T = temperature`` (``T = 1`` for rows with
   ``temperature < 1e-5``): the temperature-scaled distribution *before* top-k / top-p / min-p
@@ -34,7 +35,7 @@ import torch
 
 # Largest top-n a request may ask for (as vLLM / the OpenAI API).
 MAX_LOGPROBS = 20
-# Temperatures below this are greedy: logits / 1e-5 stays finite in float32 for |logits| < 3e33.
+# Temperatures below this are greedy (see the module docstring).
 GREEDY_TEMPERATURE = 1e-5
 
 
@@ -155,8 +156,9 @@ def _check_logits(fn: str, logits: torch.Tensor, params: Sequence[SamplingParams
         if not isinstance(p, SamplingParams):
             raise ValueError(f"glm5 {fn}: argument 'params' expected SamplingParams, item {i} "
                              f"is a {type(p).__name__}")
-    # One fused pass: NaN or +inf anywhere, or a row with no finite entry, has no distribution.
-    bad = (torch.isnan(logits) | torch.isposinf(logits)).any(-1) | torch.isneginf(logits).all(-1)
+    # NaN or +inf anywhere, or a row with no finite entry, has no distribution. One reduction
+    # finds all three: the row max propagates NaN and is +inf or -inf exactly then.
+    bad = ~torch.isfinite(logits.amax(-1))
     if bool(bad.any()):
         rows = bad.nonzero().flatten()[:8].tolist()
         raise ValueError(f"glm5 {fn}: argument '{name}' expected finite values (-inf allowed, "
@@ -174,7 +176,8 @@ def _check_tokens(fn: str, name: str, tokens: torch.Tensor, n: int, v: int) -> N
             or tokens.dtype not in (torch.int64, torch.int32):
         got = (f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor)
                else type(tokens).__name__)
-        raise ValueError(f"glm5 {fn}: argument '{name}' expected an int64 tensor [{n}], got {got}")
+        raise ValueError(f"glm5 {fn}: argument '{name}' expected an int64 or int32 tensor [{n}], "
+                         f"got {got}")
     if n and bool(((tokens < 0) | (tokens >= v)).any()):
         raise ValueError(f"glm5 {fn}: argument '{name}' expected token ids in [0, {v}), got "
                          f"min {int(tokens.min())} max {int(tokens.max())}")
@@ -211,11 +214,11 @@ def _processed(z: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tenso
             keep_sorted &= sz >= kth
         if min(tps) < 1.0:
             p = torch.softmax(sz.masked_fill(~keep_sorted, float("-inf")), dim=-1)
-            # Mass strictly before each entry, as an exclusive prefix sum (exactly 0 for the
-            # first entry, so it is always kept since top_p > 0).
-            # Rows with top_p = 1 keep everything: their float32 "before" can round up to 1 on
-            # a tail of tiny probabilities, which would mask it only when another row in the
-            # batch turned this path on.
+            # Mass strictly before each entry, as an exclusive prefix sum: exactly 0 for the
+            # first entry, which is therefore always kept (top_p > 0). Rows with top_p = 1 are
+            # exempt: their float32 "before" can round up to 1 over a tail of tiny
+            # probabilities, which would mask that tail only when another row in the batch
+            # turned this path on.
             before = torch.cat((torch.zeros_like(p[:, :1]), p.cumsum(-1)[:, :-1]), dim=1)
             tp = _col(tps, z)
             keep_sorted &= (before < tp) | (tp >= 1.0)
