@@ -30,6 +30,17 @@ from tolerances_model import assert_logits_close
 N_NEW = 6  # tokens generated per request in the greedy comparisons
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: at these shapes (a few dozen rows of width 64) a step is hundreds of
+    tiny ops, and thread hand-offs cost more than the work; on a loaded 2-core machine they
+    made this file 4-5x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def model() -> GLM5ForCausalLM:
     torch.manual_seed(0)
@@ -398,3 +409,282 @@ def test_continuous_batching_join_and_leave(model):
     assert ids[done["short"][1]] == {"long"}
     assert done["long"][0].token_ids == greedy(model, PROMPTS[5], 12)
     assert done["short"][0].token_ids == greedy(model, PROMPTS[2], 2)
+
+
+# --------------------------------------------------------------------------- 7. stops, outputs
+def _first_new(seq: list[int]) -> int:
+    """An index j >= 1 whose token does not occur before it (stopping there is unambiguous)."""
+    return next(j for j in range(1, len(seq)) if seq[j] not in seq[:j])
+
+
+def test_stop_token_ids_eos_and_max_tokens(model, monkeypatch):
+    p = PROMPTS[4]
+    ref = greedy(model, p)
+    j = _first_new(ref)
+    eng = make_engine(model)
+    outs = run_all(eng, [p, p], [greedy_params(stop_token_ids=[ref[j]]), greedy_params(3)])
+    assert outs[0].token_ids == ref[:j + 1]  # the stop token is generated, then it ends
+    assert (outs[0].finish_reason, outs[0].stop_reason) == ("stop", ref[j])
+    assert outs[1].token_ids == ref[:3]
+    assert (outs[1].finish_reason, outs[1].stop_reason) == ("length", None)
+    # EOS: the model config's eos_token_id ends a request unless ignore_eos
+    monkeypatch.setattr(model, "config", model.config.replace(eos_token_id=ref[j]))
+    eng = make_engine(model)
+    outs = run_all(eng, [p, p], [SamplingParams(max_tokens=N_NEW, temperature=0), greedy_params()])
+    assert outs[0].token_ids == ref[:j + 1]
+    assert (outs[0].finish_reason, outs[0].stop_reason) == ("stop", ref[j])
+    assert outs[1].token_ids == ref and outs[1].finish_reason == "length"
+    assert eng.stats.finished == 2 and eng.stats.generation_tokens == j + 1 + N_NEW
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    try:
+        from glm5.testing.assets import build_tokenizer
+    except ImportError as e:  # pragma: no cover - helper CHAT's module
+        pytest.skip(f"glm5.testing.assets.build_tokenizer is not available: {e}")
+    pytest.importorskip("tokenizers")
+    tok = build_tokenizer(tmp_path_factory.mktemp("tok"))
+    torch.manual_seed(0)
+    m = GLM5ForCausalLM(preset("tiny").replace(vocab_size=tok.vocab_size)).float().eval()
+    return m, tok
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_with_tokenizer(text_model, include):
+    """A stop string spanning two generated tokens ends the request at the token completing it;
+    the text is cut before it (or after it with include_stop_str_in_output), and the streamed
+    pieces add up to the final text."""
+    m, tok = text_model
+    prompt = "Hello, world! The quick brown fox"
+    ids = tok.encode(prompt)
+    ref = greedy(m, ids, 8)
+    b = len(tok.decode(ref[:1]))
+    stop = tok.decode(ref)[b - 1:b + 1]  # the last character of token 0, the first of token 1
+    assert len(stop) == 2 and stop not in tok.decode(ref[:1])
+    eng = LLMEngine(m, EngineConfig(page_size=4, num_pages=32), tokenizer=tok)
+    eng.add_request("s", prompt, SamplingParams(max_tokens=8, temperature=0, stop=[stop],
+                                                include_stop_str_in_output=include))
+    streamed, final = "", None
+    while eng.has_unfinished():
+        for o in eng.step():
+            streamed += o.new_text
+            final = o if o.finished else final
+    assert final.token_ids == ref[:2]
+    assert (final.finish_reason, final.stop_reason) == ("stop", stop)
+    full = tok.decode(ref[:2])
+    cut = full.index(stop) + (len(stop) if include else 0)
+    assert final.text == full[:cut] == streamed
+    assert_pages_returned(eng)
+
+
+@pytest.mark.parametrize("temperature,k", [(0.0, 0), (0.7, 1)])
+def test_logprobs_match_float64_log_softmax(model, temperature, k):
+    """The logprob of every sampled token (and the top-3) == float64 log_softmax(logits / T) of
+    a full model.forward over the prompt and the generated tokens. Bound 1e-4: log_softmax moves
+    by at most 2 max|d logit|, and the engine's logits sit within LOGIT_TOL (1e-4) of the
+    largest |logit| (~0.5 for tiny's random weights) of the forward's: 2 * 0.5e-4 = 1e-4."""
+    prompts = [PROMPTS[2], PROMPTS[6]]
+    params = SamplingParams(max_tokens=N_NEW, temperature=temperature, seed=5, logprobs=3,
+                            ignore_eos=True)
+    eng = make_engine(model, num_speculative_tokens=k)
+    outs = run_all(eng, prompts, params)
+    T = temperature or 1.0
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            logits = model(torch.tensor([p + o.token_ids]))[0].double()
+        assert float(logits.abs().max()) < 1.0  # the premise of the 1e-4 bound
+        lp = torch.log_softmax(logits / T, -1)[len(p) - 1:-1]
+        assert len(o.logprobs) == len(o.token_ids) == N_NEW
+        for j, (t, entry) in enumerate(zip(o.token_ids, o.logprobs)):
+            assert entry.token_id == t
+            assert abs(entry.logprob - float(lp[j, t])) <= 1e-4
+            top = torch.topk(lp[j], 4)
+            gap = float(top.values[2] - top.values[3])
+            assert [i for i, _ in entry.top] == top.indices[:3].tolist() or gap < 1e-4
+            for (i, v) in entry.top:
+                assert abs(v - float(lp[j, i])) <= 1e-4
+        if temperature == 0:
+            assert o.token_ids == greedy(model, p)
+
+
+# --------------------------------------------------------------------------- 8. failures
+def _unused_token(model, prompts: list[list[int]]) -> int:
+    used = {t for p in prompts for t in p + greedy(model, p)}
+    return max(set(range(2, model.config.vocab_size)) - used)
+
+
+def test_error_in_a_step_fails_only_that_request(model, monkeypatch):
+    others = [PROMPTS[2], PROMPTS[6]]
+    marker = _unused_token(model, others)
+    bad = PROMPTS[4][:4] + [marker] + PROMPTS[4][4:]
+    real = model.hidden_states_paged
+
+    def forward(input_ids, *a, **kw):
+        if bool((input_ids == marker).any()):
+            raise RuntimeError("planted failure")
+        return real(input_ids, *a, **kw)
+
+    monkeypatch.setattr(model, "hidden_states_paged", forward)
+    eng = make_engine(model, chunk_size=3)  # the marker sits in the second chunk
+    outs = run_all(eng, [others[0], bad, others[1]], greedy_params())
+    assert outs[1].finish_reason == "error" and "planted failure" in outs[1].error
+    assert outs[1].finished and outs[1].token_ids == []
+    for p, o in zip(others, (outs[0], outs[2])):
+        assert o.finish_reason == "length" and o.error is None and o.token_ids == greedy(model, p)
+    assert (eng.stats.failed, eng.stats.finished) == (1, 2)
+    assert_pages_returned(eng)
+
+
+def test_non_finite_logits_fail_only_their_request(model):
+    others = [PROMPTS[2], PROMPTS[6]]
+    marker = _unused_token(model, others)
+    broken = copy.deepcopy(model)
+    with torch.no_grad():  # a NaN embedding: NaN logits for every sequence holding the token
+        broken.model.embed_tokens.weight[marker] = float("nan")
+    eng = make_engine(broken)
+    outs = run_all(eng, [others[0], PROMPTS[4] + [marker], others[1]], greedy_params())
+    assert outs[1].finish_reason == "error" and "not finite" in outs[1].error
+    for p, o in zip(others, (outs[0], outs[2])):
+        assert o.finish_reason == "length" and o.token_ids == greedy(model, p)
+    assert eng.stats.failed == 1
+    assert_pages_returned(eng)
+
+
+def _held_pages(eng: LLMEngine) -> int:
+    return sum(eng.allocator.refcount(p) for p in range(eng.allocator.num_pages))
+
+
+def test_abort_frees_pages(model):
+    eng = make_engine(model, max_num_seqs=2)
+    for i, p in enumerate((PROMPTS[6], PROMPTS[5], PROMPTS[4])):
+        eng.add_request(f"r{i}", p, greedy_params())
+    eng.step()
+    eng.step()
+    assert eng.requests["r1"].pages and "r2" in [r.request_id for r in eng.scheduler.waiting]
+    eng.abort("r1")  # running
+    eng.abort("r2")  # waiting
+    eng.abort("nobody")  # unknown (or finished meanwhile): ignored
+    outs = {o.request_id: o for o in eng.step()}
+    assert outs["r1"].finish_reason == outs["r2"].finish_reason == "abort"
+    assert outs["r1"].finished and eng.stats.aborted == 2
+    # only r0's block table and the prefix cache hold pages now
+    assert _held_pages(eng) == len(eng.requests["r0"].pages) + eng.radix.num_cached_pages
+    rest = eng.run_to_completion()
+    assert [o.request_id for o in rest] == ["r0"]
+    assert rest[0].token_ids == greedy(model, PROMPTS[6])
+    assert_pages_returned(eng)
+
+
+# --------------------------------------------------------------------------- 9. admission
+def test_admission_rejections(model):
+    eng = make_engine(model, num_pages=4, max_model_len=24, long_prompt_tokens=10,
+                      long_prompt_qps=0.001, long_prompt_burst=2)
+    V = model.config.vocab_size
+
+    def rejected(prompt, params=None, rid="x") -> RequestRejected:
+        before = dict(eng.requests), len(eng.scheduler.waiting)
+        with pytest.raises(RequestRejected) as e:
+            eng.add_request(rid, prompt, params or greedy_params(2))
+        assert (dict(eng.requests), len(eng.scheduler.waiting)) == before  # nothing queued
+        return e.value
+
+    assert rejected([]).status == 400
+    e = rejected([3, V])
+    assert (e.status, e.param) == (400, "prompt") and f"[0, {V})" in str(e)
+    assert rejected([3, -1]).status == 400
+    assert rejected("text without a tokenizer").status == 400
+    e = rejected([3] * 24)  # prompt >= context
+    assert (e.status, e.param) == (400, "prompt") and "24" in str(e)
+    e = rejected([3] * 20, greedy_params(5))  # 20 + 5 > 24
+    assert (e.status, e.param) == (400, "max_tokens")
+    e = rejected([3] * 10, greedy_params(8))  # 18 tokens need 5 pages of 4; the cache has 4
+    assert (e.status, e.param) == (400, "max_tokens") and "pages" in str(e)
+    eng.add_request("a", [3] * 4, greedy_params(2))
+    e = rejected([5], rid="a")
+    assert (e.status, e.param) == (400, "request_id")
+    # prompts over long_prompt_tokens: a burst of 2, then 429 with Retry-After; short ones pass
+    eng.add_request("long1", [4] * 11, greedy_params(1))
+    eng.add_request("long2", [4] * 11, greedy_params(1))
+    e = rejected([4] * 11, greedy_params(1), rid="long3")
+    assert e.status == 429 and e.retry_after is not None and e.retry_after > 100
+    eng.add_request("short", [4] * 10, greedy_params(1))
+    assert eng.stats.rejected == 9
+    outs = eng.run_to_completion()
+    assert sorted(o.request_id for o in outs) == ["a", "long1", "long2", "short"]
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"max_num_seqs": 0}, "'max_num_seqs' expected an int >= 1"),
+    ({"page_size": True}, "'page_size' expected an int >= 1"),
+    ({"num_pages": 0}, "'num_pages' expected None or an int >= 1"),
+    ({"num_speculative_tokens": 9}, "'num_speculative_tokens' expected an int in [0, 8]"),
+    ({"long_prompt_qps": float("inf")}, "'long_prompt_qps' expected a finite number > 0"),
+    ({"chunk_size": 64, "max_num_batched_tokens": 32}, "'chunk_size' expected <="),
+])
+def test_engine_config_validation(kw, needle):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(**kw)
+    assert "EngineConfig" in str(e.value) and needle in str(e.value)
+
+
+def test_engine_needs_mtp_layer_for_drafts():
+    m = GLM5ForCausalLM(preset("tiny"), with_mtp=False)
+    with pytest.raises(ValueError, match="num_speculative_tokens needs a checkpoint with an MTP"):
+        LLMEngine(m, EngineConfig(num_speculative_tokens=1, num_pages=8))
+
+
+# --------------------------------------------------------------------------- 10. LLM, async
+def test_llm_generate_in_prompt_order(model):
+    import glm5
+
+    prompts = [PROMPTS[6], PROMPTS[0], PROMPTS[4], PROMPTS[2]]  # longest first
+    llm = glm5.LLM(model, page_size=4, num_pages=64, chunk_size=4)
+    outs = llm.generate(prompts, greedy_params())
+    assert [o.prompt_token_ids for o in outs] == prompts
+    for p, o in zip(prompts, outs):
+        assert o.finished and o.token_ids == greedy(model, p)
+    one = llm.generate(PROMPTS[3], greedy_params(2))  # a single prompt of ids
+    assert len(one) == 1 and one[0].token_ids == greedy(model, PROMPTS[3])[:2]
+    with pytest.raises(TypeError, match="unknown argument"):
+        glm5.LLM(model, pages=4)
+
+
+def test_async_engine_concurrent_and_early_close(model):
+    from glm5.engine.async_engine import AsyncEngine
+
+    eng = make_engine(model)
+    aeng = AsyncEngine(eng)
+    prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[6]]
+
+    async def collect(rid, p):
+        last = None
+        async for o in aeng.generate(rid, p, greedy_params()):
+            last = o
+        return last
+
+    async def early(rid, p):
+        agen = aeng.generate(rid, p, greedy_params(20))
+        first = await agen.__anext__()
+        await agen.aclose()  # a client that goes away mid-stream
+        return first
+
+    async def main():
+        outs = await asyncio.gather(*(collect(f"c{i}", p) for i, p in enumerate(prompts)),
+                                    early("gone", PROMPTS[5]))
+        for _ in range(500):  # the abort lands in the engine thread's next step
+            if not eng.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+        return outs, await aeng.shutdown(timeout=10)
+
+    try:
+        outs, drained = asyncio.run(main())
+    finally:
+        aeng._stop = True
+    assert drained
+    for p, o in zip(prompts, outs[:3]):
+        assert o.finished and o.token_ids == greedy(model, p)
+    assert not outs[3].finished
+    assert eng.stats.aborted == 1
+    assert_pages_returned(eng)
