@@ -85,8 +85,11 @@ class AsyncEngine:
                                   param="request_id")
         self._queues[request_id] = (loop, q)
         finished = False
+        # The add runs to its end even when the caller is cancelled meanwhile: an abort sent
+        # before the request is in the engine would be lost (and the request run unheard).
+        add = asyncio.ensure_future(asyncio.to_thread(self._add, request_id, prompt, params))
         try:
-            await asyncio.to_thread(self._add, request_id, prompt, params)
+            await asyncio.shield(add)
             self._wake.set()
             while True:
                 o = await q.get()
@@ -97,7 +100,10 @@ class AsyncEngine:
         finally:
             self._queues.pop(request_id, None)
             if not finished:
-                self.abort(request_id)
+                if add.done():
+                    self.abort(request_id)
+                else:
+                    add.add_done_callback(lambda _: self.abort(request_id))
 
     def _add(self, request_id: str, prompt, params: SamplingParams) -> None:
         with self._lock:
