@@ -217,6 +217,46 @@ def test_mtp_step_of_prefill_chunks_only(model):
     assert out.finish_reason == "length" and out.token_ids == greedy(model, PROMPTS[6])
 
 
+def test_mtp_logits_match_flat_mtp_layer(model):
+    """Every draft distribution the engine samples from == model.mtp_logits over the flat
+    sequence (hidden states of positions 0 .. L-2, tokens 1 .. L-1; last row), within
+    LOGIT_TOL: chunked prefill, decodes that accept drafts (sampled, where the random model's
+    near-uniform distributions accept most) and reject them, and prefix reuse — a prompt
+    diverging from a cached one right after a page boundary, and a GRPO pair of one prompt of
+    whole pages whose samples differ — where a shared page's MTP entry at its last position
+    (made with the token after it) must not be the other request's."""
+    A = PROMPTS[5]  # 12 tokens: 3 whole pages
+    prompts = [A, A[:8] + [5, 6, 7], A, PROMPTS[4]]
+    params = [SamplingParams(max_tokens=N_NEW, temperature=1.0, seed=s, ignore_eos=True)
+              for s in range(len(prompts) - 1)] + [greedy_params()]  # greedy: rejections
+    eng = make_engine(model, num_speculative_tokens=1, chunk_size=5)
+    seen: dict = {}
+    real_schedule, real_mtp = eng.scheduler.schedule, eng.runner.mtp
+    eng.scheduler.schedule = lambda: seen.__setitem__("items", real_schedule()) or seen["items"]
+    eng.runner.mtp = lambda *a, **kw: seen.setdefault("mtp", real_mtp(*a, **kw))
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    checked = 0
+    while eng.has_unfinished():
+        seen.clear()
+        eng.step()
+        if "mtp" not in seen:
+            continue
+        drafting = [it.req for it in seen["items"] if it.sample]
+        for req, got in zip(drafting, seen["mtp"][0]):
+            if req.status.value == "finished":
+                continue
+            full = req.prompt_ids + req.output_ids
+            with torch.no_grad():
+                _, h = model.forward_with_hidden(torch.tensor([full[:-1]]))
+                ref = model.mtp_logits(h, torch.tensor([full[1:]]))[0, -1]
+            assert_logits_close(got, ref, what=f"MTP logits of {req.request_id} at {len(full)}")
+            checked += 1
+    assert checked >= 12
+    assert 0 < eng.stats.accepted < eng.stats.drafted
+    assert eng.scheduler.stats.prompt_tokens_hit > 0
+
+
 class _OracleDrafts(LLMEngine):
     """Drafts the true greedy continuation (``wrong``: each draft + 1 mod V, never right)."""
 

@@ -80,8 +80,22 @@ class Scheduler:
         table to pages the cache already held for the same tokens)."""
         full = min(req.num_computed // self.ps, len(req.pages))
         if full and self.radix.enabled:
-            toks = req.tokens(0, full * self.ps)
-            req.pages[:full] = self.radix.adopt(toks, req.pages[:full])
+            keys = self._prefix_keys(req, full * self.ps)
+            req.pages[:full] = self.radix.adopt(keys, req.pages[:full])
+
+    def _prefix_keys(self, req: Request, n: int) -> list[int]:
+        """The prefix cache's keys of positions 0 .. n - 1 (fewer when the tokens run out).
+
+        A page's main-model rows depend on the tokens up to its last position, but with MTP
+        its MTP rows also depend on the token AFTER it (the MTP entry at position i is made
+        from the hidden state at i and the token at i + 1). Keying position i by the pair
+        (token i, token i + 1) makes a page match only where both agree; a request that
+        reused a page whose last MTP entry was made with another request's next token drafted
+        from a wrong cache (its tokens stayed right; its drafts did not)."""
+        if not self.k:
+            return req.tokens(0, n)
+        toks = req.tokens(0, min(n, req.num_tokens - 1) + 1)
+        return [(a << 32) | b for a, b in zip(toks, toks[1:])]
 
     # ------------------------------------------------------------------ pages
     def _pages_for(self, req: Request, n_positions: int) -> bool:
@@ -206,9 +220,9 @@ class Scheduler:
     def _admit_prefix(self, req: Request) -> None:
         """Reuse the cached prefix of a request's tokens. At least its last token is computed
         (its logits are needed): a prefix covering every token gives up its last page, which
-        is copied into a private page (copy on write) and only the last token is recomputed."""
-        toks = req.tokens(0, req.num_tokens)
-        pages, n = self.radix.match(toks)
+        is copied into a private page (copy on write) and only the last token is recomputed.
+        (With MTP the keys reach one token further, so the match stops a page earlier.)"""
+        pages, n = self.radix.match(self._prefix_keys(req, req.num_tokens))
         if n >= req.num_tokens and pages:
             try:
                 own = self.alloc.alloc(1)
