@@ -28,6 +28,7 @@ from glm5.engine.sampling import SamplingParams
 from tolerances_model import assert_logits_close
 
 N_NEW = 6  # tokens generated per request in the greedy comparisons
+MAX_STEPS = 400  # far more than any test here needs (the slowest takes ~60)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -91,7 +92,13 @@ def run_all(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams | l
     plist = params if isinstance(params, list) else [params] * len(prompts)
     for i, (p, sp) in enumerate(zip(prompts, plist)):
         eng.add_request(f"r{i}", p, sp)
-    done = {o.request_id: o for o in eng.run_to_completion()}
+    done = {}
+    for _ in range(MAX_STEPS):  # bounded: a stuck request fails the test instead of hanging it
+        if not eng.has_unfinished():
+            break
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    else:
+        pytest.fail(f"the engine did not finish in {MAX_STEPS} steps: {eng.requests}")
     assert sorted(done) == sorted(f"r{i}" for i in range(len(prompts))), "a request was lost"
     return [done[f"r{i}"] for i in range(len(prompts))]
 
@@ -588,6 +595,30 @@ def test_non_finite_logits_fail_only_their_request(model):
     for p, o in zip(others, (outs[0], outs[2])):
         assert o.finish_reason == "length" and o.token_ids == greedy(model, p)
     assert eng.stats.failed == 1
+    assert_pages_returned(eng)
+
+
+def test_error_while_committing_fails_only_that_request(text_model):
+    """An error after the forward, while one request's tokens are committed (here: its
+    detokenizer rejects an id past the tokenizer's vocabulary, which a model whose embedding
+    is padded beyond the tokenizer can sample), fails that request only. It used to re-run
+    every item of the step alone, committing the requests before it twice (each token
+    doubled)."""
+    _, tok = text_model
+    torch.manual_seed(0)
+    m = GLM5ForCausalLM(preset("tiny").replace(vocab_size=tok.vocab_size + 64)).float().eval()
+    prompts = [tok.encode(t) for t in ("Hello, world!", "The quick brown fox", "café naïve")]
+    refs = [greedy(m, p, 5) for p in prompts]
+    past = [any(t >= tok.vocab_size for t in r) for r in refs]
+    assert past == [False, True, True]  # the premise: the model samples ids past the tokenizer
+    eng = LLMEngine(m, EngineConfig(page_size=4, num_pages=64), tokenizer=tok)
+    outs = run_all(eng, prompts, greedy_params(5))
+    assert outs[0].finish_reason == "length" and outs[0].token_ids == refs[0]
+    assert outs[0].text == tok.decode(refs[0])
+    for o, r in zip(outs[1:], refs[1:]):
+        assert o.finish_reason == "error" and "out of range" in o.error
+        bad = next(j for j, t in enumerate(r) if t >= tok.vocab_size)
+        assert o.token_ids == r[:bad + 1]  # up to the token that failed, each once
     assert_pages_returned(eng)
 
 

@@ -430,40 +430,52 @@ class LLMEngine:
                 self._finish(req, "error")
                 self.stats.failed += 1
                 continue
-            n_draft = self._n_drafts(it)
-            toks = new_tokens.get(i, [])
-            req.num_computed = it.start + (len(toks) if n_draft else len(it.tokens))
-            req.drafts, req.draft_probs = drafts.get(i, ([], []))
-            if n_draft:
-                req.metrics.num_drafted += n_draft
-                req.metrics.num_accepted += len(toks) - 1
-                self.stats.drafted += n_draft
-                self.stats.accepted += len(toks) - 1
-            if not it.sample:
-                self.scheduler.cache_progress(req)
-                continue
-            if req.metrics.first_token is None:
-                req.metrics.first_token = now
+            # An error here fails this request alone: raising would make `step` run the whole
+            # step again item by item, committing the requests before this one twice.
+            try:
+                self._commit_one(i, it, new_tokens, drafts, logits, now)
+            except Exception as e:  # noqa: BLE001 - e.g. a detokenizer rejecting an id
+                req.error = f"{type(e).__name__}: {e}"
+                self._finish(req, "error")
+                self.stats.failed += 1
+
+    def _commit_one(self, i: int, it: Item, new_tokens, drafts, logits, now: float) -> None:
+        """Item ``i``'s results: its cache progress, new tokens, logprobs, drafts, stops."""
+        req = it.req
+        n_draft = self._n_drafts(it)
+        toks = new_tokens.get(i, [])
+        req.num_computed = it.start + (len(toks) if n_draft else len(it.tokens))
+        req.drafts, req.draft_probs = drafts.get(i, ([], []))
+        if n_draft:
+            req.metrics.num_drafted += n_draft
+            req.metrics.num_accepted += len(toks) - 1
+            self.stats.drafted += n_draft
+            self.stats.accepted += len(toks) - 1
+        if not it.sample:
+            self.scheduler.cache_progress(req)
+            return
+        if req.metrics.first_token is None:
+            req.metrics.first_token = now
+        if req.logprobs is not None:
+            lp_rows = torch.tensor([r for _, r in toks])
+            lp, top_i, top_l = token_logprobs(logits[lp_rows], [req.params] * len(toks),
+                                              torch.tensor([t for t, _ in toks]))
+        for j, (t, _) in enumerate(toks):
+            req.output_ids.append(t)
+            self.stats.generation_tokens += 1
             if req.logprobs is not None:
-                lp_rows = torch.tensor([r for _, r in toks])
-                lp, top_i, top_l = token_logprobs(logits[lp_rows], [req.params] * len(toks),
-                                                  torch.tensor([t for t, _ in toks]))
-            for j, (t, _) in enumerate(toks):
-                req.output_ids.append(t)
-                self.stats.generation_tokens += 1
-                if req.logprobs is not None:
-                    n = req.params.logprobs or 0
-                    top = ([(int(a), float(b)) for a, b in zip(top_i[j][:n], top_l[j][:n])]
-                           if n and top_i is not None else [])
-                    req.logprobs.append(TokenLogprob(t, float(lp[j]), top))
-                if self._stopped(req, t):
-                    break
-            req.num_computed = min(req.num_computed, req.num_tokens)
-            if req.finish_reason is not None:
-                self._finish(req, req.finish_reason)
-            else:
-                self.scheduler.cache_progress(req)
-                self._emit(req)
+                n = req.params.logprobs or 0
+                top = ([(int(a), float(b)) for a, b in zip(top_i[j][:n], top_l[j][:n])]
+                       if n and top_i is not None else [])
+                req.logprobs.append(TokenLogprob(t, float(lp[j]), top))
+            if self._stopped(req, t):
+                break
+        req.num_computed = min(req.num_computed, req.num_tokens)
+        if req.finish_reason is not None:
+            self._finish(req, req.finish_reason)
+        else:
+            self.scheduler.cache_progress(req)
+            self._emit(req)
 
     def _stopped(self, req: Request, t: int) -> bool:
         """Update the request's text with token ``t``; True when it ends the request."""
