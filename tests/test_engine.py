@@ -719,6 +719,12 @@ def test_llm_generate_in_prompt_order(model):
     assert len(one) == 1 and one[0].token_ids == greedy(model, PROMPTS[3])[:2]
     with pytest.raises(TypeError, match="unknown argument"):
         glm5.LLM(model, pages=4)
+    # a rejected prompt rejects the call and leaves nothing behind: the prompts before it
+    # are not left queued to run (unseen) in a later call
+    with pytest.raises(RequestRejected):
+        llm.generate([PROMPTS[3], []], greedy_params(2))
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.allocator.num_free + llm.engine.radix.num_cached_pages == 64
 
 
 def test_async_engine_concurrent_and_early_close(model):

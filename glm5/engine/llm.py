@@ -70,11 +70,19 @@ class LLM:
                 raise ValueError(f"glm5.LLM.generate: {len(prompts)} prompts but "
                                  f"{len(params)} sampling_params")
         ids = []
-        for p, sp in zip(prompts, params):
-            rid = f"llm-{self._next}"
-            self._next += 1
-            self.engine.add_request(rid, p, sp)
-            ids.append(rid)
+        try:
+            for p, sp in zip(prompts, params):
+                rid = f"llm-{self._next}"
+                self._next += 1
+                self.engine.add_request(rid, p, sp)
+                ids.append(rid)
+        except Exception:
+            # The call fails as a whole: the prompts already queued would otherwise run, unseen,
+            # in the next call. Aborts are applied at the start of a step, before scheduling.
+            for rid in ids:
+                self.engine.abort(rid)
+            self.engine.step()
+            raise
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
