@@ -5,6 +5,7 @@
         [--concurrency 1,8,32,128] [--requests N] [--prompt-len 64,512] [--max-tokens 64]
         [--hf-batches 1,8] [--grpo-prompt 1024] [--long-len 16384] [--long-chunks 512,128,32]
         [--skip hf,grpo,long] [--breakdown] [--quick] [--out FILE.json]
+    python bench/serving.py --report bench/results/serving_small.json   # its tables again
     python bench/serving.py --glm5-shaped --device cuda   # the GLM-5-shaped model on a GPU
     python bench/serving.py --glm5-shaped --device meta   # build it only (no data): its sizes
 
@@ -472,6 +473,7 @@ def load_hf(path: str, dtype: torch.dtype, device: str):
     # the checkpoint's MTP layer is not part of transformers' model: its "unexpected" tensors
     # are expected here
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     m = GlmMoeDsaForCausalLM.from_pretrained(path, dtype=dtype,
                                              attn_implementation="eager").to(device).eval()
     m.generation_config.eos_token_id = None
@@ -522,6 +524,15 @@ def targets(rows: list[dict], hf: list[dict], grpo: dict | None, long: list[dict
     return out
 
 
+def time_shares(op_seconds: dict[str, float], wall_s: float, top: int = 5) -> str:
+    """The ``top`` ops by their share of ``wall_s``, and the rest of the time (linears outside
+    the ops, Python, scheduling, sampling) as "other"."""
+    ranked = sorted(op_seconds.items(), key=lambda kv: -kv[1])
+    parts = [f"{k} {100 * v / wall_s:.0f}%" for k, v in ranked[:top]]
+    rest = wall_s - sum(op_seconds.values())
+    return ", ".join(parts + [f"other {100 * rest / wall_s:.0f}%"])
+
+
 def _f(x: float | None, nd: int = 1) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
@@ -537,6 +548,19 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{_f(r['tokens_per_cpu_s'])} | {_f(r['itl_mean_ms'])} | "
                      f"{_f(r['itl_p99_ms'])} | {_f(r['ttft_mean_ms'], 0)} | "
                      f"{_f(r['ttft_p99_ms'], 0)} | {_f(r['peak_mem_mb'], 0)} |")
+    kinds = {r.get("peak_mem_kind") for r in result["table"]}
+    lines += ["", "peak mem: " + ("growth of the process's resident-set high-water mark (VmHWM) "
+                                  "during the run" if kinds == {"rss_hwm_growth"} else
+                                  "torch.cuda.max_memory_allocated during the run"
+                                  if kinds == {"cuda_max_allocated"} else "—")]
+    gap = result.get("logits_max_abs_diff_vs_transformers")
+    if gap is not None:
+        lines.append(f"same checkpoint: largest |glm5 - transformers| logit {gap:.2e}")
+    shares = [r for r in result["table"] if r.get("op_seconds")]
+    if shares:
+        lines += ["", "Where the time goes (share of the run's wall time):", ""]
+        lines += [f"- c={r['concurrency']}: {time_shares(r['op_seconds'], r['wall_s'])}"
+                  for r in shares]
     if result.get("long_prefill"):
         lines += ["", "| chunk_size | long prompt TTFT s | P99 ITL ms without | P99 ITL ms during "
                   "| ratio | mean ITL ms without | mean ITL ms during |",
@@ -546,13 +570,22 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{_f(r['itl_p99_ms_without'])} | {_f(r['itl_p99_ms_during'])} | "
                          f"{_f(r['p99_ratio'], 2)} | {_f(r['itl_mean_ms_without'])} | "
                          f"{_f(r['itl_mean_ms_during'])} |")
+        lines += [""]
+        for r in result["long_prefill"]:
+            for w in ("before", "during"):
+                sec = r["step_seconds"][w]
+                if sec > 0 and r["op_seconds"].get(w):
+                    lines.append(f"- chunk {r['chunk_size']}, steps {w} the long prompt "
+                                 f"({1e3 * sec / r['steps'][w]:.0f} ms a step): "
+                                 f"{time_shares(r['op_seconds'][w], sec)}")
     g = result.get("grpo")
     if g:
         lines += ["", f"GRPO group of {g['group']} x {g['prompt_tokens']}-token prompt: prefill "
                   f"tokens {g['without_cache']['prefill_tokens']} without the prefix cache, "
                   f"{g['with_cache']['prefill_tokens']} with it ({100 * g['reduction']:.1f}% "
                   f"fewer)."]
-    lines += ["", "| target | measured | bound | result |", "|---|---|---|---|"]
+    lines += ["", "| target | measured | same in tokens per CPU-second | bound | result |",
+              "|---|---|---|---|---|"]
     names = {"c32_over_c1": "throughput c=32 / c=1", "c8_over_transformers_b8":
              "throughput c=8 / transformers batch 8", "grpo_prefill_reduction":
              "GRPO prefill tokens saved by the prefix cache", "long_prefill_p99_ratio":
@@ -564,8 +597,8 @@ def markdown(result: dict[str, Any]) -> str:
             extra = (f" (chunk_size {t['chunk_size']})" if t["pass"] else
                      f" (no chunk size of {sorted(t['by_chunk'])} meets it; best shown)")
         bound = "<=" if k == "long_prefill_p99_ratio" else ">="
-        lines.append(f"| {names[k]} | {_f(t['value'], 2)} | {bound} {t['target']:g} | "
-                     f"{verdict}{extra} |")
+        lines.append(f"| {names[k]} | {_f(t['value'], 2)} | {_f(t.get('cpu_time_ratio'), 2)} | "
+                     f"{bound} {t['target']:g} | {verdict}{extra} |")
     return "\n".join(lines)
 
 
@@ -593,7 +626,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", default="1,8,32,128")
     ap.add_argument("--requests", type=int, default=0,
-                    help="requests per concurrency level (at least 2x the concurrency)")
+                    help="requests per concurrency level (at least 8 and 2x the concurrency)")
     ap.add_argument("--prompt-len", default="64,512", help="MIN,MAX prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--hf-batches", default="1,8")
@@ -612,6 +645,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help="a short run: concurrency 1,8, short prompts and generations, a 2K "
                          "long prompt")
+    ap.add_argument("--report", default=None, metavar="FILE.json",
+                    help="print the markdown of a result file written before, run nothing")
     ap.add_argument("--out", default=None,
                     help="JSON file (default bench/results/serving_<preset>.json; none with "
                          "--quick)")
@@ -665,6 +700,13 @@ def describe_meta(model) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
+    if a.report:
+        try:
+            result = json.loads(Path(a.report).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"bench/serving.py: --report expected a result JSON file: {e}")
+        print(markdown(result))
+        return result
     set_threads(a.threads)
     import logging
 

@@ -163,6 +163,14 @@ def test_targets_and_markdown():
     assert none["c32_over_c1"]["pass"] is None and none["grpo_prefill_reduction"]["pass"] is None
     assert none["long_prefill_p99_ratio"]["pass"] is False
     assert none["long_prefill_p99_ratio"]["value"] == 4.0
+    # the markdown report: one verdict per target, the time shares add up to 100%
+    table = [{**r, "requests": 8, "itl_mean_ms": 1.0, "itl_p99_ms": 2.0, "ttft_mean_ms": 3.0,
+              "ttft_p99_ms": 4.0, "peak_mem_mb": 5.0, "peak_mem_kind": "rss_hwm_growth",
+              "wall_s": 2.0, "op_seconds": {"a": 1.0, "b": 0.5}} for r in rows]
+    md = serving.markdown({"table": table, "targets": t, "long_prefill": [], "grpo": None})
+    assert "| throughput c=32 / c=1 | 7.90 | 1.00 | >= 8 | FAIL |" in md
+    assert "pass (chunk_size 128)" in md and "VmHWM" in md
+    assert "- c=1: a 50%, b 25%, other 25%" in md
 
 
 def test_serving_main_tiny(tmp_path):
@@ -175,6 +183,9 @@ def test_serving_main_tiny(tmp_path):
     assert saved["table"][1]["requests"] == 8  # at least 8 (and 2x the concurrency)
     assert saved["targets"]["c8_over_transformers_b8"]["pass"] is None
     assert saved["grpo"]["group"] == 2 and r["model"] == "tiny"
+    assert serving.main(["--report", str(out)]) == saved
+    with pytest.raises(SystemExit, match="--report expected a result JSON"):
+        serving.main(["--report", str(tmp_path / "missing.json")])
 
 
 def test_bad_arguments():
@@ -239,15 +250,16 @@ def test_train_mtp_main_tiny(tmp_path):
     out = tmp_path / "m.json"
     r = train_mtp.main(["--preset", "tiny", "--seqs", "4", "--prompt-len", "6", "--gen-len",
                         "8", "--steps", "3", "--batch", "2", "--eval-prompts", "2",
-                        "--eval-prompt-len", "6", "--eval-tokens", "5", "--eval-concurrency",
-                        "1", "--rounds", "1", "--out", str(tmp_path / "ckpt"), "--json",
-                        str(out)])
+                        "--eval-tokens", "5", "--eval-concurrency", "1", "--rounds", "1",
+                        "--out", str(tmp_path / "ckpt"), "--json", str(out)])
     saved = json.loads(out.read_text())
     assert (tmp_path / "ckpt" / "config.json").exists()
-    by_k = saved["eval"][0]["by_k"]
+    assert set(saved["eval"]) == {"held_out", "training_prompts"}
+    by_k = saved["eval"]["held_out"][0]["by_k"]
     assert set(by_k) == {"0", "1"} and by_k["1"]["identical_to_k0"] is True
     assert 0 <= by_k["1"]["acceptance"] <= 1 and by_k["0"]["acceptance"] is None
     assert by_k["1"]["speedup"] == pytest.approx(by_k["1"]["throughput"]
                                                  / by_k["0"]["throughput"])
     assert saved["train"]["steps"] == 3 and r["checkpoint"] == str(tmp_path / "ckpt")
-    assert 0 <= saved["eval"][0]["offline_draft_accuracy"] <= 1
+    assert saved["eval"]["held_out"][0]["requests"] == 2  # max(4, 2c) capped by the set
+    assert 0 <= saved["eval"]["training_prompts"][0]["offline_draft_accuracy"] <= 1
