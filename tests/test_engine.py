@@ -53,7 +53,7 @@ def _prompts(seed: int, lengths: list[int], vocab: int = 128) -> list[list[int]]
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-# Lengths on both sides of index_topk = 8 (dense / sparse), a repeat (a full prefix hit) and
+# Lengths on both sides of index_topk = 8 (dense / sparse), a repeat (its whole pages hit) and
 # an extension of another prompt (a partial prefix hit).
 PROMPTS = _prompts(1, [1, 3, 5, 8, 9, 12, 17])
 PROMPTS += [list(PROMPTS[6]), PROMPTS[5] + [7, 8, 9, 10, 11]]
@@ -86,19 +86,23 @@ def greedy_params(n: int = N_NEW, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
+def drive(eng: LLMEngine):
+    """Step until nothing is left, yielding each step's outputs; bounded, so that a stuck
+    request fails the test instead of hanging it."""
+    for _ in range(MAX_STEPS):
+        if not eng.has_unfinished():
+            return
+        yield eng.step()
+    pytest.fail(f"the engine did not finish in {MAX_STEPS} steps: {eng.requests}")
+
+
 def run_all(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams | list
             ) -> list[RequestOutput]:
     """Add every prompt, step to completion; the final outputs in prompt order."""
     plist = params if isinstance(params, list) else [params] * len(prompts)
     for i, (p, sp) in enumerate(zip(prompts, plist)):
         eng.add_request(f"r{i}", p, sp)
-    done = {}
-    for _ in range(MAX_STEPS):  # bounded: a stuck request fails the test instead of hanging it
-        if not eng.has_unfinished():
-            break
-        done.update((o.request_id, o) for o in eng.step() if o.finished)
-    else:
-        pytest.fail(f"the engine did not finish in {MAX_STEPS} steps: {eng.requests}")
+    done = {o.request_id: o for outs in drive(eng) for o in outs if o.finished}
     assert sorted(done) == sorted(f"r{i}" for i in range(len(prompts))), "a request was lost"
     return [done[f"r{i}"] for i in range(len(prompts))]
 
@@ -244,9 +248,7 @@ def test_mtp_logits_match_flat_mtp_layer(model):
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(f"r{i}", p, sp)
     checked = 0
-    while eng.has_unfinished():
-        seen.clear()
-        eng.step()
+    for _ in drive(eng):
         if "mtp" not in seen:
             continue
         drafting = [it.req for it in seen["items"] if it.sample]
@@ -259,6 +261,7 @@ def test_mtp_logits_match_flat_mtp_layer(model):
                 ref = model.mtp_logits(h, torch.tensor([full[1:]]))[0, -1]
             assert_logits_close(got, ref, what=f"MTP logits of {req.request_id} at {len(full)}")
             checked += 1
+        seen.clear()
     assert checked >= 12
     assert 0 < eng.stats.accepted < eng.stats.drafted
     assert eng.scheduler.stats.prompt_tokens_hit > 0
@@ -446,8 +449,8 @@ def test_continuous_batching_join_and_leave(model):
         eng.step()
     eng.add_request("short", PROMPTS[2], greedy_params(2))
     done = {}
-    while eng.has_unfinished():
-        for o in eng.step():
+    for outs in drive(eng):
+        for o in outs:
             if o.finished:
                 done[o.request_id] = (o, len(log))
     ids = [{r for r, *_ in items} for items, _ in log]
@@ -513,8 +516,8 @@ def test_stop_string_with_tokenizer(text_model, include):
     eng.add_request("s", prompt, SamplingParams(max_tokens=8, temperature=0, stop=[stop],
                                                 include_stop_str_in_output=include))
     streamed, final = "", None
-    while eng.has_unfinished():
-        for o in eng.step():
+    for outs in drive(eng):
+        for o in outs:
             streamed += o.new_text
             final = o if o.finished else final
     assert final.token_ids == ref[:2]
