@@ -191,6 +191,24 @@ def test_match_after_evict_and_lru_order():
     assert c.match(x) == ([], 0)
 
 
+def test_a_held_page_pins_the_pages_above_it():
+    """insert (without adopt) can cache a request's page under a parent the request does not
+    hold: the parent has refcount 1 but is not evictable while its child is in use."""
+    a = PageAllocator(6)
+    c = RadixCache(a, 2)
+    x = [1, 2, 3, 4]
+    first = a.alloc(2)
+    assert c.insert(x, first) == [0, 1]
+    a.decref(first)
+    assert c.evict(1) == 1 and 1 not in c            # the tree keeps page 0 only
+    own = a.alloc(2)                                 # [1, 2]: recomputed both pages
+    assert c.insert(x, own) == [0, 2]                # the tree keeps 0, adopts 2 under it
+    assert refs(a) == [1, 1, 2, 0, 0, 0]
+    assert c.evictable_pages() == 0 and c.evict(5) == 0 and c.num_cached_pages == 2
+    a.decref(own)
+    assert c.evictable_pages() == 2 and c.evict(5) == 2 and a.num_free == 6
+
+
 def test_lru_prefers_the_least_recently_matched_leaf():
     a = PageAllocator(6)
     c = RadixCache(a, 2)
@@ -403,6 +421,14 @@ class RadixMachine(RuleBasedStateMachine):
         self.next_id += 1
         if cache_prefill:                            # cache the prompt's pages right away
             self._adopt(self.next_id - 1, finish=False)
+
+    @precondition(lambda self: len(self.requests) < 2)
+    @rule(tokens=TOKENS, size=st.integers(2, 3))
+    def start_group(self, tokens, size):
+        """Requests of one prompt admitted in one step (a GRPO group): all match before any
+        has cached its prefill, so later adopts find the tree's page for their own duplicates."""
+        for _ in range(min(size, 3 - len(self.requests))):
+            self.start_request(tokens, cache_prefill=False)
 
     @rule(tokens=TOKENS)
     def probe(self, tokens):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from glm5.engine.pages import PageAllocator, _page_id
 
@@ -63,19 +63,22 @@ class RadixCache:
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _keys(self, where: str, tokens: Sequence[int], n: int) -> list[tuple[int, ...]]:
-        """The keys of the first ``n`` full pages of ``tokens`` (the caller checked there are)."""
+    def _keys(self, where: str, tokens: Sequence[int], start: int, stop: int
+              ) -> list[tuple[int, ...]]:
+        """The keys of full pages ``start .. stop - 1`` of ``tokens`` (the caller checked that
+        they are full), as tuples of plain ints."""
+        ps = self.page_size
+        chunk = tokens[start * ps: stop * ps]
         # A tensor's elements are 0-d tensors that hash by identity: equal tokens would never
         # match. tolist() turns tensors and numpy arrays into plain ints.
-        if hasattr(tokens, "tolist"):
-            tokens = tokens.tolist()
-        ps = self.page_size
+        if hasattr(chunk, "tolist"):
+            chunk = chunk.tolist()
         try:
-            ids = [operator.index(t) for t in tokens[: n * ps]]
+            ids = [operator.index(t) for t in chunk]
         except TypeError:
             raise TypeError(f"glm5 RadixCache.{where}: argument 'tokens' expected a flat sequence "
                             f"of int token ids") from None
-        return [tuple(ids[i * ps:(i + 1) * ps]) for i in range(n)]
+        return [tuple(ids[i * ps:(i + 1) * ps]) for i in range(stop - start)]
 
     def _num_tokens(self, where: str, tokens: Sequence[int]) -> int:
         try:
@@ -97,8 +100,9 @@ class RadixCache:
                                  f"'pages' must be pages the caller holds")
         return ids
 
-    def _walk(self, keys: list[tuple[int, ...]]) -> list[_Node]:
-        """The nodes of the longest cached path that spells ``keys``' prefix."""
+    def _walk(self, keys: Iterable[tuple[int, ...]]) -> list[_Node]:
+        """The nodes of the longest cached path that spells ``keys``' prefix (``keys`` is read
+        only as far as the path goes: a long prompt that misses early costs one page)."""
         path: list[_Node] = []
         node = self._root
         for key in keys:
@@ -131,10 +135,9 @@ class RadixCache:
         become the most recently used. A caller that needs logits for the prompt's last token
         matches ``tokens[:-1]`` so at least one token is left to prefill. Disabled: ([], 0)."""
         n = self._num_tokens("match", tokens) // self.page_size
-        keys = self._keys("match", tokens, n)
         if not self.enabled:
             return [], 0
-        path = self._walk(keys)
+        path = self._walk(self._keys("match", tokens, i, i + 1)[0] for i in range(n))
         self._touch(path)
         pages = [nd.page for nd in path]
         self.allocator.incref(pages)
@@ -154,7 +157,7 @@ class RadixCache:
         if have < n * self.page_size:
             raise ValueError(f"glm5 RadixCache.insert: {len(ids)} pages of {self.page_size} "
                              f"tokens need >= {n * self.page_size} tokens, got {have}")
-        keys = self._keys("insert", tokens, n)
+        keys = self._keys("insert", tokens, 0, n)
         if not self.enabled:
             return ids
         path = self._walk(keys)
@@ -201,9 +204,9 @@ class RadixCache:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
             raise ValueError(f"glm5 RadixCache.evict: argument 'num_pages' expected an int >= 0, "
                              f"got {num_pages!r}")
-        refcount = self.allocator.refcount
+        refs = self.allocator._refs  # the counts themselves: refcount() validates every id
         # (tick, page) is unique per node (page ids are), so the heap never compares nodes.
-        heap = [(nd.tick, p, nd) for p, nd in self._leaves.items() if refcount(p) == 1]
+        heap = [(nd.tick, p, nd) for p, nd in self._leaves.items() if refs[p] == 1]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < num_pages:
@@ -216,25 +219,22 @@ class RadixCache:
             freed += 1
             if parent is not self._root and not parent.children:
                 self._leaves[parent.page] = parent
-                if refcount(parent.page) == 1:
+                if refs[parent.page] == 1:
                     heapq.heappush(heap, (parent.tick, parent.page, parent))
         return freed
 
     def evictable_pages(self) -> int:
         """How many pages ``evict`` could free now: the nodes whose whole subtree (themselves
-        included) only the tree holds."""
-        refcount = self.allocator.refcount
-        order: list[_Node] = []
-        stack = list(self._root.children.values())
-        while stack:  # iterative: a 200K-token prompt is a path thousands of pages deep
-            nd = stack.pop()
-            order.append(nd)
-            stack.extend(nd.children.values())
-        free_subtree: dict[int, bool] = {}
-        for nd in reversed(order):  # children before their parent
-            free_subtree[nd.page] = refcount(nd.page) == 1 and all(
-                free_subtree[c.page] for c in nd.children.values())
-        return sum(free_subtree.values())
+        included) only the tree holds. O(cached pages), no recursion (a long prompt is a path
+        thousands of pages deep)."""
+        refs = self.allocator._refs  # the counts themselves: refcount() validates every id
+        pinned: set[int] = set()     # held by a request, or above a page that is
+        for p, nd in self._nodes.items():
+            if refs[p] > 1:
+                while nd is not self._root and nd.page not in pinned:
+                    pinned.add(nd.page)
+                    nd = nd.parent
+        return len(self._nodes) - len(pinned)
 
     def reset(self) -> None:
         """Drop every tree reference and empty the tree (requests' references stay)."""
