@@ -1,4 +1,5 @@
-"""TVM (llvm) lightning_indexer / fused indexer_topk kernels against the references.
+"""TVM (llvm) lightning_indexer / fused indexer_topk / paged_indexer_topk kernels against the
+references.
 
 One module-scoped backend on a temporary build cache: each kernel variant compiles once.
 """
@@ -7,13 +8,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip("tvm")
 
 import glm5  # noqa: E402
+import paged_util  # noqa: E402
 from glm5.ir.ops_dsa import indexer_topk_ref, lightning_indexer_ref  # noqa: E402
 from glm5.kernels.tvm import indexer as ix  # noqa: E402
 from glm5.kernels.tvm.build import TVMContext  # noqa: E402
+from glm5.testing.cases import GENERATORS, PROFILES, HypothesisDraw  # noqa: E402
 from glm5.testing.compare import assert_matches  # noqa: E402
 from glm5.testing.parity import format_table, run_parity  # noqa: E402
 
@@ -179,3 +184,104 @@ def test_builds_once(ctx, fns):
         ks, ke = _causal(T, S)
         topk_fn(q, k, w, ks, ke, 4)
     assert len(ctx.builds) - n <= 1  # at most the first (Hi=3, Di=8, fp32) variant
+
+
+# --------------------------------------------------------------------------- paged_indexer_topk
+def _paged_fn(backend):
+    return backend.kernels["paged_indexer_topk"].fn
+
+
+def test_paged_parity(backend):
+    """The kit's paged cases (shuffled pools, shared prefixes, -1 pages, k_len mid-page and on
+    page boundaries) through every tier of the default profile, in each dtype."""
+    rows = run_parity(backend, ["paged_indexer_topk"], examples=10, seed=0)
+    assert {r.dtype for r in rows} == {"float32", "bfloat16", "float16"}
+    assert all(r.status == "pass" and r.examples == 10 for r in rows), format_table(rows)
+
+
+@given(data=st.data(), integer=st.booleans(), dtype=st.sampled_from(list(ix.DTYPES)))
+def test_paged_is_indexer_topk_on_the_sequence_keys_mapped(backend, data, integer, dtype):
+    """Paged == this backend's indexer_topk over each query's logical keys, mapped to pool
+    rows, exactly: a TVM score does not depend on where its key sits in the packed buffer, so
+    even random inputs select and order identically (integer inputs add exact ties, which must
+    go to the smaller logical position)."""
+    v = GENERATORS["paged_indexer_topk"](HypothesisDraw(data, PROFILES["smoke"]), dtype)
+    if integer:
+        v = paged_util.integer_valued(v, data.draw(st.integers(0, 2**16)))
+    glm5.get_op("paged_indexer_topk").validate((), v)
+    got = _paged_fn(backend)(*paged_util.args(v))
+    want = paged_util.unpaged_then_mapped(backend.kernels["indexer_topk"].fn, v)
+    assert torch.equal(got, want)
+    if integer:
+        assert torch.equal(got, glm5.get_op("paged_indexer_topk").reference(
+            *paged_util.args(v)))
+    assert_matches("paged_indexer_topk", got, v)
+
+
+def _decode_batch(n_seq, lens, ps, Hi=4, Di=16, seed=0, dtype=torch.float32):
+    """One decode query per sequence (interleaved order), a shuffled pool, -1 past each
+    sequence's pages."""
+    g = torch.Generator().manual_seed(seed)
+    P = max(-(-n // ps) for n in lens) + 1
+    pages = sum(-(-n // ps) for n in lens) + 2
+    perm = torch.randperm(pages, generator=g).tolist()
+    table = torch.full((n_seq, P), -1, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        for p in range(-(-n // ps)):
+            table[b, p] = perm.pop()
+    seq = torch.randperm(n_seq, generator=g).to(torch.int32)
+    q, k, w = _inputs(n_seq, pages * ps, Hi, Di, dtype, seed)
+    q, w = q[: n_seq], w[: n_seq]
+    return {"q": q, "k": k, "w": w, "block_table": table, "seq": seq,
+            "k_len": torch.tensor(lens, dtype=torch.int32)[seq.long()], "page_size": ps}
+
+
+def test_paged_streams_many_tiles_and_blocks(backend, small_tiles):
+    """Tiles of 48 keys, blocks of 8 queries: a prefill chunk of 21 queries of one sequence
+    (three blocks of one sequence, causal k_len crossing page and tile boundaries) and, in
+    the same call, decode queries of other sequences interleaved with it."""
+    ps, T = 16, 21
+    lens = [700, 130, 64, 0, 47]
+    v = _decode_batch(len(lens), lens, ps, seed=7)
+    g = torch.Generator().manual_seed(8)
+    qp, _, wp = _inputs(T, 1, 4, 16, seed=9)
+    kl = torch.arange(T, dtype=torch.int32) + 700 - T + 1
+    at = torch.randint(0, T, (len(lens),), generator=g).sort().values
+    order = torch.argsort(torch.cat((torch.arange(T), at)), stable=True)
+    v["q"] = torch.cat((qp, v["q"]))[order]
+    v["w"] = torch.cat((wp, v["w"]))[order]
+    v["seq"] = torch.cat((torch.zeros(T, dtype=torch.int32), v["seq"]))[order]
+    v["k_len"] = torch.cat((kl, v["k_len"]))[order]
+    fn = _paged_fn(backend)
+    for topk in (1, 50, 130, 800):
+        v["topk"] = topk
+        got = fn(*paged_util.args(v))
+        assert torch.equal(got, paged_util.unpaged_then_mapped(
+            backend.kernels["indexer_topk"].fn, v)), topk
+        assert_matches("paged_indexer_topk", got, v)
+        empty = v["seq"] == 3  # the sequence of length 0
+        assert bool((got[empty] == -1).all())
+
+
+def test_paged_strict_served_by_the_cpu_backend(monkeypatch):
+    """Under GLM5_STRICT=1 (a reference fallback is an error) glm5.ops.paged_indexer_topk runs
+    the cpu kernel natively in every dtype it claims, on a decode batch in interleaved order."""
+    monkeypatch.setenv("GLM5_STRICT", "1")
+    monkeypatch.delenv("GLM5_BACKEND", raising=False)
+    glm5.reset_registry()
+    op = glm5.get_op("paged_indexer_topk")
+    for dtype in ix.DTYPES:
+        v = _decode_batch(6, [5, 64, 63, 1, 130, 0], 8, dtype=dtype, seed=3)
+        v["topk"] = 32
+        assert glm5.backends.selection.kernel_for(op, v) == ("cpu", "native")
+        assert_matches(op, glm5.ops.paged_indexer_topk(**v), v)
+
+
+def test_paged_claims_and_declines(backend):
+    e = backend.kernels["paged_indexer_topk"]
+    assert e.dtypes == frozenset(ix.DTYPES)
+    v = _decode_batch(2, [3, 5], 2)
+    a = paged_util.args({**v, "topk": 4})
+    assert e.accepts(a)
+    assert not e.accepts((a[0].double(), a[1].double(), a[2].double(), *a[3:]))
+    assert not e.accepts((a[0], a[1].bfloat16(), *a[2:]))

@@ -1,4 +1,5 @@
-"""@triton.jit kernels behind glm5.kernels.triton.indexer: lightning_indexer, indexer_topk.
+"""@triton.jit kernels behind glm5.kernels.triton.indexer: lightning_indexer, indexer_topk,
+paged_indexer_topk.
 
 Imported on the first kernel call only (Triton reads TRITON_INTERPRET when a @triton.jit function
 is defined).
@@ -183,5 +184,112 @@ def _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, T, S, Hi, D
                   other=-9187343243497619456)
     ok = (key >> 32) > -2139095041
     idx = tl.where(ok, 4294967295 - (key & 4294967295), -1).to(tl.int32)
+    tl.store(out_ptr + t64[:, None] * sot + cols[None, :] * sok, idx,
+             mask=t_mask[:, None] & (cols[None, :] < TOPK))
+
+
+@triton.jit
+def paged_indexer_topk_kernel(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr,
+                              T, PS, Hi, Di, TOPK,
+                              sqt, sqh, sqd, sks, skd, swt, swh, sbb, sbp, sot, sok,
+                              N_TILES, NUM_PROGRAMS,
+                              BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                              BLOCK_D: tl.constexpr, CH: tl.constexpr,
+                              RANK_MERGE: tl.constexpr, DOT_FP32: tl.constexpr,
+                              PERSISTENT: tl.constexpr):
+    """indexer_topk_kernel through a block table: query t sees logical keys 0 .. kl[t] - 1 of
+    sequence seq[t], key j at pool row bt[seq[t], j // PS] * PS + j % PS. One tile per block
+    of BLOCK_T queries; PERSISTENT: program p walks blocks p, p + NUM_PROGRAMS, ..."""
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr,
+                             T, PS, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh, sbb, sbp,
+                             sot, sok, tile, BLOCK_T, BLOCK_S, BLOCK_D, CH, RANK_MERGE,
+                             DOT_FP32)
+    else:
+        _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr,
+                         T, PS, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh, sbb, sbp,
+                         sot, sok, tl.program_id(0), BLOCK_T, BLOCK_S, BLOCK_D, CH, RANK_MERGE,
+                         DOT_FP32)
+
+
+@triton.jit
+def _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr,
+                     T, PS, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh, sbb, sbp, sot, sok,
+                     pid, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                     CH: tl.constexpr, RANK_MERGE: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The block's queries may belong to several sequences (a decode batch: one each). A
+    [BLOCK_S] tile of keys is one sequence's, so the block makes one pass per distinct sequence
+    among its queries (smallest id first), streaming that sequence's keys through its table row
+    for the queries of that sequence only; the other rows' chunk halves hold SENT, which the
+    merge leaves behind their running top-CH. Order keys carry the LOGICAL index (ties to the
+    smaller logical position); the decode maps each to its pool row."""
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = t < T
+    t64 = t.to(tl.int64)
+    sq = tl.load(seq_ptr + t, mask=t_mask, other=0).to(tl.int32)
+    kl = tl.load(kl_ptr + t, mask=t_mask, other=0).to(tl.int32)
+    W: tl.constexpr = 2 * CH
+    rows = ws_ptr + t64 * W
+    cols = tl.arange(0, CH)
+    tl.store(rows[:, None] + cols[None, :],
+             tl.full([BLOCK_T, CH], -9187343243497619456, tl.int64), mask=t_mask[:, None])
+    tl.debug_barrier()
+    sb = tl.arange(0, BLOCK_S)
+    wcols = tl.arange(0, W)
+    todo = t_mask & (kl > 0)
+    left = tl.sum(todo.to(tl.int32), axis=0)
+    while left > 0:
+        b = tl.min(tl.where(todo, sq, 2147483647), axis=0)
+        act = todo & (sq == b)
+        hi = tl.max(tl.where(act, kl, 0), axis=0)
+        brow = bt_ptr + b.to(tl.int64) * sbb
+        for c0 in range(0, hi, CH):
+            # 1) score tiles of this chunk of sequence b's keys -> order keys
+            for j0 in range(0, CH, BLOCK_S):
+                s = c0 + j0 + sb
+                s_mask = s < hi
+                page = tl.load(brow + (s // PS).to(tl.int64) * sbp, mask=s_mask, other=0)
+                prow = page.to(tl.int64) * PS + (s % PS).to(tl.int64)
+                valid = act[:, None] & (s[None, :] < kl[:, None])
+                score = _score_tile(q_ptr, k_ptr, w_ptr, t64, act, prow, s_mask,
+                                    Hi, Di, sqt, sqh, sqd, sks, skd, swt, swh,
+                                    BLOCK_T, BLOCK_S, BLOCK_D, DOT_FP32)
+                key = tl.where(valid, _order_key(score, s), -9187343243497619456)
+                tl.store(rows[:, None] + (CH + j0 + sb)[None, :], key, mask=t_mask[:, None])
+            tl.debug_barrier()
+            # 2) merge: keep the best CH keys of each row's 2*CH
+            if RANK_MERGE:
+                kv = tl.load(rows[:, None] + wcols[None, :], mask=t_mask[:, None],
+                             other=-9187343243497619456)
+                a = kv[:, :, None]
+                bb = kv[:, None, :]
+                before = wcols[None, :] < wcols[:, None]  # [i, j]: j < i
+                rank = tl.sum(((bb > a) | ((bb == a) & before[None, :, :])).to(tl.int32),
+                              axis=2)
+                tl.debug_barrier()
+                tl.store(rows[:, None] + rank, kv, mask=t_mask[:, None])
+            else:
+                for i in range(0, BLOCK_T):
+                    row = pid * BLOCK_T + i
+                    if row < T:
+                        rsq = tl.load(seq_ptr + row).to(tl.int32)
+                        rkl = tl.load(kl_ptr + row).to(tl.int32)
+                        if (rsq == b) & (rkl > c0):
+                            rp = ws_ptr + tl.cast(row, tl.int64) * W + wcols
+                            v = tl.load(rp)
+                            v = tl.sort(v, descending=True)
+                            tl.store(rp, v)
+            tl.debug_barrier()
+        todo = todo & ~act
+        left = tl.sum(todo.to(tl.int32), axis=0)
+    # 3) decode the first TOPK keys: logical index -> pool row, or -1 for an empty slot
+    key = tl.load(rows[:, None] + cols[None, :], mask=t_mask[:, None],
+                  other=-9187343243497619456)
+    ok = (key >> 32) > -2139095041
+    j = tl.where(ok, 4294967295 - (key & 4294967295), 0)
+    page = tl.load(bt_ptr + sq.to(tl.int64)[:, None] * sbb + (j // PS) * sbp,
+                   mask=ok & t_mask[:, None], other=0)
+    idx = tl.where(ok, page.to(tl.int64) * PS + j % PS, -1).to(tl.int32)
     tl.store(out_ptr + t64[:, None] * sot + cols[None, :] * sok, idx,
              mask=t_mask[:, None] & (cols[None, :] < TOPK))

@@ -12,6 +12,13 @@ _indexer_kernels). After each chunk a bitonic tl.sort of the row keeps the best 
 the first topk keys decode to int32 indices, -1 for empty slots. Everything on the device is
 Triton; the host only allocates the workspace and splits very large T into launches so the
 workspace stays bounded. No [T, S] score matrix is ever formed.
+
+paged_indexer_topk (served whole): indexer_topk's streaming top-k with the key rows read through
+the block table (the pool row of logical key j of sequence b is computed per key tile from
+block_table[b, j // page_size]). A block of queries makes one pass per distinct sequence among
+them, so prefill chunks (one sequence) stream once and a decode batch (one query per sequence)
+needs no host-side regrouping; order keys hold the logical position (ties to the smaller one)
+and the final decode maps them to pool rows. No host sync: the table is read on the device.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # WS_BYTES bounds the workspace (queries are launched in groups that fit).
     "indexer_topk": {"BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128, "num_warps": 8,
                      "num_stages": 1, "MERGE": "auto", "MAX_TOPK": 4096, "WS_BYTES": 1 << 28},
+    # as indexer_topk (same merge and workspace rules); keys are read through the block table
+    "paged_indexer_topk": {"BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128, "num_warps": 8,
+                           "num_stages": 1, "MERGE": "auto", "MAX_TOPK": 4096,
+                           "WS_BYTES": 1 << 28},
 }
 
 
@@ -86,18 +97,9 @@ def make_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
             return out
         if S == 0:
             return out.fill_(-1)
-        bt, bs, bd = _tiles(p, Di)
-        ch = max(next_pow2(topk), bs, 16)
-        # group queries so the workspace (8 bytes x 2*CH per query) stays within WS_BYTES
-        per = max(bt, (int(p.get("WS_BYTES", 1 << 28)) // (16 * ch)) // bt * bt)
-        rows = min(T, per)
+        bt, bs, bd, ch, rows, rank = _merge_plan(p, topk, Di, T)
         ws = torch.empty((rows, 2 * ch), dtype=torch.int64, device=q.device)
         kern = _k().indexer_topk_kernel
-        merge = str(p.get("MERGE", "auto"))
-        # The rank merge holds a [BLOCK_T, 2CH, 2CH] comparison tile: only while that fits in
-        # Triton's largest tensor (the bitonic sort takes over beyond, e.g. topk = 2048).
-        fits = bt * (2 * ch) ** 2 <= MAX_TENSOR_NUMEL
-        rank = fits and (merge == "rank" or (merge == "auto" and interpreted()))
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             n = t1 - t0
@@ -115,14 +117,67 @@ def make_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
     return indexer_topk
 
 
+def _merge_plan(p: dict[str, Any], topk: int, Di: int, T: int) -> tuple[int, int, int, int,
+                                                                        int, bool]:
+    """(BLOCK_T, BLOCK_S, BLOCK_D, CH, rows per launch, rank merge) of a top-k launch."""
+    bt, bs, bd = _tiles(p, Di)
+    ch = max(next_pow2(topk), bs, 16)
+    # group queries so the workspace (8 bytes x 2*CH per query) stays within WS_BYTES
+    per = max(bt, (int(p.get("WS_BYTES", 1 << 28)) // (16 * ch)) // bt * bt)
+    merge = str(p.get("MERGE", "auto"))
+    # The rank merge holds a [BLOCK_T, 2CH, 2CH] comparison tile: only while that fits in
+    # Triton's largest tensor (the bitonic sort takes over beyond, e.g. topk = 2048).
+    fits = bt * (2 * ch) ** 2 <= MAX_TENSOR_NUMEL
+    rank = fits and (merge == "rank" or (merge == "auto" and interpreted()))
+    return bt, bs, bd, ch, min(T, per), rank
+
+
+def make_paged_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
+    def paged_indexer_topk(q, k, w, block_table, seq, k_len, page_size, topk):
+        check_device("paged_indexer_topk", q=q, k=k, w=w, block_table=block_table, seq=seq,
+                     k_len=k_len)
+        seq, k_len = seq.contiguous(), k_len.contiguous()
+        T, Hi, Di = q.shape
+        topk = int(topk)
+        out = torch.empty((T, topk), dtype=torch.int32, device=q.device)
+        if T == 0:
+            return out
+        if k.shape[0] == 0 or block_table.shape[1] == 0:  # no page: no query sees a key
+            return out.fill_(-1)
+        bt, bs, bd, ch, rows, rank = _merge_plan(p, topk, Di, T)
+        ws = torch.empty((rows, 2 * ch), dtype=torch.int64, device=q.device)
+        for t0 in range(0, T, rows):
+            t1 = min(T, t0 + rows)
+            n = t1 - t0
+            qs, ws_, o = q[t0:t1], w[t0:t1], out[t0:t1]
+            launch(
+                _k().paged_indexer_topk_kernel, (cdiv(n, bt),), p, "paged_indexer_topk",
+                qs, k, ws_, block_table, seq[t0:t1], k_len[t0:t1], ws, o, n, int(page_size),
+                Hi, Di, topk, qs.stride(0), qs.stride(1), qs.stride(2), k.stride(0),
+                k.stride(1), ws_.stride(0), ws_.stride(1), block_table.stride(0),
+                block_table.stride(1), o.stride(0), o.stride(1),
+                BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd, CH=ch, RANK_MERGE=rank,
+                DOT_FP32=dot_fp32(q.dtype, k.dtype),
+                **launch_opts(p))
+        return out
+
+    return paged_indexer_topk
+
+
 def kernels(tuning: Callable[[str], dict[str, Any]]) -> list[tuple]:
     pt = tuning("indexer_topk")
     max_topk = int(pt.get("MAX_TOPK", 4096))
+    pp = tuning("paged_indexer_topk")
+    paged_max = int(pp.get("MAX_TOPK", 4096))
 
     def topk_ok(q, k, w, k_start, k_end, topk) -> bool:
         return int(topk) <= max_topk
 
+    def paged_ok(q, k, w, block_table, seq, k_len, page_size, topk) -> bool:
+        return int(topk) <= paged_max
+
     return [
         ("lightning_indexer", make_lightning_indexer(tuning("lightning_indexer")), FLOATS, None),
         ("indexer_topk", make_indexer_topk(pt), FLOATS, topk_ok),
+        ("paged_indexer_topk", make_paged_indexer_topk(pp), FLOATS, paged_ok),
     ]

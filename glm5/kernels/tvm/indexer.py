@@ -37,6 +37,13 @@ the two with the radix-select kernel of ``select.py`` (sorted at the last tile; 
 into the int32 output rows (−1 for invalid; the tail past ``kb`` stays −1). Memory holds that
 scratch, a packed fp32 copy of ``k``, one fp32 query block (bf16/fp16 ``q``) and the
 ``[T, topk]`` output — never ``[T, S]`` scores.
+
+``paged_indexer_topk`` (keys in a pool of pages, read through a block table) runs the same
+streaming selection: the keys each sequence's queries see are gathered through the table
+straight into the packed buffer (the copy ``indexer_topk`` makes of ``k`` anyway), one sequence
+after another in logical order; queries are grouped by sequence and a query block never mixes
+sequences, so a decode batch of many sequences selects each query over its own sequence's keys
+only (a shared block would select over all of them). Compact indices map back to pool rows.
 """
 
 from __future__ import annotations
@@ -219,13 +226,29 @@ def _kernels(context: Callable[[], Any], Hi: int, Di: int,
 
 
 # --------------------------------------------------------------------------- host-side helpers
-def pack_keys(k: torch.Tensor) -> torch.Tensor:
-    """k [S, Di] -> [ceil(S / NS), Di, NS] fp32 (zero padded): one chunk is contiguous."""
-    S, Di = k.shape
-    nc = max(1, -(-S // NS))
-    kp = torch.zeros(nc * NS, Di, dtype=torch.float32)
-    kp[:S] = k
-    return kp.view(nc, NS, Di).transpose(1, 2).contiguous()
+PACK_KEYS = 4096  # keys per step of pack_keys: the gathered block stays in cache (1-2 MiB)
+
+
+def pack_keys(k: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """k [S, Di] (or its rows ``rows`` [n] int64, gathered in that order) -> [ceil(n / NS), Di,
+    NS] fp32 (zero padded): one chunk is contiguous. Written block by block, each block's keys
+    (gathered and) transposed and converted in one cache-resident copy: one pass over memory
+    (zero-fill, copy and transpose of the whole buffer took three, and the pack was most of a
+    long decode call)."""
+    n, Di = (k.shape[0] if rows is None else rows.numel()), k.shape[1]
+    nc = max(1, -(-n // NS))
+    kp = torch.empty(nc, Di, NS, dtype=torch.float32)
+    full = n // NS
+    step = max(1, PACK_KEYS // NS)
+    for c0 in range(0, full, step):
+        c1 = min(full, c0 + step)
+        src = k[c0 * NS: c1 * NS] if rows is None else k.index_select(0, rows[c0 * NS: c1 * NS])
+        kp[c0:c1].copy_(src.view(c1 - c0, NS, Di).transpose(1, 2))
+    if full < nc:  # the last, partial chunk: zero padded
+        tail = k[full * NS: n] if rows is None else k.index_select(0, rows[full * NS: n])
+        kp[full].zero_()
+        kp[full, :, : n - full * NS].copy_(tail.transpose(0, 1))
+    return kp
 
 
 def _prep(k, w, k_start, k_end):
@@ -286,11 +309,25 @@ def indexer_topk(context: Callable[[], Any], q, k, w, k_start, k_end, topk: int)
     idx = torch.full((T_, topk), -1, dtype=torch.int32)
     if T_ == 0 or S == 0:
         return idx
-    fn, decode = _kernels(context, Hi, Di, "key_tile", "decode")
     kp, wc, ks, ke = _prep(k, w, k_start, k_end)
     tile_t = min(TILE_T, T_)
+    blocks = [(b * tile_t, min(tile_t, T_ - b * tile_t), lo, hi)
+              for b, (lo, hi) in enumerate(_block_ranges(ks, ke, tile_t))]
+    _stream_topk(context, q, kp, wc, ks, ke, topk, min(topk, S), blocks, idx)
+    return idx
+
+
+def _stream_topk(context: Callable[[], Any], q: torch.Tensor, kp: torch.Tensor, wc: torch.Tensor,
+                 ks: torch.Tensor, ke: torch.Tensor, topk: int, kmax: int,
+                 blocks: list[tuple[int, int, int, int]], idx: torch.Tensor) -> None:
+    """The streaming selection of ``indexer_topk`` over query blocks ``(t0, tb, lo, hi)``:
+    queries t0 .. t0 + tb (at most TILE_T) whose key ranges lie in [lo, hi) of the packed keys
+    ``kp``; writes their rows of ``idx`` (key indices into ``kp``, -1 tail). ``kmax``: no row
+    has more valid keys (bounds the scratch)."""
+    Hi, Di = q.shape[1], q.shape[2]
+    fn, decode = _kernels(context, Hi, Di, "key_tile", "decode")
+    tile_t = max((tb for _, tb, _, _ in blocks), default=1)
     tile_s = max(NS, TILE_S - TILE_S % NS)
-    kmax = min(topk, S)  # no row has more valid keys than S: the rest of the row stays −1
     if kmax > select.MAX_KP:
         raise ValueError(f"glm5 cpu indexer_topk: topk expected at most {select.MAX_KP} for "
                          f"the TVM selection kernel, got {topk}")
@@ -300,11 +337,9 @@ def indexer_topk(context: Callable[[], Any], q, k, w, k_start, k_end, topk: int)
     cand = torch.empty(tile_t * (kmax + tile_s), dtype=torch.int64)
     scratch = torch.empty(tile_t * (kmax + tile_s), dtype=torch.int64)
     sel = torch.empty(tile_t * select.pow2_at_least(kmax), dtype=torch.int64)
-    for b, (lo, hi) in enumerate(_block_ranges(ks, ke, tile_t)):
+    for t0, tb, lo, hi in blocks:
         if hi <= lo:
             continue  # no query of the block has a key: all −1
-        t0 = b * tile_t
-        tb = min(tile_t, T_ - t0)
         kb = min(kmax, hi - lo)  # no row of the block has more valid keys than its union range
         buf = cand[: tb * (kb + tile_s)].view(tb, kb + tile_s)
         kpad = select.pow2_at_least(kb)
@@ -324,7 +359,67 @@ def indexer_topk(context: Callable[[], Any], q, k, w, k_start, k_end, topk: int)
                 decode(best, idx, t0, kb)
             else:
                 buf[:, :kb] = best[:, :kb]
+
+
+def paged_indexer_topk(context: Callable[[], Any], q, k, w, block_table, seq, k_len,
+                       page_size: int, topk: int) -> torch.Tensor:
+    """``indexer_topk`` through a paged key pool (docs/ops.md#paged_indexer_topk): the keys each
+    sequence's queries see are gathered (through ``block_table``) into one packed buffer, one
+    sequence after another in logical order, and the queries, grouped by sequence, stream over
+    their own sequence's keys only (query blocks never mix sequences, so a decode batch does
+    not select over every sequence's keys); the selected compact indices map back to pool
+    rows. The gather is the one pass over the keys ``indexer_topk`` makes anyway to pack them."""
+    T_ = q.shape[0]
+    idx = torch.full((T_, topk), -1, dtype=torch.int32)
+    if T_ == 0 or k.shape[0] == 0:
+        return idx
+    seq64, kl = seq.long(), k_len.long()
+    order = None
+    if T_ > 1 and bool((seq64[1:] < seq64[:-1]).any()):
+        order = torch.argsort(seq64, stable=True)  # grouped by sequence, in query order within
+        seq64, kl = seq64[order], kl[order]
+    uniq, counts = torch.unique_consecutive(seq64, return_counts=True)
+    gid = torch.repeat_interleave(torch.arange(uniq.numel()), counts)
+    need = torch.zeros(uniq.numel(), dtype=torch.int64).scatter_reduce(0, gid, kl, "amax")
+    ends = need.cumsum(0)
+    first = ends - need
+    C = int(ends[-1])
+    if C == 0:
+        return idx
+    if C >= 2**31 - NS:
+        raise ValueError(f"glm5 cpu paged_indexer_topk: the sequences' keys (k_len) expected "
+                         f"fewer than {2**31 - NS} in one call, got {C}")
+    c = torch.arange(C)
+    g = torch.searchsorted(ends, c, right=True)
+    j = c - first[g]
+    rows = block_table.long()[uniq[g], j // page_size] * page_size + j % page_size
+    ks64 = first[gid]
+    ks, ke = ks64.to(torch.int32), (ks64 + kl).to(torch.int32)
+    qs = q if order is None else q[order]
+    wc = (w if order is None else w[order]).to(torch.float32).contiguous()
+    blocks = []
+    t0 = 0
+    for lo, n, kls in zip(first.tolist(), counts.tolist(), torch.split(kl, counts.tolist())):
+        for i in range(0, n, TILE_T):
+            tb = min(TILE_T, n - i)
+            blocks.append((t0 + i, tb, lo, lo + int(kls[i: i + tb].max())))
+        t0 += n
+    out = torch.full((T_, topk), -1, dtype=torch.int32)
+    _stream_topk(context, qs, pack_keys(k, rows), wc, ks, ke, topk, min(topk, int(need.max())),
+                 blocks, out)
+    mapped = torch.where(out >= 0, rows[out.long().clamp(min=0)], -1).to(torch.int32)
+    if order is None:
+        return mapped
+    idx[order] = mapped
     return idx
+
+
+def _paged_supports(q, k, w, block_table, seq, k_len, *rest) -> bool:
+    return (
+        q.dtype in DTYPES and k.dtype == q.dtype and w.dtype in (torch.float32, q.dtype)
+        and all(x.device.type == "cpu" for x in (q, k, w, block_table, seq, k_len))
+        and q.dim() == 3 and q.shape[1] > 0 and q.shape[2] > 0
+    )
 
 
 # --------------------------------------------------------------------------- registration
@@ -335,7 +430,11 @@ def kernels(context: Callable[[], Any]) -> list[tuple[str, Callable, tuple | Non
     def _indexer_topk(q, k, w, k_start, k_end, topk):
         return indexer_topk(context, q, k, w, k_start, k_end, topk)
 
+    def _paged_indexer_topk(q, k, w, block_table, seq, k_len, page_size, topk):
+        return paged_indexer_topk(context, q, k, w, block_table, seq, k_len, page_size, topk)
+
     return [
         ("lightning_indexer", _lightning_indexer, DTYPES, _supports),
         ("indexer_topk", _indexer_topk, DTYPES, _supports),
+        ("paged_indexer_topk", _paged_indexer_topk, DTYPES, _paged_supports),
     ]
