@@ -320,6 +320,67 @@ mutant("indexer_topk_k_plus_20th_for_kth", "indexer_topk",
        lambda q, k, w, a, b, n: indexer_topk_k(q, k, w, a, b, n, rank_shift=20))
 
 
+def paged_topk_k(q, k, w, block_table, seq, k_len, page_size, topk, *, chunk=None,
+                 offset=0, read_offset=0, drop_last=False, logical=False, first_table=False):
+    """Per query: its sequence's logical keys gathered through the table, indexer_topk over them
+    (fp32 lexsort, or a running merge of ``chunk`` keys at a time), mapped to pool rows.
+    Bugs: ``offset`` shifts the row within a page (read and returned), ``read_offset`` only
+    the row the key is read from (the right rows returned for the wrong scores)."""
+    T = q.shape[0]
+    out = torch.full((T, topk), -1, dtype=torch.int32)
+    select = indexer_topk_chunked(chunk) if chunk else indexer_topk_k
+    for t in range(T):
+        b = 0 if first_table else int(seq[t])
+        n = max(0, int(k_len[t]) - int(drop_last))
+        if n == 0:
+            continue
+        j = torch.arange(n)
+        base = block_table[b].long()[j // page_size] * page_size
+        rows = (base + (j + offset) % page_size).clamp(min=0)
+        read = (base + (j + offset + read_offset) % page_size).clamp(min=0)
+        z = torch.zeros(1, dtype=torch.int32)
+        sel = select(q[t:t + 1], k[read], w[t:t + 1], z, z + n, topk)[0].long()
+        out[t] = sel.int() if logical else torch.where(sel >= 0, rows[sel.clamp(min=0)], -1)
+    return out
+
+
+def paged_topk_per_sequence(q, k, w, block_table, seq, k_len, page_size, topk):
+    """One indexer_topk call per sequence over its keys up to its longest query (ranges
+    [0, k_len)), the pages gathered as whole blocks of page_size rows."""
+    T = q.shape[0]
+    out = torch.full((T, topk), -1, dtype=torch.int32)
+    pages = k.view(-1, page_size, k.shape[1]) if page_size and k.shape[0] else None
+    for b in seq.unique().tolist():
+        sel = (seq == b).nonzero()[:, 0]
+        n = int(k_len[sel].max())
+        if n == 0:
+            continue
+        ids = block_table[b, : -(-n // page_size)].long()
+        keys = pages[ids].reshape(-1, k.shape[1])
+        rows = (ids[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+        z = torch.zeros(len(sel), dtype=torch.int32)
+        got = indexer_topk_k(q[sel], keys, w[sel], z, k_len[sel], topk).long()
+        out[sel] = torch.where(got >= 0, rows[got.clamp(min=0)], -1).int()
+    return out
+
+
+good("paged_indexer_topk_per_query_fp32", "paged_indexer_topk", paged_topk_k)
+good("paged_indexer_topk_per_sequence_whole_pages", "paged_indexer_topk",
+     paged_topk_per_sequence)
+good("paged_indexer_topk_chunks_of_16_running_merge", "paged_indexer_topk",
+     lambda *a: paged_topk_k(*a, chunk=16))
+mutant("paged_indexer_topk_row_in_page_off_by_one", "paged_indexer_topk",
+       lambda *a: paged_topk_k(*a, offset=1))
+mutant("paged_indexer_topk_scores_read_one_row_on", "paged_indexer_topk",
+       lambda *a: paged_topk_k(*a, read_offset=1))
+mutant("paged_indexer_topk_last_key_dropped", "paged_indexer_topk",
+       lambda *a: paged_topk_k(*a, drop_last=True))
+mutant("paged_indexer_topk_logical_not_pool_rows", "paged_indexer_topk",
+       lambda *a: paged_topk_k(*a, logical=True))
+mutant("paged_indexer_topk_first_sequence_table_for_all", "paged_indexer_topk",
+       lambda *a: paged_topk_k(*a, first_table=True))
+
+
 # --------------------------------------------------------------------------- attention
 def _dense_keys(k, v, k_start, k_end):
     """Dense attention: every query sees all S keys ([S, Hk, D], shared) under a range mask."""
