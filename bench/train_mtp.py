@@ -2,7 +2,7 @@
 the checkpoint, then measure MTP speculative decoding with the serving engine.
 
     python bench/train_mtp.py [--preset small] [--out DIR] [--threads 1] [--seqs 64]
-        [--prompt-len 16] [--gen-len 112] [--steps 300] [--max-seconds 240] [--batch 8]
+        [--prompt-len 16] [--gen-len 112] [--steps 300] [--max-seconds 150] [--batch 8]
         [--lr 3e-3] [--eval-prompts 8] [--eval-tokens 64] [--eval-concurrency 1,8]
         [--spec 1] [--rounds 2] [--json bench/results/mtp_small.json]
 
@@ -16,12 +16,17 @@ With random weights the MTP layer's drafts are almost never accepted; this train
    against ``ids[:, i + 2]``, the token two ahead, over the generated tokens (the prompt's
    random tokens are no continuation of anything).
 3. The checkpoint (main model + trained MTP layer) is saved to ``--out`` and loaded back.
-4. Fresh random prompts (a different seed) run through the engine with
+4. Two prompt sets of ``--eval-prompts`` prompts run through the engine with
    ``num_speculative_tokens`` = 0 and each of ``--spec``, greedy, in ``--rounds`` interleaved
-   rounds, at each of ``--eval-concurrency`` (closed loop, `bench/serving.py`): acceptance rate
-   (accepted / drafted), tokens/s and its ratio to no MTP (total tokens / total wall time over
-   the rounds), and whether every request's tokens are identical with and without MTP. The
-   untrained head's acceptance (the model before step 2) is measured the same way.
+   rounds, at each of ``--eval-concurrency`` c (closed loop, `bench/serving.py`; the first
+   max(4, 2c) prompts of the set): ``held_out`` (fresh random prompts, a different seed: what
+   the head learnt) and ``training_prompts`` (the first training prompts, whose continuations
+   the head was trained on: how fast the engine goes when drafts are mostly accepted). For
+   each: acceptance rate (accepted / drafted), tokens/s and its ratio to no MTP (total tokens /
+   total wall time over the rounds), whether every request's tokens are identical with and
+   without MTP, and the drafts' top-1 accuracy computed offline on the same continuations (a
+   check on the engine's drafting: k = 1 acceptance should come close to it). The untrained
+   head's acceptance (the model before step 2) is measured on the held-out prompts.
 """
 
 from __future__ import annotations
@@ -149,7 +154,7 @@ def measure_spec(model, prompts: list[list[int]], concurrency: int, max_tokens: 
     # generated token on: the first draft follows the prefill): what k = 1 acceptance should
     # come close to, a check on the engine's drafting.
     P = len(prompts[0])
-    if all(len(p) == P for p in prompts):
+    if all(len(p) == P for p in prompts) and max_tokens >= 2:
         ids = torch.tensor([list(p) + t for p, t in zip(prompts, tokens[0])])
         with torch.no_grad():
             res["offline_draft_accuracy"] = float(mtp_loss(model, hidden_states(model, ids), ids,
@@ -200,11 +205,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--gen-len", type=int, default=112)
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--max-seconds", type=float, default=240.0)
+    ap.add_argument("--max-seconds", type=float, default=150.0)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-prompts", type=int, default=8)
-    ap.add_argument("--eval-prompt-len", type=int, default=64)
     ap.add_argument("--eval-tokens", type=int, default=64)
     ap.add_argument("--eval-concurrency", default="1,8")
     ap.add_argument("--spec", default="1", help="num_speculative_tokens values to measure")
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="result file (default bench/results/mtp_<preset>.json)")
     a = ap.parse_args(argv)
     for k in ("seqs", "prompt_len", "gen_len", "steps", "batch", "eval_prompts",
-              "eval_prompt_len", "eval_tokens", "rounds"):
+              "eval_tokens", "rounds"):
         if getattr(a, k) < 1:
             raise SystemExit(f"bench/train_mtp.py: --{k.replace('_', '-')} expected >= 1, got "
                              f"{getattr(a, k)}")
@@ -235,13 +239,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res: dict[str, Any] = {"preset": a.preset, "seed": a.seed, "threads": torch.get_num_threads(),
                            "dtype": str(model.dtype).replace("torch.", ""), "argv": argv if argv is not None else sys.argv[1:]}
     t_all = time.perf_counter()
-    eval_prompts = random_prompts(a.eval_prompts, a.eval_prompt_len, a.eval_prompt_len, V,
-                                  a.seed + 1000)
-    res["acceptance_untrained"] = acceptance(model, eval_prompts, a.eval_tokens)
+    if a.eval_tokens > a.gen_len:
+        raise SystemExit(f"bench/train_mtp.py: --eval-tokens expected <= --gen-len "
+                         f"({a.gen_len}: the training prompts are evaluated too), got "
+                         f"{a.eval_tokens}")
+    train_prompts = random_prompts(a.seqs, a.prompt_len, a.prompt_len, V, a.seed)
+    sets = {"held_out": random_prompts(a.eval_prompts, a.prompt_len, a.prompt_len, V,
+                                       a.seed + 1000),
+            "training_prompts": train_prompts[:a.eval_prompts]}
+    res["acceptance_untrained"] = acceptance(model, sets["held_out"], a.eval_tokens)
     print(f"untrained MTP head: acceptance {res['acceptance_untrained']:.3f}", flush=True)
     t = time.perf_counter()
-    ids = greedy_continuations(model, random_prompts(a.seqs, a.prompt_len, a.prompt_len, V,
-                                                     a.seed), a.gen_len)
+    ids = greedy_continuations(model, train_prompts, a.gen_len)
     res["data"] = {"sequences": a.seqs, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
                    "seconds": time.perf_counter() - t}
     print(f"data: {a.seqs} x {a.prompt_len}+{a.gen_len} tokens in "
@@ -257,8 +266,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model.save_pretrained(out, overwrite=True)
     res["checkpoint"] = a.out
     trained = glm5.load_model(out).eval()  # what was saved is what is measured
-    res["eval"] = [measure_spec(trained, eval_prompts, c, a.eval_tokens, spec, a.rounds)
-                   for c in conc]
+    res["eval"] = {name: [measure_spec(trained, p[:max(4, 2 * c)], c, a.eval_tokens, spec,
+                                       a.rounds) for c in conc] for name, p in sets.items()}
     if tmp is not None:
         tmp.cleanup()
     res["seconds"] = time.perf_counter() - t_all
@@ -276,17 +285,19 @@ def report(res: dict[str, Any]) -> str:
              f"{tr['curve'][0]['loss']:.2f} -> {tr['final_loss_all']:.2f}, draft accuracy on the "
              f"training continuations {tr['final_accuracy_all']:.3f}; untrained acceptance "
              f"{res['acceptance_untrained']:.3f}",
-             "", "| concurrency | num_speculative_tokens | acceptance | tokens/s | speed-up | "
-             "mean ITL ms | identical to no MTP |", "|---|---|---|---|---|---|---|"]
-    for e in res["eval"]:
-        if "offline_draft_accuracy" in e:
-            lines.insert(1, f"offline draft accuracy on the evaluation continuations "
-                            f"(c={e['concurrency']}): {e['offline_draft_accuracy']:.3f}")
-        for k, r in e["by_k"].items():
-            acc = "—" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
-            lines.append(f"| {e['concurrency']} | {k} | {acc} | {r['throughput']:.1f} | "
-                         f"{r['speedup']:.2f}x | {r['itl_mean_ms']:.1f} | "
-                         f"{'yes' if r['identical_to_k0'] else 'NO'} |")
+             "", "| prompts | concurrency | requests | num_speculative_tokens | acceptance | "
+             "offline draft accuracy | tokens/s | speed-up | mean ITL ms | identical to no MTP |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, evals in res["eval"].items():
+        for e in evals:
+            for k, r in e["by_k"].items():
+                acc = "—" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
+                off = e.get("offline_draft_accuracy")
+                lines.append(f"| {name} | {e['concurrency']} | {e['requests']} | {k} | {acc} | "
+                             f"{'—' if off is None or not int(k) else f'{off:.3f}'} | "
+                             f"{r['throughput']:.1f} | {r['speedup']:.2f}x | "
+                             f"{r['itl_mean_ms']:.1f} | "
+                             f"{'yes' if r['identical_to_k0'] else 'NO'} |")
     return "\n".join(lines)
 
 
