@@ -1,6 +1,6 @@
 """`paged_indexer_topk` on the cpu backend: the fused paged kernel vs the same work unpaged.
 
-    python bench/paged_indexer.py [--repeat 3] [--no-reference] [--json out.json]
+    python bench/paged_indexer.py [--threads N] [--repeat 3] [--no-reference] [--json out.json]
 
 GLM-5's indexer (Hi = 32 heads, Di = 128, top-2048) over a shuffled pool of 64-token pages, at
 the two shapes a serving step has: a decode batch (B sequences, one query each, interleaved
@@ -8,7 +8,7 @@ order) and a prefill chunk (512 causal queries at the end of one 8K sequence). S
 one process, each the median of ``--repeat`` calls after a warm-up (kernels built first):
 
 * ``paged``: the cpu backend's `paged_indexer_topk` kernel (gathers the used pages into the
-  packed key buffer, one query block per sequence);
+  packed key buffer, a few sequences at a time, query blocks within one sequence);
 * ``decomposed``: what glm5 runs without a fused paged kernel — `paged_indexer_topk`'s
   decomposition, one cpu `indexer_topk` call over the compact buffer of every sequence's keys;
 * ``contiguous``: the cpu `indexer_topk` on keys already contiguous per sequence, one call per
@@ -17,12 +17,16 @@ one process, each the median of ``--repeat`` calls after a warm-up (kernels buil
 * ``reference``: the OpDef reference in fp32 (--no-reference skips it).
 
 Every result is checked against the reference's (integer-exact ties aside, the kit's judge).
+``--threads`` sets torch's and TVM's thread counts (default: as the cpu backend sets them): on a
+shared machine whose cores are busy, each parallel region of a torch op (the gather, the pack)
+can wait a scheduler time slice, so compare ratios at one thread there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any, Callable
@@ -74,10 +78,14 @@ def _median(fn: Callable[[], Any], repeat: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=0, help="torch and TVM threads (0: default)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.threads:
+        os.environ["TVM_NUM_THREADS"] = str(a.threads)  # read when TVM's runtime starts
+        torch.set_num_threads(a.threads)
     cpu = glm5.get_registry().get("cpu")
     ok, why = cpu.is_available()
     if not ok:

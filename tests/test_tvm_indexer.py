@@ -236,10 +236,14 @@ def _decode_batch(n_seq, lens, ps, Hi=4, Di=16, seed=0, dtype=torch.float32):
             "k_len": torch.tensor(lens, dtype=torch.int32)[seq.long()], "page_size": ps}
 
 
-def test_paged_streams_many_tiles_and_blocks(backend, small_tiles):
+@pytest.mark.parametrize("batch_keys", [150, ix.PAGED_BATCH_KEYS])
+def test_paged_streams_many_tiles_and_blocks(backend, small_tiles, monkeypatch, batch_keys):
     """Tiles of 48 keys, blocks of 8 queries: a prefill chunk of 21 queries of one sequence
     (three blocks of one sequence, causal k_len crossing page and tile boundaries) and, in
-    the same call, decode queries of other sequences interleaved with it."""
+    the same call, decode queries of other sequences interleaved with it; sequences packed
+    together up to 150 keys (700 | 130 | 64 + 0 + 47: batches of one and of three sequences)
+    or all at once."""
+    monkeypatch.setattr(ix, "PAGED_BATCH_KEYS", batch_keys)
     ps, T = 16, 21
     lens = [700, 130, 64, 0, 47]
     v = _decode_batch(len(lens), lens, ps, seed=7)

@@ -86,6 +86,25 @@ def _moe(T, k, E, D, I):
     return build
 
 
+def _paged(lens: list[int], seq: list[int], k_len: list[int], ps: int = 64):
+    """paged_indexer_topk at GLM-5's indexer sizes over a shuffled pool of ``ps``-row pages
+    (sequence b of length lens[b]; query t of sequence seq[t] sees k_len[t] keys)."""
+    def build(dt):
+        used = [-(-n // ps) for n in lens]
+        n_pages = sum(used) + 8
+        perm = torch.randperm(n_pages, generator=_g(3)).tolist()
+        table = torch.full((len(lens), max(used) + 1), -1, dtype=torch.int32)
+        for b, n in enumerate(used):
+            table[b, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+            perm = perm[n:]
+        T = len(seq)
+        return {"q": _randn(T, 32, 128, dtype=dt), "k": _randn(n_pages * ps, 128, dtype=dt),
+                "w": _randn(T, 32, scale=32 ** -0.5), "block_table": table,
+                "seq": torch.tensor(seq, dtype=torch.int32),
+                "k_len": torch.tensor(k_len, dtype=torch.int32), "page_size": ps, "topk": 2048}
+    return build
+
+
 def _ql(M, K, N, scheme):
     def build(dt):
         wp, ws = quantize_weight(_randn(N, K, scale=K ** -0.5), scheme)
@@ -177,6 +196,12 @@ SHAPES: dict[str, list[Shape]] = {
         "q": _randn(1024, 32, 128, dtype=dt), "k": _randn(8192, 128, dtype=dt),
         "w": _randn(1024, 32), "k_start": _causal(1024, 8192)[0],
         "k_end": _causal(1024, 8192)[1], "topk": 2048})],
+    "paged_indexer_topk": [
+        Shape("decode B=32 L=4096 page=64 Hi=32 Di=128 topk=2048",
+              _paged([4096] * 32, list(range(31, -1, -1)), [4096] * 32)),
+        Shape("prefill T=512 L=8192 page=64 Hi=32 Di=128 topk=2048",
+              _paged([8192], [0] * 512, list(range(8192 - 511, 8193)))),
+    ],
     "sparse_attention": [
         Shape("decode T=64 K=2048 H=64 MQA 576/512", _sparse(64, 8192, 2048, 64, 1, 576, 512)),
         Shape("prefill T=256 K=2048 H=64 MQA 576/512",
