@@ -262,6 +262,26 @@ def _indexer_args(dtype: torch.dtype, topk: int | None = None, T: int = 70,
     return (q, k, w, ks, ke) if topk is None else (q, k, w, ks, ke, topk)
 
 
+def _paged_args(dtype: torch.dtype, topk: int) -> tuple:
+    """paged_indexer_topk: 70 queries of 4 sequences (interleaved, k_len up to 50) over a
+    shuffled pool of 4-row pages (tiles of 16: blocks mixing sequences)."""
+    g = torch.Generator().manual_seed(11)
+    ps, lens = 4, [50, 23, 8, 41]
+    used = [-(-n // ps) for n in lens]
+    perm = torch.randperm(sum(used) + 2, generator=g).tolist()
+    table = torch.full((4, max(used) + 1), -1, dtype=torch.int32)
+    for b, n in enumerate(used):
+        table[b, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+        perm = perm[n:]
+    T, Hi, Di = 70, 2, 16
+    seq = torch.randint(0, 4, (T,), generator=g)
+    k_len = (torch.rand(T, generator=g) * (torch.tensor(lens)[seq] + 1)).long()
+    return (torch.randn(T, Hi, Di, generator=g).to(dtype),
+            torch.randn((sum(used) + 2) * ps, Di, generator=g).to(dtype),
+            torch.randn(T, Hi, generator=g).to(dtype), table, seq.to(torch.int32),
+            k_len.to(torch.int32), ps, topk)
+
+
 def _logprobs_args() -> tuple:
     g = torch.Generator().manual_seed(10)
     T, D, V = 40, 16, 70
@@ -289,6 +309,8 @@ def _persistent_cases():
         ("indexer_topk_sort", "indexer_topk", lambda: _indexer_args(torch.bfloat16, 5, 49, 6),
          {"MERGE": "sort"}, {"MERGE": "rank"}),
         ("token_logprobs_split", "token_logprobs", _logprobs_args, {"SPLIT_V": 2}, {}),
+        ("paged_indexer_topk_rank", "paged_indexer_topk",
+         lambda: _paged_args(torch.float32, 5), {"MERGE": "rank"}, {}),
     ]
     return cases
 
