@@ -262,19 +262,7 @@ class _Server:
             return _SSEResponse(self._stream_completion(choices, head, lp is not None,
                                                         include_usage, req.n))
 
-        async def collect() -> list[RequestOutput]:
-            finals: list[RequestOutput | None] = [None] * choices.n
-            try:
-                async for i, out in choices.events():
-                    if out.finished:
-                        _check_failed(out)
-                        self.metrics.observe(out)
-                        finals[i] = out
-            finally:
-                await choices.close()
-            return finals  # type: ignore[return-value]
-
-        finals = await _unless_disconnected(http, collect())
+        finals = await _unless_disconnected(http, self._finals(choices))
         if finals is None:
             return Response(status_code=499)  # nobody is listening
         body_choices = []
@@ -289,6 +277,19 @@ class _Server:
                        sum(len(o.token_ids) for o in finals),
                        sum(o.metrics.num_cached_prompt_tokens for o in firsts if o.metrics))
         return JSONResponse({**head, "choices": body_choices, "usage": usage})
+
+    async def _finals(self, choices: _Choices) -> list[RequestOutput]:
+        """Each choice's finished output (a failed one raises), the choices closed after."""
+        finals: list[RequestOutput | None] = [None] * choices.n
+        try:
+            async for i, out in choices.events():
+                if out.finished:
+                    _check_failed(out)
+                    self.metrics.observe(out)
+                    finals[i] = out
+        finally:
+            await choices.close()
+        return finals  # type: ignore[return-value]
 
     async def _stream_completion(self, choices: _Choices, head: dict, logprobs: bool,
                                  include_usage: bool, n: int) -> AsyncIterator[str]:
@@ -386,19 +387,7 @@ class _Server:
             return _SSEResponse(self._stream_chat(choices, head, thinking, tools, parse_tools,
                                                   lp is not None, include_usage, len(ids)))
 
-        async def collect() -> list[RequestOutput]:
-            finals: list[RequestOutput | None] = [None] * choices.n
-            try:
-                async for i, out in choices.events():
-                    if out.finished:
-                        _check_failed(out)
-                        self.metrics.observe(out)
-                        finals[i] = out
-            finally:
-                await choices.close()
-            return finals  # type: ignore[return-value]
-
-        finals = await _unless_disconnected(http, collect())
+        finals = await _unless_disconnected(http, self._finals(choices))
         if finals is None:
             return Response(status_code=499)
         body_choices = []
