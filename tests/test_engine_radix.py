@@ -4,6 +4,8 @@ a request would read, and the LRU eviction order against a plain model after eve
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import strategies as st
@@ -323,6 +325,7 @@ class RadixMachine(RuleBasedStateMachine):
         self.enabled = enabled
         self.requests: dict[int, tuple[list[int], list[int]]] = {}
         self.admitting: list[int] = []               # pages matched by a request not yet running
+        self.finished: list[list[int]] = []          # tokens of finished requests
         self.next_id = 0
         self.shadow: dict[int, tuple[int, ...]] = {}
         self.model: dict[tuple[int, ...], int] = {}
@@ -438,6 +441,13 @@ class RadixMachine(RuleBasedStateMachine):
             self._touch(tokens, len(pages))
         self.alloc.decref(pages)
 
+    @precondition(lambda self: self.finished)
+    @rule(j=st.integers(0, 50))
+    def probe_finished(self, j):
+        """Match a finished request's tokens again: its whole cached path, leaf included,
+        becomes the most recently used."""
+        self.probe(self.finished[j % len(self.finished)])
+
     @precondition(lambda self: self.requests)
     @rule(i=st.integers(0, 50), extra=st.lists(st.integers(0, 1), min_size=1, max_size=4))
     def decode(self, i, extra):
@@ -482,8 +492,9 @@ class RadixMachine(RuleBasedStateMachine):
         self.finish(self._pick(i))
 
     def finish(self, rid):
-        _, table = self.requests.pop(rid)
+        tokens, table = self.requests.pop(rid)
         self.alloc.decref(table)
+        self.finished.append(tokens)
 
     @rule(k=st.integers(0, 6))
     def do_evict(self, k):
@@ -517,6 +528,16 @@ class RadixMachine(RuleBasedStateMachine):
         assert self.alloc.num_free == sum(r == 0 for r in refs(self.alloc))
         if not self.enabled:
             assert self.cache.num_cached_pages == 0
+
+    @invariant()
+    def eviction_order_is_lru(self):
+        """On a copy: evicting one page at a time frees the evictable pages in the model's LRU
+        order (least recently matched / inserted leaf first, parents after their children)."""
+        cache = copy.deepcopy(self.cache)
+        order: list[int] = []
+        while cache.evict(1):
+            order += [p for p in self.model.values() if p not in cache and p not in order]
+        assert order == self._model_evict(len(self.model))
 
     @invariant()
     def pages_hold_what_their_readers_expect(self):
