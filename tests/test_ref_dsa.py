@@ -207,7 +207,10 @@ def test_paged_indexer_topk_hand_case():
 def test_paged_is_indexer_topk_on_the_sequence_keys_mapped(data, integer, dtype):
     """The defining property on the kit's paged cases (shuffled pools, shared prefixes, -1
     pages, k_len mid-page and on boundaries): reference and decomposition equal indexer_topk's
-    reference over each query's logical keys, mapped to pool rows."""
+    reference over each query's logical keys, mapped to pool rows. Exactly with integer
+    inputs (exact scores in any summation order, many ties); with random ones a score may
+    round differently in a [1, n] and a [T, n] product (BLAS), so a near or exact tie (the
+    kit duplicates keys) may flip: there each is judged by the kit."""
     v = GENERATORS["paged_indexer_topk"](HypothesisDraw(data, PROFILES["smoke"]), dtype)
     if integer:
         v = paged_util.integer_valued(v, data.draw(st.integers(0, 2**16)))
@@ -215,9 +218,12 @@ def test_paged_is_indexer_topk_on_the_sequence_keys_mapped(data, integer, dtype)
     op.validate((), v)
     want = paged_util.unpaged_then_mapped(ref("indexer_topk"), v)
     got = op.reference(*paged_util.args(v))
-    assert torch.equal(got, want)
-    assert torch.equal(op.decompose(ops, *paged_util.args(v)), want)
-    assert_matches(op, got, v)
+    dec = op.decompose(ops, *paged_util.args(v))
+    if integer:
+        assert torch.equal(got, want)
+        assert torch.equal(dec, want)
+    for idx in (got, dec, want):
+        assert_matches(op, idx, v)
 
 
 def _paged_call(**over):

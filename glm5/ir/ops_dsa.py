@@ -274,6 +274,8 @@ def paged_reachable(block_table: torch.Tensor, seq: torch.Tensor, k_len: torch.T
 
 
 def _paged_check(a, s) -> None:
+    """Three host syncs in all (this runs on every call, a decode step included): the seq and
+    k_len flags, the widest used row, the page flags."""
     op = "paged_indexer_topk"
     ps, S = a["page_size"], s["S"]
     require(S % ps == 0, op, "k", f"a row count S that is a multiple of page_size={ps} (the "
@@ -282,23 +284,36 @@ def _paged_check(a, s) -> None:
     if not (has_data(bt) and has_data(seq) and has_data(k_len)) or seq.numel() == 0:
         return
     B, P = bt.shape
-    bad = (seq < 0) | (seq >= B)
-    if bool(bad.any()):
-        t = int(bad.nonzero()[0, 0])
+    bad_seq = (seq < 0) | (seq >= B)
+    bad_len = (k_len < 0) | (k_len > P * ps)
+    f_seq, f_len = torch.stack((bad_seq.any(), bad_len.any())).tolist()
+    if f_seq:
+        t = int(bad_seq.nonzero()[0, 0])
         raise OpInputError(f"glm5.{op}: argument 'seq' expected entries in [0, {B}) (rows of "
                            f"block_table), got seq[{t}]={int(seq[t])}")
-    bad = (k_len < 0) | (k_len > P * ps)
-    if bool(bad.any()):
-        t = int(bad.nonzero()[0, 0])
+    if f_len:
+        t = int(bad_len.nonzero()[0, 0])
         raise OpInputError(f"glm5.{op}: argument 'k_len' expected entries in [0, {P * ps}] "
                            f"(P={P} pages of page_size={ps}), got k_len[{t}]={int(k_len[t])}")
-    # The pages a sequence's queries read: its first ceil(max k_len / page_size) entries.
-    need = torch.zeros(B, dtype=torch.int64, device=seq.device).scatter_reduce(
-        0, seq.long(), k_len.long(), "amax", include_self=True)
-    used = torch.arange(P, device=bt.device)[None, :] < (need[:, None] + ps - 1) // ps
+    # The pages a sequence's queries read: its first ceil(max k_len / page_size) entries; only
+    # those columns are looked at.
+    need = torch.zeros(B, dtype=torch.int32, device=seq.device).scatter_reduce(
+        0, seq.long(), k_len, "amax", include_self=True)
+    n_used = (need + ps - 1) // ps
+    cols = int(n_used.max())
+    if cols == 0:
+        return
+    bt_u = bt[:, :cols]
+    pos = torch.arange(cols, dtype=torch.int32, device=bt.device)[None, :]
+    used = pos < n_used[:, None]
     pages = S // ps
-    bad = used & ((bt < 0) | (bt >= pages))
-    if bool(bad.any()):
+    bad = used & ((bt_u < 0) | (bt_u >= pages))
+    # A page twice in one sequence would make two logical keys one pool row (unused entries
+    # become distinct negative values, so only used pages can collide).
+    srt = torch.where(used, bt_u, -1 - pos).sort(dim=1).values
+    dup = srt[:, 1:] == srt[:, :-1]
+    f_bad, f_dup = torch.stack((bad.any(), dup.any())).tolist()
+    if f_bad:
         b, p = (int(x) for x in bad.nonzero()[0])
         t = int(((seq == b) & (k_len.long() > p * ps)).nonzero()[0, 0])
         raise OpInputError(
@@ -306,11 +321,7 @@ def _paged_check(a, s) -> None:
             f"key a query sees, got block_table[{b}, {p}]={int(bt[b, p])} (logical keys "
             f"{p * ps}..{(p + 1) * ps - 1} of sequence {b}, seen by query {t} with "
             f"k_len[{t}]={int(k_len[t])})")
-    # A page twice in one sequence would make two logical keys one pool row.
-    key = torch.where(used, bt.long(), -1 - torch.arange(P, device=bt.device)[None, :])
-    srt = key.sort(dim=1).values
-    dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-    if bool(dup.any()):
+    if f_dup:
         b, i = (int(x) for x in dup.nonzero()[0])
         raise OpInputError(
             f"glm5.{op}: argument 'block_table' expected distinct pages within a sequence's "
