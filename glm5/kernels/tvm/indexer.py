@@ -372,7 +372,7 @@ def paged_indexer_topk(context: Callable[[], Any], q, k, w, block_table, seq, k_
     (query blocks never mix sequences, so a decode batch does not select over every sequence's
     keys). Consecutive groups are packed and run together up to PAGED_BATCH_KEYS keys, so the
     packed keys are still in cache when the kernel reads them (one packed buffer for a whole
-    decode batch made the call 1.8x slower than per-sequence calls on contiguous keys). The
+    decode batch made a decode call 1.5-1.7x slower: it had left the cache when read). The
     selected compact indices map back to pool rows."""
     T_ = q.shape[0]
     idx = torch.full((T_, topk), -1, dtype=torch.int32)
