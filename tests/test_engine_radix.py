@@ -355,9 +355,6 @@ class RadixMachine(RuleBasedStateMachine):
         return self.admitting.count(page) + sum(table.count(page)
                                                 for _, table in self.requests.values())
 
-    def _children(self, prefix):
-        return [q for q in self.model if len(q) == len(prefix) + self.ps and q[:len(prefix)] == prefix]
-
     def _model_evict(self, k):
         """The pages LRU eviction of ``k`` must free, in order, computed from the model."""
         model, order = dict(self.model), []
