@@ -10,7 +10,7 @@ import torch
 from glm5.core.block_select import block_select, pooled_keys
 from glm5.core.config import preset
 from glm5.core.model import GLM5ForCausalLM
-from tolerances_model import assert_logits_close
+from tolerances_model import LOGIT_TOL, assert_logits_close
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +64,7 @@ def test_block_mode_incremental_equals_full():
         inc = torch.cat([m(ids[:, :13], cache)] + [m(ids[:, t:t + 1], cache)
                                                     for t in range(13, 30)], 1)
     # decoding over the cache and the prefill are two implementations: model-level
-    assert_logits_close(inc, full, what="incremental vs full forward")
+    assert assert_logits_close(inc, full, what="incremental vs full forward") <= 2 * LOGIT_TOL
 
 
 def test_all_blocks_kept_equals_token_mode():

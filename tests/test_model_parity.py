@@ -16,7 +16,7 @@ from glm5.core import attention as attn_mod
 from glm5.core.config import preset
 
 from hf_oracle import random_hf_model
-from tolerances_model import NEAR_TIE_REL, assert_logits_close
+from tolerances_model import LOGIT_TOL, NEAR_TIE_REL, assert_logits_close
 
 pytest.importorskip("transformers")
 
@@ -112,7 +112,7 @@ def test_incremental_decode_equals_full_forward(tmp_path, monkeypatch):
             parts.append(m(ids[:, t : t + 1], cache))
     inc = torch.cat(parts, 1)
     # decoding (absorbed MQA over the cache) and the prefill (MHA) are two implementations
-    assert_logits_close(inc, full, what="incremental vs full forward")
+    assert assert_logits_close(inc, full, what="incremental vs full forward") <= 2 * LOGIT_TOL
 
 
 def test_query_chunking_does_not_change_logits(tmp_path, monkeypatch):

@@ -190,8 +190,8 @@ def test_experts_minus_one_skipped():
 
 def test_experts_duplicate_slot_adds_twice():
     x, w13, w2, e0, e1 = _tiny_experts()
-    assert_matches("moe_experts", (0.75 * e1)[None],
-                   _experts_vals(x, [[1, 1]], [[0.5, 0.25]], w13, w2), dtype=F64)
+    assert assert_matches("moe_experts", (0.75 * e1)[None],
+                   _experts_vals(x, [[1, 1]], [[0.5, 0.25]], w13, w2), dtype=F64).ok
 
 
 def _manual_moe(x, ids, weights, w13, w2):

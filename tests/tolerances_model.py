@@ -47,8 +47,10 @@ GRAD_ATOL_REL = 1e-4
 
 
 def assert_logits_close(got: torch.Tensor, ref: torch.Tensor, tol: float = LOGIT_TOL,
-                        what: str = "logits") -> None:
-    """|got - ref| <= tol * |ref| + tol * max|ref| elementwise (the convention of LOGIT_TOL)."""
+                        what: str = "logits") -> float:
+    """|got - ref| <= tol * |ref| + tol * max|ref| elementwise (the convention of LOGIT_TOL);
+    returns max|got - ref| / max|ref|, which that bound keeps <= 2 * tol."""
     scale = float(ref.abs().max())
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol * scale,
                                msg=lambda m: f"{what} (tol {tol:g} of max |ref| {scale:.3g}):\n{m}")
+    return float((got.double() - ref.double()).abs().max()) / max(scale, 1e-300)
