@@ -1,0 +1,310 @@
+"""The RL run's configuration: one dataclass per section, read from YAML or a dict strictly
+(an unknown key, a wrong type or an out-of-range value is an error naming the key).
+
+The defaults are GLM-5's where the seed gives one: clip [0.8, 1.25] (clip_low 0.2,
+clip_high 0.25), weight sync every 50 steps, pool decay 20% per 4 h, at least 5 task types per
+batch, distillation at temperature 0.7 with weight 0.3 and the teacher refreshed every 1000
+steps, the DSA indexer frozen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class RLConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"  # glm5.core.config preset, used when path is None
+    path: str | None = None  # a checkpoint directory (save_pretrained / HF layout)
+    overrides: dict[str, Any] = field(default_factory=dict)  # GLM5Config fields
+    with_mtp: bool = False
+    backend: str | None = None  # the op backend of trainer and rollout engines (None: default)
+    dtype: str = "float32"
+    init_seed: int = 0
+
+
+@dataclass
+class TaskConfig:
+    name: str  # a registered task type (glm5.rl.tasks.TASKS)
+    weight: float = 1.0  # the initial ratio (normalised over tasks)
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 1
+    group_size: int = 8  # completions per prompt (the GRPO group)
+    groups_per_step: int = 8  # prompt groups per trainer step
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    max_num_seqs: int = 128  # engine batch
+    transport: str = "inprocess"  # "inprocess" | "http"
+    urls: list[str] = field(default_factory=list)  # engine servers when transport == "http"
+    in_flight_groups: int = 16  # groups queued per worker (async); bounds the off-policy lag
+
+
+@dataclass
+class DistillConfig:
+    enabled: bool = False
+    weight: float = 0.3
+    temperature: float = 0.7
+    refresh_every: int = 1000  # trainer steps between teacher refreshes (0: never)
+    teacher_path: str | None = None  # None: the initial policy is the first teacher
+
+
+@dataclass
+class TrainerConfig:
+    optimizer: str = "muon"  # "muon" (Muon for matrices, AdamW for the rest) | "adamw"
+    lr: float = 1e-3  # AdamW
+    muon_lr: float = 2e-2
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0  # max global grad norm (0: off)
+    micro_batch_size: int = 32  # trajectories per forward/backward (gradient accumulation)
+    ppo_epochs: int = 1  # optimizer steps per batch (ratio == 1 on the first)
+    clip_low: float = 0.2
+    clip_high: float = 0.25
+    tis_cap: float = 2.0  # truncated importance sampling cap on exp(old - rollout)
+    std_normalize: bool = True
+    kl_coef: float = 0.0  # KL to the reference (initial) policy; 0: no reference kept
+    freeze_indexer: bool = True
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+
+@dataclass
+class SyncConfig:
+    interval: int = 50  # trainer steps between weight pushes
+    max_staleness: int = 2  # versions a token may lag the trainer
+    stale_policy: str = "drop"  # "drop" | "downweight" (weight 0.5 ** excess versions)
+    mode: str = "xor"  # delta encoding: "xor" (bit-exact) | "sub" (new - old, float)
+
+
+@dataclass
+class PoolConfig:
+    backend: str = "memory"  # "memory" | "sqlite" | "redis"
+    memory_capacity: int = 4096  # trajectories in the memory tier (the rest spill to disk)
+    path: str | None = None  # SQLite file (None: <out_dir>/pool.sqlite when backend is sqlite)
+    redis_url: str = "redis://localhost:6379/0"
+    namespace: str = "glm5rl"
+    decay: float = 0.2  # priority multiplied by (1 - decay) every decay_period_s
+    decay_period_s: float = 4 * 3600.0
+    min_task_types: int = 5
+    priority_eps: float = 1e-3  # a zero-advantage trajectory keeps a small chance
+    sample_mode: str = "proportional"  # "proportional" | "greedy"
+    consume: bool = True  # a sampled trajectory leaves the pool
+
+
+@dataclass
+class SamplerConfig:
+    dynamic: bool = True
+    window: int = 256  # recent results per task type
+    floor: float = 0.05  # no task type below this share
+    temperature: float = 1.0  # sharpness of the learnability weighting
+    update_every: int = 1  # trainer steps between ratio updates
+
+
+@dataclass
+class RewardConfig:
+    components: dict[str, float] = field(default_factory=lambda: {"correctness": 1.0})
+
+
+@dataclass
+class RunConfig:
+    steps: int = 100
+    mode: str = "async"  # "async" | "sync"
+    out_dir: str = "runs/rl"
+    seed: int = 0
+    checkpoint_every: int = 50
+    log_every: int = 1
+    ray: bool = False
+    eval_every: int = 0  # greedy evaluation every N steps (0: off)
+    eval_prompts: int = 64
+    tensorboard: bool = True  # when the tensorboard package is installed
+
+
+@dataclass
+class RLConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tasks: list[TaskConfig] = field(default_factory=lambda: [TaskConfig("reverse")])
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RLConfig":
+        return _build(cls, d, "")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "RLConfig":
+        import yaml
+
+        p = Path(path)
+        if not p.is_file():
+            raise RLConfigError(f"glm5 rl config: {p} is not a file")
+        d = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(d, dict):
+            raise RLConfigError(f"glm5 rl config: {p} expected a mapping at the top level, got "
+                                f"{type(d).__name__}")
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_CHOICES = {
+    "rollout.transport": ("inprocess", "http"),
+    "trainer.optimizer": ("muon", "adamw"),
+    "sync.stale_policy": ("drop", "downweight"),
+    "sync.mode": ("xor", "sub"),
+    "pool.backend": ("memory", "sqlite", "redis"),
+    "pool.sample_mode": ("proportional", "greedy"),
+    "run.mode": ("async", "sync"),
+    "model.dtype": ("float32", "float64", "bfloat16"),
+}
+_POSITIVE = ("rollout.num_workers", "rollout.group_size", "rollout.groups_per_step",
+             "rollout.max_tokens", "rollout.max_num_seqs", "rollout.in_flight_groups",
+             "trainer.micro_batch_size", "trainer.ppo_epochs", "sync.interval",
+             "pool.memory_capacity", "pool.decay_period_s", "sampler.window",
+             "run.steps", "rollout.temperature", "trainer.tis_cap", "pool.min_task_types")
+_NONNEG = ("trainer.lr", "trainer.muon_lr", "trainer.weight_decay", "trainer.grad_clip",
+           "trainer.kl_coef", "trainer.clip_high", "sync.max_staleness", "pool.priority_eps",
+           "sampler.floor", "run.checkpoint_every", "run.eval_every", "trainer.distill.weight",
+           "trainer.distill.refresh_every")
+
+
+def _get(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _validate(c: RLConfig) -> None:
+    for key, allowed in _CHOICES.items():
+        v = _get(c, key)
+        if v not in allowed:
+            raise RLConfigError(f"glm5 rl config: {key} expected one of {list(allowed)}, got "
+                                f"{v!r}")
+    for key in _POSITIVE:
+        if not _get(c, key) > 0:
+            raise RLConfigError(f"glm5 rl config: {key} expected a value > 0, got {_get(c, key)}")
+    for key in _NONNEG:
+        if not _get(c, key) >= 0:
+            raise RLConfigError(f"glm5 rl config: {key} expected a value >= 0, got "
+                                f"{_get(c, key)}")
+    if not 0.0 <= c.trainer.clip_low < 1.0:
+        raise RLConfigError(f"glm5 rl config: trainer.clip_low expected a value in [0, 1), got "
+                            f"{c.trainer.clip_low}")
+    if not 0.0 <= c.pool.decay < 1.0:
+        raise RLConfigError(f"glm5 rl config: pool.decay expected a value in [0, 1), got "
+                            f"{c.pool.decay}")
+    if not 0.0 < c.rollout.top_p <= 1.0:
+        raise RLConfigError(f"glm5 rl config: rollout.top_p expected a value in (0, 1], got "
+                            f"{c.rollout.top_p}")
+    if c.trainer.distill.temperature <= 0:
+        raise RLConfigError(f"glm5 rl config: trainer.distill.temperature expected a value > 0, "
+                            f"got {c.trainer.distill.temperature}")
+    if not c.tasks:
+        raise RLConfigError("glm5 rl config: tasks expected at least one task")
+    for i, t in enumerate(c.tasks):
+        if not t.weight > 0:
+            raise RLConfigError(f"glm5 rl config: tasks[{i}].weight expected a value > 0, got "
+                                f"{t.weight}")
+    if c.trainer.std_normalize and c.rollout.group_size < 2:
+        raise RLConfigError("glm5 rl config: rollout.group_size expected >= 2 with "
+                            "trainer.std_normalize (GRPO needs a group)")
+    if c.sampler.floor * len(c.tasks) > 1.0:
+        raise RLConfigError(f"glm5 rl config: sampler.floor expected at most 1 / {len(c.tasks)} "
+                            f"tasks, got {c.sampler.floor}")
+    if c.rollout.transport == "http" and not c.rollout.urls:
+        raise RLConfigError("glm5 rl config: rollout.urls expected at least one engine server "
+                            "URL with rollout.transport: http")
+    if not c.reward.components:
+        raise RLConfigError("glm5 rl config: reward.components expected at least one component")
+
+
+def _build(cls: type, d: Any, where: str) -> Any:
+    if isinstance(d, cls):
+        return d
+    if not isinstance(d, dict):
+        raise RLConfigError(f"glm5 rl config: {where or 'the config'} expected a mapping, got "
+                            f"{type(d).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise RLConfigError(f"glm5 rl config: unknown key {where}{unknown[0]!r}; "
+                            f"{where or 'the top level'} takes {sorted(fields)}")
+    kw = {}
+    for name, value in d.items():
+        kw[name] = _convert(hints[name], value, f"{where}{name}")
+    missing = [n for n, f in fields.items() if n not in kw and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise RLConfigError(f"glm5 rl config: {where}{missing[0]} is required")
+    return cls(**kw)
+
+
+def _convert(tp: Any, v: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, v, where + ".")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if v is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], v, where)
+    if origin is list:
+        if not isinstance(v, list):
+            raise RLConfigError(f"glm5 rl config: {where} expected a list, got "
+                                f"{type(v).__name__}")
+        (a,) = typing.get_args(tp)
+        return [_convert(a, x, f"{where}[{i}]") for i, x in enumerate(v)]
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(v, (list, tuple)) or len(v) != len(args):
+            raise RLConfigError(f"glm5 rl config: {where} expected {len(args)} values, got {v!r}")
+        return tuple(_convert(a, x, where) for a, x in zip(args, v))
+    if origin is dict:
+        if not isinstance(v, dict):
+            raise RLConfigError(f"glm5 rl config: {where} expected a mapping, got "
+                                f"{type(v).__name__}")
+        _, vt = typing.get_args(tp)
+        return {str(k): (x if vt is Any else _convert(vt, x, f"{where}.{k}"))
+                for k, x in v.items()}
+    if tp is Any:
+        return v
+    if tp is bool:
+        if not isinstance(v, bool):
+            raise RLConfigError(f"glm5 rl config: {where} expected true or false, got {v!r}")
+        return v
+    if tp is int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise RLConfigError(f"glm5 rl config: {where} expected an integer, got {v!r}")
+        return v
+    if tp is float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise RLConfigError(f"glm5 rl config: {where} expected a number, got {v!r}")
+        return float(v)
+    if tp is str:
+        if not isinstance(v, str):
+            raise RLConfigError(f"glm5 rl config: {where} expected a string, got {v!r}")
+        return v
+    raise RLConfigError(f"glm5 rl config: {where}: unsupported type {tp}")  # pragma: no cover
