@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 from glm5.engine.engine import LLMEngine, RequestRejected
 from glm5.engine.outputs import RequestOutput
 from glm5.engine.sampling import SamplingParams
+
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -69,6 +71,12 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(q.put_nowait, o)
             except RuntimeError:  # the caller's loop is closed: nobody listens
                 pass
+
+    def between_steps(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the calling thread while no step runs (e.g. a weight update
+        followed by ``engine.set_weights_version``) and return its result."""
+        with self._lock:
+            return fn(self.engine)
 
     # ------------------------------------------------------------------ callers
     async def generate(self, request_id: str, prompt: str | Sequence[int],

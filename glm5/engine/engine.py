@@ -163,6 +163,9 @@ class LLMEngine:
                                      else eos)
         self._aborts: list[str] = []
         self._outputs: list[RequestOutput] = []
+        # The version of the weights the model holds; every sampled token records it (RL rollouts
+        # keep it per token to bound staleness). `set_weights_version` moves it.
+        self.weights_version = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int],
@@ -253,6 +256,16 @@ class LLMEngine:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+    def set_weights_version(self, version: int) -> None:
+        """Record that the model's weights changed to ``version`` (call between steps, after
+        changing them). Tokens sampled from now on carry it; the prefix cache is emptied, as
+        its keys and values came from the old weights (requests in flight keep theirs)."""
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"glm5 engine set_weights_version: version expected an int, got "
+                            f"{version!r}")
+        self.radix.reset()
+        self.weights_version = version
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
@@ -462,6 +475,7 @@ class LLMEngine:
                                               torch.tensor([t for t, _ in toks]))
         for j, (t, _) in enumerate(toks):
             req.output_ids.append(t)
+            req.output_versions.append(self.weights_version)
             self.stats.generation_tokens += 1
             if req.logprobs is not None:
                 n = req.params.logprobs or 0
@@ -525,7 +539,8 @@ class LLMEngine:
             req.request_id, req.prompt_ids, list(req.output_ids), new_ids, req.text[:upto],
             new_text, list(req.logprobs) if req.logprobs is not None else None, new_lp,
             finished, req.finish_reason if finished else None,
-            req.stop_reason if finished else None, req.error, req.metrics))
+            req.stop_reason if finished else None, req.error, req.metrics,
+            token_versions=list(req.output_versions)))
 
     # ------------------------------------------------------------------ offline
     def run_to_completion(self) -> list[RequestOutput]:

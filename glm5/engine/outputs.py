@@ -45,3 +45,4 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
     metrics: RequestMetrics | None = None
+    token_versions: list[int] = field(default_factory=list)  # weights version per token_ids[i]

@@ -28,6 +28,7 @@ class Request:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
+        self.output_versions: list[int] = []  # the engine's weights version per output token
         self.params = params
         self.generator = generator
         self.status = Status.WAITING
