@@ -127,8 +127,6 @@ class RunConfig:
     checkpoint_every: int = 50
     log_every: int = 1
     ray: bool = False
-    eval_every: int = 0  # greedy evaluation every N steps (0: off)
-    eval_prompts: int = 64
     tensorboard: bool = True  # when the tensorboard package is installed
 
 
@@ -185,7 +183,7 @@ _POSITIVE = ("rollout.num_workers", "rollout.group_size", "rollout.groups_per_st
              "run.steps", "rollout.temperature", "trainer.tis_cap", "pool.min_task_types")
 _NONNEG = ("trainer.lr", "trainer.muon_lr", "trainer.weight_decay", "trainer.grad_clip",
            "trainer.kl_coef", "trainer.clip_high", "sync.max_staleness", "pool.priority_eps",
-           "sampler.floor", "run.checkpoint_every", "run.eval_every", "trainer.distill.weight",
+           "sampler.floor", "run.checkpoint_every", "trainer.distill.weight",
            "trainer.distill.refresh_every")
 
 
