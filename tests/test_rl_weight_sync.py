@@ -178,6 +178,28 @@ def test_corrupted_payload_changes_nothing(base, mode, where):
     assert rec.apply(u) == 1 and _bits_equal(trainer, engine)
 
 
+def test_failed_copy_is_rolled_back(base):
+    """A copy into the model that fails half-way (here: a buffer the engine made an inference
+    tensor, which refuses in-place writes) puts back every tensor already copied."""
+    trainer, engine = _pair(base, torch.float32)
+    name = "model.layers.2.mlp.gate.e_score_correction_bias"
+    pub, rec = WeightPublisher(trainer), WeightReceiver(engine)
+    _train(trainer)
+    with torch.no_grad():
+        trainer.model.layers[2].mlp.gate.e_score_correction_bias.add_(0.5)  # a buffer moves too
+    u = pub.publish()
+    assert name in u.tensors and list(u.tensors).index(name) > 10  # copies happened before it
+    with torch.inference_mode():
+        frozen = engine.model.layers[2].mlp.gate.e_score_correction_bias.clone()
+    engine.model.layers[2].mlp.gate.e_score_correction_bias = frozen
+    before = _snapshot(engine)
+    with pytest.raises(RuntimeError, match="[Ii]nference"):
+        rec.apply(u)
+    assert rec.version == 0
+    for n, t in engine.state_dict().items():
+        assert torch.equal(t, before[n]), n
+
+
 def test_wrong_checksum_changes_nothing(base):
     trainer, engine = _pair(base, torch.float32)
     pub, rec = WeightPublisher(trainer), WeightReceiver(engine)

@@ -470,15 +470,18 @@ class WeightReceiver:
                     f"{got[:16]}..., the trainer's is {update.checksums[name][:16]}...; nothing "
                     f"was applied (version stays {self._version})")
             olds[name], news[name] = old, new
-        done: list[str] = []
+        tried: list[str] = []
         with torch.no_grad():
             try:
                 for name, new in news.items():
-                    live[name].copy_(new.view(update.shapes[name]))
-                    done.append(name)
+                    tried.append(name)  # a copy_ can fail after writing (e.g. an inference
+                    live[name].copy_(new.view(update.shapes[name]))  # tensor): undo it too
             except BaseException:
-                for name in done:  # put back what was copied: all or nothing
-                    live[name].copy_(olds[name].view(update.shapes[name]))
+                for name in tried:  # put back everything touched: all or nothing
+                    try:
+                        live[name].copy_(olds[name].view(update.shapes[name]))
+                    except Exception:  # noqa: BLE001 - restore the rest; the first error wins
+                        pass
                 raise
         self._version = update.version
         return self._version
