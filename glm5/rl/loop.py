@@ -1,0 +1,501 @@
+"""The RL run: rollout workers, the experience pool and the trainer, synchronous or
+asynchronous, in one process or on Ray — the same orchestration code either way.
+
+Flow. Prompt groups (the task-ratio sampler picks their task types) go to rollout workers;
+each finished trajectory is journaled at once (`journal.jsonl`) and held until its group is
+complete; a complete group gets rewards (the composite reward over the task's checker) and
+GRPO advantages, feeds the sampler's success statistics and enters the pool. The trainer takes
+a batch from the pool (priority, decay, task-type floor), weights it by staleness, trains, and
+every `sync.interval` steps publishes the changed weights to every worker.
+
+- sync: each step generates exactly one batch, then trains (rollouts and training alternate).
+- async: one thread per worker keeps ``in_flight_groups`` groups in flight and applies weight
+  updates between engine steps; the trainer trains whenever the pool holds a batch. The
+  trainer's idle fraction (time waiting for data / wall time) is measured in both modes.
+
+Checkpoints every `run.checkpoint_every` steps hold the trainer (policy, optimizers, published
+snapshot), the pool, the sampler, the orchestrator's groups in flight and the journal offset;
+a resumed run replays the journal past that offset, so a trajectory finished before a crash is
+never lost and unfinished group members are re-queued. A worker that dies mid-episode is
+replaced; its finished trajectories were already delivered, its unfinished members re-queued.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from glm5 import ops
+from glm5.rl.config import RLConfig
+from glm5.rl.rollout import PromptGroup
+from glm5.rl.services import (LocalHandle, RayHandle, ServiceDied, TrainerService, WorkerService,
+                              copy_config)
+from glm5.rl.trajectory import Trajectory
+
+log = logging.getLogger("glm5.rl")
+
+CHECKPOINT = "checkpoint.pt"
+JOURNAL = "journal.jsonl"
+
+
+@dataclass
+class RunSummary:
+    steps: int
+    wall_s: float
+    trainer_idle_s: float
+    final_reward: float  # mean reward of the last 10% of steps (at least one)
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def idle_fraction(self) -> float:
+        return self.trainer_idle_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class RLRun:
+    """One RL run from its config. ``use_ray`` (default: cfg.run.ray) runs the workers, the pool
+    and the trainer as Ray actors (``ray.init`` must have been called or is called here with the
+    local machine). ``resume`` continues from ``out_dir/checkpoint.pt`` when present."""
+
+    def __init__(self, cfg: RLConfig, out_dir: str | Path | None = None, resume: bool = True,
+                 use_ray: bool | None = None, metrics: Any = None) -> None:
+        from glm5.rl.pool import ExperiencePool
+        from glm5.rl.reward import CompositeReward
+        from glm5.rl.sampler import DynamicRatioSampler
+        from glm5.rl.tasks import make_task
+
+        self.cfg = cfg
+        self.out = Path(out_dir or cfg.run.out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.use_ray = cfg.run.ray if use_ray is None else use_ray
+        self.tasks = {t.name: make_task(t.name, t.params) for t in cfg.tasks}
+        if len(self.tasks) != len(cfg.tasks):
+            raise ValueError("glm5 rl: tasks lists a task type twice")
+        self.reward = CompositeReward(cfg.reward.components)
+        self.sampler = DynamicRatioSampler([t.name for t in cfg.tasks],
+                                           {t.name: t.weight for t in cfg.tasks}, cfg.sampler,
+                                           seed=cfg.run.seed)
+        self.metrics = metrics
+        self._rng = random.Random(cfg.run.seed)
+        self._lock = threading.RLock()  # orchestrator state, journal, pool adds
+        self._groups: dict[str, PromptGroup] = {}  # groups not yet complete
+        self._done: dict[str, dict[int, Trajectory]] = {}  # their finished members
+        self._where: dict[str, int] = {}  # group id -> worker index holding it
+        self._queue: list[PromptGroup] = []  # groups (or missing members) waiting for a worker
+        self._next_group = 0
+        self.step = 0
+        self.version = 0
+        self.history: list[dict[str, float]] = []
+        self.trainer_idle_s = 0.0
+        self.replaced_workers = 0
+        self.dropped_stale = 0
+        self._tokens = 0
+        self._errors: list[BaseException] = []
+
+        cfg_dict = copy_config(cfg)
+        handle = self._handle
+        self.trainer = handle(TrainerService, cfg_dict, name="trainer")
+        pool_path = cfg.pool.path or str(self.out / "pool.sqlite")
+        self.pool = handle(ExperiencePool, cfg.pool, pool_path, seed=cfg.run.seed, name="pool")
+        ckpt = self.out / CHECKPOINT
+        state = torch.load(ckpt, weights_only=False) if resume and ckpt.exists() else None
+        if state is not None:
+            self.trainer.call("load_state_dict", state["trainer"])
+        self._full = self.trainer.call("full_update")
+        self.version = self.trainer.call("version")
+        self.workers = [self._new_worker(i) for i in range(cfg.rollout.num_workers)]
+        self._updates: list[list[bytes]] = [[] for _ in self.workers]
+        self._journal = open(self.out / JOURNAL, "a+b")
+        if state is not None:
+            self._restore(state)
+
+    # ------------------------------------------------------------------ services
+    def _handle(self, factory: Callable, *args: Any, name: str = "", **kwargs: Any) -> Any:
+        if self.use_ray:
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False,
+                         log_to_driver=False)
+            return RayHandle(factory, *args, **kwargs)
+        return LocalHandle(factory(*args, **kwargs))
+
+    def _new_worker(self, i: int) -> Any:
+        threads = 1 if self.use_ray else None
+        return self._handle(WorkerService, copy_config(self.cfg), self._full, f"w{i}",
+                            threads=threads, name=f"rollout-{i}-{time.monotonic_ns()}")
+
+    # ------------------------------------------------------------------ groups
+    def _make_group(self, task_type: str) -> PromptGroup:
+        task = self.tasks[task_type]
+        inst = task.sample(self._rng)
+        rc = self.cfg.rollout
+        g = PromptGroup(f"g{self._next_group}", task_type, inst.prompt_ids, rc.group_size,
+                        temperature=rc.temperature, top_p=rc.top_p, max_tokens=rc.max_tokens,
+                        stop_token_ids=list(getattr(task, "stop_token_ids", [])),
+                        seed=self.cfg.run.seed, meta=inst.meta)
+        self._next_group += 1
+        self._groups[g.group_id] = g
+        self._done[g.group_id] = {}
+        self._write({"kind": "group", "group": g.to_dict()})
+        return g
+
+    def _new_groups(self, n: int) -> list[PromptGroup]:
+        with self._lock:
+            return [self._make_group(t) for t in self.sampler.choose(n)]
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        self._journal.seek(0, os.SEEK_END)
+        self._journal.write((json.dumps(rec) + "\n").encode())
+        self._journal.flush()
+
+    def _deliver(self, trajs: list[Trajectory]) -> None:
+        """Journal finished trajectories; complete groups get rewards and enter the pool."""
+        with self._lock:
+            ready = []
+            for t in trajs:
+                member = int(t.traj_id.rsplit("/", 1)[1])
+                if t.group_id not in self._done or member in self._done[t.group_id]:
+                    continue  # a re-queued member finished twice: keep the first
+                self._write({"kind": "traj", "traj": t.to_dict()})
+                self._done[t.group_id][member] = t
+                self._tokens += len(t.completion_ids)
+                if len(self._done[t.group_id]) == self._groups[t.group_id].size:
+                    ready.append(t.group_id)
+            for gid in ready:
+                self._complete(gid)
+
+    def _complete(self, gid: str) -> None:
+        from glm5.rl.reward import RewardContext
+
+        g = self._groups.pop(gid)
+        members = self._done.pop(gid)
+        self._where.pop(gid, None)
+        trajs = [members[i] for i in range(g.size)]
+        task = self.tasks[g.task_type]
+        successes = []
+        for t in trajs:
+            score = task.score(t.meta, t.completion_ids)
+            ctx = RewardContext(task_type=t.task_type, prompt_ids=t.prompt_ids,
+                                completion_ids=t.completion_ids, text=None, task_score=score,
+                                meta=t.meta)
+            t.reward, t.reward_components = self.reward(ctx)
+            t.reward_components = {**score, **t.reward_components}
+            successes.append(score.get("exact", t.reward))
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
+        adv = ops.grpo_advantages(rewards, g.size, self.cfg.trainer.std_normalize).tolist()
+        for t, a, s in zip(trajs, adv, successes):
+            t.advantage = float(a)
+            self.sampler.record(t.task_type, float(s))
+        self.pool.call("add", trajs)
+
+    # ------------------------------------------------------------------ workers
+    def _assign(self, i: int, g: PromptGroup) -> None:
+        self._where[g.group_id] = i
+        self.workers[i].call("submit", g)
+
+    def _worker_failed(self, i: int, err: BaseException) -> None:
+        """Replace worker i; its groups' unfinished members go back to the queue."""
+        log.warning("glm5 rl: rollout worker %d failed (%s); replacing it and re-queueing its "
+                    "unfinished trajectories", i, err)
+        with self._lock:
+            lost = [gid for gid, w in self._where.items() if w == i]
+            for gid in lost:
+                del self._where[gid]
+                g = self._groups[gid]
+                missing = [m for m in range(g.size) if m not in self._done[gid]]
+                self._queue.append(PromptGroup(**{**g.to_dict(), "pending": missing}))
+            self.replaced_workers += 1
+            self._full = self.trainer.call("full_update")
+            self._updates[i] = []
+        self.workers[i] = self._new_worker(i)
+
+    def _requeue_failed(self, failed: list) -> None:
+        with self._lock:
+            for group, member, err in failed:
+                log.warning("glm5 rl: trajectory %s failed in the engine (%s); re-queued",
+                            group.traj_id(member), err)
+                self._where.pop(group.group_id, None)
+                self._queue.append(PromptGroup(**{**group.to_dict(), "pending": [member]}))
+
+    def _pump(self, i: int) -> int:
+        """One engine step of worker i (updates applied first); returns its open requests."""
+        w = self.workers[i]
+        with self._lock:
+            updates, self._updates[i] = self._updates[i], []
+        for u in updates:
+            w.call("apply_update", u)
+        done, failed = w.call("step")
+        self._deliver(done)
+        if failed:
+            self._requeue_failed(failed)
+        return w.call("num_open")
+
+    def _push_update(self, data: bytes) -> None:
+        with self._lock:
+            for q in self._updates:
+                q.append(data)
+
+    def _take_queued(self, limit: int) -> list[PromptGroup]:
+        with self._lock:
+            out, self._queue = self._queue[:limit], self._queue[limit:]
+            return out
+
+    # ------------------------------------------------------------------ training
+    @property
+    def batch_size(self) -> int:
+        return self.cfg.rollout.groups_per_step * self.cfg.rollout.group_size
+
+    def _train(self, trajs: list[Trajectory], t_wait: float) -> dict[str, float]:
+        from glm5.rl.weight_sync import staleness_weights
+
+        sc = self.cfg.sync
+        w = staleness_weights(trajs, self.version, sc.max_staleness, sc.stale_policy)
+        stale = [self.version - t.min_version for t in trajs]  # versions behind the trainer
+        keep = [(t, x) for t, x in zip(trajs, w) if x > 0]
+        self.dropped_stale += len(trajs) - len(keep)
+        m: dict[str, float] = {}
+        if keep:
+            m = self.trainer.call("train_step", [t for t, _ in keep], [x for _, x in keep])
+        self.step += 1
+        if self.step % sc.interval == 0:
+            self.version, data = self.trainer.call("publish")
+            if data is not None:
+                self._push_update(data)
+        self.sampler.step()  # every sampler.update_every steps: ratios from recent success
+        rewards = [t.reward for t in trajs]
+        exact = [t.reward_components.get("exact", t.reward) for t in trajs]
+        row = {"step": self.step, "time": time.perf_counter() - self._t0,
+               "version": self.version, "reward": sum(rewards) / len(rewards),
+               "exact": sum(exact) / len(exact), "batch": len(trajs), "trained": len(keep),
+               "staleness": sum(stale) / len(stale), "trainer_wait_s": t_wait,
+               "trainer_idle_frac": self.trainer_idle_s / max(time.perf_counter() - self._t0,
+                                                              1e-9),
+               "rollout_tokens": self._tokens, "task_types": len({t.task_type for t in trajs})}
+        for name in self.tasks:
+            rs = [t.reward for t in trajs if t.task_type == name]
+            if rs:
+                row[f"reward/{name}"] = sum(rs) / len(rs)
+        for name, r in self.sampler.ratios().items():
+            row[f"ratio/{name}"] = r
+        row.update({k: v for k, v in m.items()})
+        self.history.append(row)
+        if self.metrics is not None:
+            self.metrics.log(self.step, row)
+        ce = self.cfg.run.checkpoint_every
+        if ce and self.step % ce == 0:
+            self.checkpoint()
+        return row
+
+    def _wait_batch(self, stop: threading.Event) -> tuple[list[Trajectory], float]:
+        t0 = time.perf_counter()
+        while True:
+            if self._errors:
+                raise self._errors[0]
+            if self.pool.call("__len__") >= self.batch_size:
+                trajs = self.pool.call("sample", self.batch_size)
+                waited = time.perf_counter() - t0
+                self.trainer_idle_s += waited
+                return trajs, waited
+            if stop.is_set():
+                raise RuntimeError("glm5 rl: the rollout threads stopped")
+            time.sleep(0.002)
+
+    # ------------------------------------------------------------------ modes
+    def train(self, steps: int | None = None, progress: Callable[[dict], None] | None = None
+              ) -> RunSummary:
+        """Train until ``steps`` trainer steps (default cfg.run.steps) have run in total."""
+        target = self.cfg.run.steps if steps is None else steps
+        self._t0 = time.perf_counter() - (self.history[-1]["time"] if self.history else 0.0)
+        t_start = time.perf_counter()
+        idle0 = self.trainer_idle_s
+        if self.cfg.run.mode == "sync":
+            self._train_sync(target, progress)
+        else:
+            self._train_async(target, progress)
+        wall = time.perf_counter() - t_start
+        tail = self.history[-max(1, len(self.history) // 10):] if self.history else []
+        fr = sum(r["reward"] for r in tail) / len(tail) if tail else 0.0
+        return RunSummary(self.step, wall, self.trainer_idle_s - idle0, fr, list(self.history))
+
+    def _train_sync(self, target: int, progress) -> None:
+        nw = len(self.workers)
+        while self.step < target:
+            t0 = time.perf_counter()
+            groups = self._take_queued(10**9)
+            groups += self._new_groups(max(self.cfg.rollout.groups_per_step
+                                           - self._pending_groups(groups), 0))
+            for k, g in enumerate(groups):
+                self._assign(k % nw, g)
+            while True:
+                open_ = 0
+                for i in range(nw):
+                    try:
+                        open_ += self._pump(i)
+                    except ServiceDied as e:
+                        self._worker_failed(i, e)
+                queued = self._take_queued(10**9)
+                for k, g in enumerate(queued):
+                    self._assign(k % nw, g)
+                if not open_ and not queued and not self._groups_in_flight():
+                    break
+            n = self.pool.call("__len__")
+            if n == 0:
+                continue
+            trajs = self.pool.call("sample", min(self.batch_size, n))
+            wait = time.perf_counter() - t0
+            self.trainer_idle_s += wait
+            row = self._train(trajs, wait)
+            if progress:
+                progress(row)
+
+    def _pending_groups(self, queued: list[PromptGroup]) -> int:
+        return len({g.group_id for g in queued})
+
+    def _groups_in_flight(self) -> bool:
+        with self._lock:
+            return bool(self._where)
+
+    def _train_async(self, target: int, progress) -> None:
+        stop = threading.Event()
+        threads = [threading.Thread(target=self._rollout_loop, args=(i, stop), daemon=True,
+                                    name=f"glm5-rollout-{i}") for i in range(len(self.workers))]
+        for t in threads:
+            t.start()
+        try:
+            while self.step < target:
+                trajs, wait = self._wait_batch(stop)
+                row = self._train(trajs, wait)
+                if progress:
+                    progress(row)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+
+    def _rollout_loop(self, i: int, stop: threading.Event) -> None:
+        cap = self.cfg.rollout.in_flight_groups
+        lead = 2 * self.batch_size  # at most this many trajectories wait in the pool
+        try:
+            while not stop.is_set():
+                with self._lock:
+                    mine = sum(1 for w in self._where.values() if w == i)
+                room = cap - mine
+                if room > 0 and self.pool.call("__len__") < lead:
+                    todo = self._take_queued(room)
+                    todo += self._new_groups(room - len(todo)) if len(todo) < room else []
+                    for g in todo:
+                        self._assign(i, g)
+                try:
+                    if self._pump(i) == 0:
+                        time.sleep(0.002)
+                except ServiceDied as e:
+                    if stop.is_set():
+                        return
+                    self._worker_failed(i, e)
+        except BaseException as e:  # noqa: BLE001 - surfaced in the trainer's thread
+            self._errors.append(e)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint(self) -> Path:
+        """Write the run's state atomically (tmp file + rename)."""
+        with self._lock:
+            self._journal.flush()
+            os.fsync(self._journal.fileno())
+            state = {
+                "trainer": self.trainer.call("state_dict"),
+                "pool": self.pool.call("state_dict"),
+                "sampler": self.sampler.state_dict(),
+                "rng": self._rng.getstate(),
+                "next_group": self._next_group,
+                "groups": [g.to_dict() for g in self._groups.values()],
+                "done": {gid: {m: t.to_dict() for m, t in ms.items()}
+                         for gid, ms in self._done.items()},
+                "queue": [g.to_dict() for g in self._queue],
+                "journal_offset": self._journal.seek(0, os.SEEK_END),
+                "step": self.step, "version": self.version, "history": self.history,
+                "trainer_idle_s": self.trainer_idle_s, "dropped_stale": self.dropped_stale,
+                "tokens": self._tokens,
+            }
+        path = self.out / CHECKPOINT
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+        return path
+
+    def _restore(self, st: dict[str, Any]) -> None:
+        self.pool.call("load_state_dict", st["pool"])
+        self.sampler.load_state_dict(st["sampler"])
+        self._rng.setstate(st["rng"])
+        self._next_group = st["next_group"]
+        self.step, self.version = st["step"], st["version"]
+        self.history = st["history"]
+        self.trainer_idle_s, self.dropped_stale = st["trainer_idle_s"], st["dropped_stale"]
+        self._tokens = st["tokens"]
+        self._groups = {g["group_id"]: PromptGroup.from_dict(g) for g in st["groups"]}
+        self._done = {gid: {int(m): Trajectory.from_dict(t) for m, t in ms.items()}
+                      for gid, ms in st["done"].items()}
+        queued = [PromptGroup.from_dict(g) for g in st["queue"]]
+        # Replay what was journaled after the checkpoint: groups started and trajectories
+        # finished before the crash.
+        self._journal.seek(st["journal_offset"])
+        finished: list[Trajectory] = []
+        for line in self._journal.read().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by the crash
+            if rec["kind"] == "group":
+                g = PromptGroup.from_dict(rec["group"])
+                self._groups[g.group_id] = g
+                self._done.setdefault(g.group_id, {})
+                self._next_group = max(self._next_group, int(g.group_id[1:]) + 1)
+            elif rec["kind"] == "traj":
+                finished.append(Trajectory.from_dict(rec["traj"]))
+        self._journal.truncate(st["journal_offset"])
+        self._journal.seek(0, os.SEEK_END)
+        self._deliver(finished)  # journaled again, so a second crash loses nothing either
+        # Unfinished members of every incomplete group are re-queued.
+        seen = {g.group_id for g in queued}
+        for gid, g in self._groups.items():
+            if gid in seen:
+                continue
+            missing = [m for m in range(g.size) if m not in self._done[gid]]
+            if missing:
+                queued.append(PromptGroup(**{**g.to_dict(), "pending": missing}))
+        self._queue = queued
+        log.info("glm5 rl: resumed at step %d (version %d), replayed %d trajectories, "
+                 "%d groups re-queued", self.step, self.version, len(finished), len(queued))
+
+    # ------------------------------------------------------------------ checks
+    def weights_in_sync(self) -> bool:
+        """Every worker's weight checksums equal the trainer's last published weights (call
+        after a sync, with the updates applied)."""
+        for i, w in enumerate(self.workers):
+            with self._lock:
+                updates, self._updates[i] = self._updates[i], []
+            for u in updates:
+                w.call("apply_update", u)
+        ref = self.trainer.call("checksums")
+        return all(w.call("checksums") == ref for w in self.workers)
+
+    def close(self) -> None:
+        self._journal.close()
+        try:
+            self.pool.call("close")
+        except ServiceDied:
+            pass
+        if self.use_ray:
+            for h in [*self.workers, self.pool, self.trainer]:
+                try:
+                    h.kill()
+                except Exception:  # noqa: BLE001 - already gone
+                    pass

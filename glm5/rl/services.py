@@ -1,0 +1,219 @@
+"""The three services of an RL run — rollout worker, experience pool, trainer — and the handles
+the orchestrator calls them through: in process (`LocalHandle`) or as Ray actors
+(`RayHandle`). The same objects run either way; only the handle differs.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import torch
+
+from glm5.core.config import GLM5Config, preset
+from glm5.core.model import GLM5ForCausalLM
+from glm5.engine.engine import EngineConfig, LLMEngine
+from glm5.rl.config import ModelConfig, RLConfig
+from glm5.rl.rollout import RolloutWorker
+from glm5.rl.trainer import GRPOTrainer
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def model_config(mc: ModelConfig) -> GLM5Config:
+    if mc.path is not None:
+        from glm5.core.config import GLM5Config as C
+
+        return C.from_pretrained(mc.path).replace(**mc.overrides) if mc.overrides else \
+            C.from_pretrained(mc.path)
+    return preset(mc.preset).replace(**mc.overrides) if mc.overrides else preset(mc.preset)
+
+
+def build_policy(mc: ModelConfig) -> GLM5ForCausalLM:
+    """The initial policy: the checkpoint at ``path`` or a seeded random init of the preset."""
+    dtype = _DTYPES[mc.dtype]
+    if mc.path is not None:
+        from glm5.core.checkpoint import load_model
+
+        model = load_model(mc.path, dtype=dtype)
+        if mc.overrides:
+            raise ValueError("glm5 rl: model.overrides apply to presets; a checkpoint's config "
+                             "is its own (edit its config.json)")
+        return model
+    torch.manual_seed(mc.init_seed)
+    return GLM5ForCausalLM(model_config(mc), with_mtp=mc.with_mtp).to(dtype)
+
+
+def engine_config(cfg: RLConfig) -> EngineConfig:
+    rc = cfg.rollout
+    longest = rc.max_tokens + 256  # prompts of the registered tasks are short
+    pages = max(rc.max_num_seqs * rc.in_flight_groups // 8, 64) * (-(-longest // 16))
+    return EngineConfig(max_num_seqs=rc.max_num_seqs, page_size=16, num_pages=pages,
+                        enable_prefix_cache=True, seed=cfg.run.seed)
+
+
+class WorkerService:
+    """A rollout worker built from a spec (model config + the published weights), so it can
+    be built in this process or inside a Ray actor from the same arguments."""
+
+    def __init__(self, cfg_dict: dict[str, Any], full_update: bytes, worker_id: str,
+                 threads: int | None = None) -> None:
+        from glm5.rl.weight_sync import WeightReceiver, WeightUpdate
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        cfg = RLConfig.from_dict(cfg_dict)
+        mc = cfg.model
+        torch.manual_seed(mc.init_seed)
+        # the shapes only: the weights come from the update
+        model = GLM5ForCausalLM(model_config(mc) if mc.path is None else _ckpt_config(mc),
+                                with_mtp=mc.with_mtp).to(_DTYPES[mc.dtype])
+        engine = LLMEngine(model, engine_config(cfg), backend=mc.backend)
+        receiver = WeightReceiver(model, version=0)
+        up = WeightUpdate.from_bytes(full_update)
+        receiver.apply(up)
+        engine.set_weights_version(receiver.version)
+        self.worker = RolloutWorker(engine, worker_id, receiver)
+
+    def submit(self, group) -> None:
+        self.worker.submit(group)
+
+    def step(self) -> tuple[list, list]:
+        """(finished trajectories, failed (group, member, error))."""
+        done = self.worker.step()
+        failed, self.worker.failed = self.worker.failed, []
+        return done, failed
+
+    def num_open(self) -> int:
+        return self.worker.num_open()
+
+    def apply_update(self, data: bytes) -> int:
+        from glm5.rl.weight_sync import WeightUpdate
+
+        return self.worker.apply_update(WeightUpdate.from_bytes(data))
+
+    def version(self) -> int:
+        return self.worker.version
+
+    def checksums(self) -> dict[str, str]:
+        from glm5.rl.weight_sync import state_checksums
+
+        return state_checksums(self.worker.engine.model)
+
+    def tokens_generated(self) -> int:
+        return self.worker.tokens_generated
+
+
+def _ckpt_config(mc: ModelConfig) -> GLM5Config:
+    return GLM5Config.from_pretrained(mc.path)
+
+
+class TrainerService:
+    """The policy, its GRPO trainer and the weight publisher."""
+
+    def __init__(self, cfg_dict: dict[str, Any], threads: int | None = None) -> None:
+        from glm5.rl.weight_sync import WeightPublisher
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.cfg = RLConfig.from_dict(cfg_dict)
+        policy = build_policy(self.cfg.model)
+        teacher = None
+        dc = self.cfg.trainer.distill
+        if dc.enabled and dc.teacher_path is not None:
+            from glm5.core.checkpoint import load_model
+
+            teacher = load_model(dc.teacher_path, dtype=policy.dtype)
+        self.trainer = GRPOTrainer(policy, self.cfg.trainer, teacher=teacher)
+        self.publisher = WeightPublisher(policy, mode=self.cfg.sync.mode)
+
+    def train_step(self, trajs: list, weights: list[float] | None = None) -> dict[str, float]:
+        from glm5.backends.selection import use_backend
+        import contextlib
+
+        b = self.cfg.model.backend
+        with use_backend(b) if b else contextlib.nullcontext():
+            return self.trainer.train_step(trajs, weights)
+
+    def publish(self) -> tuple[int, bytes | None]:
+        up = self.publisher.publish()
+        return self.publisher.version, (None if up is None else up.to_bytes())
+
+    def full_update(self) -> bytes:
+        return self.publisher.full_update().to_bytes()
+
+    def version(self) -> int:
+        return self.publisher.version
+
+    def checksums(self) -> dict[str, str]:
+        """Checksums of the last published weights (what every synced worker holds)."""
+        return self.publisher.checksums()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"trainer": self.trainer.state_dict(), "publisher": self.publisher.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.trainer.load_state_dict(sd["trainer"])
+        self.publisher.load_state_dict(sd["publisher"])
+
+
+# ---------------------------------------------------------------------- handles
+class LocalHandle:
+    """Calls an in-process service, one call at a time (threads share it)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        self._lock = threading.Lock()
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return getattr(self.obj, method)(*args, **kwargs)
+
+    def kill(self) -> None:
+        self.obj = _Dead()
+
+
+class _Dead:
+    def __getattr__(self, name: str) -> Any:
+        raise ServiceDied(f"glm5 rl: the service was killed (called {name})")
+
+
+class ServiceDied(RuntimeError):
+    """A service (rollout worker, pool, trainer) is gone: its process died or it was killed."""
+
+
+class _Actor:
+    """The Ray actor body: holds any service and forwards calls to it."""
+
+    def __init__(self, factory: Any, *args: Any, **kwargs: Any) -> None:
+        self.obj = factory(*args, **kwargs)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.obj, method)(*args, **kwargs)
+
+
+class RayHandle:
+    """Calls a service living in a Ray actor (a separate process)."""
+
+    def __init__(self, factory: Any, *args: Any, name: str = "", **kwargs: Any) -> None:
+        import ray
+
+        self._ray = ray
+        actor_cls = ray.remote(num_cpus=0)(_Actor)
+        self.actor = actor_cls.options(name=name or None).remote(factory, *args, **kwargs)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        from ray.exceptions import RayActorError
+
+        try:
+            return self._ray.get(self.actor.call.remote(method, *args, **kwargs))
+        except RayActorError as e:
+            raise ServiceDied(f"glm5 rl: the Ray actor died during {method}: {e}") from e
+
+    def kill(self) -> None:
+        self._ray.kill(self.actor, no_restart=True)
+
+
+def copy_config(cfg: RLConfig) -> dict[str, Any]:
+    return copy.deepcopy(cfg.to_dict())
