@@ -329,6 +329,10 @@ def test_from_bytes_rejects_other_bytes():
         WeightUpdate.from_bytes(b"hello world, not safetensors")
     with pytest.raises(WeightSyncError, match="no 'glm5_weight_update' header"):
         WeightUpdate.from_bytes(save({"x": torch.zeros(2)}))
+    with pytest.raises(WeightSyncError, match="expected format 'glm5-weight-update' version 1, "
+                                              "got 'other' version 1"):
+        WeightUpdate.from_bytes(save({"x": torch.zeros(2)}, metadata={
+            "glm5_weight_update": '{"format": "other", "format_version": 1}'}))
     with pytest.raises(WeightSyncError, match="b expected bytes"):
         WeightUpdate.from_bytes("text")  # type: ignore[arg-type]
 
@@ -364,6 +368,22 @@ def test_engine_update_moves_version_and_empties_prefix_cache(base):
     with pytest.raises(WeightSyncError, match="receiver.model is not engine.model"):
         apply_to_engine(engine, WeightReceiver(copy.deepcopy(model), version=1),
                         pub.full_update())
+
+
+def test_async_engine_update_runs_between_steps(base):
+    import asyncio
+
+    from glm5.engine.async_engine import AsyncEngine
+
+    trainer, model = _pair(base, torch.float32)
+    aeng = AsyncEngine(LLMEngine(model, EngineConfig(num_pages=64, page_size=16)))
+    try:
+        pub, rec = WeightPublisher(trainer), WeightReceiver(model)
+        _train(trainer)
+        assert apply_to_engine(aeng, rec, pub.publish()) == 1
+        assert aeng.engine.weights_version == 1 and weights_equal(model, trainer)
+    finally:
+        assert asyncio.run(aeng.shutdown(timeout=5.0))
 
 
 # --------------------------------------------------------------------------- helpers

@@ -243,12 +243,10 @@ class WeightUpdate:
         except json.JSONDecodeError as e:
             raise WeightSyncError(f"glm5 WeightUpdate.from_bytes: the {_META_KEY!r} header is "
                                   f"not JSON ({e})") from e
-        if not isinstance(h, dict) or h.get("format") != FORMAT or \
-                h.get("format_version") != FORMAT_VERSION:
+        got = (h.get("format"), h.get("format_version")) if isinstance(h, dict) else (h, None)
+        if got != (FORMAT, FORMAT_VERSION):
             raise WeightSyncError(f"glm5 WeightUpdate.from_bytes: expected format {FORMAT!r} "
-                                  f"version {FORMAT_VERSION}, got "
-                                  f"{h.get('format') if isinstance(h, dict) else h!r} "
-                                  f"version {h.get('format_version') if isinstance(h, dict) else None!r}")
+                                  f"version {FORMAT_VERSION}, got {got[0]!r} version {got[1]!r}")
         try:
             return cls(base_version=h["base_version"], version=h["version"], mode=h["mode"],
                        tensors=tensors, checksums=dict(h["checksums"]),
