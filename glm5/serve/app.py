@@ -3,7 +3,11 @@ under uvicorn).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming by SSE),
 ``GET /v1/models``, ``GET /health`` (503 once shutdown has begun), ``GET /metrics``
-(prometheus text, see `glm5.serve.metrics`).
+(prometheus text, see `glm5.serve.metrics`). With ``allow_weight_updates`` (``glm5 serve
+--allow-weight-updates``, for RL rollout engines; off by default, as a public server must not
+take weights): ``POST /glm5/v1/weights`` (a `glm5.rl.weight_sync.WeightUpdate`'s bytes,
+applied between engine steps, all or nothing) and ``GET /glm5/v1/weights`` (version and
+checksums).
 
 How a request maps onto the engine: each prompt x ``n`` becomes one engine request (choice
 ``i * n + j``; with a ``seed``, choice j samples with ``seed + j`` so the choices differ but
@@ -244,8 +248,11 @@ class _Server:
         self._check(req)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         lp = req.logprobs
+        tok = req.return_token_ids
         seeds = self._seeds(req.seed, req.n)
-        params = [_sampling(req, max_tokens, lp, s, {}) for s in seeds]
+        # return_token_ids needs the sampled tokens' logprobs even without a logprobs block
+        engine_lp = 0 if lp is None and tok else lp
+        params = [_sampling(req, max_tokens, engine_lp, s, {}) for s in seeds]
         cid = f"cmpl-{uuid.uuid4().hex}"
         subs = [(f"{cid}-{p * req.n + j}", prompt, params[j])
                 for p, prompt in enumerate(req.prompt) for j in range(req.n)]
@@ -260,7 +267,7 @@ class _Server:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _SSEResponse(self._stream_completion(choices, head, lp is not None,
-                                                        include_usage, req.n))
+                                                        include_usage, req.n, tok))
 
         finals = await _unless_disconnected(http, self._finals(choices))
         if finals is None:
@@ -271,7 +278,8 @@ class _Server:
                 "index": i, "text": out.text,
                 "logprobs": (completion_logprobs(self.tokenizer, out.logprobs or [], 0)
                              if lp is not None else None),
-                "finish_reason": self._finish_reason(out), "stop_reason": out.stop_reason})
+                "finish_reason": self._finish_reason(out), "stop_reason": out.stop_reason,
+                **(_token_fields(out, out.token_ids, out.logprobs) if tok else {})})
         firsts = finals[::req.n]  # one per prompt: its tokens are counted once
         usage = _usage(sum(len(o.prompt_token_ids) for o in firsts),
                        sum(len(o.token_ids) for o in finals),
@@ -292,7 +300,8 @@ class _Server:
         return finals  # type: ignore[return-value]
 
     async def _stream_completion(self, choices: _Choices, head: dict, logprobs: bool,
-                                 include_usage: bool, n: int) -> AsyncIterator[str]:
+                                 include_usage: bool, n: int,
+                                 token_ids: bool = False) -> AsyncIterator[str]:
         offsets = [0] * choices.n
         finals: list[RequestOutput | None] = [None] * choices.n
         try:
@@ -304,12 +313,15 @@ class _Server:
                     if logprobs and out.new_logprobs:
                         block = completion_logprobs(self.tokenizer, out.new_logprobs, offsets[i])
                         offsets[i] += sum(len(t) for t in block["tokens"])
-                    if out.new_text or block is not None or out.finished:
+                    ids = out.new_token_ids if token_ids else []
+                    if out.new_text or block is not None or ids or out.finished:
                         yield _sse({**head, "choices": [{
                             "index": i, "text": out.new_text,
                             "logprobs": block if logprobs else None,
                             "finish_reason": self._finish_reason(out) if out.finished else None,
-                            "stop_reason": out.stop_reason if out.finished else None}]})
+                            "stop_reason": out.stop_reason if out.finished else None,
+                            **(_token_fields(out, ids, out.new_logprobs) if token_ids
+                               else {})}]})
                     if out.finished:
                         self.metrics.observe(out)
                         finals[i] = out
@@ -478,6 +490,14 @@ class _Server:
             await choices.close()
 
 
+def _token_fields(out: RequestOutput, ids: list[int], lps: list | None) -> dict[str, Any]:
+    """``return_token_ids``: the ids ``ids`` (the last ``len(ids)`` tokens of ``out``), the
+    engine's logprob of each and the weights version each was sampled with."""
+    k = len(out.token_ids) - len(ids)
+    return {"token_ids": list(ids), "token_logprobs": [x.logprob for x in lps or []],
+            "token_versions": list(out.token_versions[k:])}
+
+
 def _fold(events: list[ChatEvent], parse_tools: bool) -> list[ChatEvent]:
     """Without tools (or with tool_choice "none") tool-call markup is the model's text."""
     if parse_tools:
@@ -493,17 +513,22 @@ def _tool_call(e: ChatEvent) -> dict[str, Any]:
 
 
 def build_app(engine: AsyncEngine, model_name: str, tokenizer: Any = None,
-              drain_timeout: float = 60.0) -> FastAPI:
+              drain_timeout: float = 60.0, allow_weight_updates: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine`` as model ``model_name``. ``tokenizer`` (a
     `glm5.serve.tokenizer.Tokenizer`; None: token-id prompts only, no chat) renders chat
     prompts and shows tokens in logprobs. When the app shuts down (uvicorn's lifespan, after
-    SIGINT / SIGTERM) the engine drains its running requests (up to ``drain_timeout`` s)."""
+    SIGINT / SIGTERM) the engine drains its running requests (up to ``drain_timeout`` s).
+    ``allow_weight_updates``: serve the weight endpoints (`_weight_routes`); without it they
+    are 404s."""
     if not isinstance(engine, AsyncEngine):
         raise TypeError(f"glm5 build_app: engine expected an AsyncEngine, got "
                         f"{type(engine).__name__}")
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"glm5 build_app: model_name expected a non-empty string, got "
                          f"{model_name!r}")
+    if not isinstance(allow_weight_updates, bool):
+        raise TypeError(f"glm5 build_app: allow_weight_updates expected a bool, got "
+                        f"{allow_weight_updates!r}")
     srv = _Server(engine, model_name, tokenizer)
 
     @asynccontextmanager
@@ -578,4 +603,57 @@ def build_app(engine: AsyncEngine, model_name: str, tokenizer: Any = None,
         body = await asyncio.to_thread(srv.metrics.render)  # the snapshot takes the engine lock
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    _weight_routes(app, engine, allow_weight_updates)
     return app
+
+
+WEIGHTS_PATH = "/glm5/v1/weights"
+
+
+def _weight_routes(app: FastAPI, engine: AsyncEngine, allow: bool) -> None:
+    """``POST /glm5/v1/weights``: body = `WeightUpdate.to_bytes()` (application/octet-stream);
+    it is applied between engine steps by a `WeightReceiver` over the engine's model, then the
+    engine's weights version moves (tokens sampled after it carry the new version); replies
+    ``{"version": new}``. An update that does not start from the version the engine holds is a
+    409, a malformed or corrupt one (checksum mismatch, unknown tensor, wrong shape) a 400;
+    either way the model is left as it was. ``GET /glm5/v1/weights``: ``{"version": v,
+    "checksums": {name: sha256}}`` (`state_checksums`; ``?checksums=false``: the version only,
+    without hashing every tensor). Without ``allow`` both answer 404."""
+    if not allow:
+        async def off() -> Response:
+            raise APIError(404, "weight updates are off on this server (start it with "
+                           "`glm5 serve --allow-weight-updates`, or build_app(..., "
+                           "allow_weight_updates=True))")
+
+        app.add_api_route(WEIGHTS_PATH, off, methods=["GET", "POST"])
+        return
+
+    from glm5.rl.weight_sync import (StaleUpdateError, WeightReceiver, WeightSyncError,
+                                     WeightUpdate, apply_to_engine, state_checksums)
+
+    receiver = WeightReceiver(engine.engine.model, engine.engine.weights_version)
+
+    @app.post(WEIGHTS_PATH)
+    async def post_weights(request: Request) -> Response:
+        data = await request.body()
+
+        def apply() -> int:  # parsing and checking a large update takes a while: off the loop
+            return apply_to_engine(engine, receiver, WeightUpdate.from_bytes(data))
+
+        try:
+            version = await asyncio.to_thread(apply)
+        except StaleUpdateError as e:
+            raise APIError(409, str(e)) from None
+        except WeightSyncError as e:
+            raise APIError(400, str(e)) from None
+        return JSONResponse({"version": version})
+
+    @app.get(WEIGHTS_PATH)
+    async def get_weights(checksums: bool = True) -> Response:
+        def read(e: Any) -> dict[str, Any]:  # both from one moment between steps
+            out: dict[str, Any] = {"version": e.weights_version}
+            if checksums:
+                out["checksums"] = state_checksums(e.model)
+            return out
+
+        return JSONResponse(await asyncio.to_thread(engine.between_steps, read))

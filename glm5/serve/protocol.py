@@ -65,10 +65,15 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a list of either
     (one choice group per prompt). ``logprobs``: None, or n in 0..20 (the sampled token's
-    logprob plus the top n, as the legacy completions API)."""
+    logprob plus the top n, as the legacy completions API). ``return_token_ids`` (a glm5
+    extension, for RL rollouts: token in, token out): each choice also carries ``token_ids``
+    (the sampled ids), ``token_logprobs`` (the engine's logprob of each, as ``logprobs`` 0 would
+    give) and ``token_versions`` (the weights version each was sampled with); streamed chunks
+    carry those of their new tokens."""
 
     prompt: Any = Field(...)
     logprobs: int | None = None
+    return_token_ids: bool = False
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
