@@ -199,8 +199,12 @@ class RLRun:
 
     # ------------------------------------------------------------------ workers
     def _assign(self, i: int, g: PromptGroup) -> None:
-        self._where[g.group_id] = i
-        self.workers[i].call("submit", g)
+        with self._lock:
+            self._where[g.group_id] = i
+        try:
+            self.workers[i].call("submit", g)
+        except ServiceDied as e:
+            self._worker_failed(i, e)  # g goes back to the queue with the worker's others
 
     def _worker_failed(self, i: int, err: BaseException) -> None:
         """Replace worker i; its groups' unfinished members go back to the queue."""

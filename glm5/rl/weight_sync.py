@@ -364,6 +364,26 @@ class WeightPublisher:
         self._version += 1
         return update
 
+    def state_dict(self) -> dict[str, Any]:
+        """The published snapshot and its version (a checkpoint: a resumed run's workers are
+        built from `full_update`, i.e. the weights they held, not the trainer's newer ones)."""
+        return {"version": self._version, "snapshot": {n: t.clone() for n, t in
+                                                        self._snap.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        snap = state["snapshot"]
+        if snap.keys() != self._snap.keys():
+            raise WeightSyncError("glm5 WeightPublisher.load_state_dict: the snapshot's tensor "
+                                  "names differ from this model's")
+        for n, t in snap.items():
+            if t.dtype != self._snap[n].dtype or t.numel() != self._snap[n].numel():
+                raise WeightSyncError(f"glm5 WeightPublisher.load_state_dict: tensor {n!r} is "
+                                      f"{t.dtype} x {t.numel()}, expected "
+                                      f"{self._snap[n].dtype} x {self._snap[n].numel()}")
+        self._snap = {n: t.clone() for n, t in snap.items()}
+        self._sums = {n: tensor_checksum(t) for n, t in self._snap.items()}
+        self._version = int(state["version"])
+
 
 # ---------------------------------------------------------------------------- engine side
 class WeightReceiver:
