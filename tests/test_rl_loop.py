@@ -210,3 +210,32 @@ def test_ray_worker_killed_is_replaced(tmp_path, ray_local):
         assert run.replaced_workers == 1 and run.step == 2 and run.weights_in_sync()
     finally:
         run.close()
+
+
+def test_http_transport_trains_against_an_engine_server(tmp_path):
+    pytest.importorskip("fastapi")
+    from test_serve_api import LiveServer
+
+    from glm5.engine.async_engine import AsyncEngine
+    from glm5.engine.engine import EngineConfig, LLMEngine
+    from glm5.rl.services import build_policy
+    from glm5.serve.app import build_app
+
+    cfg = _cfg(tmp_path)
+    # the server starts with other weights: the run's first full update replaces them
+    engine = LLMEngine(build_policy(cfg.model.__class__(**{**cfg.model.__dict__,
+                                                           "init_seed": 5})),
+                       EngineConfig(num_pages=128, page_size=16, seed=0))
+    live = LiveServer(build_app(AsyncEngine(engine), "rl", None, allow_weight_updates=True))
+    try:
+        d = cfg.to_dict()
+        d["rollout"].update(transport="http", urls=[live.url], num_workers=1)
+        run = RLRun(RLConfig.from_dict(d), resume=False)
+        try:
+            s = run.train(2)
+            assert s.steps == 2 and all(r["task_types"] == 5 for r in s.history)
+            assert run.weights_in_sync() and engine.weights_version == 2  # pushes applied
+        finally:
+            run.close()
+    finally:
+        live.stop()

@@ -70,6 +70,8 @@ class TrainerConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0  # max global grad norm (0: off)
+    lr_schedule: str = "constant"  # "constant" | "cosine" (to min_lr_ratio x lr at run.steps)
+    min_lr_ratio: float = 0.1
     micro_batch_size: int = 32  # trajectories per forward/backward (gradient accumulation)
     ppo_epochs: int = 1  # optimizer steps per batch (ratio == 1 on the first)
     clip_low: float = 0.2
@@ -169,6 +171,7 @@ class RLConfig:
 _CHOICES = {
     "rollout.transport": ("inprocess", "http"),
     "trainer.optimizer": ("muon", "adamw"),
+    "trainer.lr_schedule": ("constant", "cosine"),
     "sync.stale_policy": ("drop", "downweight"),
     "sync.mode": ("xor", "sub"),
     "pool.backend": ("memory", "sqlite", "redis"),
@@ -182,7 +185,7 @@ _POSITIVE = ("rollout.num_workers", "rollout.group_size", "rollout.groups_per_st
              "pool.memory_capacity", "pool.decay_period_s", "sampler.window",
              "run.steps", "rollout.temperature", "trainer.tis_cap", "pool.min_task_types")
 _NONNEG = ("trainer.lr", "trainer.muon_lr", "trainer.weight_decay", "trainer.grad_clip",
-           "trainer.kl_coef", "trainer.clip_high", "sync.max_staleness", "pool.priority_eps",
+           "trainer.kl_coef", "trainer.clip_high", "trainer.min_lr_ratio", "sync.max_staleness", "pool.priority_eps",
            "sampler.floor", "run.checkpoint_every", "trainer.distill.weight",
            "trainer.distill.refresh_every")
 

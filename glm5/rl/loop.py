@@ -129,6 +129,15 @@ class RLRun:
         return LocalHandle(factory(*args, **kwargs))
 
     def _new_worker(self, i: int) -> Any:
+        rc = self.cfg.rollout
+        if rc.transport == "http":
+            from glm5.rl.remote import HTTPWorkerService
+
+            # an engine server per worker (round-robin over the URLs), brought to the
+            # published weights with a full update
+            w = LocalHandle(HTTPWorkerService(rc.urls[i % len(rc.urls)], f"w{i}"))
+            w.call("apply_update", self._full)
+            return w
         threads = 1 if self.use_ray else None
         return self._handle(WorkerService, copy_config(self.cfg), self._full, f"w{i}",
                             threads=threads, name=f"rollout-{i}-{time.monotonic_ns()}")

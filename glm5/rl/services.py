@@ -125,7 +125,8 @@ class TrainerService:
             from glm5.core.checkpoint import load_model
 
             teacher = load_model(dc.teacher_path, dtype=policy.dtype)
-        self.trainer = GRPOTrainer(policy, self.cfg.trainer, teacher=teacher)
+        self.trainer = GRPOTrainer(policy, self.cfg.trainer, teacher=teacher,
+                                   total_steps=self.cfg.run.steps)
         self.publisher = WeightPublisher(policy, mode=self.cfg.sync.mode)
 
     def train_step(self, trajs: list, weights: list[float] | None = None) -> dict[str, float]:

@@ -132,17 +132,29 @@ class GRPOTrainer:
     """Trains ``model`` in place on batches of finished trajectories (advantages set)."""
 
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig,
-                 teacher: torch.nn.Module | None = None) -> None:
+                 teacher: torch.nn.Module | None = None, total_steps: int = 0) -> None:
         self.model, self.cfg = model, cfg
         if cfg.freeze_indexer:
             model.freeze_indexer()
         model.train()
         self.optimizers = build_optimizers(model, cfg)
+        self.total_steps = total_steps
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, self._lr_factor)
+                           for o in self.optimizers]
         self.ref = _frozen_copy(model) if cfg.kl_coef > 0 else None
         self.teacher = None
         if cfg.distill.enabled:
             self.teacher = _frozen_copy(teacher if teacher is not None else model)
         self.step_count = 0
+
+    def _lr_factor(self, step: int) -> float:
+        """The learning-rate multiplier at trainer step ``step`` (cosine: 1 -> min_lr_ratio
+        over total_steps, then min_lr_ratio)."""
+        cfg = self.cfg
+        if cfg.lr_schedule == "constant" or self.total_steps <= 0:
+            return 1.0
+        x = min(step / self.total_steps, 1.0)
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * x))
 
     # ------------------------------------------------------------------ one update
     def train_step(self, trajs: Sequence[Trajectory], weights: Sequence[float] | None = None
@@ -182,6 +194,9 @@ class GRPOTrainer:
             for o in self.optimizers:
                 o.step()
         self.step_count += 1
+        for sch in self.schedulers:
+            sch.step()
+        sums["lr_factor"] = self._lr_factor(self.step_count)
         self._maybe_refresh_teacher()
         sums["tokens"] = float(total)
         sums["trajectories"] = float(len(trajs))
@@ -238,6 +253,7 @@ class GRPOTrainer:
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(),
                 "optimizers": [o.state_dict() for o in self.optimizers],
+                "schedulers": [s.state_dict() for s in self.schedulers],
                 "ref": None if self.ref is None else self.ref.state_dict(),
                 "teacher": None if self.teacher is None else self.teacher.state_dict(),
                 "step": self.step_count}
@@ -250,6 +266,8 @@ class GRPOTrainer:
                              f"trainer.optimizer setting?)")
         for o, s in zip(self.optimizers, sd["optimizers"]):
             o.load_state_dict(s)
+        for sch, s in zip(self.schedulers, sd["schedulers"]):
+            sch.load_state_dict(s)
         if self.ref is not None and sd["ref"] is not None:
             self.ref.load_state_dict(sd["ref"])
         if self.teacher is not None and sd["teacher"] is not None:
