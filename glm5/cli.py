@@ -616,10 +616,10 @@ def cmd_rl_train(args: argparse.Namespace) -> int:
                                    delay=0.0) as bar:
             def on_step(row: dict) -> None:
                 if drawn:
-                    bar.update(1)
                     bar.set_description_str(f"rl train: reward {row['reward']:.3f} exact "
                                             f"{row['exact']:.3f} idle "
                                             f"{row['trainer_idle_frac']:.0%}")
+                    bar.update(1)
                 elif int(row["step"]) % every == 0 or int(row["step"]) == target:
                     print(_rl_status(row), flush=True)  # a log line where no bar is drawn
 
