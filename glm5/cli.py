@@ -550,9 +550,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _rl_config(args: argparse.Namespace):
     """The RLConfig of ``args.config`` with the command line's overrides (a config error is a
     usage error naming the file and the key)."""
+    try:
+        import yaml
+    except ImportError:
+        raise CommandError("needs the rl extra (pyyaml is not installed): pip install "
+                           "'glm5[rl]'") from None
     from glm5.rl.config import RLConfig, RLConfigError
-
-    import yaml
 
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps expected a positive integer, got {args.steps}")
@@ -597,7 +600,8 @@ def cmd_rl_train(args: argparse.Namespace) -> int:
 
     out = Path(cfg.run.out_dir)
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out}: not a directory")
+        raise UsageError(f"run directory {out} (--out or run.out_dir) exists and is not a "
+                         f"directory")
     out.mkdir(parents=True, exist_ok=True)
     # The resolved config (file + overrides) beside the run: what produced these metrics.
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -607,9 +611,11 @@ def cmd_rl_train(args: argparse.Namespace) -> int:
         metrics.truncate(run.step)  # rows past the checkpoint are recomputed
         target = cfg.run.steps
         start = run.step
+        todo = f"steps {start + 1}..{target}" if start < target else \
+            f"nothing to train: run.steps is {target}"
         print(f"glm5 rl train: {args.config} -> {out} ({cfg.run.mode}"
-              f"{', ray' if cfg.run.ray else ''}, steps {start + 1}..{target}"
-              f"{f', resumed at step {start}' if start else ''})", flush=True)
+              f"{', ray' if cfg.run.ray else ''}, {f'resumed at step {start}, ' if start else ''}"
+              f"{todo})", flush=True)
         drawn = progress.enabled()
         every = max(cfg.run.log_every, 1)
         with progress.progress_bar(max(target - start, 0), "rl train", unit="step",
