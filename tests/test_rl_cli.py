@@ -76,11 +76,21 @@ def test_train_writes_metrics_tensorboard_and_checkpoint(run_dir):
     assert [e.value for e in events] == pytest.approx([r["reward"] for r in rows], rel=1e-6)
 
 
-def test_train_prints_a_summary(tmp_path, capsys):
+@pytest.mark.parametrize("terminal", [False, True])
+def test_train_prints_a_summary(terminal, tmp_path, capsys, monkeypatch):
+    from glm5 import progress
+
+    monkeypatch.setattr(progress, "enabled", lambda: terminal)  # a bar as on a terminal
     out = tmp_path / "one"
     assert cli.main(["rl", "train", str(CI), "--out", str(out), "--steps", "1"]) == 0
-    text = capsys.readouterr().out
-    assert "step 1: reward" in text  # the per-step line where no bar is drawn (not a TTY)
+    captured = capsys.readouterr()
+    text = captured.out
+    if terminal:  # the bar (on stderr) shows the step's reward, exact match and idle time
+        assert "step 1: reward" not in text
+        assert "rl train: reward" in captured.err and "exact" in captured.err
+        assert "1/1" in captured.err
+    else:  # a log line per step where no bar is drawn
+        assert "step 1: reward" in text and "rl train: reward" not in captured.err
     assert "1 step(s) in" in text and "final reward" in text and "trainer idle" in text
     assert f"metrics: {out / 'metrics.csv'}" in text
     assert f"checkpoint: {out / 'checkpoint.pt'}" in text
