@@ -128,8 +128,12 @@ def test_killed_worker_loses_no_finished_trajectory_and_requeues_the_rest(tmp_pa
         run.close()
 
 
-def test_crash_and_resume_loses_nothing(tmp_path):
+@pytest.mark.parametrize("pool", ["memory", "sqlite"])
+def test_crash_and_resume_loses_nothing(tmp_path, pool):
     cfg = _cfg(tmp_path, steps=4, checkpoint_every=2, mode="async")
+    cfg.pool.backend = pool
+    if pool == "sqlite":
+        cfg.pool.memory_capacity = 8  # most of the pool lives on disk
     run = RLRun(cfg, resume=False)
     run.train(3)  # checkpoint at step 2, one more step and rollouts after it
     hist = [r["reward"] for r in run.history]

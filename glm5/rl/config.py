@@ -233,6 +233,11 @@ def _validate(c: RLConfig) -> None:
     if c.sampler.floor * len(c.tasks) > 1.0:
         raise RLConfigError(f"glm5 rl config: sampler.floor expected at most 1 / {len(c.tasks)} "
                             f"tasks, got {c.sampler.floor}")
+    batch = c.rollout.groups_per_step * c.rollout.group_size
+    if c.pool.backend == "memory" and c.pool.memory_capacity < 2 * batch:
+        raise RLConfigError(f"glm5 rl config: pool.memory_capacity expected at least two "
+                            f"batches ({2 * batch} trajectories) with pool.backend: memory, got "
+                            f"{c.pool.memory_capacity}")
     if c.rollout.transport == "http" and not c.rollout.urls:
         raise RLConfigError("glm5 rl config: rollout.urls expected at least one engine server "
                             "URL with rollout.transport: http")

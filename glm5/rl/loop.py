@@ -99,6 +99,7 @@ class RLRun:
         self.dropped_stale = 0
         self._tokens = 0
         self._errors: list[BaseException] = []
+        self._replaying = False
 
         cfg_dict = copy_config(cfg)
         handle = self._handle
@@ -204,7 +205,16 @@ class RLRun:
         for t, a, s in zip(trajs, adv, successes):
             t.advantage = float(a)
             self.sampler.record(t.task_type, float(s))
-        self.pool.call("add", trajs)
+        if not self._replaying:
+            self.pool.call("add", trajs)
+            return
+        from glm5.rl.pool import DuplicateTrajectoryError
+
+        for t in trajs:  # a persistent tier (SQLite, Redis) may still hold some of them
+            try:
+                self.pool.call("add", [t])
+            except DuplicateTrajectoryError:
+                pass
 
     # ------------------------------------------------------------------ workers
     def _assign(self, i: int, g: PromptGroup) -> None:
@@ -475,7 +485,11 @@ class RLRun:
                 finished.append(Trajectory.from_dict(rec["traj"]))
         self._journal.truncate(st["journal_offset"])
         self._journal.seek(0, os.SEEK_END)
-        self._deliver(finished)  # journaled again, so a second crash loses nothing either
+        self._replaying = True
+        try:
+            self._deliver(finished)  # journaled again, so a second crash loses nothing either
+        finally:
+            self._replaying = False
         # Unfinished members of every incomplete group are re-queued.
         seen = {g.group_id for g in queued}
         for gid, g in self._groups.items():
