@@ -150,7 +150,7 @@ class RLRun:
         rc = self.cfg.rollout
         g = PromptGroup(f"g{self._next_group}", task_type, inst.prompt_ids, rc.group_size,
                         temperature=rc.temperature, top_p=rc.top_p, max_tokens=rc.max_tokens,
-                        stop_token_ids=list(getattr(task, "stop_token_ids", [])),
+                        stop_token_ids=list(task.stop_token_ids),
                         seed=self.cfg.run.seed, meta=inst.meta)
         self._next_group += 1
         self._groups[g.group_id] = g

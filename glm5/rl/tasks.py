@@ -53,6 +53,7 @@ class TaskInstance:
 
 class Task(Protocol):
     name: str
+    stop_token_ids: list[int]  # the engine ends a completion on any of them
 
     def sample(self, rng: random.Random) -> TaskInstance: ...
 
@@ -93,6 +94,7 @@ class DigitTask:
             raise ValueError(f"glm5 rl DigitTask({name}): base expected an int in [2, 10], got "
                              f"{base!r}")
         self.name, self.lo, self.hi, self.base, self.vocab = name, lo, hi, base, vocab
+        self.stop_token_ids = [vocab.eos]
         self._answer = _digit_answer(name)
         self._marker = vocab.marker(DIGIT_TASKS.index(name))
 
