@@ -241,6 +241,14 @@ def _validate(c: RLConfig) -> None:
     if c.rollout.transport == "http" and not c.rollout.urls:
         raise RLConfigError("glm5 rl config: rollout.urls expected at least one engine server "
                             "URL with rollout.transport: http")
+    from glm5.core.config import GLM5Config
+
+    known = {f.name for f in dataclasses.fields(GLM5Config)}
+    bad = sorted(set(c.model.overrides) - known)
+    if bad:
+        raise RLConfigError(f"glm5 rl config: unknown key model.overrides.{bad[0]}; overrides "
+                            f"take GLM5Config fields (e.g. vocab_size, num_hidden_layers, "
+                            f"index_topk)")
     if not c.reward.components:
         raise RLConfigError("glm5 rl config: reward.components expected at least one component")
 
@@ -255,8 +263,8 @@ def _build(cls: type, d: Any, where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - set(fields))
     if unknown:
-        raise RLConfigError(f"glm5 rl config: unknown key {where}{unknown[0]!r}; "
-                            f"{where or 'the top level'} takes {sorted(fields)}")
+        raise RLConfigError(f"glm5 rl config: unknown key {where}{unknown[0]}; "
+                            f"{where.rstrip('.') or 'the top level'} takes {sorted(fields)}")
     kw = {}
     for name, value in d.items():
         kw[name] = _convert(hints[name], value, f"{where}{name}")

@@ -114,7 +114,8 @@ class RLRun:
         self.version = self.trainer.call("version")
         self.workers = [self._new_worker(i) for i in range(cfg.rollout.num_workers)]
         self._updates: list[list[bytes]] = [[] for _ in self.workers]
-        self._journal = open(self.out / JOURNAL, "a+b")
+        # a fresh run starts a fresh journal (an old one would be replayed by a later resume)
+        self._journal = open(self.out / JOURNAL, "a+b" if state is not None else "w+b")
         if state is not None:
             self._restore(state)
 
