@@ -14,6 +14,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -228,6 +229,24 @@ def test_version_changes_mid_request(srv, trainer, worker):
     assert 2 <= k < len(versions) == 150
     assert versions == [v0] * k + [v0 + 1] * (150 - k)
 
+    # the same without streaming: the reply's token_versions are per token too
+    _perturb(model, 5)
+    data = pub.publish().to_bytes()
+    reply: dict = {}
+    t = threading.Thread(target=lambda: reply.update(httpx.post(
+        srv.url + "/v1/completions", json={**body, "stream": False}, timeout=60).json()))
+    t.start()
+    deadline = time.monotonic() + 30
+    while not any(len(r.output_ids) >= 2 for r in list(srv.engine.requests.values())):
+        assert time.monotonic() < deadline and t.is_alive(), "the request never generated"
+        time.sleep(0.005)
+    assert worker.apply_update(data) == v0 + 2
+    t.join(60)
+    versions = reply["choices"][0]["token_versions"]
+    k = versions.index(v0 + 2)
+    assert 2 <= k < len(versions) == 150
+    assert versions == [v0 + 1] * k + [v0 + 2] * (150 - k)
+
 
 def test_corrupt_update_is_refused(srv, trainer, worker):
     model, pub = trainer
@@ -240,9 +259,11 @@ def test_corrupt_update_is_refused(srv, trainer, worker):
                    headers={"Content-Type": "application/octet-stream"})
     assert r.status_code == 400, r.text
     assert "sha256" in r.json()["error"]["message"]
+    assert worker.checksums() == before and worker.version() == v
     with pytest.raises(WeightSyncError, match="sha256") as e:
         worker.apply_update(bytes(data))
     assert not isinstance(e.value, StaleUpdateError)
+    assert worker.checksums() == before and worker.version() == v
     for junk in (b"", b"not a weight update", json.dumps({"version": 9}).encode()):
         r = httpx.post(srv.url + WEIGHTS, content=junk, timeout=60)
         assert r.status_code == 400 and "WeightUpdate.from_bytes" in r.json()["error"]["message"]
@@ -289,6 +310,8 @@ def test_bad_arguments(srv, worker):
         HTTPWorkerService("localhost:8000", "x")
     with pytest.raises(ValueError, match="timeout expected"):
         HTTPWorkerService(srv.url, "x", timeout=0)
+    with pytest.raises(ServiceDied, match=r"http://127\.0\.0\.1:1 is unreachable"):
+        HTTPWorkerService("http://127.0.0.1:1", "x")  # nothing listens on port 1
     with pytest.raises(TypeError, match="data expected bytes"):
         worker.apply_update("weights")
     g = PromptGroup("dup", "copy", [1, 2], 2, max_tokens=40, seed=0)

@@ -61,9 +61,9 @@ class HTTPWorkerService:
     """`WorkerService`'s interface over an engine server at ``url`` (e.g.
     ``http://10.0.0.5:8000``, the server's root, not ``/v1``).
 
-    ``timeout``: seconds one completion request may take end to end (generation included)
-    before it counts as failed; connecting and the weight endpoints get at most 30 s of it
-    for the connection. ``model``: the served model name (default: asked from ``/v1/models``
+    ``timeout``: seconds a request may wait for the server (a completion: its whole generation;
+    a weight update: parsing, checking and applying it) before it counts as failed; connecting
+    gets at most 30 s of it. ``model``: the served model name (default: asked from ``/v1/models``
     at construction). ``max_in_flight``: requests open at once (the rest wait on the client;
     the server batches at most its ``--max-num-seqs``). Call `close` when done (or use it as a
     context manager).
@@ -97,7 +97,11 @@ class HTTPWorkerService:
         self._futures: set[Future] = set()
         self._tokens = 0
         self._closed = False
-        self.model = model if model is not None else self._served_model()
+        try:
+            self.model = model if model is not None else self._served_model()
+        except BaseException:
+            self._http.close()
+            raise
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name=f"glm5-http-worker-{worker_id}")
