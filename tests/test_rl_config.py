@@ -29,7 +29,7 @@ def test_defaults_are_the_seeds():
     ({"tasks": []}, "tasks expected at least one task"),
     ({"tasks": [{"weight": 1.0}]}, r"tasks\[0\].name is required"),
     ({"tasks": [{"name": "copy", "weight": 0}]}, r"tasks\[0\].weight expected a value > 0"),
-    ({"rollout": {"transport": "http"}}, "rollout.urls expected at least one"),
+    ({"rollout": {"transport": "http"}}, "rollout.urls expected one engine server URL per worker"),
     ({"pool": {"memory_capacity": 10}}, "pool.memory_capacity expected at least two batches"),
     ({"trainer": {"betas": [0.9]}}, "trainer.betas expected 2 values"),
     ({"sync": {"interval": 0}}, "sync.interval expected a value > 0"),

@@ -224,3 +224,18 @@ def test_state_dict_round_trip_continues_identically():
     for (n, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
         assert torch.equal(x, y), n
     assert b.step_count == 2
+
+
+def test_a_requeued_member_joins_its_group_on_the_same_worker():
+    m = _model(7)
+    w = RolloutWorker(LLMEngine(copy.deepcopy(m), EngineConfig(num_pages=64, page_size=16)))
+    g = PromptGroup("g", "copy", [1, 2, 3], 3, max_tokens=4, seed=1, pending=[0, 1])
+    w.submit(g)
+    with pytest.raises(ValueError, match="member 1 of group 'g' is already in flight"):
+        w.submit(PromptGroup(**{**g.to_dict(), "pending": [1]}))
+    w.submit(PromptGroup(**{**g.to_dict(), "pending": [2]}))
+    out = []
+    while w.num_open():
+        out += w.step()
+    assert sorted(t.traj_id for t in out) == ["g/0", "g/1", "g/2"]
+    assert all(t.versions == [0] * len(t.completion_ids) for t in out)

@@ -238,9 +238,10 @@ def _validate(c: RLConfig) -> None:
         raise RLConfigError(f"glm5 rl config: pool.memory_capacity expected at least two "
                             f"batches ({2 * batch} trajectories) with pool.backend: memory, got "
                             f"{c.pool.memory_capacity}")
-    if c.rollout.transport == "http" and not c.rollout.urls:
-        raise RLConfigError("glm5 rl config: rollout.urls expected at least one engine server "
-                            "URL with rollout.transport: http")
+    if c.rollout.transport == "http" and len(c.rollout.urls) < c.rollout.num_workers:
+        raise RLConfigError(f"glm5 rl config: rollout.urls expected one engine server URL per "
+                            f"worker (rollout.num_workers = {c.rollout.num_workers}) with "
+                            f"rollout.transport: http, got {len(c.rollout.urls)}")
     from glm5.core.config import GLM5Config
 
     known = {f.name for f in dataclasses.fields(GLM5Config)}

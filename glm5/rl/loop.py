@@ -135,9 +135,9 @@ class RLRun:
         if rc.transport == "http":
             from glm5.rl.remote import HTTPWorkerService
 
-            # an engine server per worker (round-robin over the URLs), brought to the
+            # an engine server per worker (urls[i]), brought to the
             # published weights with a full update
-            w = LocalHandle(HTTPWorkerService(rc.urls[i % len(rc.urls)], f"w{i}"))
+            w = LocalHandle(HTTPWorkerService(rc.urls[i], f"w{i}"))
             w.call("apply_update", self._full)
             return w
         threads = 1 if self.use_ray else None
@@ -240,6 +240,10 @@ class RLRun:
             self.replaced_workers += 1
             self._full = self.trainer.call("full_update")
             self._updates[i] = []
+        try:
+            self.workers[i].call("close")  # an HTTP client's thread and connections
+        except Exception:  # noqa: BLE001 - dead, or a service without close
+            pass
         self.workers[i] = self._new_worker(i)
 
     def _requeue_failed(self, failed: list) -> None:
@@ -517,6 +521,11 @@ class RLRun:
 
     def close(self) -> None:
         self._journal.close()
+        for w in self.workers:
+            try:
+                w.call("close")
+            except Exception:  # noqa: BLE001 - in-process workers have nothing to close
+                pass
         try:
             self.pool.call("close")
         except ServiceDied:

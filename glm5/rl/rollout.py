@@ -3,7 +3,7 @@
 Token in, token out: a trajectory keeps the exact ids the engine sampled, the engine's logprob
 of each and the weights version of each (`RequestOutput.token_versions`). A worker is driven by
 `step()`; weight updates are applied between steps. The in-process worker wraps an
-`LLMEngine`; `glm5.rl.remote.HTTPRolloutWorker` speaks to `glm5 serve` with the same methods.
+`LLMEngine`; `glm5.rl.remote.HTTPWorkerService` speaks to `glm5 serve` with the same methods.
 """
 
 from __future__ import annotations
@@ -94,10 +94,13 @@ class RolloutWorker:
         return self.engine.weights_version
 
     def submit(self, group: PromptGroup) -> None:
-        if group.group_id in self._groups:
-            raise ValueError(f"glm5 rl RolloutWorker.submit: group {group.group_id!r} is already "
-                             f"in flight on worker {self.worker_id}")
-        self._groups[group.group_id] = group
+        busy = [m for m in group.pending if group.traj_id(m) in self._open]
+        if busy:
+            raise ValueError(f"glm5 rl RolloutWorker.submit: member {busy[0]} of group "
+                             f"{group.group_id!r} is already in flight on worker "
+                             f"{self.worker_id}")
+        # a re-queued member may join the rest of its group still running here
+        self._groups.setdefault(group.group_id, group)
         for m in group.pending:
             rid = group.traj_id(m)
             self.engine.add_request(rid, group.prompt_ids, group.params(m))
