@@ -9,11 +9,13 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
 from itertools import permutations
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -89,8 +91,20 @@ def redis_url(tmp_path_factory):
     pytest.fail("redis-server did not answer PING on any of 5 free ports")
 
 
+@pytest.fixture
+def fast_dir(tmp_path):
+    """A directory for many throw-away SQLite files: on /dev/shm when there is one (creating
+    a WAL database syncs the disk, ~20-50 ms each on a busy disk), else tmp_path."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        d = tempfile.mkdtemp(prefix="glm5-pool-", dir="/dev/shm")
+        yield Path(d)
+        shutil.rmtree(d, ignore_errors=True)
+    else:
+        yield tmp_path
+
+
 @pytest.fixture(params=["memory", "sqlite", "redis"])
-def make_pool(request, tmp_path):
+def make_pool(request, fast_dir):
     """make_pool(**PoolConfig fields, seed=0) -> a fresh pool of the parametrized backend (a
     new SQLite file / Redis namespace each call unless path / namespace is given)."""
     backend = request.param
@@ -98,7 +112,7 @@ def make_pool(request, tmp_path):
     pools = []
 
     def make(seed=0, clock=lambda: NOW, **fields):
-        fields.setdefault("path", str(tmp_path / f"{uuid.uuid4().hex}.sqlite"))
+        fields.setdefault("path", str(fast_dir / f"{uuid.uuid4().hex}.sqlite"))
         fields.setdefault("namespace", f"test-{uuid.uuid4().hex}")
         if url is not None:
             fields["redis_url"] = url
@@ -119,12 +133,19 @@ advantages = st.sampled_from([0.0, 1.0, -1.0]) | st.floats(-5.0, 5.0)
 
 
 @st.composite
-def pool_cases(draw):
+def pool_cases(draw, binding: bool = False):
+    """(trajectories, PoolConfig fields, n, split). binding: cases where the floor and the
+    decay decide the greedy batch (several types whose priority levels differ by orders of
+    magnitude, a batch smaller than the pool, decay on)."""
     period = draw(st.floats(60.0, 1e5))
-    ntypes = draw(st.integers(1, len(TYPES)))
-    n_items = draw(st.integers(0, 24))
-    trajs = [traj(i, draw(st.sampled_from(TYPES[:ntypes])), draw(advantages),
-                  NOW - draw(ages) * period) for i in range(n_items)]
+    ntypes = draw(st.integers(2 if binding else 1, len(TYPES)))
+    n_items = draw(st.integers(4 if binding else 0, 24))
+    scale = {t: draw(st.sampled_from([0.01, 1.0, 100.0])) if binding else 1.0 for t in TYPES}
+    trajs = []
+    for i in range(n_items):
+        t = draw(st.sampled_from(TYPES[:ntypes]))
+        adv = scale[t] * draw(st.floats(0.1, 1.0) if binding else advantages)
+        trajs.append(traj(i, t, adv, NOW - draw(ages) * period))
     cfg = dict(decay=draw(st.sampled_from([0.0, 0.2, 0.9]) | st.floats(0.0, 0.95)),
                decay_period_s=period,
                priority_eps=draw(st.sampled_from([0.0, 1e-3, 0.5])),
@@ -132,7 +153,13 @@ def pool_cases(draw):
                sample_mode=draw(st.sampled_from(["greedy", "proportional"])),
                consume=draw(st.booleans()),
                memory_capacity=draw(st.integers(1, 8)))
-    return trajs, cfg, draw(st.integers(0, n_items + 3)), draw(st.integers(0, n_items))
+    n = draw(st.integers(0, n_items + 3))
+    if binding:
+        cfg.update(decay=draw(st.sampled_from([0.5, 0.9]) | st.floats(0.2, 0.95)),
+                   priority_eps=0.0, min_task_types=draw(st.integers(2, 6)),
+                   sample_mode="greedy")
+        n = draw(st.integers(2, n_items - 1))
+    return trajs, cfg, n, draw(st.integers(0, n_items))
 
 
 def ids_of(trajs) -> set[str]:
@@ -228,6 +255,22 @@ def test_sample_invariants(make_pool, case):
     left = [t for t in trajs if not cfg["consume"] or t.traj_id not in set(got_ids)]
     assert_pool_holds(pool, left)
     assert pool.stats["sampled"] == len(got)
+
+
+@given(case=pool_cases(binding=True))
+def test_greedy_order_and_type_floor(make_pool, case):
+    """Greedy batches where the floor and the decay decide: the floor's size and choice, the
+    fill by decayed priority."""
+    trajs, cfg, n, split = case
+    pool = make_pool(**{**cfg, "memory_capacity": cfg["memory_capacity"]
+                        if make_pool.backend == "sqlite" else len(trajs)})
+    pool.add(trajs[:split])
+    pool.add(trajs[split:])
+    got = pool.sample(n, now=NOW)
+    assert len(got) == n
+    k = len({t.task_type for t in trajs})
+    assert len({t.task_type for t in got}) >= min(cfg["min_task_types"], k, n)
+    check_greedy_order(pool, trajs, got)
 
 
 @settings(max_examples=min(20, settings().max_examples))
@@ -340,9 +383,9 @@ def test_memory_backend_evicts_the_lowest_priority():
 
 @settings(max_examples=min(20, settings().max_examples))
 @given(case=pool_cases())
-def test_sqlite_tier_keeps_recent_in_memory_and_reloads_after_close(tmp_path, case):
+def test_sqlite_tier_keeps_recent_in_memory_and_reloads_after_close(fast_dir, case):
     trajs, cfg, _, split = case
-    path = tmp_path / f"{uuid.uuid4().hex}.sqlite"
+    path = fast_dir / f"{uuid.uuid4().hex}.sqlite"
     pool = ExperiencePool(PoolConfig(backend="sqlite", **cfg), path_default=str(path),
                           clock=lambda: NOW)
     pool.add(trajs[:split])
@@ -471,6 +514,13 @@ def test_redis_pools_share_a_namespace(redis_url):
     with pytest.raises(ValueError, match=f"namespace '{cfg.namespace}' holds keys computed"):
         ExperiencePool(PoolConfig(backend="redis", redis_url=redis_url,
                                   namespace=cfg.namespace, decay=0.5))
+    a.sample(len(a))
+    import redis
+
+    raw = redis.Redis.from_url(redis_url, decode_responses=True)
+    # drained: no sorted set or type entry is left behind, only the key parameters
+    assert set(raw.keys(f"{{{cfg.namespace}}}:*")) == {f"{{{cfg.namespace}}}:meta"}
+    raw.close()
     a.close()
     b.close()
 
