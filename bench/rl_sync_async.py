@@ -1,7 +1,8 @@
 """Synchronous vs asynchronous RL on the same task and step budget.
 
-Runs `glm5 rl train`'s loop twice on one config — run.mode sync, then async — in this process,
-one after the other, and reports for each: wall time, trainer idle fraction (time the trainer
+Runs `glm5 rl train`'s loop on one config in several modes, one after the other — sync, async
+(rollout threads in this process) and async-ray (Ray actors: trainer and rollout worker in
+their own processes) — and reports for each: wall time, trainer idle fraction (time the trainer
 waited for rollouts / wall time), steps and wall time until the reward (mean over a 10-step
 window) first reaches --target, the final reward, and the mean staleness of the trained tokens.
 The GLM-5 seed's numbers for the same comparison at scale: accelerator use < 15% -> > 65%,
@@ -40,8 +41,11 @@ def first_reaching(history: list[dict], target: float) -> tuple[int | None, floa
 
 
 def run_mode(cfg: RLConfig, mode: str, steps: int, out: Path, target: float) -> dict:
+    """mode: sync | async (threads in this process) | async-ray (Ray actors: the trainer and
+    each rollout worker in their own process, so they really run side by side)."""
     d = cfg.to_dict()
-    d["run"].update(mode=mode, steps=steps, checkpoint_every=0, out_dir=str(out))
+    d["run"].update(mode=mode.split("-")[0], ray=mode.endswith("-ray"), steps=steps,
+                    checkpoint_every=0, out_dir=str(out))
     c = RLConfig.from_dict(d)
     if out.exists():
         shutil.rmtree(out)
@@ -71,25 +75,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: the machine's cores are left to the two sides)")
     ap.add_argument("--runs", default="runs/rl_sync_async", help="where the two runs go")
+    ap.add_argument("--modes", default="sync,async,async-ray",
+                    help="comma-separated: sync, async, async-ray (sync first: the baseline)")
     ap.add_argument("--out", default=None, help="JSON results file")
     ap.add_argument("--plot", default=None, help="PNG comparing the two runs")
     a = ap.parse_args(argv)
     logging.getLogger("glm5").setLevel(logging.ERROR)
     torch.set_num_threads(a.threads)
     cfg = RLConfig.from_yaml(a.config)
-    rows = [run_mode(cfg, m, a.steps, Path(a.runs) / m, a.target) for m in ("sync", "async")]
-    sync, asy = rows
+    modes = a.modes.split(",")
+    rows = [run_mode(cfg, m, a.steps, Path(a.runs) / m, a.target) for m in modes]
+    by = {r["mode"]: r for r in rows}
     result = {"config": a.config, "steps": a.steps, "target": a.target, "window": WINDOW,
               "threads": a.threads, "machine": f"{platform.processor() or platform.machine()}, "
               f"{torch.get_num_threads()} torch threads", "runs": rows}
-    if sync["seconds_to_target"] and asy["seconds_to_target"]:
-        result["time_to_target_ratio_async_over_sync"] = round(
-            asy["seconds_to_target"] / sync["seconds_to_target"], 3)
-    result["wall_ratio_async_over_sync"] = round(asy["wall_s"] / sync["wall_s"], 3)
-    print(f"{'mode':6} {'wall s':>8} {'idle':>6} {'steps->tgt':>10} {'s->tgt':>8} "
+    base = by.get("sync")
+    for m, r in by.items():
+        if base is None or m == "sync":
+            continue
+        r["wall_ratio_over_sync"] = round(r["wall_s"] / base["wall_s"], 3)
+        if r["seconds_to_target"] and base["seconds_to_target"]:
+            r["time_to_target_ratio_over_sync"] = round(
+                r["seconds_to_target"] / base["seconds_to_target"], 3)
+    print(f"{'mode':9} {'wall s':>8} {'idle':>6} {'steps->tgt':>10} {'s->tgt':>8} "
           f"{'final r':>8} {'exact':>6} {'stale':>6}")
     for r in rows:
-        print(f"{r['mode']:6} {r['wall_s']:8.1f} {r['trainer_idle_fraction']:6.3f} "
+        print(f"{r['mode']:9} {r['wall_s']:8.1f} {r['trainer_idle_fraction']:6.3f} "
               f"{str(r['steps_to_target']):>10} {str(r['seconds_to_target']):>8} "
               f"{r['final_reward']:8.3f} {r['final_exact']:6.3f} {r['mean_staleness']:6.2f}")
     if a.out:

@@ -146,3 +146,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if text:
         terminalreporter.section("glm5 kit mutation score")
         terminalreporter.write_line(text)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module of tiny-shape model runs: a step is hundreds of tiny ops
+    (a few dozen rows of width 64), and thread hand-offs cost more than the work; on a loaded
+    2-core machine they made such files 4-5x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -31,15 +31,7 @@ N_NEW = 6  # tokens generated per request in the greedy comparisons
 MAX_STEPS = 400  # far more than any test here needs (the slowest takes ~60)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread: at these shapes (a few dozen rows of width 64) a step is hundreds of
-    tiny ops, and thread hand-offs cost more than the work; on a loaded 2-core machine they
-    made this file 4-5x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,9 @@ TASKS = [{"name": n, "params": {"length": 2, "base": 5}}
          for n in ("copy", "reverse", "sort", "add1", "min")]
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 @pytest.fixture(autouse=True)
 def _quiet():
     logging.getLogger("glm5").setLevel(logging.ERROR)

@@ -21,6 +21,9 @@ from glm5.rl.trainer import GRPOTrainer, build_optimizers, pack, token_logprobs
 from glm5.rl.trajectory import Trajectory
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 @pytest.fixture(autouse=True)
 def _quiet():
     logging.getLogger("glm5").setLevel(logging.ERROR)

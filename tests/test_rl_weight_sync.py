@@ -26,13 +26,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 MODES = ["xor", "sub"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny shapes: thread hand-offs cost more than the work on a loaded 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -103,7 +103,9 @@ class RLRun:
 
         cfg_dict = copy_config(cfg)
         handle = self._handle
-        self.trainer = handle(TrainerService, cfg_dict, name="trainer")
+        # As actors, one torch thread each: the trainer and the workers share the machine's cores
+        self.trainer = handle(TrainerService, cfg_dict, threads=1 if self.use_ray else None,
+                              name="trainer")
         pool_path = cfg.pool.path or str(self.out / "pool.sqlite")
         self.pool = handle(ExperiencePool, cfg.pool, pool_path, seed=cfg.run.seed, name="pool")
         ckpt = self.out / CHECKPOINT
@@ -411,17 +413,25 @@ class RLRun:
 
     def _rollout_loop(self, i: int, stop: threading.Event) -> None:
         cap = self.cfg.rollout.in_flight_groups
-        lead = 2 * self.batch_size  # at most this many trajectories wait in the pool
+        size = self.cfg.rollout.group_size
+        # Trajectories pooled or still to finish stay under two batches: one for the trainer
+        # to take and one being generated. More would only age in the pool (the pool serves by
+        # priority, not age) and be dropped as stale.
+        lead = 2 * self.batch_size
         try:
             while not stop.is_set():
                 with self._lock:
                     mine = sum(1 for w in self._where.values() if w == i)
-                room = cap - mine
-                if room > 0 and self.pool.call("__len__") < lead:
-                    todo = self._take_queued(room)
-                    todo += self._new_groups(room - len(todo)) if len(todo) < room else []
-                    for g in todo:
-                        self._assign(i, g)
+                    outstanding = sum(g.size - len(self._done[gid])
+                                      for gid, g in self._groups.items())
+                # re-queued members first (already counted as outstanding), then new groups
+                todo = self._take_queued(max(cap - mine, 0))
+                room = min(cap - mine - len(todo),
+                           (lead - self.pool.call("__len__") - outstanding) // size)
+                if room > 0:
+                    todo += self._new_groups(room)
+                for g in todo:
+                    self._assign(i, g)
                 try:
                     if self._pump(i) == 0:
                         time.sleep(0.002)
