@@ -63,9 +63,16 @@ def _accounted(run):
     return pooled, open_
 
 
+def _ray_if(request, use_ray):
+    if use_ray:
+        request.getfixturevalue("ray_local")
+    return use_ray
+
+
+@pytest.mark.parametrize("use_ray", [False, True], ids=["embedded", "ray"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_run_trains_and_workers_hold_the_trainers_weights(tmp_path, mode):
-    run = RLRun(_cfg(tmp_path, mode=mode), resume=False)
+def test_run_trains_and_workers_hold_the_trainers_weights(tmp_path, mode, use_ray, request):
+    run = RLRun(_cfg(tmp_path, mode=mode), resume=False, use_ray=_ray_if(request, use_ray))
     try:
         s = run.train(3)
         assert s.steps == 3 and len(s.history) == 3
@@ -131,23 +138,29 @@ def test_killed_worker_loses_no_finished_trajectory_and_requeues_the_rest(tmp_pa
         run.close()
 
 
-@pytest.mark.parametrize("pool", ["memory", "sqlite"])
-def test_crash_and_resume_loses_nothing(tmp_path, pool):
+@pytest.mark.parametrize("pool,use_ray", [("memory", False), ("sqlite", False),
+                                          ("memory", True)],
+                         ids=["memory", "sqlite", "memory-ray"])
+def test_crash_and_resume_loses_nothing(tmp_path, pool, use_ray, request):
     cfg = _cfg(tmp_path, steps=4, checkpoint_every=2, mode="async")
     cfg.pool.backend = pool
     if pool == "sqlite":
         cfg.pool.memory_capacity = 8  # most of the pool lives on disk
-    run = RLRun(cfg, resume=False)
+    use_ray = _ray_if(request, use_ray)
+    run = RLRun(cfg, resume=False, use_ray=use_ray)
     run.train(3)  # checkpoint at step 2, one more step and rollouts after it
     hist = [r["reward"] for r in run.history]
     # a crash: no close, no final checkpoint; the journal holds everything finished
     groups, trajs = _journal(tmp_path)
     run._journal.flush()
+    if use_ray:  # the crashed run's actors die with it
+        for h in [*run.workers, run.pool, run.trainer]:
+            h.kill()
     del run
     st = torch.load(tmp_path / CHECKPOINT, weights_only=False)
     assert st["step"] == 2
     after = {tid for tid, t in trajs.items()}
-    resumed = RLRun(cfg, resume=True)
+    resumed = RLRun(cfg, resume=True, use_ray=use_ray)
     try:
         assert resumed.step == 2 and [r["reward"] for r in resumed.history] == hist[:2]
         groups2, trajs2 = _journal(tmp_path)

@@ -593,3 +593,21 @@ def test_stores_share_one_interface(tmp_path, redis_url):
         with pytest.raises(DuplicateTrajectoryError):
             s.add([(traj(2), 0.0)])
         s.close()
+
+
+def test_evict_older_than_removes_exactly_the_stale(make_pool):
+    # sqlite: most items spill to the file (memory: capacity is a hard bound, keep all 6)
+    pool = make_pool(memory_capacity=2 if make_pool.backend == "sqlite" else 64)
+    ts = []
+    for i in range(6):
+        t = traj(i, task_type=TYPES[i % 3], advantage=float(i))
+        # oldest version that sampled a token: 0, 1, 2, 0, 1, 2
+        t.completion_ids, t.logprobs, t.versions = [3, 4], [-0.5, -0.5], [i % 3, 2]
+        ts.append(t)
+    pool.add(ts)
+    assert pool.evict_older_than(1) == 2  # the two with a version-0 token
+    assert {t.traj_id for t in pool} == {"id1", "id2", "id4", "id5"}
+    assert pool.evict_older_than(1) == 0 and len(pool) == 4
+    assert pool.evict_older_than(3) == 4 and len(pool) == 0
+    with pytest.raises(TypeError, match="evict_older_than: min_version expected an int"):
+        pool.evict_older_than(1.5)

@@ -325,8 +325,16 @@ class RLRun:
             self.checkpoint()
         return row
 
+    def _evict_stale(self) -> None:
+        """With stale_policy drop, trajectories past the staleness bound leave the pool."""
+        sc = self.cfg.sync
+        if sc.stale_policy == "drop":
+            self.dropped_stale += self.pool.call("evict_older_than",
+                                                 self.version - sc.max_staleness)
+
     def _wait_batch(self, stop: threading.Event) -> tuple[list[Trajectory], float]:
         t0 = time.perf_counter()
+        self._evict_stale()
         while True:
             if self._errors:
                 raise self._errors[0]

@@ -787,6 +787,23 @@ class ExperiencePool:
             self._check_open("contains")
             return set().union(*(s.contains(ids) for s in self._tiers))
 
+    def evict_older_than(self, min_version: int) -> int:
+        """Remove every trajectory with a token sampled by a weights version below
+        ``min_version`` (`Trajectory.min_version`): the trainer would drop it as stale, and
+        while it waits — a low priority keeps it waiting — it holds the place of fresh data.
+        Returns how many were removed. Reads every trajectory: for pools of a few batches."""
+        if isinstance(min_version, bool) or not isinstance(min_version, int):
+            raise TypeError(f"ExperiencePool.evict_older_than: min_version expected an int, got "
+                            f"{min_version!r}")
+        with self._lock:
+            self._check_open("evict_older_than")
+            gone = 0
+            for s in self._tiers:
+                old = [t.traj_id for t in s if t.min_version < min_version]
+                gone += len(s.remove(old)) if old else 0
+            self.stats["evicted"] += gone
+            return gone
+
     def counts_by_type(self) -> dict[str, int]:
         with self._lock:
             self._check_open("counts_by_type")
