@@ -5,7 +5,7 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streami
 ``GET /v1/models``, ``GET /health`` (503 once shutdown has begun), ``GET /metrics``
 (prometheus text, see `glm5.serve.metrics`). With ``allow_weight_updates`` (``glm5 serve
 --allow-weight-updates``, for RL rollout engines; off by default, as a public server must not
-take weights): ``POST /glm5/v1/weights`` (a `glm5.rl.weight_sync.WeightUpdate`'s bytes,
+take weights): ``POST /glm5/v1/weights`` (a `glm5.engine.weight_sync.WeightUpdate`'s bytes,
 applied between engine steps, all or nothing) and ``GET /glm5/v1/weights`` (version and
 checksums).
 
@@ -628,7 +628,7 @@ def _weight_routes(app: FastAPI, engine: AsyncEngine, allow: bool) -> None:
         app.add_api_route(WEIGHTS_PATH, off, methods=["GET", "POST"])
         return
 
-    from glm5.rl.weight_sync import (StaleUpdateError, WeightReceiver, WeightSyncError,
+    from glm5.engine.weight_sync import (StaleUpdateError, WeightReceiver, WeightSyncError,
                                      WeightUpdate, apply_to_engine, state_checksums)
 
     receiver = WeightReceiver(engine.engine.model, engine.engine.weights_version)
