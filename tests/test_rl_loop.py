@@ -168,8 +168,6 @@ def test_crash_and_resume_loses_nothing(tmp_path, pool, use_ray, request):
         assert set(trajs2) == after  # the journal still holds every finished trajectory once
         pooled, open_ = _accounted(resumed)
         # everything journaled after the checkpoint is back: pooled or in an open group
-        ckpt_pool = {t["traj_id"] for t in st["pool"].get("memory", [])} if isinstance(
-            st["pool"], dict) else set()
         lost = [tid for tid in trajs if tid not in pooled | open_
                 and _journal_offset_of(tmp_path, tid) >= st["journal_offset"]]
         assert not lost, lost[:5]
@@ -180,7 +178,6 @@ def test_crash_and_resume_loses_nothing(tmp_path, pool, use_ray, request):
                 assert m in resumed._done[gid] or (gid, m) in queued
         s = resumed.train(4)
         assert s.steps == 4 and resumed.weights_in_sync()
-        del ckpt_pool
     finally:
         resumed.close()
 
@@ -260,3 +257,23 @@ def test_http_transport_trains_against_an_engine_server(tmp_path):
             run.close()
     finally:
         live.stop()
+
+
+def test_run_from_a_checkpoint_directory(tmp_path):
+    from glm5.rl.services import build_policy
+
+    cfg = _cfg(tmp_path / "run")
+    ckpt = tmp_path / "ckpt"
+    build_policy(cfg.model).save_pretrained(ckpt)
+    d = cfg.to_dict()
+    d["model"] = {"path": str(ckpt)}
+    run = RLRun(RLConfig.from_dict(d), resume=False)
+    try:
+        first = run.trainer.call("checksums")
+        assert first == run.workers[0].call("checksums")  # the workers start from the file
+        run.train(1)
+        assert run.weights_in_sync() and run.trainer.call("checksums") != first
+    finally:
+        run.close()
+    with pytest.raises(Exception, match="model.overrides apply to a preset"):
+        RLConfig.from_dict({**d, "model": {"path": str(ckpt), "overrides": {"vocab_size": 8}}})

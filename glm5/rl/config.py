@@ -244,6 +244,9 @@ def _validate(c: RLConfig) -> None:
                             f"rollout.transport: http, got {len(c.rollout.urls)}")
     from glm5.core.config import GLM5Config
 
+    if c.model.path is not None and c.model.overrides:
+        raise RLConfigError("glm5 rl config: model.overrides apply to a preset; a checkpoint "
+                            "(model.path) keeps its own config.json")
     known = {f.name for f in dataclasses.fields(GLM5Config)}
     bad = sorted(set(c.model.overrides) - known)
     if bad:

@@ -22,12 +22,10 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 
 def model_config(mc: ModelConfig) -> GLM5Config:
+    """The policy's shapes: the checkpoint's config, or the preset with the overrides."""
     if mc.path is not None:
-        from glm5.core.config import GLM5Config as C
-
-        return C.from_pretrained(mc.path).replace(**mc.overrides) if mc.overrides else \
-            C.from_pretrained(mc.path)
-    return preset(mc.preset).replace(**mc.overrides) if mc.overrides else preset(mc.preset)
+        return GLM5Config.from_pretrained(mc.path)
+    return preset(mc.preset).replace(**mc.overrides)
 
 
 def build_policy(mc: ModelConfig) -> GLM5ForCausalLM:
@@ -37,9 +35,6 @@ def build_policy(mc: ModelConfig) -> GLM5ForCausalLM:
         from glm5.core.checkpoint import load_model
 
         model = load_model(mc.path, dtype=dtype)
-        if mc.overrides:
-            raise ValueError("glm5 rl: model.overrides apply to presets; a checkpoint's config "
-                             "is its own (edit its config.json)")
         return model
     torch.manual_seed(mc.init_seed)
     return GLM5ForCausalLM(model_config(mc), with_mtp=mc.with_mtp).to(dtype)
@@ -67,8 +62,7 @@ class WorkerService:
         mc = cfg.model
         torch.manual_seed(mc.init_seed)
         # the shapes only: the weights come from the update
-        model = GLM5ForCausalLM(model_config(mc) if mc.path is None else _ckpt_config(mc),
-                                with_mtp=mc.with_mtp).to(_DTYPES[mc.dtype])
+        model = GLM5ForCausalLM(model_config(mc), with_mtp=mc.with_mtp).to(_DTYPES[mc.dtype])
         engine = LLMEngine(model, engine_config(cfg), backend=mc.backend)
         receiver = WeightReceiver(model, version=0)
         up = WeightUpdate.from_bytes(full_update)
@@ -103,10 +97,6 @@ class WorkerService:
 
     def tokens_generated(self) -> int:
         return self.worker.tokens_generated
-
-
-def _ckpt_config(mc: ModelConfig) -> GLM5Config:
-    return GLM5Config.from_pretrained(mc.path)
 
 
 class TrainerService:
