@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=0.8)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: the machine's cores are left to the two sides)")
-    ap.add_argument("--runs", default="runs/rl_sync_async", help="where the two runs go")
+    ap.add_argument("--runs", default="runs/rl_sync_async", help="where the runs go (one directory per mode)")
     ap.add_argument("--modes", default="sync,async,async-ray",
                     help="comma-separated: sync, async, async-ray (sync first: the baseline)")
     ap.add_argument("--out", default=None, help="JSON results file")
