@@ -242,3 +242,26 @@ def test_a_requeued_member_joins_its_group_on_the_same_worker():
         out += w.step()
     assert sorted(t.traj_id for t in out) == ["g/0", "g/1", "g/2"]
     assert all(t.versions == [0] * len(t.completion_ids) for t in out)
+
+
+def test_ratio_against_the_rollout_policy_is_clipped_by_hand():
+    """ratio_base rollout: ratio = exp(logp - rollout_logp), clipped to [0.8, 1.25], no TIS."""
+    m = _model(8)
+    trajs = [_traj(0, [1, 2, 3], [4, 5, 6], 1.5, [-3.0, -2.5, -3.5]),
+             _traj(1, [1, 7], [8, 9], -0.7, [-2.0, -4.0])]
+    tr = GRPOTrainer(m, TrainerConfig(optimizer="adamw", lr=0.0, micro_batch_size=8,
+                                      ratio_base="rollout"))
+    b = pack(trajs)
+    with torch.no_grad():
+        lp = token_logprobs(m, b)[0].tolist()
+    rollout, adv = b.rollout_logp.tolist(), b.adv.tolist()
+    ratios = [math.exp(a - r) for a, r in zip(lp, rollout)]
+    assert any(r > 1.25 or r < 0.8 for r in ratios), ratios  # the clip decides some tokens
+    # the rollout logprob as the old policy, no TIS weight (cap irrelevant)
+    want = sum(_manual_loss(a, r, r, A, 0.2, 0.25, 1e9)
+               for a, r, A in zip(lp, rollout, adv)) / len(adv)
+    s = tr.train_step(trajs)
+    assert s["policy_loss"] == pytest.approx(want, rel=1e-5)
+    assert s["mean_ratio"] == pytest.approx(sum(ratios) / len(ratios), rel=1e-5)
+    clipped = [(min(max(r, 0.8), 1.25) * -A > r * -A) for r, A in zip(ratios, adv)]
+    assert s["clip_frac"] == pytest.approx(sum(clipped) / len(clipped))

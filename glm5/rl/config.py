@@ -77,6 +77,10 @@ class TrainerConfig:
     clip_low: float = 0.2
     clip_high: float = 0.25
     tis_cap: float = 2.0  # truncated importance sampling cap on exp(old - rollout)
+    # "trainer": ratio against the trainer's logprob before the update (1 on the first epoch)
+    # with TIS for the rollout mismatch; "rollout": ratio against the engine's logprob (the
+    # policy that sampled the token), clipped — off-policy tokens get the trust region
+    ratio_base: str = "trainer"
     std_normalize: bool = True
     kl_coef: float = 0.0  # KL to the reference (initial) policy; 0: no reference kept
     freeze_indexer: bool = True
@@ -172,6 +176,7 @@ _CHOICES = {
     "rollout.transport": ("inprocess", "http"),
     "trainer.optimizer": ("muon", "adamw"),
     "trainer.lr_schedule": ("constant", "cosine"),
+    "trainer.ratio_base": ("trainer", "rollout"),
     "sync.stale_policy": ("drop", "downweight"),
     "sync.mode": ("xor", "sub"),
     "pool.backend": ("memory", "sqlite", "redis"),

@@ -208,9 +208,15 @@ class GRPOTrainer:
         lp, ent, h = token_logprobs(self.model, b)
         old_lp = lp.detach() if old is None else old
         mask = torch.ones_like(lp)
-        loss, stats = ops.policy_loss(lp, old_lp, b.adv, mask, clip_low=cfg.clip_low,
-                                      clip_high=cfg.clip_high, rollout_logp=b.rollout_logp,
-                                      tis_cap=cfg.tis_cap)
+        if cfg.ratio_base == "rollout":
+            # the ratio is taken against the policy that sampled the token (the engine's
+            # logprob) and clipped there: stale tokens get the trust region; no TIS on top
+            loss, stats = ops.policy_loss(lp, b.rollout_logp, b.adv, mask,
+                                          clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+        else:
+            loss, stats = ops.policy_loss(lp, old_lp, b.adv, mask, clip_low=cfg.clip_low,
+                                          clip_high=cfg.clip_high,
+                                          rollout_logp=b.rollout_logp, tis_cap=cfg.tis_cap)
         stats = stats.detach()
         out = {"policy_loss": float(loss.detach()), "entropy": float(ent.detach().mean()),
                "clip_frac": float(stats[0]), "mean_ratio": float(stats[1]),
