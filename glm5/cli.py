@@ -622,10 +622,12 @@ def cmd_rl_train(args: argparse.Namespace) -> int:
                                    delay=0.0) as bar:
             def on_step(row: dict) -> None:
                 if drawn:
+                    # update first: setting the description redraws the bar, so each step
+                    # shows even when it took less than tqdm's minimum redraw interval
+                    bar.update(1)
                     bar.set_description_str(f"rl train: reward {row['reward']:.3f} exact "
                                             f"{row['exact']:.3f} idle "
                                             f"{row['trainer_idle_frac']:.0%}")
-                    bar.update(1)
                 elif int(row["step"]) % every == 0 or int(row["step"]) == target:
                     print(_rl_status(row), flush=True)  # a log line where no bar is drawn
 
