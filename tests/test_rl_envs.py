@@ -157,3 +157,56 @@ def test_registry_errors():
         make_env("countdown", n_numbers=1)
     with pytest.raises(RuntimeError, match="call reset"):
         EpisodeRunner(Counter5(), "/tmp/x.json").step("a")
+
+
+def _call(name, **args):
+    inner = "".join(f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>" for k, v in args.items())
+    return f"<tool_call>{name}{inner}</tool_call>"
+
+
+def test_search_env_tool_use_in_the_chat_format():
+    env = make_env("search", n_countries=6)
+    obs = env.reset(seed=3)
+    assert obs.startswith("Question: ")
+    country = next(w for w in env.question.rstrip("?").split() if w.endswith("land"))
+    r = env.step("<think>look it up</think>" + _call("search", query=country, k=2))
+    hits = json.loads(r.observation)[0]["result"]
+    assert not r.done and r.reward == 0.0 and 1 <= len(hits) <= 2
+    assert any(country in h["title"] for h in hits)
+    doc = next(h["doc_id"] for h in hits if h["title"] == country)
+    r = env.step(_call("open", doc_id=doc))
+    body = json.loads(r.observation)[0]["result"]["body"]
+    assert env.answer.lower() in body.lower()
+    r = env.step(f"  {env.answer.upper()}. ")  # case, punctuation and spaces ignored
+    assert (r.reward, r.done, r.info["gold"]) == (1.0, True, env.answer)
+
+
+def test_search_env_errors_are_observations_not_crashes():
+    env = make_env("search", n_countries=4, max_turns=8)
+    env.reset(seed=1)
+    bad = [
+        ("<tool_call>search<arg_key>query</arg_key>oops</tool_call>", "malformed tool call"),
+        (_call("fly", to="moon"), "unknown tool"),
+        (_call("search", q="x"), "bad arguments"),
+        (_call("open", doc_id=999), "doc_id expected an int in"),
+        (_call("search", query="!!!"), "query has no words"),
+        (_call("search", query='a" OR "b', k=50), "k expected an int in [1, 10]"),
+    ]
+    for action, msg in bad:
+        r = env.step(action)
+        assert msg in r.observation and r.reward == 0.0 and not r.done, (action, r)
+    r = env.step("wrong answer")
+    assert r.done and r.reward == 0.0
+
+
+def test_search_env_turn_limit_and_resume(tmp_path):
+    env = make_env("search", n_countries=4, max_turns=2)
+    run = EpisodeRunner(env, tmp_path / "s.json", every=1)
+    run.reset(seed=5)
+    run.step(_call("search", query="capital"))
+    env2 = make_env("search", n_countries=4, max_turns=2)
+    run2 = EpisodeRunner(env2, tmp_path / "s.json", every=1)
+    run2.resume()
+    assert env2.question == env.question and env2.turns == 1
+    r = run2.step(_call("search", query="river"))
+    assert r.done and run2.episode.ended == "done"  # the second of two turns ends it
