@@ -46,7 +46,8 @@ class Env(Protocol):
 
 ENVS: dict[str, Callable[..., Env]] = {}
 # built-in environment types, registered when their module is first imported
-_BUILTIN = {"countdown": "glm5.rl.envs.countdown", "search": "glm5.rl.envs.search"}
+_BUILTIN = {"countdown": "glm5.rl.envs.countdown", "search": "glm5.rl.envs.search",
+            "codefix": "glm5.rl.envs.workspace", "terminal": "glm5.rl.envs.workspace"}
 
 
 def register_env(name: str, factory: Callable[..., Env]) -> None:
