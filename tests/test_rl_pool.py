@@ -445,6 +445,8 @@ def test_sqlite_state_dict_after_a_crash_holds_nothing_twice(tmp_path):
     b = ExperiencePool(cfg, clock=lambda: NOW)
     b.load_state_dict(state)
     assert_pool_holds(b, trajs[:5])
+    ids = [t.traj_id for t in b]
+    assert sorted(ids) == sorted(t.traj_id for t in trajs[:5]) and len(ids) == len(set(ids))
     b.close()
 
 
