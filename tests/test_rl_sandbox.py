@@ -173,12 +173,14 @@ def test_work_dir_is_private_and_removed_on_close(mode, make, tmp_path):
     assert r.ok and r.stdout == "started\n" and time.monotonic() - t < 5
     time.sleep(0.1)
     assert procs_with(marker) == []
-    # one that keeps the output pipe open does not hold the result back (killed, not
-    # waited for)
-    marker = f"7{uuid.uuid4().int % 10**6}.5"
+    # one that keeps writing to the output pipe is killed when the command ends, not waited
+    # for: nothing of it follows the command's last line
+    marker = f"glm5-ticker-{uuid.uuid4().hex[:8]}"
     t = time.monotonic()
-    r = sb.run(f"setsid sleep {marker} & sleep 0.3; echo started")
-    assert r.ok and r.stdout == "started\n" and time.monotonic() - t < 1.5, r
+    r = sb.run(f"setsid sh -c 'while :; do echo tick; sleep 0.01; done # {marker}' & "
+               "sleep 0.3; echo started")
+    assert r.ok and "tick\n" in r.stdout and time.monotonic() - t < 1.5, r
+    assert r.stdout.split("started\n")[1].count("tick") <= 1, r.stdout
     time.sleep(0.1)
     assert procs_with(marker) == []
     # and without a pids cgroup (max_processes=None), the process group's members are

@@ -332,6 +332,10 @@ class _CgroupParent:
     reason: str
 
 
+# A child for probes that needs nothing from PATH.
+_PROBE_CMD = [sys.executable, "-c", ""]
+
+
 def _is_root() -> bool:
     return os.geteuid() == 0
 
@@ -534,7 +538,7 @@ def _pids_cgroup_parent() -> _CgroupParent:
     except OSError as e:
         return _CgroupParent(None, 0, f"cannot create a cgroup in {d}: {e}")
     try:
-        r = subprocess.run(["true"], preexec_fn=cg.join, stdin=subprocess.DEVNULL,
+        r = subprocess.run(_PROBE_CMD, preexec_fn=cg.join, stdin=subprocess.DEVNULL,
                            capture_output=True, timeout=10)
         if r.returncode != 0:
             return _CgroupParent(None, 0, f"a process moved into {cg.path} failed")
@@ -574,7 +578,7 @@ def _netns_probe() -> str:
         return "a network namespace needs root without bwrap"
     _libc()  # load it in the parent, so that children only call into it
     try:
-        r = subprocess.run(["true"], preexec_fn=_unshare_net, stdin=subprocess.DEVNULL,
+        r = subprocess.run(_PROBE_CMD, preexec_fn=_unshare_net, stdin=subprocess.DEVNULL,
                            capture_output=True, timeout=10)
     except (OSError, subprocess.SubprocessError) as e:
         return f"unshare(CLONE_NEWNET) failed: {e}"
