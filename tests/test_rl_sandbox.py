@@ -127,6 +127,38 @@ def test_output_cap_states_the_truncation(mode, make):
     assert r.stdout == "1234567890" and not r.stdout_truncated
 
 
+@pytest.mark.parametrize("mode,launcher", [("bwrap", "prlimit"), ("bwrap", "preexec"),
+                                           ("rlimits", "preexec")])
+def test_limits_reach_the_command(mode, make, monkeypatch, launcher):
+    """bwrap commands start through /bin/sh + prlimit (no fork of this process), or through
+    preexec_fn where prlimit is missing; rlimits mode always uses preexec_fn."""
+    if mode == "bwrap":
+        require_bwrap()
+    if mode == "bwrap" and launcher == "preexec":
+        which = S.shutil.which
+        monkeypatch.setattr(S.shutil, "which",
+                            lambda n, *a, **k: None if n == "prlimit" else which(n, *a, **k))
+    sb = make(mode, cpu_seconds=7, memory_bytes=300 << 20, file_size_bytes=5 << 20,
+              open_files=40, max_processes=3)
+    assert (sb._launcher(None) is None) == (launcher == "preexec")
+    r = sb.run([sb.python, "-c", "import resource as R; print([R.getrlimit(getattr("
+                "R, 'RLIMIT_' + n)) for n in ('CPU', 'AS', 'FSIZE', 'NOFILE', 'CORE')])"])
+    assert r.ok, r
+    assert r.stdout.strip() == str([(7, 8), (300 << 20, 300 << 20), (5 << 20, 5 << 20),
+                                    (40, 40), (0, 0)])
+    if sb.capabilities()["limits"]["max_processes"].startswith("cgroup"):
+        # the shell and three sleeps make four: one fork is refused, and counted
+        r = sb.run("sleep 0.2 & sleep 0.2 & sleep 0.2 & wait")
+        assert r.forks_refused >= 1 and "refused" in r.detail, r
+
+
+def test_many_commands_in_one_session(mode, make):
+    # each command's processes are released: 40 commands under a limit of 3 all run
+    sb = make(mode, max_processes=3)
+    results = [sb.run(["true"]) for _ in range(40)]
+    assert all(r.ok for r in results), [r for r in results if not r.ok][:1]
+
+
 def test_work_dir_is_private_and_removed_on_close(mode, make, tmp_path):
     sb = make(mode)
     assert sb.workdir.is_dir() and str(sb.workdir).startswith(str(tmp_path))
@@ -134,11 +166,27 @@ def test_work_dir_is_private_and_removed_on_close(mode, make, tmp_path):
     assert sb.read_file("note.txt") == b"made-inside\n"
     assert (sb.workdir.parent.stat().st_mode & 0o077) == 0  # other users cannot enter
     # a leftover background process is killed when the command ends, even one that left
-    # its process group
+    # its process group (the sleep 0.3 lets it get there)
     marker = f"7{uuid.uuid4().int % 10**6}.5"
     t = time.monotonic()
-    r = sb.run(f"setsid sleep {marker} >/dev/null 2>&1 & echo started")
+    r = sb.run(f"setsid sleep {marker} >/dev/null 2>&1 & sleep 0.3; echo started")
     assert r.ok and r.stdout == "started\n" and time.monotonic() - t < 5
+    time.sleep(0.1)
+    assert procs_with(marker) == []
+    # one that keeps writing to the output pipe is killed when the command ends, not waited
+    # for: nothing of it follows the command's last line
+    marker = f"glm5-ticker-{uuid.uuid4().hex[:8]}"
+    t = time.monotonic()
+    r = sb.run(f"setsid sh -c 'while :; do echo tick; sleep 0.01; done # {marker}' & "
+               "sleep 0.3; echo started")
+    assert r.ok and "tick\n" in r.stdout and time.monotonic() - t < 1.5, r
+    assert r.stdout.split("started\n")[1].count("tick") <= 1, r.stdout
+    time.sleep(0.1)
+    assert procs_with(marker) == []
+    # and without a pids cgroup (max_processes=None), the process group's members are
+    marker = f"7{uuid.uuid4().int % 10**6}.5"
+    r = make(mode, max_processes=None).run(f"sleep {marker} >/dev/null 2>&1 & echo started")
+    assert r.ok and r.stdout == "started\n"
     time.sleep(0.1)
     assert procs_with(marker) == []
     session = sb.workdir.parent
@@ -219,6 +267,13 @@ def test_writing_outside_the_work_dir_fails(make, tmp_path):
     assert not (Path("/tmp") / name).exists()
     caps = sb.capabilities()
     assert caps["filesystem_isolated"] and caps["sessions_isolated"] and caps["pid_namespace"]
+    r = sb.run("cat /etc/shadow /etc/gshadow")  # of /etc, only what programs need is there
+    assert r.reason == "error" and "No such file" in r.stderr, r
+    # no capabilities inside, and (with a user namespace) not even uid 0
+    r = sb.run("grep CapEff /proc/self/status; id -u")
+    assert r.ok and r.stdout.split()[:2] == ["CapEff:", "0000000000000000"], r
+    if caps["user_namespace"]:
+        assert r.stdout.split()[2] == str(S.SANDBOX_UID)
 
 
 def test_extra_binds_are_read_only_and_the_interpreter_optional(make, tmp_path):
@@ -247,7 +302,7 @@ def test_another_sessions_files_are_out_of_reach(make):
     r = b.run("ls -A /tmp /work")
     assert r.ok and r.stdout == "/tmp:\n\n/work:\n", r  # nothing of A's, nor of the host's
     r = b.run(["ps", "-e", "-o", "pid=,comm="])
-    assert r.ok and len(r.stdout.splitlines()) == 2, r  # its own PID namespace: init and ps
+    assert r.ok and r.stdout.split() == ["1", "bwrap", "2", "ps"], r  # its own namespace
 
 
 def test_rlimits_mode_reports_what_it_does_not_enforce(make, caplog):
@@ -306,14 +361,14 @@ def test_a_fork_bomb_is_bounded_and_killed(mode, make):
     sampler.start()
     t = time.monotonic()
     try:
-        r = sb.run([sb.python, "-c", _FORK_BOMB, marker], timeout=3)
+        r = sb.run([sb.python, "-c", _FORK_BOMB, marker], timeout=2)
     finally:
         stop.set()
         sampler.join()
     assert r.reason == "timeout", r
     assert time.monotonic() - t < 10
-    assert r.forks_refused is None or r.forks_refused > 0, r
-    assert "refused" in r.detail or r.forks_refused is None
+    if limit.startswith("cgroup"):  # the cgroup counts what it refused: reported
+        assert r.forks_refused > 0 and f"refused {r.forks_refused} forks" in r.detail, r
     assert 6 <= peak[0] <= 12, peak
     time.sleep(0.1)
     assert procs_with(marker) == []  # nothing left on the host
@@ -338,22 +393,32 @@ def test_an_endless_loop_hits_the_cpu_limit(mode, make):
     r = sb.run([sb.python, "-c", "while True: pass"])
     assert r.reason == "cpu_limit" and r.signal == 24, r  # SIGXCPU
     assert time.monotonic() - t < 10
-    if mode == "rlimits":  # bwrap's monitor does not reap its init: no rusage there
-        assert r.cpu_s >= 0.9
-    else:
-        assert r.cpu_s is None
+    assert r.cpu_s >= 0.9 if mode == "rlimits" else r.cpu_s is None  # bwrap: not measured
     assert "CPU limit of 1 s" in r.detail
 
 
-def test_the_wall_clock_limit_kills_everything(mode, make):
-    sb = make(mode, cpu_seconds=None)
-    marker = f"8{uuid.uuid4().int % 10**6}.5"
+@pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup", "no-cgroup"])
+def test_the_wall_clock_limit_kills_everything(mode, make, cgroup):
+    sb = make(mode, cpu_seconds=None, max_processes=64 if cgroup else None)
+    containment = sb.capabilities()["containment"]
+    if mode == "bwrap":
+        assert containment == "pid namespace"
+    elif cgroup and containment != "cgroup":
+        pytest.skip("no writable pids cgroup here")
+    marker, escaper = (f"8{uuid.uuid4().int % 10**6}.5" for _ in range(2))
     t = time.monotonic()
-    r = sb.run(f"setsid sleep {marker} & sleep 60", timeout=1)
+    r = sb.run(f"sleep {marker} & setsid sleep {escaper} & sleep 60", timeout=1)
     wall = time.monotonic() - t
     assert r.reason == "timeout" and 1 <= wall < 4 and r.returncode == -9, r
     time.sleep(0.1)
     assert procs_with(marker) == []
+    left = procs_with(escaper)
+    for pid in left:  # the documented gap of rlimits mode without a cgroup, cleaned up
+        os.kill(pid, 9)
+    if containment.startswith("process group"):
+        assert len(left) == 1  # what capabilities() says is true: setsid() escapes
+    else:
+        assert left == []
 
 
 _SYSCALLS = """
@@ -372,6 +437,14 @@ for what in sys.argv[1:]:
         if r > 0:
             os.waitpid(r, 0)
         report('clone', r)
+    elif what == 'clone3':  # clone3 with CLONE_NEWUSER: its flags sit in memory
+        args = (ctypes.c_uint64 * 11)(0x10000000, 0, 0, 0, 17)  # flags, ..., exit_signal
+        r = libc.syscall(int(os.environ['NR_CLONE3']), ctypes.byref(args), 88)
+        if r == 0:
+            os._exit(0)
+        if r > 0:
+            os.waitpid(r, 0)
+        report('clone3', r)
     elif what == 'ptrace':
         report('ptrace', libc.ptrace(0, 0, 0, 0))  # PTRACE_TRACEME
 """
@@ -381,19 +454,21 @@ def test_denied_system_calls_fail_with_eperm(mode, make):
     lib, why = S._libseccomp()
     if lib is None:
         pytest.skip(why)
-    nr_clone = str(lib.seccomp_syscall_resolve_name(b"clone"))
-    sb = make(mode, env={"NR_CLONE": nr_clone})
+    env = {f"NR_{n.upper()}": str(lib.seccomp_syscall_resolve_name(n.encode()))
+           for n in ("clone", "clone3")}
+    sb = make(mode, env=env)
     caps = sb.capabilities()
     assert caps["seccomp"] and caps["seccomp_action"] == "errno"
     assert {"ptrace", "unshare", "mount", "bpf", "setns"} <= set(caps["seccomp_denied"])
-    r = sb.run([sb.python, "-c", _SYSCALLS, "unshare", "clone", "ptrace"])
-    assert r.ok and r.stdout.split("\n")[:3] == ["unshare EPERM", "clone EPERM", "ptrace EPERM"]
+    r = sb.run([sb.python, "-c", _SYSCALLS, "unshare", "clone", "clone3", "ptrace"])
+    assert r.ok and r.stdout.split("\n")[:4] == [
+        "unshare EPERM", "clone EPERM", "clone3 ENOSYS", "ptrace EPERM"], r
     # the open twin: the same calls go through without the filter
-    sb_open = make(mode, seccomp=False, env={"NR_CLONE": nr_clone})
+    sb_open = make(mode, seccomp=False, env=env)
     assert not sb_open.capabilities()["seccomp"]
-    # (clone first: after unshare the process's uid is unmapped and may not nest namespaces)
-    r = sb_open.run([sb.python, "-c", _SYSCALLS, "clone", "unshare"])
-    assert r.ok and r.stdout.split("\n")[:2] == ["clone ok", "unshare ok"], r
+    # (unshare last: after it the process's uid is unmapped and may not nest namespaces)
+    r = sb_open.run([sb.python, "-c", _SYSCALLS, "clone", "clone3", "unshare"])
+    assert r.ok and r.stdout.split("\n")[:3] == ["clone ok", "clone3 ok", "unshare ok"], r
 
 
 def test_a_denied_system_call_can_end_the_command(mode, make):

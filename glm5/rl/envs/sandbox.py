@@ -249,8 +249,9 @@ class SandboxResult:
     command wrote; where that exceeded the cap, `*_truncated` is set and the text keeps the head
     and the tail around a line saying how many bytes were left out. `forks_refused` counts forks
     the process limit refused (None where it cannot be measured: no pids cgroup). `cpu_s` is
-    the CPU time of the command's processes in rlimits mode (None in bwrap mode: bwrap's
-    monitor does not reap the namespace's init, so the kernel's rusage misses the command)."""
+    the CPU time of the command and of the descendants it waited for, in rlimits mode (None
+    in bwrap mode: bwrap's monitor leaves its init unreaped, and the kernel's count with
+    it)."""
 
     returncode: int
     stdout: str
@@ -329,6 +330,10 @@ class _CgroupParent:
     path: Path | None
     version: int
     reason: str
+
+
+# A child for probes that needs nothing from PATH.
+_PROBE_CMD = [sys.executable, "-c", ""]
 
 
 def _is_root() -> bool:
@@ -533,7 +538,7 @@ def _pids_cgroup_parent() -> _CgroupParent:
     except OSError as e:
         return _CgroupParent(None, 0, f"cannot create a cgroup in {d}: {e}")
     try:
-        r = subprocess.run(["true"], preexec_fn=cg.join, stdin=subprocess.DEVNULL,
+        r = subprocess.run(_PROBE_CMD, preexec_fn=cg.join, stdin=subprocess.DEVNULL,
                            capture_output=True, timeout=10)
         if r.returncode != 0:
             return _CgroupParent(None, 0, f"a process moved into {cg.path} failed")
@@ -573,7 +578,7 @@ def _netns_probe() -> str:
         return "a network namespace needs root without bwrap"
     _libc()  # load it in the parent, so that children only call into it
     try:
-        r = subprocess.run(["true"], preexec_fn=_unshare_net, stdin=subprocess.DEVNULL,
+        r = subprocess.run(_PROBE_CMD, preexec_fn=_unshare_net, stdin=subprocess.DEVNULL,
                            capture_output=True, timeout=10)
     except (OSError, subprocess.SubprocessError) as e:
         return f"unshare(CLONE_NEWNET) failed: {e}"
@@ -605,11 +610,11 @@ class _PidsCgroup:
         except OSError:
             self.path.rmdir()
             raise
-        self._procs = str(self.path / "cgroup.procs")
+        self.procs_file = str(self.path / "cgroup.procs")
 
     def join(self) -> None:
         """Move the calling process in (used in the child between fork and exec)."""
-        fd = os.open(self._procs, os.O_WRONLY)
+        fd = os.open(self.procs_file, os.O_WRONLY)
         try:
             os.write(fd, str(os.getpid()).encode())
         finally:
@@ -628,7 +633,7 @@ class _PidsCgroup:
 
     def pids(self) -> list[int]:
         try:
-            return [int(p) for p in Path(self._procs).read_text().split()]
+            return [int(p) for p in Path(self.procs_file).read_text().split()]
         except (OSError, ValueError):
             return []
 
@@ -637,6 +642,7 @@ class _PidsCgroup:
         `timeout` seconds."""
         kill_file = self.path / "cgroup.kill"
         end = time.monotonic() + timeout
+        pause = 0.0001  # bwrap's init leaves within a millisecond: poll fast, then back off
         while True:
             pids = self.pids()
             if not pids:
@@ -653,7 +659,8 @@ class _PidsCgroup:
                     pass
             if time.monotonic() > end:
                 return False
-            time.sleep(0.005)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
 
     def remove(self) -> None:
         if not self.path.exists():
@@ -701,7 +708,8 @@ _BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
 class Sandbox:
     """One isolated session: a private work directory and `run()` for its commands (one at a
     time; concurrent calls wait for each other). Use as a context manager or call `close()`,
-    which kills anything left and removes the work directory.
+    which removes the work directory (no process outlives its command: `capabilities()`
+    "containment" says how).
 
     `workdir` is the work directory's host path (it is /work inside bwrap); `python` the
     running interpreter's path as commands see it (in bwrap mode with `python=False`, just
@@ -717,6 +725,8 @@ class Sandbox:
             raise _bad("Sandbox(root_dir)", "an existing directory or None", root_dir)
         self.config = config
         self.mode, self._bwrap, self._mode_note = _choose_mode(config.mode)
+        # Processes of ours that count against the limit: bwrap's monitor and init.
+        self._helpers = 2 if self.mode == "bwrap" else 0
         self._warnings: list[str] = []
         if self.mode == "rlimits":
             self._warnings.append(
@@ -764,32 +774,27 @@ class Sandbox:
             else:
                 self.python = "python3"
 
-        # the session directory, then its cgroup
-        self._session_dir = Path(tempfile.mkdtemp(prefix="glm5-sandbox-", dir=root_dir))
-        self.workdir = self._session_dir / "work"
-        self.workdir.mkdir()
-        self._cgroup: _PidsCgroup | None = None
+        # the process limit: a pids cgroup per command (bwrap's init, once the command is
+        # done, lingers as an orphan until the host's init reaps it; in a cgroup shared by
+        # the session's commands its charge would pile up), else RLIMIT_NPROC
+        self._cgroup_parent: _CgroupParent | None = None
         self._nproc_rlimit = False
-        self._finalizer = weakref.finalize(self, _cleanup, self._session_dir, None)
         if config.max_processes is not None:
             parent = _pids_cgroup_parent()
             if parent.path is not None:
-                # bwrap's monitor and the namespace's init are two processes of the cgroup.
-                extra = 2 if self.mode == "bwrap" else 0
-                try:
-                    self._cgroup = _PidsCgroup(parent.path, config.max_processes + extra)
-                    self._finalizer.detach()
-                    self._finalizer = weakref.finalize(self, _cleanup, self._session_dir,
-                                                       self._cgroup)
-                except OSError as e:
-                    parent = _CgroupParent(None, 0, f"cannot create a cgroup: {e}")
-            if self._cgroup is None:
+                self._cgroup_parent = parent
+            else:
                 self._nproc_rlimit = not _is_root()
                 if not self._nproc_rlimit:
                     self._warnings.append(
                         "max_processes not enforced: running as root and no writable pids "
                         f"cgroup ({parent.reason}); RLIMIT_NPROC does not apply to root")
-        self._cgroup_version = _pids_cgroup_parent().version if self._cgroup else 0
+
+        # the session directory
+        self._session_dir = Path(tempfile.mkdtemp(prefix="glm5-sandbox-", dir=root_dir))
+        self.workdir = self._session_dir / "work"
+        self.workdir.mkdir()
+        self._finalizer = weakref.finalize(self, _cleanup, self._session_dir)
 
         env = {"PATH": f"{py_bindir}:{_BASE_PATH}" if config.python else _BASE_PATH,
                "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -800,6 +805,7 @@ class Sandbox:
         env.update(config.env)
         self._env = env
         self._bwrap_args = self._build_bwrap_args(py_binds) if self.mode == "bwrap" else []
+        self._prlimit = shutil.which("prlimit") if self.mode == "bwrap" else None
         self._lock = threading.Lock()
         self._closed = False
         for w in self._warnings:
@@ -811,6 +817,8 @@ class Sandbox:
     def _build_bwrap_args(self, py_binds: list[tuple[str, str]]) -> list[str]:
         c = self.config
         assert self._bwrap is not None
+        # bwrap's own init stays PID 1 (it reaps orphans, and the command keeps ordinary
+        # signal semantics: the kernel spares a namespace's init SIGXCPU, SIGXFSZ, SIGPIPE).
         args = [self._bwrap.path or "bwrap", "--die-with-parent", "--new-session",
                 "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
                 "--hostname", "glm5-sandbox"]
@@ -828,24 +836,43 @@ class Sandbox:
                  "--remount-ro", "/"]
         return args
 
-    def _preexec(self) -> Callable[[], None]:
+    def _rlimits(self) -> list[tuple[str, int, int, int]]:
+        """(prlimit option, resource, soft, hard) of every limit a command starts under; no
+        core dumps ever (a dump of a crashed command lands in its work directory or in the
+        host's crash handler)."""
+        c = self.config
+        out = [("core", resource.RLIMIT_CORE, 0, 0)]
+        if c.cpu_seconds is not None:
+            out.append(("cpu", resource.RLIMIT_CPU, c.cpu_seconds, c.cpu_seconds + 1))
+        for opt, rlim, value in (("as", resource.RLIMIT_AS, c.memory_bytes),
+                                 ("fsize", resource.RLIMIT_FSIZE, c.file_size_bytes),
+                                 ("nofile", resource.RLIMIT_NOFILE, c.open_files)):
+            if value is not None:
+                out.append((opt, rlim, value, value))
+        if self._nproc_rlimit and c.max_processes is not None:
+            n = c.max_processes + self._helpers  # bwrap's monitor runs as the same user
+            out.append(("nproc", resource.RLIMIT_NPROC, n, n))
+        return out
+
+    def _launcher(self, cgroup: _PidsCgroup | None) -> list[str] | None:
+        """The argv prefix that sets a bwrap command up without forking this process:
+        /bin/sh writes its own pid into the cgroup, then execs prlimit, which sets the
+        rlimits and execs bwrap. A plain vfork then starts commands (fork + preexec_fn copies
+        the page tables of a large process: 20-30 ms with torch loaded). None where prlimit
+        is missing: then preexec_fn does the same."""
+        if self.mode != "bwrap" or self._prlimit is None:
+            return None
+        prefix = []
+        if cgroup is not None:
+            prefix = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', cgroup.procs_file]
+        return [*prefix, self._prlimit,
+                *(f"--{opt}={soft}:{hard}" for opt, _, soft, hard in self._rlimits()), "--"]
+
+    def _preexec(self, cgroup: _PidsCgroup | None) -> Callable[[], None]:
         """What the child does between fork and exec: join the cgroup, set the rlimits, and in
         rlimits mode leave the network and install the seccomp filter (bwrap does both
         itself)."""
-        c = self.config
-        limits: list[tuple[int, tuple[int, int]]] = [(resource.RLIMIT_CORE, (0, 0))]
-        if c.cpu_seconds is not None:
-            limits.append((resource.RLIMIT_CPU, (c.cpu_seconds, c.cpu_seconds + 1)))
-        for rlim, value in ((resource.RLIMIT_AS, c.memory_bytes),
-                            (resource.RLIMIT_FSIZE, c.file_size_bytes),
-                            (resource.RLIMIT_NOFILE, c.open_files)):
-            if value is not None:
-                limits.append((rlim, (value, value)))
-        if self._nproc_rlimit and c.max_processes is not None:
-            # bwrap's monitor and init count too: they run as the same user.
-            n = c.max_processes + (2 if self.mode == "bwrap" else 0)
-            limits.append((resource.RLIMIT_NPROC, (n, n)))
-        cgroup = self._cgroup
+        limits = [(rlim, (soft, hard)) for _, rlim, soft, hard in self._rlimits()]
         netns = self._netns and self.mode == "rlimits"
         fprog = self._fprog
         # Loaded here, not in the child: dlopen after fork can deadlock on the loader's lock.
@@ -876,8 +903,8 @@ class Sandbox:
         bw = self.mode == "bwrap"
         procs = None
         if c.max_processes is not None:
-            if self._cgroup is not None:
-                procs = f"cgroup v{self._cgroup_version} pids.max"
+            if self._cgroup_parent is not None:
+                procs = f"cgroup v{self._cgroup_parent.version} pids.max"
             elif self._nproc_rlimit:
                 procs = "RLIMIT_NPROC (counts all of the user's processes)"
         return {
@@ -890,6 +917,9 @@ class Sandbox:
             "filesystem_isolated": bw,
             "sessions_isolated": bw,
             "pid_namespace": bw,
+            # What is killed when a command ends or times out.
+            "containment": ("pid namespace" if bw else "cgroup" if self._cgroup_parent
+                            else "process group (a process that calls setsid() escapes)"),
             "limits": {
                 "cpu_seconds": "RLIMIT_CPU" if c.cpu_seconds is not None else None,
                 "memory_bytes": "RLIMIT_AS" if c.memory_bytes is not None else None,
@@ -898,7 +928,7 @@ class Sandbox:
                 "max_processes": procs,
                 "wall_seconds": ("SIGKILL to bwrap (the PID namespace dies)" if bw else
                                  "SIGKILL to the process group")
-                + (" and the cgroup" if self._cgroup is not None else ""),
+                + (" and the cgroup" if self._cgroup_parent is not None else ""),
             },
             "seccomp": self._seccomp is not None,
             "seccomp_action": c.seccomp_action if self._seccomp is not None else None,
@@ -951,25 +981,36 @@ class Sandbox:
                 pass_fds = (seccomp_fd,)
                 full += ["--seccomp", str(seccomp_fd)]
             full += ["--", *argv]
-        refused_before = self._cgroup.forks_refused() if self._cgroup else 0
         t0 = time.perf_counter()
+        cgroup = None
         try:
-            proc = subprocess.Popen(
-                full, stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                cwd=str(self.workdir) if self.mode == "rlimits" else None, env=self._env,
-                preexec_fn=self._preexec(), start_new_session=True, pass_fds=pass_fds)
-        except (OSError, subprocess.SubprocessError) as e:
-            code = 127 if isinstance(e, FileNotFoundError) else 126
-            return SandboxResult(code, "", str(e), time.perf_counter() - t0, "error",
-                                 detail=f"could not start the command: {e}")
+            if self._cgroup_parent is not None:
+                assert self._cgroup_parent.path is not None and c.max_processes is not None
+                cgroup = _PidsCgroup(self._cgroup_parent.path, c.max_processes + self._helpers)
+            launcher = self._launcher(cgroup)
+            if launcher is not None:
+                full = launcher + full
+            try:
+                proc = subprocess.Popen(
+                    full, stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    cwd=str(self.workdir) if self.mode == "rlimits" else None, env=self._env,
+                    preexec_fn=self._preexec(cgroup) if launcher is None else None,
+                    start_new_session=True, pass_fds=pass_fds)
+            except (OSError, subprocess.SubprocessError) as e:
+                code = 127 if isinstance(e, FileNotFoundError) else 126
+                return SandboxResult(code, "", str(e), time.perf_counter() - t0, "error",
+                                     detail=f"could not start the command: {e}")
+            finally:
+                if seccomp_fd is not None:
+                    os.close(seccomp_fd)
+            out, err, timed_out, status, rusage = _supervise(proc, data, timeout,
+                                                             c.output_bytes, cgroup)
+            wall = time.perf_counter() - t0
+            forks_refused = cgroup.forks_refused() if cgroup is not None else None
         finally:
-            if seccomp_fd is not None:
-                os.close(seccomp_fd)
-        out, err, timed_out, status, rusage = _supervise(proc, data, timeout, c.output_bytes,
-                                                         self._cgroup)
-        wall = time.perf_counter() - t0
-        forks_refused = (self._cgroup.forks_refused() - refused_before) if self._cgroup else None
+            if cgroup is not None:
+                cgroup.remove()
         cpu_s = None if self.mode == "bwrap" else rusage.ru_utime + rusage.ru_stime
         rc = os.waitstatus_to_exitcode(status)
         sig = -rc if rc < 0 else None
@@ -1033,7 +1074,8 @@ class Sandbox:
 
     # --------------------------------------------------------------------------- lifetime
     def close(self) -> None:
-        """Kill whatever the session left running and remove its work directory."""
+        """Remove the work directory (a command's processes never outlive it: see
+        `capabilities()["containment"]`); waits for a running command."""
         with self._lock:
             self._closed = True
             self._finalizer()
@@ -1052,10 +1094,7 @@ class Sandbox:
         return f"Sandbox(mode={self.mode!r}, workdir={str(self.workdir)!r})"
 
 
-def _cleanup(session_dir: Path, cgroup: _PidsCgroup | None) -> None:
-    if cgroup is not None:
-        cgroup.remove()
-
+def _cleanup(session_dir: Path) -> None:
     def make_writable(func: Callable[..., Any], path: str, exc: Any) -> None:
         # A command may leave directories without write permission (matters when not root).
         try:
@@ -1137,7 +1176,9 @@ def _supervise(proc: subprocess.Popen[bytes], data: bytes | None, timeout: float
                     proc.returncode = os.waitstatus_to_exitcode(status)
                     if cgroup is not None:
                         cgroup.kill_all()
-                    drain_until = time.monotonic() + 2.0
+                    # killed processes close their pipes at once; only an escaped one
+                    # (rlimits mode without a cgroup) would hold them longer
+                    drain_until = time.monotonic() + 0.5
                     if pidfd is not None:
                         sel.unregister(pidfd)
                         os.close(pidfd)
@@ -1198,8 +1239,8 @@ def _classify(*, timed_out: bool, rc: int, sig: int | None, cpu_s: float | None,
                            "of the command was killed")
     if sig is not None:
         name = signal.Signals(sig).name if sig in signal.valid_signals() else f"signal {sig}"
-        # The hard limit's SIGKILL (a program that survives SIGXCPU) is recognised where the
-        # CPU time is known.
+        # SIGKILL past the CPU limit: the hard limit, for a program that survives SIGXCPU
+        # (recognised where the CPU time is known).
         if sig == signal.SIGXCPU or (sig == signal.SIGKILL and config.cpu_seconds is not None
                                      and cpu_s is not None and cpu_s >= config.cpu_seconds):
             return "cpu_limit", f"the CPU limit of {config.cpu_seconds} s was reached ({name})"
