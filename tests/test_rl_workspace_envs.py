@@ -108,3 +108,30 @@ def test_workspace_episode_resumes_with_its_files(tmp_path):
         assert env2.turns == 1
     finally:
         env2.close()
+
+
+def test_links_planted_by_a_command_are_never_followed(tmp_path):
+    """A sandboxed command can make links to host paths; the env's own file access (tools,
+    checks, checkpoints) must not read or write through them."""
+    secret = tmp_path / "host_secret.txt"
+    secret.write_text("host data\n")
+    env = make_env("terminal")
+    try:
+        env.reset(0)
+        r = env.step(_call("shell", command=f"ln -s {secret} leak.txt && mkdir -p d && "
+                                              f"ln -s {tmp_path} d/up && ln -s {tmp_path} upd"))
+        assert json.loads(r.observation)[0]["result"]["exit"] == 0
+        for args in ({"path": "leak.txt"}, {"path": "upd/host_secret.txt"},
+                     {"path": "d/up/host_secret.txt"}):
+            obs = json.loads(env.step(_call("read_file", **args)).observation)[0]
+            assert "error" in obs and "host data" not in json.dumps(obs)
+        for path in ("leak.txt", "upd/new.txt", "d/up/host_secret.txt"):
+            obs = json.loads(env.step(_call("write_file", path=path,
+                                            content="pwned")).observation)[0]
+            assert "error" in obs, obs
+        assert secret.read_text() == "host data\n" and not (tmp_path / "new.txt").exists()
+        state = env.state_dict()
+        assert "host data" not in json.dumps(state) and "leak.txt" not in state["files"]
+        assert env.entries("upd") == [] and env.text("leak.txt") is None
+    finally:
+        env.close()

@@ -6,9 +6,11 @@ tasks checked by the state they leave). Every command of an episode runs in the 
 
 from __future__ import annotations
 
+import os
 import random
 import re
-from pathlib import Path
+import stat
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 from glm5.rl.envs.base import register_env
@@ -35,28 +37,52 @@ class WorkspaceEnv(ToolEnv):
         self.close()
         self.sandbox = Sandbox(self.sandbox_config)
 
-    def _path(self, path: str) -> Path:
+    @staticmethod
+    def _check_path(path: str) -> str:
         if not isinstance(path, str) or not path or path.startswith("/") or \
-                ".." in Path(path).parts:
+                any(p in ("..", ".") for p in PurePosixPath(path).parts):
             raise ToolError(f"path expected a relative path inside the work directory, got "
                             f"{path!r}")
-        return Path(self.sandbox.workdir) / path
+        return path
+
+    def text(self, path: str) -> str | None:
+        """The text of a regular file of the work directory, None when there is none. Links
+        are never followed: a sandboxed command may plant one pointing at a host file."""
+        try:
+            return self.sandbox.read_file(self._check_path(path),
+                                          limit=4 * MAX_FILE_CHARS).decode(errors="replace")
+        except (OSError, ValueError):
+            return None
+
+    def entries(self, path: str = "") -> list[str]:
+        """Names in a directory of the work directory (not followed through links)."""
+        d = Path(self.sandbox.workdir)
+        for part in PurePosixPath(self._check_path(path)).parts if path else ():
+            d = d / part
+            try:
+                if not stat.S_ISDIR(os.lstat(d).st_mode):
+                    return []
+            except OSError:
+                return []
+        return sorted(os.listdir(d))
 
     def read_file(self, path: str) -> str:
         """The text of a file of the work directory."""
-        p = self._path(path)
-        if not p.is_file():
-            raise ToolError(f"read_file: no file {path!r}")
-        return p.read_text(errors="replace")[:MAX_FILE_CHARS]
+        text = self.text(path)
+        if text is None:
+            raise ToolError(f"read_file: no regular file {path!r}")
+        return text[:MAX_FILE_CHARS]
 
     def write_file(self, path: str, content: str) -> str:
         """Replace (or create) a file of the work directory."""
-        p = self._path(path)
+        self._check_path(path)
         if not isinstance(content, str) or len(content) > MAX_FILE_CHARS:
             raise ToolError(f"write_file: content expected text of at most {MAX_FILE_CHARS} "
                             f"characters")
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(content)
+        try:
+            self.sandbox.write_file(path, content)
+        except (OSError, ValueError) as e:
+            raise ToolError(f"write_file: cannot write {path!r}: {e}") from None
         return f"wrote {len(content)} characters to {path}"
 
     def shell(self, command: str) -> dict[str, Any]:
@@ -73,17 +99,23 @@ class WorkspaceEnv(ToolEnv):
             self.sandbox = None
 
     def state_dict(self) -> dict[str, Any]:
-        files = {str(p.relative_to(self.sandbox.workdir)): p.read_text(errors="replace")
-                 for p in Path(self.sandbox.workdir).rglob("*") if p.is_file()
-                 and "__pycache__" not in p.parts and ".pytest_cache" not in p.parts}
+        """The episode's counters and the work directory's regular files (links and special
+        files are not state: they are never followed)."""
+        files: dict[str, str] = {}
+        root = str(self.sandbox.workdir)
+        for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+            dirnames[:] = [d for d in dirnames if d not in ("__pycache__", ".pytest_cache")]
+            for name in filenames:
+                rel = os.path.relpath(os.path.join(dirpath, name), root)
+                text = self.text(rel)
+                if text is not None:
+                    files[rel] = text
         return {"seed": self.seed, "turns": self.turns, "done": self.done, "files": files}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reset(int(state["seed"]))
         for rel, text in state["files"].items():
-            p = self._path(rel)
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(text)
+            self.sandbox.write_file(self._check_path(rel), text)
         self.turns, self.done = int(state["turns"]), bool(state["done"])
 
 
@@ -127,11 +159,10 @@ class CodeFixEnv(WorkspaceEnv):
         self._new_sandbox()
         self.seed, self.turns, self.done = seed, 0, False
         self.module, buggy, _, tests = BUGS[random.Random(seed).randrange(len(BUGS))]
-        wd = Path(self.sandbox.workdir)
-        (wd / f"{self.module}.py").write_text(buggy)
-        (wd / "tests").mkdir()
-        (wd / "tests" / f"test_{self.module}.py").write_text(tests)
-        (wd / "pyproject.toml").write_text("[tool.pytest.ini_options]\npythonpath = ['.']\n")
+        self.sandbox.write_file(f"{self.module}.py", buggy)
+        self.sandbox.write_file(f"tests/test_{self.module}.py", tests)
+        self.sandbox.write_file("pyproject.toml",
+                                "[tool.pytest.ini_options]\npythonpath = ['.']\n")
         return (f"The tests in tests/ fail: fix {self.module}.py. Tools: read_file(path), "
                 f"write_file(path, content), run_tests(), shell(command). Reply without a tool "
                 f"call when done.")
@@ -149,8 +180,7 @@ class CodeFixEnv(WorkspaceEnv):
                 "reason": r.reason, "output": r.stdout[-2000:]}
 
     def check_answer(self, answer: str) -> tuple[float, dict[str, Any]]:
-        src = (Path(self.sandbox.workdir) / f"{self.module}.py")
-        syntax = syntax_check(src.read_text() if src.is_file() else "", f"{self.module}.py")
+        syntax = syntax_check(self.text(f"{self.module}.py") or "", f"{self.module}.py")
         t = self.run_tests()
         total = t["passed"] + t["failed"] + t["errors"]
         reward = t["passed"] / total if total and syntax.ok else 0.0
@@ -158,29 +188,31 @@ class CodeFixEnv(WorkspaceEnv):
 
 
 # ------------------------------------------------------------------ terminal
-def _task_mkdir(rng: random.Random) -> tuple[str, Callable[[Path], bool], dict[str, str]]:
+# a task: (instruction, check(env) -> bool reading the work directory through the env's
+# link-safe `text` / `entries`, files to start with)
+TerminalTask = tuple[str, Callable[["WorkspaceEnv"], bool], dict[str, str]]
+
+
+def _task_mkdir(rng: random.Random) -> TerminalTask:
     name, word = f"out{rng.randint(1, 99)}", rng.choice(["hello", "world", "glm5"])
     return (f"Create a directory {name} holding a file a.txt whose content is exactly "
             f"'{word}' followed by a newline.",
-            lambda wd: (wd / name / "a.txt").is_file()
-            and (wd / name / "a.txt").read_text() == word + "\n", {})
+            lambda env: env.text(f"{name}/a.txt") == word + "\n", {})
 
 
-def _task_count(rng: random.Random) -> tuple[str, Callable[[Path], bool], dict[str, str]]:
+def _task_count(rng: random.Random) -> TerminalTask:
     n = rng.randint(3, 40)
     lines = "".join(f"row {i}\n" for i in range(n))
     return ("Write the number of lines of data.txt, and nothing else, to count.txt.",
-            lambda wd: (wd / "count.txt").is_file()
-            and (wd / "count.txt").read_text().strip() == str(n), {"data.txt": lines})
+            lambda env: (env.text("count.txt") or "").strip() == str(n), {"data.txt": lines})
 
 
-def _task_rename(rng: random.Random) -> tuple[str, Callable[[Path], bool], dict[str, str]]:
+def _task_rename(rng: random.Random) -> TerminalTask:
     names = [f"f{i}" for i in range(rng.randint(2, 5))]
     files = {f"logs/{n}.log": n for n in names}
     return ("Rename every .log file in logs/ to the same name ending in .txt.",
-            lambda wd: all((wd / "logs" / f"{n}.txt").read_text() == n
-                           if (wd / "logs" / f"{n}.txt").is_file() else False for n in names)
-            and not list((wd / "logs").glob("*.log")), files)
+            lambda env: all(env.text(f"logs/{n}.txt") == n for n in names)
+            and not [e for e in env.entries("logs") if e.endswith(".log")], files)
 
 
 TERMINAL_TASKS = (_task_mkdir, _task_count, _task_rename)
@@ -196,7 +228,7 @@ class TerminalEnv(WorkspaceEnv):
         super().__init__(max_turns, sandbox_config)
         self.tools = {"shell": self.shell, "read_file": self.read_file,
                       "write_file": self.write_file}
-        self._check: Callable[[Path], bool] = lambda wd: False
+        self._check: Callable[[WorkspaceEnv], bool] = lambda env: False
 
     def reset(self, seed: int) -> str:
         self._new_sandbox()
@@ -204,13 +236,11 @@ class TerminalEnv(WorkspaceEnv):
         rng = random.Random(seed)
         task, self._check, files = TERMINAL_TASKS[rng.randrange(len(TERMINAL_TASKS))](rng)
         for rel, text in files.items():
-            p = Path(self.sandbox.workdir) / rel
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(text)
+            self.sandbox.write_file(rel, text)
         return f"{task} Tools: shell(command), read_file(path), write_file(path, content)."
 
     def check_answer(self, answer: str) -> tuple[float, dict[str, Any]]:
-        ok = bool(self._check(Path(self.sandbox.workdir)))
+        ok = bool(self._check(self))
         return float(ok), {"state_ok": ok}
 
 
