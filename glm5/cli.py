@@ -1,5 +1,5 @@
 """`glm5` command line: backends | ops | parity | bench | info | plan | quantize | export |
-serve | rl.
+serve | rl | doctor.
 
 Errors (the framework in `main`): every error a user can cause prints one line on stderr,
 ``glm5 <command>: what is wrong, what was expected``, and no traceback unless ``--debug`` is
@@ -673,6 +673,18 @@ def cmd_rl_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- doctor
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from glm5.doctor import doctor_report, format_report
+
+    report = doctor_report(backend_rows(), plugin_rows(False))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report, _fmt))
+    return 1 if args.strict and report["warnings"] else 0
+
+
 # --------------------------------------------------------------------------- main
 _WIDE = False  # --wide: tables print their last column whole (set by `main`)
 _MIN_LAST = 24  # the last column is never cut narrower than this
@@ -917,6 +929,12 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(func=cmd_rl_plot)
     for command in rl_sub.choices.values():  # --debug / --wide after the subcommand too
         _add_global_options(command, suppress=True)
+
+    dr = sub.add_parser("doctor", help="what this machine can do for glm5: Python, torch, CPU "
+                        "features, backends, optional dependencies, the RL sandbox; warnings")
+    dr.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    dr.add_argument("--strict", action="store_true", help="exit 1 when there is any warning")
+    dr.set_defaults(func=cmd_doctor)
 
     for command in sub.choices.values():  # every command takes the global options after it too
         _add_global_options(command, suppress=True)

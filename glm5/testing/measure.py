@@ -124,6 +124,23 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_model() -> str:
+    """This CPU's model name (Linux /proc/cpuinfo: x86 "model name", Arm "Model name" or
+    "Hardware", other "cpu model"), else what `platform` knows (often just the architecture)."""
+    import platform
+
+    keys = ("model name", "cpu model", "hardware")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip().lower() in keys and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def cpu_features() -> dict[str, Any]:
     """What torch can use on this CPU: the relevant /proc/cpuinfo flags, torch's own runtime
     checks (oneDNN bf16, AMX, AVX-512 BF16, VNNI), its vector ISA and thread count."""

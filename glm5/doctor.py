@@ -1,0 +1,256 @@
+"""`glm5 doctor`: what this machine can do for glm5, section by section — Python, torch, the CPU
+and its features, the backends and whether each is usable here, the optional dependencies, and
+the RL sandbox (bwrap or the weaker rlimits mode) — with warnings that say what is missing and
+how to fix it.
+
+Nothing optional is imported to report it: packages are found with `importlib.util.find_spec`
+and their versions read from their installed metadata. (Backend availability is each backend's
+own detection, the same `glm5 backends` shows.)
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import platform
+import sys
+from typing import Any, Sequence
+
+# (module, distributions that may provide it, what glm5 uses it for)
+OPTIONAL_DEPS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("triton", ("triton",), "Triton kernels (cuda, hygon, ascend backends; --emulate)"),
+    ("tvm", ("apache-tvm", "tvm"), "TVM kernels (glm5[tvm])"),
+    ("transformers", ("transformers",), "parity tests against transformers"),
+    ("ray", ("ray",), "`glm5 rl train --ray`"),
+    ("redis", ("redis",), "the Redis experience pool (glm5.rl.pool)"),
+    ("tokenizers", ("tokenizers",), "text in / out: `glm5 serve`, glm5.LLM, chat"),
+    ("fastapi", ("fastapi",), "`glm5 serve`"),
+)
+
+#: What to do when the sandbox has to run in the weaker rlimits mode.
+FIX_NO_BWRAP = ("install bubblewrap (`apt-get install bubblewrap`; `dnf install bubblewrap` on "
+                "Fedora/RHEL), then rerun `glm5 doctor`")
+FIX_BWRAP_REFUSED = (
+    "bwrap is installed but cannot create its namespaces here: enable unprivileged user "
+    "namespaces (`sysctl -w kernel.unprivileged_userns_clone=1` where that sysctl exists, "
+    "`sysctl -w user.max_user_namespaces=15000`, and on Ubuntu 24.04+ `sysctl -w "
+    "kernel.apparmor_restrict_unprivileged_userns=0`), or run this container with namespaces "
+    "allowed (e.g. docker run --security-opt seccomp=unconfined --security-opt "
+    "apparmor=unconfined)")
+
+
+def python_info() -> dict[str, Any]:
+    return {"version": platform.python_version(),
+            "implementation": platform.python_implementation(),
+            "executable": sys.executable, "platform": platform.platform()}
+
+
+def torch_info() -> dict[str, Any]:
+    """torch's version and build: "CUDA <v>", "ROCm <v>" or "CPU", and the devices it sees."""
+    import torch
+
+    cuda, hip = torch.version.cuda, getattr(torch.version, "hip", None)
+    build = f"ROCm {hip}" if hip else f"CUDA {cuda}" if cuda else "CPU"
+    available = bool(torch.cuda.is_available())
+    names = []
+    if available:
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"version": torch.__version__, "build": build, "cuda": cuda, "hip": hip,
+            "cuda_available": available, "devices": names,
+            "debug": bool(getattr(torch.version, "debug", False))}
+
+
+def cpu_info() -> dict[str, Any]:
+    """The CPU model, core counts, torch's thread count and the features detected at run time
+    (`glm5.testing.measure.cpu_features`: /proc/cpuinfo flags and torch's own checks)."""
+    from glm5.testing.measure import cpu_features, cpu_model
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    feats = cpu_features()
+    return {"model": cpu_model(), "architecture": platform.machine(), "cores": os.cpu_count(),
+            "usable_cores": usable, "torch_threads": feats["threads"], "features": feats}
+
+
+def optional_deps() -> list[dict[str, Any]]:
+    """Each optional dependency: found or not, its installed version — without importing it."""
+    rows = []
+    for module, dists, used_for in OPTIONAL_DEPS:
+        try:
+            found = importlib.util.find_spec(module) is not None
+            problem = None
+        except (ImportError, ValueError) as e:  # a broken parent package, a bad __spec__
+            found, problem = False, f"{type(e).__name__}: {e}"
+        version = None
+        if found:
+            for dist in dists:
+                try:
+                    version = importlib.metadata.version(dist)
+                    break
+                except importlib.metadata.PackageNotFoundError:
+                    continue
+        rows.append({"name": module, "installed": found, "version": version,
+                     "used_for": used_for, "problem": problem})
+    return rows
+
+
+def _weaker_mode_warning(sb: dict[str, Any]) -> dict[str, str]:
+    enforced, bw = sb["enforced"], sb["bwrap"]
+    who = "root" if sb["root"] else "the calling user"
+    missing = [f"no mount namespace: the whole host filesystem is visible and writable (as "
+               f"{who}), the system included",
+               "another session's files are readable",
+               "no PID, IPC, UTS or user namespaces: host processes are visible"]
+    if not enforced["network_isolated"]:
+        missing.append("no network namespace: commands reach the host's network")
+    why = bw["problem"] or enforced.get("mode_note") or "bwrap not used"
+    return {"source": "sandbox",
+            "message": (f"the RL sandbox runs in the weaker rlimits mode ({why}): "
+                        + "; ".join(missing) + ". Do not run untrusted code this way."),
+            "fix": FIX_NO_BWRAP if bw["path"] is None else FIX_BWRAP_REFUSED}
+
+
+def _sandbox_warning_fix(text: str, sb: dict[str, Any]) -> str | None:
+    """A fix for one of the sandbox's own warnings (matched on the start of its message)."""
+    if text.startswith("no seccomp filter") and not sb["libseccomp"]["loaded"]:
+        return "install libseccomp (`apt-get install libseccomp2`)"
+    if text.startswith("network not isolated"):
+        return FIX_NO_BWRAP if sb["bwrap"]["path"] is None else FIX_BWRAP_REFUSED
+    if text.startswith("max_processes not enforced"):
+        return ("give this process a writable pids cgroup (cgroup v1 `pids`, or v2 with "
+                "`pids` in cgroup.subtree_control), or run as a non-root user")
+    return None
+
+
+def sandbox_section() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(`glm5.rl.envs.sandbox.sandbox_report()` or the error that stopped it, warnings)."""
+    from glm5.rl.envs.sandbox import log as sandbox_log, sandbox_report
+
+    # The sandbox logs its warnings once per process; doctor prints them itself, with fixes.
+    level = sandbox_log.level
+    sandbox_log.setLevel(logging.ERROR)
+    try:
+        sb = sandbox_report()
+    except Exception as e:  # doctor reports what is broken; it does not stop at it
+        msg = f"the sandbox could not be set up: {type(e).__name__}: {e}"
+        return {"error": msg}, [{"source": "sandbox", "message": msg, "fix": None}]
+    finally:
+        sandbox_log.setLevel(level)
+    warnings = []
+    weaker = sb["mode"] == "rlimits"
+    if weaker:
+        warnings.append(_weaker_mode_warning(sb))
+    for w in sb["warnings"]:
+        if weaker and w.startswith("rlimits mode"):
+            continue  # the weaker-mode warning above says this and more, with the fix
+        warnings.append({"source": "sandbox", "message": w,
+                         "fix": _sandbox_warning_fix(w, sb)})
+    return sb, warnings
+
+
+def doctor_report(backends: Sequence[dict[str, Any]],
+                  plugins: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The whole report as JSON values. ``backends`` / ``plugins``: the rows `glm5 backends`
+    shows (`glm5.cli.backend_rows`, `plugin_rows`)."""
+    sb, warnings = sandbox_section()
+    for p in plugins:
+        if p["status"] in ("failed", "refused"):
+            warnings.append({"source": "backends",
+                             "message": f"plugin {p['name']} ({p['source']}) {p['status']}: "
+                                        f"{p['message']}",
+                             "fix": "see `glm5 backends --diagnose`"})
+    return {
+        "python": python_info(), "torch": torch_info(), "cpu": cpu_info(),
+        "backends": [{k: b[k] for k in ("name", "vendor", "device_type", "available", "reason",
+                                        "priority", "source")} for b in backends],
+        "plugins": [{k: p[k] for k in ("name", "source", "status", "message")}
+                    for p in plugins],
+        "optional": optional_deps(), "sandbox": sb, "warnings": warnings,
+    }
+
+
+def _yes(v: Any) -> str:
+    return "yes" if v else "no" if v is not None else "unknown"
+
+
+def format_report(r: dict[str, Any], table: Any) -> str:
+    """The report as text, one section per heading; ``table(rows)`` formats a table (the
+    CLI's `_fmt`)."""
+    out: list[str] = ["glm5 doctor: what this machine can do for glm5", ""]
+
+    def kv(key: str, value: Any) -> None:
+        out.append(f"  {key:<13}{value}")
+
+    py, t, c = r["python"], r["torch"], r["cpu"]
+    out.append("Python")
+    kv("version", f"{py['version']} ({py['implementation']}) {py['executable']}")
+    kv("platform", py["platform"])
+    out.append("Torch")
+    kv("version", t["version"])
+    kv("build", t["build"])
+    kv("devices", ", ".join(t["devices"]) if t["devices"] else
+       "none (torch.cuda.is_available() is False)")
+    out.append("CPU")
+    f = c["features"]
+    kv("model", f"{c['model']} ({c['architecture']})")
+    kv("cores", f"{c['cores']} ({c['usable_cores']} usable by this process); torch threads "
+                f"{c['torch_threads']}")
+    kv("flags", " ".join(f["flags"]) or "none of those torch's fast paths use")
+    kv("torch ISA", f"{f['torch_isa']}; MKL {_yes(f['mkl'])}; oneDNN {_yes(f['onednn'])}, "
+                    f"bf16 {_yes(f['onednn_bf16'])}; AMX {_yes(f['amx'])}; AVX-512 BF16 "
+                    f"{_yes(f['avx512_bf16'])}; VNNI {_yes(f['vnni'])}")
+
+    out += ["", "Backends"]
+    rows = [("backend", "device", "usable", "priority", "source", "reason")]
+    rows += [(b["name"], b["device_type"], "yes" if b["available"] else "no", str(b["priority"]),
+              b["source"], b["reason"]) for b in r["backends"]]
+    out += ["  " + ln for ln in table(rows).split("\n")]
+
+    out += ["", "Optional dependencies (found without importing them)"]
+    rows = [("package", "version", "used for")]
+    rows += [(d["name"], (d["version"] or "installed") if d["installed"] else
+              "missing" + (f" ({d['problem']})" if d["problem"] else ""), d["used_for"])
+             for d in r["optional"]]
+    out += ["  " + ln for ln in table(rows).split("\n")]
+
+    out += ["", "RL sandbox (glm5.rl.envs.sandbox)"]
+    sb = r["sandbox"]
+    if "error" in sb:
+        kv("error", sb["error"])
+    else:
+        e, bw, lib, cg = sb["enforced"], sb["bwrap"], sb["libseccomp"], sb["pids_cgroup"]
+        kv("mode", "bwrap (namespaces, read-only system)" if sb["mode"] == "bwrap" else
+           "rlimits (WEAKER: no filesystem or process isolation)")
+        if bw["works"]:
+            kv("bwrap", f"{bw['path']}: {bw['version']}, works; user namespace "
+                        f"{_yes(bw['user_namespace'])}")
+        else:
+            kv("bwrap", f"not usable: {bw['problem']}")
+        kv("libseccomp", f"{lib['version']}, loaded" if lib["loaded"] else
+           f"not loaded: {lib['problem']}")
+        kv("seccomp", f"on ({e['seccomp_action']}): {len(e['seccomp_denied'])} system calls "
+                      f"denied" if e["seccomp"] else f"off: {e['seccomp_error']}")
+        kv("pids cgroup", f"{cg['path']} (v{cg['version']})" if cg["path"] else
+           f"none: {cg['problem']}")
+        kv("network", "own namespace (loopback only)" if e["network_isolated"] else
+           "HOST NETWORK shared with commands")
+        kv("isolation", f"filesystem {_yes(e['filesystem_isolated'])}, sessions "
+                        f"{_yes(e['sessions_isolated'])}, PID namespace "
+                        f"{_yes(e['pid_namespace'])}; a command's end kills: "
+                        f"{e['containment']}")
+        for i, (k, v) in enumerate(e["limits"].items()):
+            kv("limits" if i == 0 else "", f"{k}: {v or 'NOT ENFORCED'}")
+        kv("running as", "root" if sb["root"] else "a non-root user")
+
+    out += ["", "Warnings"]
+    if not r["warnings"]:
+        out.append("  none")
+    for w in r["warnings"]:
+        out.append(f"  WARNING ({w['source']}): {w['message']}")
+        if w["fix"]:
+            out.append(f"    fix: {w['fix']}")
+    return "\n".join(out)
