@@ -30,6 +30,11 @@ class ModelConfig:
     backend: str | None = None  # the op backend of trainer and rollout engines (None: default)
     dtype: str = "float32"
     init_seed: int = 0
+    # the tokenizer of environment tasks (text in, text out): a model directory holding
+    # tokenizer.json (the checkpoint's own when None and path is set), or "toy": a small GLM-style
+    # byte-level BPE trained for the run (glm5.rl.envs.dialogue.toy_tokenizer; needs
+    # vocab_size >= 273)
+    tokenizer: str | None = None
 
 
 @dataclass
@@ -51,6 +56,14 @@ class RolloutConfig:
     transport: str = "inprocess"  # "inprocess" | "http"
     urls: list[str] = field(default_factory=list)  # engine servers when transport == "http"
     in_flight_groups: int = 16  # groups queued per worker (async); bounds the off-policy lag
+    # environment tasks (multi-turn episodes; max_tokens is then the limit of one turn)
+    max_turns: int = 8  # turns per episode (an environment may end it sooner)
+    max_episode_tokens: int = 512  # sampled + environment tokens after the first prompt
+    max_prompt_tokens: int = 1024  # the first prompt (chat template, tools, observation)
+    max_observation_tokens: int = 256  # a longer environment answer is cut, and says so
+    episode_timeout_s: float = 300.0
+    env_threads: int = 4  # environment steps run beside the engine in this many threads
+    thinking: bool = False  # the generation prompt opens <think> (else <think></think>)
 
 
 @dataclass
@@ -188,7 +201,9 @@ _POSITIVE = ("rollout.num_workers", "rollout.group_size", "rollout.groups_per_st
              "rollout.max_tokens", "rollout.max_num_seqs", "rollout.in_flight_groups",
              "trainer.micro_batch_size", "trainer.ppo_epochs", "sync.interval",
              "pool.memory_capacity", "pool.decay_period_s", "sampler.window",
-             "run.steps", "rollout.temperature", "trainer.tis_cap", "pool.min_task_types")
+             "run.steps", "rollout.temperature", "trainer.tis_cap", "pool.min_task_types",
+             "rollout.max_turns", "rollout.max_episode_tokens", "rollout.max_prompt_tokens",
+             "rollout.episode_timeout_s", "rollout.env_threads")
 _NONNEG = ("trainer.lr", "trainer.muon_lr", "trainer.weight_decay", "trainer.grad_clip",
            "trainer.kl_coef", "trainer.clip_high", "trainer.min_lr_ratio", "sync.max_staleness", "pool.priority_eps",
            "sampler.floor", "run.checkpoint_every", "trainer.distill.weight",
@@ -260,6 +275,24 @@ def _validate(c: RLConfig) -> None:
                             f"index_topk)")
     if not c.reward.components:
         raise RLConfigError("glm5 rl config: reward.components expected at least one component")
+    if c.rollout.max_observation_tokens < 8:
+        raise RLConfigError(f"glm5 rl config: rollout.max_observation_tokens expected a value "
+                            f">= 8, got {c.rollout.max_observation_tokens}")
+    from glm5.rl.episodes import is_env_task
+
+    envs = [t.name for t in c.tasks if is_env_task(t.name)]
+    if envs:
+        if c.model.tokenizer is None and c.model.path is None:
+            raise RLConfigError(f"glm5 rl config: model.tokenizer is required with environment "
+                                f"tasks ({envs[0]!r} is one): a tokenizer directory or 'toy'")
+        if c.rollout.transport == "http":
+            raise RLConfigError(f"glm5 rl config: environment tasks ({envs[0]!r}) run on "
+                                f"in-process or Ray rollout workers; rollout.transport: http "
+                                f"serves single-turn tasks only")
+        if c.rollout.max_tokens >= c.rollout.max_episode_tokens:
+            raise RLConfigError(f"glm5 rl config: rollout.max_tokens (one turn) expected less "
+                                f"than rollout.max_episode_tokens, got {c.rollout.max_tokens} >= "
+                                f"{c.rollout.max_episode_tokens}")
 
 
 def _build(cls: type, d: Any, where: str) -> Any:

@@ -76,7 +76,16 @@ class RLRun:
         self.out = Path(out_dir or cfg.run.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.use_ray = cfg.run.ray if use_ray is None else use_ray
-        self.tasks = {t.name: make_task(t.name, t.params) for t in cfg.tasks}
+        from glm5.rl.episodes import (EnvTask, env_task_names, episode_limits, load_dialogue,
+                                      resolve_tokenizer)
+
+        envs = env_task_names(cfg)
+        if envs:
+            cfg = self.cfg = RLConfig.from_dict(copy_config(cfg))  # the caller's stays as given
+            resolve_tokenizer(cfg, self.out)
+            dialogue, limits = load_dialogue(cfg), episode_limits(cfg)
+        self.tasks = {t.name: EnvTask(t.name, t.params, dialogue, limits) if t.name in envs
+                      else make_task(t.name, t.params) for t in cfg.tasks}
         if len(self.tasks) != len(cfg.tasks):
             raise ValueError("glm5 rl: tasks lists a task type twice")
         self.reward = CompositeReward(cfg.reward.components)

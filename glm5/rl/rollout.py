@@ -81,9 +81,12 @@ class RolloutWorker:
     finishes, not per group) and `failed` collects (group, member, error) of requests the
     engine failed, for the orchestrator to re-queue."""
 
-    def __init__(self, engine: LLMEngine, worker_id: str = "w0", receiver: Any = None) -> None:
+    def __init__(self, engine: LLMEngine, worker_id: str = "w0", receiver: Any = None,
+                 episodes: Any = None) -> None:
         self.engine, self.worker_id = engine, worker_id
         self.receiver = receiver  # a glm5.rl.weight_sync.WeightReceiver over engine.model
+        # a glm5.rl.episodes.EpisodePlayer over the same engine: plays environment groups
+        self.episodes = episodes
         self._groups: dict[str, PromptGroup] = {}
         self._open: dict[str, tuple[str, int]] = {}  # request id -> (group id, member)
         self.failed: list[tuple[PromptGroup, int, str]] = []
@@ -99,6 +102,17 @@ class RolloutWorker:
             raise ValueError(f"glm5 rl RolloutWorker.submit: member {busy[0]} of group "
                              f"{group.group_id!r} is already in flight on worker "
                              f"{self.worker_id}")
+        if "env" in group.meta:
+            if self.episodes is None:
+                raise ValueError(f"glm5 rl RolloutWorker.submit: group {group.group_id!r} is an "
+                                 f"environment episode ({group.meta['env']!r}) and worker "
+                                 f"{self.worker_id} has no episode player (no tokenizer)")
+            for m in group.pending:
+                try:
+                    self.episodes.start(group, m)
+                except Exception as e:  # noqa: BLE001 - reported; the orchestrator re-queues
+                    self.failed.append((group, m, f"{type(e).__name__}: {e}"))
+            return
         # a re-queued member may join the rest of its group still running here
         self._groups.setdefault(group.group_id, group)
         for m in group.pending:
@@ -107,20 +121,37 @@ class RolloutWorker:
             self._open[rid] = (group.group_id, m)
 
     def num_open(self) -> int:
-        """Requests submitted and not finished."""
-        return len(self._open)
+        """Requests (and environment episodes) submitted and not finished."""
+        return len(self._open) + (self.episodes.num_open() if self.episodes else 0)
 
     def in_flight(self) -> list[PromptGroup]:
         """The groups with unfinished members, each with ``pending`` = those members."""
         out: dict[str, list[int]] = {}
+        groups = dict(self._groups)
         for gid, m in self._open.values():
             out.setdefault(gid, []).append(m)
-        return [PromptGroup(**{**self._groups[g].to_dict(), "pending": sorted(ms)})
+        for g, m in self.episodes.open_members() if self.episodes else ():
+            groups[g.group_id] = g
+            out.setdefault(g.group_id, []).append(m)
+        return [PromptGroup(**{**groups[g].to_dict(), "pending": sorted(ms)})
                 for g, ms in out.items()]
 
     def step(self) -> list[Trajectory]:
         done: list[Trajectory] = []
-        for o in self.engine.step():
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        if self.episodes is not None:
+            for o in outputs:
+                if o.finished and self.episodes.owns(o.request_id):
+                    self.episodes.on_output(o)
+            # nothing for the engine to do: wait a moment for an environment step instead of
+            # spinning
+            finished = self.episodes.poll(wait=not self.engine.has_unfinished())
+            for t in finished:
+                self.tokens_generated += sum(t.mask)
+            done += finished
+            self.failed += self.episodes.failed
+            self.episodes.failed = []
+        for o in outputs:
             if not o.finished or o.request_id not in self._open:
                 continue
             gid, m = self._open.pop(o.request_id)
@@ -151,6 +182,8 @@ class RolloutWorker:
         groups = self.in_flight()
         for rid in list(self._open):
             self.engine.abort(rid)
+        if self.episodes is not None:
+            self.episodes.abort_all()
         self._open.clear()
         self._groups.clear()
         self.engine.step()  # frees the aborted requests' pages

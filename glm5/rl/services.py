@@ -41,8 +41,12 @@ def build_policy(mc: ModelConfig) -> GLM5ForCausalLM:
 
 
 def engine_config(cfg: RLConfig) -> EngineConfig:
+    from glm5.rl.episodes import env_task_names
+
     rc = cfg.rollout
-    longest = rc.max_tokens + 256  # prompts of the registered tasks are short
+    longest = rc.max_tokens + 256  # prompts of the digit tasks are short
+    if env_task_names(cfg):
+        longest = max(longest, rc.max_prompt_tokens + rc.max_episode_tokens)
     pages = max(rc.max_num_seqs * rc.in_flight_groups // 8, 64) * (-(-longest // 16))
     return EngineConfig(max_num_seqs=rc.max_num_seqs, page_size=16, num_pages=pages,
                         enable_prefix_cache=True, seed=cfg.run.seed)
@@ -68,7 +72,17 @@ class WorkerService:
         up = WeightUpdate.from_bytes(full_update)
         receiver.apply(up)
         engine.set_weights_version(receiver.version)
-        self.worker = RolloutWorker(engine, worker_id, receiver)
+        from glm5.rl.episodes import EpisodePlayer, env_task_names, episode_limits, load_dialogue
+
+        player = None
+        if env_task_names(cfg):
+            player = EpisodePlayer(engine, load_dialogue(cfg), episode_limits(cfg))
+        self.worker = RolloutWorker(engine, worker_id, receiver, episodes=player)
+
+    def close(self) -> None:
+        """Stop the worker's episodes (their environments and sandboxes are closed)."""
+        if self.worker.episodes is not None:
+            self.worker.episodes.close()
 
     def submit(self, group) -> None:
         self.worker.submit(group)

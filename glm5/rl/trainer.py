@@ -69,12 +69,13 @@ def pack(trajs: Sequence[Trajectory], weights: Sequence[float] | None = None,
         seq = t.prompt_ids + t.completion_ids
         ids[b, :len(seq) - 1] = torch.tensor(seq[:-1])
         P = len(t.prompt_ids)
-        for j, tok in enumerate(t.completion_ids):
+        sampled = t.sampled  # tokens the environment inserted are context, not trained on
+        for j in sampled:
             rows.append(b * ids.shape[1] + P + j - 1)
-            tg.append(tok)
-        rl += t.logprobs
-        adv += [t.advantage * weights[b]] * len(t.completion_ids)
-        own += [b] * len(t.completion_ids)
+            tg.append(t.completion_ids[j])
+            rl.append(t.logprobs[j])
+        adv += [t.advantage * weights[b]] * len(sampled)
+        own += [b] * len(sampled)
     f = torch.float32
     return PackedBatch(ids.to(device), torch.tensor(rows, dtype=torch.long, device=device),
                        torch.tensor(tg, dtype=torch.int32, device=device),

@@ -22,6 +22,12 @@ class Trajectory:
     completion_ids[i] (log_softmax(logits / temperature)); versions[i]: the weight version the
     engine held when it sampled completion_ids[i]. reward / advantage are filled when the
     group is complete (advantage by `grpo_advantages` over the group).
+
+    mask: in a multi-turn episode the completion interleaves the policy's turns with what the
+    environment inserted (tool results, feedback, the next turn's role tokens); mask[i] is 1
+    where the policy sampled completion_ids[i] (trained on) and 0 where the environment wrote
+    it (context only; its logprob is 0.0 and its version the previous token's). Empty: every
+    token was sampled (a single-turn completion).
     """
 
     traj_id: str
@@ -38,6 +44,7 @@ class Trajectory:
     temperature: float = 1.0
     created: float = field(default_factory=time.time)  # wall clock (seconds since the epoch)
     meta: dict[str, Any] = field(default_factory=dict)  # the task instance (JSON values)
+    mask: list[int] = field(default_factory=list)  # 1: sampled by the policy; empty: all
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -45,6 +52,10 @@ class Trajectory:
             raise ValueError(
                 f"glm5 rl Trajectory {self.traj_id!r}: completion_ids, logprobs and versions "
                 f"expected the same length, got {n}, {len(self.logprobs)}, {len(self.versions)}")
+        if self.mask and (len(self.mask) != n or any(m not in (0, 1) for m in self.mask)):
+            raise ValueError(
+                f"glm5 rl Trajectory {self.traj_id!r}: mask expected {n} values of 0 or 1 (or "
+                f"none), got {len(self.mask)} values {sorted(set(self.mask))}")
         if not self.prompt_ids:
             raise ValueError(f"glm5 rl Trajectory {self.traj_id!r}: prompt_ids is empty")
         if not math.isfinite(self.reward) or not math.isfinite(self.advantage):
@@ -52,9 +63,16 @@ class Trajectory:
                              f"expected finite numbers, got {self.reward}, {self.advantage}")
 
     @property
+    def sampled(self) -> list[int]:
+        """Positions in completion_ids of the tokens the policy sampled (those trained on)."""
+        return [i for i, m in enumerate(self.mask) if m] if self.mask else \
+            list(range(len(self.completion_ids)))
+
+    @property
     def min_version(self) -> int:
-        """The oldest weight version that sampled a token (the prompt's version when empty)."""
-        return min(self.versions) if self.versions else int(self.meta.get("version", 0))
+        """The oldest weight version that sampled a token (the prompt's version when none)."""
+        vs = [self.versions[i] for i in self.sampled]
+        return min(vs) if vs else int(self.meta.get("version", 0))
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,233 @@
+"""Multi-turn episodes on the engine: the chat-format token layout (`Dialogue`), trajectories
+whose environment tokens are masked out of the loss, the engine's context equal to the
+trajectory's (the trainer's logprob of every sampled token matches the engine's), and episodes
+that end by the environment, the turn limit, the token budget, a timeout or an error — with
+their earlier turns kept."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from glm5.core.config import preset
+from glm5.core.model import GLM5ForCausalLM
+from glm5.engine.engine import EngineConfig, LLMEngine
+from glm5.rl.envs.base import ENVS, StepResult, register_env
+from glm5.rl.envs.dialogue import TRUNCATED, Dialogue
+from glm5.rl.episodes import EnvTask, EpisodeLimits, EpisodePlayer
+from glm5.rl.rollout import PromptGroup, RolloutWorker
+from glm5.rl.trainer import pack, token_logprobs
+from glm5.rl.trajectory import Trajectory
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from glm5.testing.assets import build_tokenizer
+
+    return build_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=400)
+
+
+class ScriptedEnv:
+    """Ends after ``turns`` turns with reward 1; records the actions; ``fail_at`` raises;
+    ``sleep`` stalls each step."""
+
+    name = "scripted"
+    observation_role = "tool"
+    log: list[str] = []
+
+    def __init__(self, turns: int = 3, fail_at: int = 0, sleep: float = 0.0) -> None:
+        self.turns, self.fail_at, self.sleep = turns, fail_at, sleep
+        self.n = 0
+
+    def reset(self, seed: int) -> str:
+        self.n = 0
+        return f"Scripted task {seed}: talk {self.turns} times."
+
+    def step(self, action: str) -> StepResult:
+        import time
+
+        self.n += 1
+        ScriptedEnv.log.append(action)
+        time.sleep(self.sleep)
+        if self.n == self.fail_at:
+            raise RuntimeError("the environment broke")
+        done = self.n >= self.turns
+        return StepResult(f"result {self.n}", 1.0 if done else 0.25 * 0, done,
+                          {"error": "x"} if self.n == 1 else {})
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, s):
+        self.n = s["n"]
+
+
+if "scripted" not in ENVS:
+    register_env("scripted", ScriptedEnv)
+
+
+def _engine(tok):
+    cfg = preset("tiny").replace(vocab_size=tok.vocab_size, num_hidden_layers=1,
+                                 indexer_types=["full"], mlp_layer_types=["dense"],
+                                 num_nextn_predict_layers=0)
+    torch.manual_seed(0)
+    model = GLM5ForCausalLM(cfg).eval()
+    return LLMEngine(model, EngineConfig(max_num_seqs=8, page_size=16, num_pages=256, seed=0))
+
+
+def _play(tok, limits=EpisodeLimits(max_turns=6, max_episode_tokens=200), size=2, **params):
+    d = Dialogue(tok)
+    task = EnvTask("scripted", params, d, limits)
+    inst = task.sample(random.Random(0))
+    group = PromptGroup("g0", "scripted", inst.prompt_ids, size, max_tokens=6,
+                        stop_token_ids=d.stop_token_ids, seed=3, meta=inst.meta)
+    engine = _engine(tok)
+    player = EpisodePlayer(engine, d, limits)
+    worker = RolloutWorker(engine, "w0", episodes=player)
+    ScriptedEnv.log = []
+    worker.submit(group)
+    out = []
+    for _ in range(2000):
+        out += worker.step()
+        if worker.num_open() == 0:
+            break
+    player.close()
+    return d, task, engine, out, worker
+
+
+def test_dialogue_renders_segments_with_the_chat_template(tok):
+    d = Dialogue(tok)
+    obs_id = tok.token_to_id("<|observation|>")
+    text = tok.decode(d.observation_ids("R", "tool", last_token=obs_id), False)
+    assert text == "<tool_response>R</tool_response><|assistant|><think></think>"
+    # the policy stopped on another token: the segment opens its own role token
+    text = tok.decode(d.observation_ids("R", "tool", last_token=tok.token_to_id("<|user|>")),
+                      False)
+    assert text.startswith("<|observation|><tool_response>R")
+    assert tok.decode(d.observation_ids("no", "user", None), False) == \
+        "<|user|>no<|assistant|><think></think>"
+    first = tok.decode(d.prompt_ids("Q?", [{"type": "function", "function": {"name": "f"}}]),
+                       False)
+    assert first.startswith("[gMASK]<sop><|system|>") and first.endswith(
+        "<|user|>Q?<|assistant|><think></think>")
+    assert sorted(d.stop_token_ids) == sorted(tok.token_to_id(s) for s in
+                                              ("<|observation|>", "<|user|>", "<|endoftext|>"))
+    with pytest.raises(ValueError, match="role"):
+        d.observation_ids("R", "assistant")
+
+
+def test_dialogue_action_drops_reasoning_and_stop_and_cuts_long_observations(tok):
+    d = Dialogue(tok, thinking=True, max_observation_tokens=10)
+    call = "<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>"
+    ids = tok.encode("let me see</think>ok" + call) + [tok.token_to_id("<|observation|>")]
+    assert d.action(ids) == ("ok" + call, "let me see")
+    assert d.action(d.assistant_ids(call)) == (call, None)
+    long = "word " * 200
+    text = tok.decode(d.observation_ids(long, "user"), False)
+    n = len(tok.encode(long)) - 10
+    assert TRUNCATED.format(n=n) in text and text.count("word") < 20
+
+
+def test_mask_keeps_environment_tokens_out_of_the_loss():
+    t = Trajectory("g/0", "g", "x", [1, 2], [3, 4, 5, 6], [-0.5, 0.0, 0.0, -0.75], [1, 1, 1, 2],
+                   advantage=1.0, mask=[1, 0, 0, 1])
+    b = pack([t])
+    assert b.targets.tolist() == [3, 6] and b.rollout_logp.tolist() == [-0.5, -0.75]
+    # the hidden state predicting token 6 is at position P + 3 - 1 = 4
+    assert b.rows.tolist() == [1, 4] and b.input_ids[0].tolist() == [1, 2, 3, 4, 5]
+    assert t.sampled == [0, 3] and t.min_version == 1
+    with pytest.raises(ValueError, match="mask"):
+        Trajectory("g/0", "g", "x", [1], [3, 4], [0.0, 0.0], [0, 0], mask=[1])
+    with pytest.raises(ValueError, match="mask"):
+        Trajectory("g/0", "g", "x", [1], [3, 4], [0.0, 0.0], [0, 0], mask=[1, 2])
+
+
+def test_episodes_interleave_turns_and_observations_token_for_token(tok):
+    d, task, engine, out, worker = _play(tok, turns=3)
+    assert len(out) == 2 and {t.traj_id for t in out} == {"g0/0", "g0/1"}
+    obs_id, assistant = tok.token_to_id("<|observation|>"), tok.token_to_id("<|assistant|>")
+    for t in out:
+        ep = t.meta["episode"]
+        assert ep["ended"] == "done" and ep["turns"] == 3 and ep["rewards"] == [0.0, 0.0, 1.0]
+        assert ep["errors"] == 1  # the first step's info had an error
+        s = task.score(t.meta, t.completion_ids)
+        assert s == {"correctness": 1.0, "exact": 1.0, "format": pytest.approx(2 / 3)}
+        # turns: sampled runs (mask 1) separated by observation segments (mask 0)
+        runs, cur = [], [t.mask[0], 0]
+        for m in t.mask:
+            if m != cur[0]:
+                runs.append(tuple(cur))
+                cur = [m, 0]
+            cur[1] += 1
+        runs.append(tuple(cur))
+        assert [r[0] for r in runs] == [1, 0, 1, 0, 1]
+        masked = [i for i, m in enumerate(t.mask) if not m]
+        assert all(t.logprobs[i] == 0.0 for i in masked)
+        segs = tok.decode([t.completion_ids[i] for i in masked], False)
+        assert "result 1" in segs and "result 2" in segs and "result 3" not in segs
+        assert t.completion_ids.count(assistant) == 2  # one generation prompt per new turn
+        assert t.finish_reason == "stop" and len(t.versions) == len(t.completion_ids)
+    # the environment got each turn's text (stop tokens and reasoning removed)
+    assert len(ScriptedEnv.log) == 6 and all("<|" not in a for a in ScriptedEnv.log)
+    # what the engine conditioned each turn on is the trajectory itself: the trainer's
+    # logprob of every sampled token equals the engine's
+    model = engine.model
+    b = pack(out)
+    with torch.no_grad():
+        lp = token_logprobs(model, b)[0]
+    assert torch.allclose(lp, b.rollout_logp, atol=2e-4), (lp - b.rollout_logp).abs().max()
+    del obs_id
+
+
+def test_episode_limits_and_errors_end_episodes_with_their_reason(tok):
+    _, _, _, out, _ = _play(tok, EpisodeLimits(max_turns=2, max_episode_tokens=400), turns=5)
+    assert {t.meta["episode"]["ended"] for t in out} == {"max_steps"}
+    assert all(t.meta["episode"]["turns"] == 2 for t in out)
+    _, _, _, out, _ = _play(tok, EpisodeLimits(max_turns=9, max_episode_tokens=30), turns=9)
+    for t in out:
+        assert t.meta["episode"]["ended"] == "length" and len(t.completion_ids) <= 30
+    _, _, _, out, _ = _play(tok, turns=5, fail_at=2)
+    for t in out:  # the environment broke at turn 2: the first turn's step is kept
+        ep = t.meta["episode"]
+        assert ep["ended"].startswith("error: RuntimeError: the environment broke")
+        assert ep["rewards"] == [0.0] and ep["turns"] == 2
+    _, _, _, out, _ = _play(tok, EpisodeLimits(max_turns=9, max_episode_tokens=400,
+                                               episode_timeout_s=0.05), turns=9, sleep=0.06)
+    assert {t.meta["episode"]["ended"] for t in out} == {"timeout"}
+
+
+def test_worker_reports_unfinished_episodes_and_abort_closes_them(tok):
+    d = Dialogue(tok)
+    limits = EpisodeLimits()
+    task = EnvTask("scripted", {"turns": 50}, d, limits)
+    inst = task.sample(random.Random(1))
+    group = PromptGroup("g7", "scripted", inst.prompt_ids, 3, max_tokens=4,
+                        stop_token_ids=d.stop_token_ids, meta=inst.meta)
+    engine = _engine(tok)
+    player = EpisodePlayer(engine, d, limits)
+    worker = RolloutWorker(engine, "w0", episodes=player)
+    worker.submit(group)
+    for _ in range(5):
+        worker.step()
+    assert worker.num_open() == 3
+    (g,) = worker.in_flight()
+    assert g.group_id == "g7" and g.pending == [0, 1, 2]
+    assert [x.pending for x in worker.abort_all()] == [[0, 1, 2]]
+    assert worker.num_open() == 0 and not engine.has_unfinished()
+    assert not list(player.dir.iterdir())  # episode checkpoints removed with them
+    # a different first observation on the worker than in the prompt is refused
+    bad = PromptGroup("g8", "scripted", inst.prompt_ids, 1, meta={**inst.meta, "env_seed": 99})
+    worker.submit(bad)
+    assert worker.failed and "deterministic" in worker.failed[0][2]
+    player.close()
+
+
+def test_a_worker_without_a_tokenizer_refuses_environment_groups(tok):
+    worker = RolloutWorker(_engine(tok), "w0")
+    g = PromptGroup("g", "scripted", [1, 2], 2, meta={"env": "scripted", "env_seed": 0})
+    with pytest.raises(ValueError, match="no episode player"):
+        worker.submit(g)
