@@ -31,7 +31,13 @@ class Env(Protocol):
     """An environment type. ``reset`` starts an episode (its task drawn from ``seed``) and
     returns the first observation; ``step`` takes the agent's action (text: an answer, a tool
     call, a command) and returns a `StepResult`. ``state_dict`` / ``load_state_dict``: the
-    episode's whole state as JSON values."""
+    episode's whole state as JSON values.
+
+    ``demonstration`` is optional (every built-in type has it; check with ``hasattr``): expert
+    turns, used for warm starts and golden tests — after ``reset(seed)``, the assistant turns
+    (text as a model emits it: GLM-5 tool-call markup or the plain final answer, no role or
+    stop tokens) that solve the episode when fed to ``step`` in order, worked out from the
+    episode's state."""
 
     name: str
 
@@ -43,11 +49,16 @@ class Env(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def demonstration(self) -> list[str]:
+        """Optional: the expert turns that solve the episode just reset (see above)."""
+        ...
+
 
 ENVS: dict[str, Callable[..., Env]] = {}
 # built-in environment types, registered when their module is first imported
 _BUILTIN = {"countdown": "glm5.rl.envs.countdown", "search": "glm5.rl.envs.search",
-            "codefix": "glm5.rl.envs.workspace", "terminal": "glm5.rl.envs.workspace"}
+            "codefix": "glm5.rl.envs.workspace", "terminal": "glm5.rl.envs.workspace",
+            "data": "glm5.rl.envs.data"}
 
 
 def register_env(name: str, factory: Callable[..., Env]) -> None:

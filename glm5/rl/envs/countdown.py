@@ -69,6 +69,7 @@ class CountdownEnv:
         self.n_numbers, self.max_number, self.max_attempts = n_numbers, max_number, max_attempts
         self.numbers: list[int] = []
         self.target = 0
+        self.expression = ""  # how reset() built the target: the demonstration's answer
         self.attempts = 0
         self.solved = False
 
@@ -78,11 +79,14 @@ class CountdownEnv:
         # the target is reachable: a random expression over a random subset of the numbers
         k = rng.randint(2, self.n_numbers)
         pick = rng.sample(self.numbers, k)
-        value = Fraction(pick[0])
+        value, expr, product = Fraction(pick[0]), str(pick[0]), True
         for x in pick[1:]:
             op = rng.choice("+-*" if value > x else "+*")
             value = value + x if op == "+" else value - x if op == "-" else value * x
-        self.target = int(value)
+            # evaluated left to right: only a sum or difference under a product needs brackets
+            expr = f"({expr})*{x}" if op == "*" and not product else f"{expr}{op}{x}"
+            product = op == "*"  # the expression's top level is now a product (or a number)
+        self.target, self.expression = int(value), expr
         self.attempts, self.solved = 0, False
         return self._prompt()
 
@@ -109,18 +113,28 @@ class CountdownEnv:
         return self._fail(f"{action.strip()} = {value}, not {self.target}.", left,
                           {"value": str(value)})
 
+    def demonstration(self) -> list[str]:
+        """The expert's turns for the episode after ``reset``: the expression the target was
+        built from (each number at most once, exact value = target)."""
+        if not self.expression:
+            raise RuntimeError("glm5 CountdownEnv.demonstration: no episode; call reset() "
+                               "(or load a state that holds its expression)")
+        return [self.expression]
+
     def _fail(self, msg: str, left: int, info: dict[str, Any]) -> StepResult:
         done = left == 0
         return StepResult(msg + ("" if done else f" {left} attempt(s) left."), 0.0, done, info)
 
     def state_dict(self) -> dict[str, Any]:
         return {"numbers": self.numbers, "target": self.target, "attempts": self.attempts,
-                "solved": self.solved}
+                "solved": self.solved, "expression": self.expression}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.numbers = [int(x) for x in state["numbers"]]
         self.target, self.attempts = int(state["target"]), int(state["attempts"])
         self.solved = bool(state["solved"])
+        # checkpoints written before demonstrations existed hold no expression
+        self.expression = str(state.get("expression", ""))
 
 
 register_env("countdown", CountdownEnv)

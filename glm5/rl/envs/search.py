@@ -15,7 +15,7 @@ import sqlite3
 from typing import Any, Sequence
 
 from glm5.rl.envs.base import register_env
-from glm5.rl.envs.tools import ToolEnv, ToolError
+from glm5.rl.envs.tools import ToolEnv, ToolError, tool_call
 
 _SYLLABLES = ("ka", "lo", "mi", "ra", "zu", "ten", "vor", "bel", "qua", "dris", "om", "ny")
 
@@ -46,6 +46,17 @@ def synthetic_corpus(seed: int, n_countries: int = 12
 
 def normalize(text: str) -> str:
     return re.sub(r"\s+", " ", re.sub(r"[^\w\s]", "", text.lower())).strip()
+
+
+# question words a search gains nothing from (the demonstration's query leaves them out)
+_STOPWORDS = frozenset("a an and are did does do for how in is of on the to was what when where "
+                       "which who whom whose why".split())
+
+
+def _contains(text: str, answer: str) -> bool:
+    """Whether ``answer`` appears in ``text`` as whole words (normalized as answers are)."""
+    a = normalize(answer)
+    return bool(a) and f" {a} " in f" {normalize(text)} "
 
 
 class SearchEnv(ToolEnv):
@@ -108,6 +119,25 @@ class SearchEnv(ToolEnv):
                             f"{doc_id!r}")
         title, body = self.docs[doc_id]
         return {"doc_id": doc_id, "title": title, "body": body}
+
+    def demonstration(self) -> list[str]:
+        """The expert's turns for the episode after ``reset``: a search with the question's
+        content words, an ``open`` of the document holding the answer only when no result's
+        snippet shows it, then the answer. Worked out by running the search here."""
+        if self.db is None:
+            raise RuntimeError("glm5 SearchEnv.demonstration: no episode; call reset()")
+        words = [w for w in re.findall(r"\w+", self.question) if w.lower() not in _STOPWORDS]
+        query = " ".join(words or re.findall(r"\w+", self.question))
+        hits = self.search(query)
+        turns = [tool_call("search", query=query)]
+        if not any(_contains(h["title"] + " " + h["snippet"], self.answer) for h in hits):
+            # the answer's document: among the results if there, else wherever it is (a
+            # corpus of your own may hold no document with the answer: then none is opened)
+            ids = [h["doc_id"] for h in hits] + list(range(len(self.docs)))
+            doc = next((i for i in ids if _contains(" ".join(self.docs[i]), self.answer)), None)
+            if doc is not None:
+                turns.append(tool_call("open", doc_id=doc))
+        return turns + [self.answer]
 
     def check_answer(self, answer: str) -> tuple[float, dict[str, Any]]:
         ok = normalize(answer) == normalize(self.answer)

@@ -17,6 +17,15 @@ TOOL_SYNTAX = ("<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value
                "...</tool_call>")
 
 
+def tool_call(name: str, **args: Any) -> str:
+    """An assistant turn calling one tool in the GLM-5 chat format, as a model emits it (no
+    role or stop tokens). Values are written as given (str() of them): the parser decodes a
+    value that is valid JSON of another type (``"3"`` -> 3), so a string argument must not
+    look like a number. Used for demonstrations (expert turns) and tests."""
+    inner = "".join(f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>" for k, v in args.items())
+    return f"<tool_call>{name}{inner}</tool_call>"
+
+
 class ToolError(Exception):
     """A tool refused its arguments; the message goes back to the agent."""
 

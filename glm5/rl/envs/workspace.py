@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from glm5.rl.envs.base import register_env
 from glm5.rl.envs.checks import syntax_check
-from glm5.rl.envs.tools import ToolEnv, ToolError
+from glm5.rl.envs.tools import ToolEnv, ToolError, tool_call
 
 MAX_FILE_CHARS = 20_000
 
@@ -179,6 +179,14 @@ class CodeFixEnv(WorkspaceEnv):
         return {"passed": passed, "failed": failed, "errors": errors, "exit": r.returncode,
                 "reason": r.reason, "output": r.stdout[-2000:]}
 
+    def demonstration(self) -> list[str]:
+        """The expert's turns for the episode after ``reset``: write the fixed module (from
+        `BUGS`), then a final answer."""
+        if not self.module:
+            raise RuntimeError("glm5 CodeFixEnv.demonstration: no episode; call reset()")
+        fixed = next(b[2] for b in BUGS if b[0] == self.module)
+        return [tool_call("write_file", path=f"{self.module}.py", content=fixed), "Fixed."]
+
     def check_answer(self, answer: str) -> tuple[float, dict[str, Any]]:
         syntax = syntax_check(self.text(f"{self.module}.py") or "", f"{self.module}.py")
         t = self.run_tests()
@@ -189,22 +197,25 @@ class CodeFixEnv(WorkspaceEnv):
 
 # ------------------------------------------------------------------ terminal
 # a task: (instruction, check(env) -> bool reading the work directory through the env's
-# link-safe `text` / `entries`, files to start with)
-TerminalTask = tuple[str, Callable[["WorkspaceEnv"], bool], dict[str, str]]
+# link-safe `text` / `entries`, files to start with, a shell command that does the task — the
+# demonstration's)
+TerminalTask = tuple[str, Callable[["WorkspaceEnv"], bool], dict[str, str], str]
 
 
 def _task_mkdir(rng: random.Random) -> TerminalTask:
     name, word = f"out{rng.randint(1, 99)}", rng.choice(["hello", "world", "glm5"])
     return (f"Create a directory {name} holding a file a.txt whose content is exactly "
             f"'{word}' followed by a newline.",
-            lambda env: env.text(f"{name}/a.txt") == word + "\n", {})
+            lambda env: env.text(f"{name}/a.txt") == word + "\n", {},
+            f"mkdir {name} && echo {word} > {name}/a.txt")
 
 
 def _task_count(rng: random.Random) -> TerminalTask:
     n = rng.randint(3, 40)
     lines = "".join(f"row {i}\n" for i in range(n))
     return ("Write the number of lines of data.txt, and nothing else, to count.txt.",
-            lambda env: (env.text("count.txt") or "").strip() == str(n), {"data.txt": lines})
+            lambda env: (env.text("count.txt") or "").strip() == str(n), {"data.txt": lines},
+            "wc -l < data.txt > count.txt")
 
 
 def _task_rename(rng: random.Random) -> TerminalTask:
@@ -212,7 +223,8 @@ def _task_rename(rng: random.Random) -> TerminalTask:
     files = {f"logs/{n}.log": n for n in names}
     return ("Rename every .log file in logs/ to the same name ending in .txt.",
             lambda env: all(env.text(f"logs/{n}.txt") == n for n in names)
-            and not [e for e in env.entries("logs") if e.endswith(".log")], files)
+            and not [e for e in env.entries("logs") if e.endswith(".log")], files,
+            'for f in logs/*.log; do mv "$f" "${f%.log}.txt"; done')
 
 
 TERMINAL_TASKS = (_task_mkdir, _task_count, _task_rename)
@@ -229,15 +241,24 @@ class TerminalEnv(WorkspaceEnv):
         self.tools = {"shell": self.shell, "read_file": self.read_file,
                       "write_file": self.write_file}
         self._check: Callable[[WorkspaceEnv], bool] = lambda env: False
+        self._solution = ""
 
     def reset(self, seed: int) -> str:
         self._new_sandbox()
         self.seed, self.turns, self.done = seed, 0, False
         rng = random.Random(seed)
-        task, self._check, files = TERMINAL_TASKS[rng.randrange(len(TERMINAL_TASKS))](rng)
+        task, self._check, files, self._solution = \
+            TERMINAL_TASKS[rng.randrange(len(TERMINAL_TASKS))](rng)
         for rel, text in files.items():
             self.sandbox.write_file(rel, text)
         return f"{task} Tools: shell(command), read_file(path), write_file(path, content)."
+
+    def demonstration(self) -> list[str]:
+        """The expert's turns for the episode after ``reset`` (from the task's start state):
+        one shell command that does the task, then a final answer."""
+        if not self._solution:
+            raise RuntimeError("glm5 TerminalEnv.demonstration: no episode; call reset()")
+        return [tool_call("shell", command=self._solution), "Done."]
 
     def check_answer(self, answer: str) -> tuple[float, dict[str, Any]]:
         ok = bool(self._check(self))
