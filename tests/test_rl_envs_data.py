@@ -117,6 +117,12 @@ def test_rounding_is_exact_and_halfway_means_are_never_asked():
     rows = [("A", "P", 2 if i == 0 else 1, 104 if i == 0 else 100) for i in range(8)]
     for s in range(10):
         assert make_question(random.Random(s), rows, "mean") is None
+    # two prices a cent apart: the threshold is the lower one, so "strictly above" counts
+    # only the higher price's rows (>= would count all three)
+    rows = [("A", "P", 1, 100), ("B", "P", 1, 101), ("A", "Q", 3, 100)]
+    q, gold, kind, _ = make_question(random.Random(0), rows, "count_above")
+    assert (q, gold, kind) == ("How many rows have a price strictly above 1.00?", "1", "number")
+    assert _independent_gold(to_csv(rows), q) == gold
     tie = [("A", "P", 2, 100), ("B", "P", 1, 200), ("C", "P", 1, 100)]  # A and B: 2.00 each
     assert make_question(random.Random(0), tie, "top_region") is None
     assert make_question(random.Random(0), tie[:1], "count_above") is None
