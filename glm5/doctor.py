@@ -208,14 +208,14 @@ def format_report(r: dict[str, Any], table: Any) -> str:
     rows = [("backend", "device", "usable", "priority", "source", "reason")]
     rows += [(b["name"], b["device_type"], "yes" if b["available"] else "no", str(b["priority"]),
               b["source"], b["reason"]) for b in r["backends"]]
-    out += ["  " + ln for ln in table(rows).split("\n")]
+    out.append(table(rows))  # not indented: table() fits its lines to the terminal
 
     out += ["", "Optional dependencies (found without importing them)"]
     rows = [("package", "version", "used for")]
     rows += [(d["name"], (d["version"] or "installed") if d["installed"] else
               "missing" + (f" ({d['problem']})" if d["problem"] else ""), d["used_for"])
              for d in r["optional"]]
-    out += ["  " + ln for ln in table(rows).split("\n")]
+    out.append(table(rows))  # not indented: table() fits its lines to the terminal
 
     out += ["", "RL sandbox (glm5.rl.envs.sandbox)"]
     sb = r["sandbox"]
