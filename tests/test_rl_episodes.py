@@ -231,3 +231,94 @@ def test_a_worker_without_a_tokenizer_refuses_environment_groups(tok):
     g = PromptGroup("g", "scripted", [1, 2], 2, meta={"env": "scripted", "env_seed": 0})
     with pytest.raises(ValueError, match="no episode player"):
         worker.submit(g)
+
+
+# ---------------------------------------------------------------------------- the RL loop
+ENV_TYPES = ("countdown", "search", "codefix", "terminal", "data")
+needs_bwrap = pytest.mark.skipif(
+    __import__("shutil").which("bwrap") is None and __import__("os").environ.get("CI") != "true",
+    reason="bubblewrap (bwrap) is not installed (CI installs it)")
+
+
+def _loop_cfg(tmp_path, mode="sync", **warm):
+    from glm5.rl.config import RLConfig
+
+    return RLConfig.from_dict({
+        "model": {"preset": "tiny", "tokenizer": "toy",
+                  "overrides": {"vocab_size": 512, "num_hidden_layers": 1, "hidden_size": 32,
+                                "indexer_types": ["full"], "mlp_layer_types": ["dense"],
+                                "num_nextn_predict_layers": 0}},
+        "tasks": [{"name": n} for n in ENV_TYPES],
+        "rollout": {"group_size": 2, "groups_per_step": 5, "max_tokens": 12, "max_turns": 2,
+                    "max_episode_tokens": 96, "max_observation_tokens": 32,
+                    "declare_tools": False, "max_num_seqs": 16, "in_flight_groups": 3},
+        "trainer": {"optimizer": "adamw", "micro_batch_size": 10},
+        "warm_start": {"demos": 2, "steps": 2, "batch_size": 4, **warm},
+        "sync": {"interval": 1}, "pool": {"min_task_types": 5},
+        "run": {"steps": 2, "mode": mode, "checkpoint_every": 1, "out_dir": str(tmp_path)}})
+
+
+@needs_bwrap
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_rl_loop_trains_on_a_mixture_of_five_environment_types(tmp_path, mode):
+    import json
+
+    from glm5.rl.loop import JOURNAL, RLRun
+
+    run = RLRun(_loop_cfg(tmp_path, mode), resume=False, use_ray=False)
+    try:
+        s = run.train(2)
+    finally:
+        run.close()
+    ws = json.loads((tmp_path / "warm_start.json").read_text())
+    assert ws["warm_start_demos"] == 10 and ws["warm_start_tokens"] > 0
+    # sync: each batch is one round of groups, every type in it; async: what the pool held
+    assert all(r["task_types"] == 5 if mode == "sync" else r["task_types"] >= 2
+               for r in s.history), s.history
+    assert all(r["trained"] == 10 for r in s.history)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in s.history)
+    trajs = [json.loads(x)["traj"] for x in (tmp_path / JOURNAL).read_text().splitlines()
+             if json.loads(x)["kind"] == "traj"]
+    assert {t["task_type"] for t in trajs} == set(ENV_TYPES)
+    for t in trajs:
+        ep = t["meta"]["episode"]
+        assert ep["ended"] in ("done", "max_steps", "length") and ep["turns"] >= 1
+        assert len(t["mask"]) == len(t["completion_ids"]) and sum(t["mask"]) >= 1
+    # countdown gives feedback and another try: multi-turn episodes with masked feedback
+    multi = [t for t in trajs if t["meta"]["episode"]["turns"] == 2]
+    assert multi and all(0 in t["mask"] for t in multi)
+    # the run resumes from its checkpoint without a second warm start
+    run = RLRun(_loop_cfg(tmp_path, mode), resume=True, use_ray=False)
+    try:
+        assert run.step == 2 and run.warm_start == {}
+        assert run.train(3).steps == 3
+    finally:
+        run.close()
+
+
+@needs_bwrap
+def test_demonstrations_are_laid_out_as_rollouts_are(tmp_path):
+    from glm5.rl.envs.dialogue import toy_tokenizer
+    from glm5.rl.warmstart import demonstrations
+
+    tok = toy_tokenizer(tmp_path / "tok", 512, ENV_TYPES, seeds=2)
+    d = Dialogue(tok)
+    tasks = [EnvTask(n, {}, d, EpisodeLimits()) for n in ENV_TYPES]
+    demos = demonstrations(tasks, 2, seed=5)
+    assert sorted({t.task_type for t in demos}) == sorted(ENV_TYPES) and len(demos) == 10
+    for t in demos:
+        text = tok.decode(t.completion_ids, False)
+        assert t.reward == 1.0 and t.completion_ids[-1] in d.stop_token_ids
+        if t.task_type != "countdown":  # tool results follow the call's <|observation|>
+            assert "<|observation|><tool_response>" in text
+            assert "<|observation|><|" not in text
+        runs, cur = [], []
+        for x, m in zip(t.completion_ids + [None], t.mask + [1]):
+            if m == 0:
+                cur.append(x)
+            elif cur:
+                runs.append(tok.decode(cur, False))
+                cur = []
+        for seg in runs:  # each environment answer: one rendered template segment
+            assert seg.startswith("<tool_response>") and seg.endswith(
+                "</tool_response><|assistant|><think></think>"), seg

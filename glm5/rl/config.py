@@ -64,6 +64,9 @@ class RolloutConfig:
     episode_timeout_s: float = 300.0
     env_threads: int = 4  # environment steps run beside the engine in this many threads
     thinking: bool = False  # the generation prompt opens <think> (else <think></think>)
+    # declare the environment's tools in the chat template's system part (GLM-5's layout); off,
+    # the prompt is only the observation (which names the tools): far shorter for small models
+    declare_tools: bool = True
 
 
 @dataclass
@@ -138,6 +141,17 @@ class RewardConfig:
 
 
 @dataclass
+class WarmStartConfig:
+    """Supervised training on expert demonstrations of the environment tasks before RL
+    (glm5.rl.warmstart); only on a fresh run, not on resume."""
+
+    demos: int = 0  # demonstrations per environment task (0: no warm start)
+    steps: int = 200
+    lr: float = 3e-3
+    batch_size: int = 16
+
+
+@dataclass
 class RunConfig:
     steps: int = 100
     mode: str = "async"  # "async" | "sync"
@@ -159,6 +173,7 @@ class RLConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
@@ -203,11 +218,12 @@ _POSITIVE = ("rollout.num_workers", "rollout.group_size", "rollout.groups_per_st
              "pool.memory_capacity", "pool.decay_period_s", "sampler.window",
              "run.steps", "rollout.temperature", "trainer.tis_cap", "pool.min_task_types",
              "rollout.max_turns", "rollout.max_episode_tokens", "rollout.max_prompt_tokens",
-             "rollout.episode_timeout_s", "rollout.env_threads")
+             "rollout.episode_timeout_s", "rollout.env_threads", "warm_start.steps",
+             "warm_start.lr", "warm_start.batch_size")
 _NONNEG = ("trainer.lr", "trainer.muon_lr", "trainer.weight_decay", "trainer.grad_clip",
            "trainer.kl_coef", "trainer.clip_high", "trainer.min_lr_ratio", "sync.max_staleness", "pool.priority_eps",
            "sampler.floor", "run.checkpoint_every", "trainer.distill.weight",
-           "trainer.distill.refresh_every")
+           "trainer.distill.refresh_every", "warm_start.demos")
 
 
 def _get(cfg: Any, key: str) -> Any:
@@ -281,6 +297,9 @@ def _validate(c: RLConfig) -> None:
     from glm5.rl.episodes import is_env_task
 
     envs = [t.name for t in c.tasks if is_env_task(t.name)]
+    if c.warm_start.demos and not envs:
+        raise RLConfigError("glm5 rl config: warm_start.demos expected 0 without environment "
+                            "tasks (demonstrations come from environments)")
     if envs:
         if c.model.tokenizer is None and c.model.path is None:
             raise RLConfigError(f"glm5 rl config: model.tokenizer is required with environment "

@@ -44,6 +44,7 @@ class EpisodeLimits:
     max_prompt_tokens: int = 1024
     episode_timeout_s: float = 300.0
     env_threads: int = 4
+    declare_tools: bool = True  # the tools in the first prompt's system part
 
 
 class EnvTask:
@@ -70,7 +71,7 @@ class EnvTask:
         env = make_env(self.name, **self.params)
         try:
             obs = env.reset(seed)
-            prompt = self.dialogue.prompt_ids(obs, _tools(env))
+            prompt = self.dialogue.prompt_ids(obs, _tools(env, self.limits))
         finally:
             _close(env)
         if len(prompt) > self.limits.max_prompt_tokens:
@@ -92,9 +93,9 @@ class EnvTask:
                 "format": 1.0 - ep["errors"] / turns}
 
 
-def _tools(env: Any) -> list[dict[str, Any]] | None:
+def _tools(env: Any, limits: EpisodeLimits) -> list[dict[str, Any]] | None:
     specs = getattr(env, "tool_specs", None)
-    return specs() if callable(specs) else None
+    return specs() if callable(specs) and limits.declare_tools else None
 
 
 def _close(env: Any) -> None:
@@ -158,7 +159,7 @@ class EpisodePlayer:
                                max_steps=self.limits.max_turns)
         try:
             obs = runner.reset(int(meta["env_seed"]))
-            prompt = self.dialogue.prompt_ids(obs, _tools(env))
+            prompt = self.dialogue.prompt_ids(obs, _tools(env, self.limits))
         except Exception:
             _close(env)
             raise
@@ -332,7 +333,8 @@ def episode_limits(cfg: Any) -> EpisodeLimits:
     rc = cfg.rollout
     return EpisodeLimits(max_turns=rc.max_turns, max_episode_tokens=rc.max_episode_tokens,
                          max_prompt_tokens=rc.max_prompt_tokens,
-                         episode_timeout_s=rc.episode_timeout_s, env_threads=rc.env_threads)
+                         episode_timeout_s=rc.episode_timeout_s, env_threads=rc.env_threads,
+                         declare_tools=rc.declare_tools)
 
 
 def resolve_tokenizer(cfg: Any, out_dir: str | Path) -> None:

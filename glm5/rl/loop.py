@@ -113,12 +113,15 @@ class RLRun:
         cfg_dict = copy_config(cfg)
         handle = self._handle
         # As actors, one torch thread each: the trainer and the workers share the machine's cores
-        self.trainer = handle(TrainerService, cfg_dict, threads=1 if self.use_ray else None,
-                              name="trainer")
-        pool_path = cfg.pool.path or str(self.out / "pool.sqlite")
-        self.pool = handle(ExperiencePool, cfg.pool, pool_path, seed=cfg.run.seed, name="pool")
         ckpt = self.out / CHECKPOINT
         state = torch.load(ckpt, weights_only=False) if resume and ckpt.exists() else None
+        self.trainer = handle(TrainerService, cfg_dict, threads=1 if self.use_ray else None,
+                              warm_start=state is None, name="trainer")
+        self.warm_start = self.trainer.call("warm_start_report")
+        if self.warm_start:
+            (self.out / "warm_start.json").write_text(json.dumps(self.warm_start, indent=1))
+        pool_path = cfg.pool.path or str(self.out / "pool.sqlite")
+        self.pool = handle(ExperiencePool, cfg.pool, pool_path, seed=cfg.run.seed, name="pool")
         if state is not None:
             self.trainer.call("load_state_dict", state["trainer"])
         self._full = self.trainer.call("full_update")

@@ -116,13 +116,17 @@ class WorkerService:
 class TrainerService:
     """The policy, its GRPO trainer and the weight publisher."""
 
-    def __init__(self, cfg_dict: dict[str, Any], threads: int | None = None) -> None:
+    def __init__(self, cfg_dict: dict[str, Any], threads: int | None = None,
+                 warm_start: bool = False) -> None:
         from glm5.rl.weight_sync import WeightPublisher
 
         if threads is not None:
             torch.set_num_threads(threads)
         self.cfg = RLConfig.from_dict(cfg_dict)
         policy = build_policy(self.cfg.model)
+        self.warm_report: dict[str, float] = {}
+        if warm_start and self.cfg.warm_start.demos > 0:
+            self.warm_report = self._warm_start(policy)
         teacher = None
         dc = self.cfg.trainer.distill
         if dc.enabled and dc.teacher_path is not None:
@@ -132,6 +136,31 @@ class TrainerService:
         self.trainer = GRPOTrainer(policy, self.cfg.trainer, teacher=teacher,
                                    total_steps=self.cfg.run.steps)
         self.publisher = WeightPublisher(policy, mode=self.cfg.sync.mode)
+
+    def _warm_start(self, policy: GLM5ForCausalLM) -> dict[str, float]:
+        """Supervised training on the environment tasks' demonstrations (before the trainer,
+        its reference and teacher copies and the publisher's version 0 are made)."""
+        from glm5.rl.episodes import EnvTask, env_task_names, episode_limits, load_dialogue
+        from glm5.rl.warmstart import demonstrations, supervised_warm_start
+
+        cfg, ws = self.cfg, self.cfg.warm_start
+        dialogue, limits = load_dialogue(cfg), episode_limits(cfg)
+        names = env_task_names(cfg)
+        tasks = [EnvTask(t.name, t.params, dialogue, limits) for t in cfg.tasks
+                 if t.name in names]
+        demos = demonstrations(tasks, ws.demos, seed=cfg.run.seed + 1)
+        if not demos:
+            raise ValueError(f"glm5 rl warm start: none of the environment tasks {names} has "
+                             f"demonstrations; set warm_start.demos: 0")
+        if cfg.trainer.freeze_indexer:
+            policy.freeze_indexer()
+        report = supervised_warm_start(policy, demos, ws.steps, ws.lr, ws.batch_size,
+                                       seed=cfg.run.seed)
+        report["warm_start_demos"] = len(demos)
+        return report
+
+    def warm_start_report(self) -> dict[str, float]:
+        return dict(self.warm_report)
 
     def train_step(self, trajs: list, weights: list[float] | None = None) -> dict[str, float]:
         from glm5.backends.selection import use_backend

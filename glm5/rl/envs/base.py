@@ -37,7 +37,11 @@ class Env(Protocol):
     turns, used for warm starts and golden tests — after ``reset(seed)``, the assistant turns
     (text as a model emits it: GLM-5 tool-call markup or the plain final answer, no role or
     stop tokens) that solve the episode when fed to ``step`` in order, worked out from the
-    episode's state."""
+    episode's state.
+
+    ``observation_role`` (optional, default "user"): how a multi-turn rollout renders what
+    ``step`` returns in the chat format — "tool" (a tool result after ``<|observation|>``) or
+    "user" (a user message)."""
 
     name: str
 

@@ -60,6 +60,7 @@ class CountdownEnv:
     """params: ``n_numbers`` (count of numbers given), ``max_number``, ``max_attempts``."""
 
     name = "countdown"
+    observation_role = "user"  # its feedback is a user message
 
     def __init__(self, n_numbers: int = 4, max_number: int = 25, max_attempts: int = 3) -> None:
         for k, v, lo in (("n_numbers", n_numbers, 2), ("max_number", max_number, 2),

@@ -36,6 +36,7 @@ class ToolEnv:
 
     name = "tools"
     max_turns = 10
+    observation_role = "tool"  # its answers are tool results (<|observation|>)
 
     def __init__(self) -> None:
         self.tools: dict[str, Callable[..., Any]] = {}
