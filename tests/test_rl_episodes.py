@@ -322,3 +322,22 @@ def test_demonstrations_are_laid_out_as_rollouts_are(tmp_path):
         for seg in runs:  # each environment answer: one rendered template segment
             assert seg.startswith("<tool_response>") and seg.endswith(
                 "</tool_response><|assistant|><think></think>"), seg
+
+
+@needs_bwrap
+@pytest.mark.parametrize("name", ENV_TYPES)
+def test_an_episode_reset_in_one_thread_is_stepped_in_another(name):
+    """The rollout worker resets an episode in its own thread and steps it in an environment
+    thread (SQLite connections, sandboxes and file handles must allow that)."""
+    import concurrent.futures as cf
+
+    from glm5.rl.envs.base import make_env
+
+    env = make_env(name)
+    try:
+        env.reset(11)
+        with cf.ThreadPoolExecutor(1) as pool:
+            results = [pool.submit(env.step, a).result() for a in env.demonstration()]
+        assert results[-1].done and sum(r.reward for r in results) == 1.0
+    finally:
+        getattr(env, "close", lambda: None)()

@@ -89,7 +89,9 @@ class SearchEnv(ToolEnv):
             raise ValueError("glm5 SearchEnv: the corpus and the questions must not be empty")
         self.docs = list(docs)
         self.question, self.answer = random.Random(seed).choice(list(qs))
-        self.db = sqlite3.connect(":memory:")
+        # an episode is reset in one thread and stepped in another (the rollout worker's
+        # environment threads); its steps never overlap
+        self.db = sqlite3.connect(":memory:", check_same_thread=False)
         self.db.execute("CREATE VIRTUAL TABLE docs USING fts5(title, body)")
         self.db.executemany("INSERT INTO docs(rowid, title, body) VALUES (?, ?, ?)",
                             [(i, t, b) for i, (t, b) in enumerate(self.docs)])
