@@ -606,7 +606,16 @@ def cmd_rl_train(args: argparse.Namespace) -> int:
     # The resolved config (file + overrides) beside the run: what produced these metrics.
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     metrics = MetricsLogger(out, tensorboard=cfg.run.tensorboard)
+    ws = cfg.warm_start
+    if ws.demos and (args.no_resume or not (out / CHECKPOINT).exists()):
+        print(f"glm5 rl train: warm start on {ws.demos} demonstration(s) per environment type, "
+              f"{ws.steps} step(s) of batch {ws.batch_size} ...", flush=True)
     run = RLRun(cfg, out_dir=out, resume=not args.no_resume, metrics=metrics)
+    if run.warm_start:
+        w = run.warm_start
+        print(f"glm5 rl train: warm start done: {w['warm_start_demos']:.0f} demonstrations, "
+              f"loss {w['warm_start_loss_first']:.3f} -> {w['warm_start_loss_last']:.3f} in "
+              f"{w['warm_start_seconds']:.1f} s", flush=True)
     try:
         metrics.truncate(run.step)  # rows past the checkpoint are recomputed
         target = cfg.run.steps

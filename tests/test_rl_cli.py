@@ -291,3 +291,23 @@ def test_without_tensorboard_a_warning_and_csv_only(tmp_path, monkeypatch, caplo
     warnings = [r for r in caplog.records if "TensorBoard" in r.getMessage()]
     assert len(warnings) == 1 and "\n" not in warnings[0].getMessage()
     assert len(read_metrics(tmp_path)) == 2 and not (tmp_path / "tb").exists()
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None and __import__("os").environ.get("CI") != "true",
+                    reason="bubblewrap (bwrap) is not installed (CI installs it)")
+def test_train_on_environments_reports_the_warm_start(tmp_path, capsys):
+    """examples/rl/agentic_ci.yaml through the CLI: the warm start is announced and reported,
+    the metrics have a reward column per environment type; a resumed run skips the warm start."""
+    cfg = ROOT / "examples" / "rl" / "agentic_ci.yaml"
+    out = tmp_path / "agentic"
+    assert cli.main(["rl", "train", str(cfg), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "warm start on 2 demonstration(s) per environment type, 2 step(s)" in text
+    assert "warm start done: 10 demonstrations, loss " in text
+    assert (out / "tokenizer" / "tokenizer.json").is_file()
+    header = set(_header(out / "metrics.csv"))
+    assert {f"reward/{n}" for n in ("countdown", "search", "codefix", "terminal",
+                                    "data")} <= header
+    assert cli.main(["rl", "train", str(cfg), "--out", str(out), "--steps", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "warm start" not in text and "resumed at step 2" in text

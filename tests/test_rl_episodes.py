@@ -240,22 +240,19 @@ needs_bwrap = pytest.mark.skipif(
     reason="bubblewrap (bwrap) is not installed (CI installs it)")
 
 
-def _loop_cfg(tmp_path, mode="sync", **warm):
+def _loop_cfg(tmp_path, mode="sync"):
+    """examples/rl/agentic_ci.yaml (the example is what the test runs) into tmp_path."""
+    from pathlib import Path
+
+    import yaml
+
     from glm5.rl.config import RLConfig
 
-    return RLConfig.from_dict({
-        "model": {"preset": "tiny", "tokenizer": "toy",
-                  "overrides": {"vocab_size": 512, "num_hidden_layers": 1, "hidden_size": 32,
-                                "indexer_types": ["full"], "mlp_layer_types": ["dense"],
-                                "num_nextn_predict_layers": 0}},
-        "tasks": [{"name": n} for n in ENV_TYPES],
-        "rollout": {"group_size": 2, "groups_per_step": 5, "max_tokens": 12, "max_turns": 2,
-                    "max_episode_tokens": 96, "max_observation_tokens": 32,
-                    "declare_tools": False, "max_num_seqs": 16, "in_flight_groups": 3},
-        "trainer": {"optimizer": "adamw", "micro_batch_size": 10},
-        "warm_start": {"demos": 2, "steps": 2, "batch_size": 4, **warm},
-        "sync": {"interval": 1}, "pool": {"min_task_types": 5},
-        "run": {"steps": 2, "mode": mode, "checkpoint_every": 1, "out_dir": str(tmp_path)}})
+    d = yaml.safe_load((Path(__file__).parents[1] / "examples/rl/agentic_ci.yaml").read_text())
+    d["run"].update(mode=mode, out_dir=str(tmp_path))
+    cfg = RLConfig.from_dict(d)
+    assert [t.name for t in cfg.tasks] == list(ENV_TYPES)
+    return cfg
 
 
 @needs_bwrap
@@ -341,3 +338,33 @@ def test_an_episode_reset_in_one_thread_is_stepped_in_another(name):
         assert results[-1].done and sum(r.reward for r in results) == 1.0
     finally:
         getattr(env, "close", lambda: None)()
+
+
+class EchoEnv(ScriptedEnv):
+    name = "echo-plugin"
+
+
+def test_environment_types_from_installed_packages_entry_points(monkeypatch):
+    """A package declares `[project.entry-points."glm5.rl_envs"] name = "module:Class"`; the
+    RL loop's workers (other processes too) find it by name."""
+    import importlib.metadata as md
+
+    from glm5.rl.envs import base
+    from glm5.rl.episodes import is_env_task
+
+    eps = md.EntryPoints([md.EntryPoint("echo-plugin", f"{__name__}:EchoEnv", "glm5.rl_envs"),
+                          md.EntryPoint("broken", "no_such_module_x:Env", "glm5.rl_envs")])
+    real = md.entry_points
+    monkeypatch.setattr(md, "entry_points",
+                        lambda **kw: eps.select(**kw) if kw.get("group") == "glm5.rl_envs"
+                        else real(**kw))
+    monkeypatch.delitem(base.ENVS, "echo-plugin", raising=False)
+    assert is_env_task("echo-plugin") and not is_env_task("nothing-like-it")
+    assert not is_env_task("reverse")  # a digit task stays a token task
+    env = base.make_env("echo-plugin", turns=2)
+    assert isinstance(env, EchoEnv) and env.turns == 2
+    with pytest.raises(ValueError, match="'broken'.*failed to load: ModuleNotFoundError"):
+        base.make_env("broken")
+    with pytest.raises(ValueError, match="unknown environment type 'nothing-like-it'"):
+        base.make_env("nothing-like-it")
+    monkeypatch.delitem(base.ENVS, "echo-plugin")

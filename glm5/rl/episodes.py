@@ -29,10 +29,12 @@ SUCCESS = 1.0 - 1e-9  # an episode whose total reward reaches 1 succeeded ("exac
 
 
 def is_env_task(name: str) -> bool:
-    """Whether ``name`` is an environment type of glm5.rl.envs (built in or registered)."""
-    from glm5.rl.envs.base import _BUILTIN, ENVS
+    """Whether ``name`` is an environment type (`glm5.rl.envs.base.env_known`) rather than a
+    token task of glm5.rl.tasks (those win a name clash)."""
+    from glm5.rl.envs.base import env_known
+    from glm5.rl.tasks import TASKS
 
-    return name in ENVS or name in _BUILTIN
+    return name not in TASKS and env_known(name)
 
 
 @dataclass(frozen=True)

@@ -74,16 +74,41 @@ def register_env(name: str, factory: Callable[..., Env]) -> None:
     ENVS[name] = factory
 
 
+ENTRY_POINT_GROUP = "glm5.rl_envs"  # a package's environments: name = "module:factory"
+
+
+def _entry_point(name: str) -> Any:
+    from importlib.metadata import entry_points
+
+    return next((ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name), None)
+
+
+def env_known(name: str) -> bool:
+    """Whether ``name`` is an environment type: registered, built in, or declared by an
+    installed package under the ``glm5.rl_envs`` entry-point group."""
+    return name in ENVS or name in _BUILTIN or _entry_point(name) is not None
+
+
 def make_env(name: str, **params: Any) -> Env:
+    """A new environment of type ``name`` (see `env_known`), built with ``params``."""
     if name not in ENVS and name in _BUILTIN:
         import importlib
 
         importlib.import_module(_BUILTIN[name])
+    if name not in ENVS and (ep := _entry_point(name)) is not None:
+        try:
+            factory = ep.load()
+        except Exception as e:  # noqa: BLE001 - a broken plugin names itself
+            raise ValueError(f"glm5 make_env: environment type {name!r} ({ENTRY_POINT_GROUP} "
+                             f"entry point {ep.value!r}) failed to load: "
+                             f"{type(e).__name__}: {e}") from e
+        if name not in ENVS:  # loading its module may have registered it already
+            register_env(name, factory)
     try:
         factory = ENVS[name]
     except KeyError:
         raise ValueError(f"glm5 make_env: unknown environment type {name!r}; registered: "
-                         f"{sorted(ENVS)}") from None
+                         f"{sorted(set(ENVS) | set(_BUILTIN))}") from None
     try:
         return factory(**params)
     except TypeError as e:
