@@ -368,3 +368,35 @@ def test_environment_types_from_installed_packages_entry_points(monkeypatch):
     with pytest.raises(ValueError, match="unknown environment type 'nothing-like-it'"):
         base.make_env("nothing-like-it")
     monkeypatch.delitem(base.ENVS, "echo-plugin")
+
+
+def test_the_readme_environment_example_works(tok):
+    """README's "Adding an environment" code, run as written: its demonstration solves the
+    episode, a wrong lookup is an error observation, and it lays out as a rollout."""
+    import re
+    from pathlib import Path
+
+    from glm5.rl.envs import base
+    from glm5.rl.warmstart import demonstration
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    (code,) = [c for c in re.findall(r"```python\n(.*?)```", readme, re.S)
+               if "class Capitals" in c]
+    base.ENVS.pop("capitals", None)
+    ns: dict = {}
+    try:
+        exec(compile(code, "README.md", "exec"), ns)
+        env = base.make_env("capitals")
+        assert "Kenya" in env.reset(0)
+        from glm5.rl.envs.tools import tool_call
+
+        bad = env.step(tool_call("lookup", country="Atlantis"))
+        assert "no country 'Atlantis'" in bad.observation and not bad.done
+        env.reset(1)
+        rs = [env.step(a) for a in env.demonstration()]
+        assert rs[-1].done and rs[-1].reward == 1.0
+        task = EnvTask("capitals", {}, Dialogue(tok), EpisodeLimits())
+        t = demonstration(task, random.Random(0))
+        assert t.reward == 1.0 and 0 in t.mask
+    finally:
+        base.ENVS.pop("capitals", None)
