@@ -347,7 +347,7 @@ def resolve_tokenizer(cfg: Any, out_dir: str | Path) -> None:
     mc = cfg.model
     if mc.tokenizer != "toy":
         return
-    path = Path(out_dir) / "tokenizer"
+    path = (Path(out_dir) / "tokenizer").resolve()  # absolute: Ray actors have their own cwd
     if not (path / "tokenizer.json").is_file():
         from glm5.rl.services import model_config
 
