@@ -6,7 +6,7 @@
    run directly by subprocess, through a rlimits-mode sandbox and through a bwrap sandbox
    (where bwrap works), over ``--overhead-runs`` runs.
 2. For every environment type registered in `glm5.rl.envs.base` (the built-in ones, imported
-   first): episodes/s of reset + one typical step + close, and steps/s of a typical step
+   first, and those of installed packages' `glm5.rl_envs` entry points): episodes/s of reset + one typical step + close, and steps/s of a typical step
    (the env reset, untimed, whenever an episode ends). The typical step is what an agent does
    most: a tool call in the GLM-5 markup (`<tool_call>NAME<arg_key>K</arg_key><arg_value>V
    </arg_value></tool_call>`) — terminal `shell` with `ls`, codefix `run_tests`, search
@@ -135,6 +135,8 @@ def measure_env(name: str, params: dict[str, Any], episodes: int, steps: int
 def _uses_sandbox(name: str) -> bool:
     import inspect
 
+    if name not in base.ENVS:  # an entry point's type: registered by its first make_env
+        _close(base.make_env(name))
     return "sandbox_config" in inspect.signature(base.ENVS[name]).parameters
 
 
@@ -163,10 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     for module in sorted(set(base._BUILTIN.values())):
         importlib.import_module(module)
-    names = [n.strip() for n in a.envs.split(",") if n.strip()] or sorted(base.ENVS)
-    unknown = [n for n in names if n not in base.ENVS]
+    from importlib.metadata import entry_points
+
+    # types installed packages add (glm5.rl_envs entry points), registered by make_env
+    plugged = {ep.name for ep in entry_points(group=base.ENTRY_POINT_GROUP)}
+    known = sorted(set(base.ENVS) | plugged)
+    names = [n.strip() for n in a.envs.split(",") if n.strip()] or known
+    unknown = [n for n in names if n not in known]
     if unknown:
-        ap.error(f"--envs: unknown {unknown}; registered: {sorted(base.ENVS)}")
+        ap.error(f"--envs: unknown {unknown}; registered: {known}")
 
     load_before = os.getloadavg()
     t_start = time.time()
