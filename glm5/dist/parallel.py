@@ -116,11 +116,21 @@ def _split(n: int, parts: int, rank: int, what: str) -> tuple[int, int]:
     return rank * step, (rank + 1) * step
 
 
+_spec: dict[str, tuple[int, int, int]] | None = None  # the spec being recorded
+
+
+def _record(name: str, dim: int, a: int, b: int) -> None:
+    if _spec is not None:
+        _spec[name] = (dim, a, b)
+
+
 def _keep(lin: nn.Module, dim: int, a: int, b: int, where: str) -> None:
-    """Keep rows (dim 0) or columns (dim 1) [a, b) of a linear's weight."""
+    """Keep rows (dim 0) or columns (dim 1) [a, b) of a linear's weight (``where``: its module
+    name, recorded in the shard spec)."""
     if not isinstance(lin, nn.Linear):
         raise ParallelError(f"glm5 parallelize: {where} is {type(lin).__name__}; quantized "
                             f"layers are not split yet (parallelize the unquantized model)")
+    _record(f"{where}.weight", dim, a, b)
     w = lin.weight.detach().narrow(dim, a, b - a).clone()
     lin.weight = nn.Parameter(w, requires_grad=lin.weight.requires_grad)
     if dim == 0:
@@ -172,6 +182,7 @@ class ParallelMoE(nn.Module):
         self.gate = moe.gate
         self.experts = moe.experts
         for name in ("gate_up_proj", "down_proj"):
+            _record(f"{where}.experts.{name}", 0, self.e0, self.e1)
             p = getattr(moe.experts, name)
             setattr(moe.experts, name, nn.Parameter(p.detach()[self.e0:self.e1].clone(),
                                                     requires_grad=p.requires_grad))
@@ -270,18 +281,32 @@ class ParallelDecoderLayer(nn.Module):
 # ---------------------------------------------------------------------------- the model
 def parallelize(model: nn.Module, layout: Layout) -> nn.Module:
     """Make ``model`` (a GLM5ForCausalLM) this rank's part of ``layout``, in place; returns it.
-    Every rank must call it with the same model (same weights) and its own groups."""
-    from glm5.core.layers import MLP, MoE
+    Every rank must call it with the same model (same weights) and its own groups. Sets
+    ``model.parallel_layout`` and ``model.shard_spec`` ({parameter name: (dim, start, end)} of
+    every parameter cut from the whole model's: what `glm5.dist.loading` reads)."""
+
+    global _spec
 
     if getattr(model, "parallel_layout", None) is not None:
         raise ParallelError("glm5 parallelize: the model is already parallelized")
+    model.parallel_layout = layout
+    model.shard_spec = {}
     if layout.tp == 1 and layout.ep == 1:
-        model.parallel_layout = layout
         return model
+    _spec = model.shard_spec
+    try:
+        _parallelize(model, layout)
+    finally:
+        _spec = None
+    return model
+
+
+def _parallelize(model: nn.Module, layout: Layout) -> None:
+    from glm5.core.layers import MLP, MoE
 
     def one(layer: nn.Module, where: str, first: bool, last: bool) -> nn.Module:
         if layout.tp > 1:
-            _split_attention(layer.self_attn, layout.tp, layout.tp_rank, where)
+            _split_attention(layer.self_attn, layout.tp, layout.tp_rank, f"{where}.self_attn")
             if type(layer.mlp) is MLP:
                 _split_mlp(layer.mlp, layout.tp, layout.tp_rank, f"{where}.mlp")
         if type(layer.mlp) is MoE and layout.ep > 1:
@@ -296,5 +321,3 @@ def parallelize(model: nn.Module, layout: Layout) -> nn.Module:
         layers[i] = one(layers[i], f"model.layers.{i}", i == 0, i == n - 1)
     for d, m in enumerate(model.mtp or ()):
         m.block = one(m.block, f"mtp.{d}.block", True, True)
-    model.parallel_layout = layout
-    return model
