@@ -45,6 +45,8 @@ import torch
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 COLLECTIVES = ("gloo", "nccl", "hccl", "cncl", "mccl")
+TIMEOUT_ENV = "GLM5_DIST_TIMEOUT"  # the default collective timeout (glm5 launch --timeout)
+DEFAULT_TIMEOUT_S = 60.0
 STORE_PREFIX = "glm5/"  # keys glm5.dist writes in the rendezvous store (pids, fault reports)
 
 _current: "DistContext | None" = None
@@ -316,7 +318,7 @@ def _default_device(local_rank: int) -> torch.device:
 
 def init_distributed(
     backend: str | None = None,
-    timeout_s: float = 60.0,
+    timeout_s: float | None = None,
     *,
     rank: int | None = None,
     world_size: int | None = None,
@@ -334,10 +336,18 @@ def init_distributed(
     ``backend``: the torch.distributed backend; None takes the ``collective`` setting of the
     device backend for ``device`` (`collective_backend`). ``device``: this rank's device; None
     is the current accelerator (index ``LOCAL_RANK``, made current) or the CPU. ``timeout_s``
-    bounds the rendezvous and every collective. A process group that already exists (made by
-    the caller) is adopted as is."""
+    bounds the rendezvous and every collective; None takes ``GLM5_DIST_TIMEOUT`` (set by
+    ``glm5 launch --timeout``), else `DEFAULT_TIMEOUT_S`. A process group that already exists
+    (made by the caller) is adopted as is."""
     global _current
     where = "glm5.dist.init_distributed"
+    if timeout_s is None:
+        env = os.environ.get(TIMEOUT_ENV)
+        try:
+            timeout_s = float(env) if env else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise DistConfigError(f"{where}: environment variable {TIMEOUT_ENV} expected a "
+                                  f"number of seconds, got {env!r}") from None
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not (
             timeout_s > 0):
         raise DistConfigError(f"{where}: argument 'timeout_s' expected a positive number of "
