@@ -456,10 +456,10 @@ def all_to_all_link_bytes(nbytes: float, n: int) -> float:
     return 0.0 if n <= 1 else (n - 1) / n * nbytes
 
 
-def collective_seconds(link_bytes: float, chip: Chip) -> float:
-    """One collective: the chip's fixed per-collective latency + link bytes over the per-direction
-    link bandwidth."""
-    return chip.collective_latency_us * 1e-6 + link_bytes / (chip.link_gbs_per_direction * 1e9)
+def collective_seconds(sent_bytes: float, chip: Chip) -> float:
+    """One collective: the chip's fixed per-collective latency + the bytes one device sends over
+    the per-direction link bandwidth."""
+    return chip.collective_latency_us * 1e-6 + sent_bytes / (chip.link_gbs_per_direction * 1e9)
 
 
 def padded_tokens(tokens: int, n: int) -> int:
