@@ -457,3 +457,34 @@ def test_docs_list_every_collective_with_its_call_and_cost():
         assert f"`{op.call_text()}`" in sec, op.call_text()
         assert f"`{op.cost_text}`" in sec, (name, op.cost_text)
     assert "glm5.ir.catalog.OPS" in sec  # says why the catalog is separate
+
+
+def _doc_blocks() -> list[str]:
+    text = (ROOT / "docs" / "distributed.md").read_text()
+    return re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+
+
+def test_distributed_md_world_of_one_example_runs_as_written(monkeypatch, capsys):
+    for v in gd.groups.ENV_VARS:
+        monkeypatch.delenv(v, raising=False)
+    code = next(b for b in _doc_blocks() if "init_distributed()" in b)
+    exec(compile(code, "distributed.md", "exec"), {"__name__": "__doc__"})
+    assert capsys.readouterr().out.startswith("0 1 None tensor([1., 1., 1.])")
+    assert gd.get_context() is None
+
+
+def test_distributed_md_harness_example_runs_as_written(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = next(b for b in _doc_blocks() if "run_multiprocess(check" in b)
+    script = tmp_path / "harness_example.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    want = [ln.split("# ")[1] for ln in code.splitlines() if "print(values(run" in ln]
+    assert p.stdout.splitlines() == [want[0], str([[6.0, 6.0]] * 4)], p.stdout
