@@ -19,7 +19,7 @@ import torch
 def load_parallel(path: str | Path, layout: Any, dtype: torch.dtype | None = None,
                   device: str | torch.device = "cpu") -> torch.nn.Module:
     """This rank's part of the checkpoint at ``path`` under ``layout`` (a
-    `glm5.dist.parallel.Layout`), as a parallelized GLM5ForCausalLM. ``stats`` on the model:
+    `glm5.dist.parallel.ParallelConfig`), as a parallelized GLM5ForCausalLM. ``stats`` on the model:
     bytes read by this rank and the checkpoint's total."""
     from glm5.core import checkpoint as ck
     from glm5.core.config import GLM5Config

@@ -1,6 +1,6 @@
 """Tensor, expert and data-parallel layouts of a GLM-5 model, and FlashComm.
 
-`parallelize(model, layout)` turns a `GLM5ForCausalLM` (built or loaded whole, or a skeleton for
+`parallelize(model, config)` turns a `GLM5ForCausalLM` (built or loaded whole, or a skeleton for
 `glm5.dist.loading`) into this rank's part of a parallel model, in place:
 
 - **Tensor parallel** over ``layout.tp_group`` (size T): MLA attention heads split T ways
@@ -46,24 +46,15 @@ class ParallelError(ValueError):
     """A layout that does not fit the model (sizes that do not divide, quantized layers)."""
 
 
-def group_size(group: Any) -> int:
-    if group is None:
-        return 1
-    import torch.distributed as dist
+def _size_rank(group: Any) -> tuple[int, int]:
+    from glm5.dist.groups import as_group
 
-    return dist.get_world_size(group)
-
-
-def group_rank(group: Any) -> int:
-    if group is None:
-        return 0
-    import torch.distributed as dist
-
-    return dist.get_rank(group)
+    g = as_group(group, "glm5 parallelize")
+    return (1, 0) if g is None else (g.size, g.rank)
 
 
 @dataclass
-class Layout:
+class ParallelConfig:
     """This rank's place in a parallel layout. ``tp_group``: the tensor-parallel group (None:
     tp 1); ``ep_group``: the expert-parallel group (None: the TP group serves as EP group, or
     no EP); ``dp_attention``: ranks of the EP group hold different tokens (all-to-all MoE);
@@ -79,11 +70,8 @@ class Layout:
     comm_quant: str | None = None
 
     def __post_init__(self) -> None:
-        self.tp = group_size(self.tp_group)
-        self.tp_rank = group_rank(self.tp_group)
-        eg = self.ep_group if self.ep_group is not None else self.tp_group
-        self.ep = group_size(eg)
-        self.ep_rank = group_rank(eg)
+        self.tp, self.tp_rank = _size_rank(self.tp_group)
+        self.ep, self.ep_rank = _size_rank(self.expert_group)
         if self.tp > 1 and self.ep_group is not None and self.ep != self.tp:
             raise ParallelError(f"glm5 parallelize: with tp {self.tp} > 1 the experts are split "
                                 f"over the TP group; ep_group of size {self.ep} expected None or "
@@ -107,6 +95,22 @@ class Layout:
     @property
     def expert_group(self) -> Any:
         return self.ep_group if self.ep_group is not None else self.tp_group
+
+    @classmethod
+    def from_context(cls, ctx: Any, tp: int = 1, ep: int = 1, dp_attention: bool = False,
+                     **kw: Any) -> "ParallelConfig":
+        """The config of sizes ``tp`` / ``ep`` over a `glm5.dist.DistContext`'s groups
+        (`DistContext.new_groups`; collective: every rank calls it alike). ``tp`` > 1: the
+        experts are split over the TP group (``ep`` must be 1 or ``tp``); ``tp`` 1, ``ep`` > 1:
+        the EP group, with data-parallel attention when ``dp_attention``."""
+        if tp > 1 and ep not in (1, tp):
+            raise ParallelError(f"glm5 ParallelConfig.from_context: with tp {tp} > 1, ep "
+                                f"expected 1 or {tp} (experts split over the TP group), got "
+                                f"{ep}")
+        groups = ctx.new_groups(tp=tp, ep=ep if tp == 1 else tp)
+        return cls(tp_group=groups.tp if tp > 1 else None,
+                   ep_group=groups.ep if tp == 1 and ep > 1 else None,
+                   dp_attention=dp_attention, **kw)
 
 
 def _split(n: int, parts: int, rank: int, what: str) -> tuple[int, int]:
@@ -167,7 +171,7 @@ class ParallelMoE(nn.Module):
     parallel attention: dispatches (token, expert) pairs to their owners by all-to-all and
     combines the results; returns the whole MoE output of this rank's tokens."""
 
-    def __init__(self, moe: nn.Module, layout: Layout, where: str) -> None:
+    def __init__(self, moe: nn.Module, layout: ParallelConfig, where: str) -> None:
         super().__init__()
         from glm5.core.layers import Experts
 
@@ -233,7 +237,7 @@ class ParallelDecoderLayer(nn.Module):
     sums reduced by all-reduce or FlashComm. With FlashComm the residual stream between layers
     is this rank's token shard: the first layer cuts it, the last gathers it back."""
 
-    def __init__(self, layer: nn.Module, layout: Layout, first: bool, last: bool) -> None:
+    def __init__(self, layer: nn.Module, layout: ParallelConfig, first: bool, last: bool) -> None:
         super().__init__()
         # the decoder layer's own modules, under the same names (checkpoint names unchanged)
         self.input_layernorm = layer.input_layernorm
@@ -279,7 +283,7 @@ class ParallelDecoderLayer(nn.Module):
 
 
 # ---------------------------------------------------------------------------- the model
-def parallelize(model: nn.Module, layout: Layout) -> nn.Module:
+def parallelize(model: nn.Module, layout: ParallelConfig) -> nn.Module:
     """Make ``model`` (a GLM5ForCausalLM) this rank's part of ``layout``, in place; returns it.
     Every rank must call it with the same model (same weights) and its own groups. Sets
     ``model.parallel_layout`` and ``model.shard_spec`` ({parameter name: (dim, start, end)} of
@@ -301,7 +305,7 @@ def parallelize(model: nn.Module, layout: Layout) -> nn.Module:
     return model
 
 
-def _parallelize(model: nn.Module, layout: Layout) -> None:
+def _parallelize(model: nn.Module, layout: ParallelConfig) -> None:
     from glm5.core.layers import MLP, MoE
 
     def one(layer: nn.Module, where: str, first: bool, last: bool) -> nn.Module:
