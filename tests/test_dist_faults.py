@@ -11,7 +11,7 @@ import time
 import torch
 
 import glm5.dist as gd
-from glm5.testing.dist import RankError, run_multiprocess
+from glm5.testing.dist import DistPool, RankError, run_multiprocess
 
 TIMEOUT_S = 3.0  # the collectives' timeout in these worlds
 GRACE_S = 3.0  # what "a few seconds" past it may take (the fault report waits SLACK_S = 1 s)
@@ -21,7 +21,7 @@ def _all_reduce_after(ctx, mode: str) -> dict:
     if ctx.rank == 3:
         if mode == "kill":
             os._exit(3)
-        time.sleep(TIMEOUT_S + 3.0)  # hangs past the others' timeout, then leaves
+        time.sleep(TIMEOUT_S + 2.0)  # hangs past the others' timeout + report, then leaves
         return {"slept": True}
     t0 = time.monotonic()
     try:
@@ -89,7 +89,13 @@ def test_harness_returns_exceptions_per_rank_and_bounds_a_stuck_run():
     assert isinstance(res[1], RankError) and res[1].kind == "raised"
     assert isinstance(res[1].exception, ValueError)
     assert "planted failure on rank 1" in res[1].message and "_raise_on_rank1" in res[1].traceback
+    pool = DistPool(2)
     t0 = time.monotonic()
-    res = run_multiprocess(_never_returns, 2, 2.0)
-    assert time.monotonic() - t0 < 10.0  # 2 s + start-up and reaping
+    res = pool.run(_never_returns, timeout_s=2.0)
+    assert time.monotonic() - t0 < 3.0
     assert [r.kind for r in res] == ["timeout", "timeout"]
+    assert pool.broken and "a task failed" in pool.broken
+    t0 = time.monotonic()
+    pool.close()
+    assert time.monotonic() - t0 < 8.0  # terminate, then kill, then join
+    assert all(p.exitcode is not None for p in pool._procs)

@@ -198,7 +198,8 @@ class DistPool:
         got = self._collect(-1, time.monotonic() + start_timeout_s, None)
         bad = [v for v in got if isinstance(v, RankError)]
         if bad:
-            self.close(f"start-up failed: {bad[0]}")
+            self.broken = f"start-up failed: {bad[0]}"
+            self._finalizer()
             raise HarnessError("glm5.testing.dist.DistPool: start-up failed:\n" + "\n".join(
                 f"--- {e}\n{e.traceback}" for e in bad))
 
@@ -218,8 +219,9 @@ class DistPool:
             q.put(task)
         out = self._collect(self._task, time.monotonic() + timeout_s, after_failure_s)
         bad = [v for v in out if isinstance(v, RankError)]
-        if bad:
-            self.close(f"a task failed: {bad[0]}")
+        if bad:  # the world may be inconsistent or stuck: no polite stop, terminate it now
+            self.broken = f"a task failed: {bad[0]}"
+            self._finalizer()
         return out
 
     def _collect(self, task_id: int, deadline: float, after_failure_s: float | None
@@ -260,6 +262,8 @@ class DistPool:
         """Stop every child (a polite stop, then terminate, then kill) and join them."""
         if self.broken is None:
             self.broken = why
+        if all(p.exitcode is not None for p in self._procs):
+            return
         for q in self._tasks:
             try:
                 q.put(None)
