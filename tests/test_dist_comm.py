@@ -488,3 +488,38 @@ def test_distributed_md_harness_example_runs_as_written(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     want = [ln.split("# ")[1] for ln in code.splitlines() if "print(values(run" in ln]
     assert p.stdout.splitlines() == [want[0], str([[6.0, 6.0]] * 4)], p.stdout
+
+
+def _explicit_and_adopted(directory: str) -> dict:
+    """Without the harness's init: an explicit file:// init, then a process group made by the
+    caller and adopted."""
+    import os
+
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    ctx = gd.init_distributed(backend="gloo", rank=rank, world_size=2, device="cpu",
+                              init_method=f"file://{directory}/explicit", timeout_s=20)
+    out = {"explicit": (ctx.rank, ctx.world_size, ctx.backend, ctx.timeout_s),
+           "sum1": gd.all_reduce(torch.tensor([rank + 1.0]), ctx.world).item()}
+    gd.destroy()
+    out["destroyed"] = not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{directory}/own", rank=rank,
+                            world_size=2)
+    ctx = gd.init_distributed(timeout_s=20)
+    out["adopted"] = (ctx.rank, ctx.world_size, ctx.backend)
+    out["sum2"] = gd.all_reduce(torch.tensor([rank + 1.0]), ctx.world).item()
+    ctx.destroy()
+    out["kept"] = dist.is_initialized()  # the caller's group is the caller's to destroy
+    dist.destroy_process_group()
+    return out
+
+
+def test_explicit_init_and_an_adopted_process_group(tmp_path):
+    from glm5.testing.dist import run_multiprocess
+
+    outs = values(run_multiprocess(_explicit_and_adopted, 2, HARNESS_S, str(tmp_path),
+                                   init=False))
+    for r, o in enumerate(outs):
+        assert o == {"explicit": (r, 2, "gloo", 20.0), "sum1": 3.0, "destroyed": True,
+                     "adopted": (r, 2, "gloo"), "sum2": 3.0, "kept": True}
