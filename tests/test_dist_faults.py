@@ -63,14 +63,20 @@ def test_a_hung_rank_fails_the_others_at_the_timeout_with_an_error_naming_it():
     res = run_multiprocess(_all_reduce_after, 4, 40.0, "hang", comm_timeout_s=TIMEOUT_S,
                            after_failure_s=None)
     assert res[3] == {"slept": True}
+    timed_out = 0
     for r in range(3):
         assert not isinstance(res[r], RankError), res[r]
-        _check(res[r], r)
-        assert res[r]["type"] == "CollectiveTimeout", res[r]
-        assert res[r]["elapsed"] >= TIMEOUT_S - 0.5, res[r]
+        _check(res[r], r)  # names the collective, the rank, the group, rank 3 missing
         assert res[r]["dead"] == [], res[r]
-        assert (f"did not complete within the timeout of {TIMEOUT_S:g} s" in res[r]["msg"])
-        assert "rank 3 did not reach or fail this collective" in res[r]["msg"], res[r]["msg"]
+        # the first ranks to time out abort their side of gloo's ring; a rank still waiting
+        # then sees its connection break (PeerLost) — still naming rank 3 as missing
+        assert res[r]["type"] in ("CollectiveTimeout", "PeerLost"), res[r]
+        if res[r]["type"] == "CollectiveTimeout":
+            timed_out += 1
+            assert res[r]["elapsed"] >= TIMEOUT_S - 0.5, res[r]
+            assert f"did not complete within the timeout of {TIMEOUT_S:g} s" in res[r]["msg"]
+            assert "rank 3 did not reach or fail this collective" in res[r]["msg"], res[r]
+    assert timed_out >= 1, res
 
 
 def _raise_on_rank1(ctx) -> str:
