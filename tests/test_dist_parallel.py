@@ -177,3 +177,32 @@ def test_bad_layouts_are_refused():
         ParallelConfig(dp_attention=True)
     with pytest.raises(ParallelError, match="comm_quant"):
         ParallelConfig(comm_quant="fp4")
+
+
+def _engine_tp(ctx, tp: int, flashcomm: bool) -> list[list[int]]:
+    """Every rank runs the same engine with the same requests (SPMD): the TP model's steps run
+    in lockstep and every rank samples the same tokens."""
+    from glm5.dist.parallel import ParallelConfig, parallelize
+    from glm5.engine.engine import EngineConfig, LLMEngine
+    from glm5.engine.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+
+    def run(model) -> list[list[int]]:
+        eng = LLMEngine(model, EngineConfig(max_num_seqs=4, page_size=16, num_pages=64, seed=0))
+        prompts = [[5, 9, 2, 7], [3, 3, 8], [1, 4, 1, 5, 9, 2, 6]]
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0.8, seed=i))
+        done = {o.request_id: o.token_ids for o in eng.run_to_completion() if o.finished}
+        return [done[f"r{i}"] for i in range(len(prompts))]
+
+    ref = run(_model("tiny"))
+    m = parallelize(_model("tiny"), ParallelConfig.from_context(
+        ctx, tp=tp, ep=tp, flashcomm=flashcomm, flashcomm_min_tokens=8))
+    return [ref, run(m)]
+
+
+@pytest.mark.parametrize("flashcomm", [False, True])
+def test_the_serving_engine_runs_a_tensor_parallel_model_in_lockstep(world2, flashcomm):
+    for ref, got in values(world2.run(_engine_tp, 2, flashcomm, timeout_s=120)):
+        assert got == ref
