@@ -206,3 +206,14 @@ def _engine_tp(ctx, tp: int, flashcomm: bool) -> list[list[int]]:
 def test_the_serving_engine_runs_a_tensor_parallel_model_in_lockstep(world2, flashcomm):
     for ref, got in values(world2.run(_engine_tp, 2, flashcomm, timeout_s=120)):
         assert got == ref
+
+
+def test_flashcomm_threshold_comes_from_the_planner():
+    from glm5.core.chips import get_chip
+    from glm5.core.plan import flashcomm_threshold
+    from glm5.dist.parallel import flashcomm_min_tokens_for
+
+    t = flashcomm_min_tokens_for("h200", 6144, 8)
+    assert t == flashcomm_threshold(get_chip("h200"), 6144, 8) and 1 < t < 10_000
+    assert flashcomm_min_tokens_for("h200", 6144, 8, int8=True) <= t
+    assert flashcomm_min_tokens_for("h200", 6144, 1) == 2**62  # tp 1: never

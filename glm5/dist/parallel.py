@@ -46,6 +46,19 @@ class ParallelError(ValueError):
     """A layout that does not fit the model (sizes that do not divide, quantized layers)."""
 
 
+def flashcomm_min_tokens_for(chip: str, hidden_size: int, tp: int, int8: bool = False) -> int:
+    """The planner's token threshold (`glm5.core.plan.flashcomm_threshold`) for ``chip`` (a
+    `glm5 plan` chip name): from this many tokens per forward on, FlashComm beats a plain
+    all-reduce there. ``2**62`` when it never does (tp 1, or latency-bound up to the planner's
+    search limit)."""
+    from glm5.core.chips import get_chip
+    from glm5.core.plan import flashcomm_threshold
+
+    t = flashcomm_threshold(get_chip(chip), hidden_size, tp,
+                            "flashcomm-int8" if int8 else "flashcomm")
+    return 2**62 if t is None else t
+
+
 def _size_rank(group: Any) -> tuple[int, int]:
     from glm5.dist.groups import as_group
 
