@@ -129,6 +129,13 @@ def test_small_preset_tp2_and_dp_attention_ep2(world2):
 
 # max |logit error| / max |logit| of int8 FlashComm gathers against the fp32 model, measured on
 # the random-init tiny model (0.087 at 2 ranks); docs/distributed.md states it
+def test_small_preset_ep4_with_and_without_dp_attention(world4):
+    for dp in (False, True):
+        for r in _run(world4, "small", 1, 4, dp, False, None, 4, 8, 3, timeout_s=300):
+            assert r["err"] <= TOL * max(r["scale"], 1.0), (dp, r)
+            assert r["greedy_equal"], (dp, r)
+
+
 INT8_BUDGET = 0.15
 
 
