@@ -91,3 +91,27 @@ def test_bad_arguments_are_refused(argv, world, msg):
     with pytest.raises(ex.UsageError) as e:
         ex.check_args(ex.parse_args(argv), world)
     assert msg in str(e.value)
+
+
+def test_distributed_md_model_example_runs_as_written(tmp_path):
+    """docs/distributed.md's parallelize example, under glm5 launch at 2 processes: both ranks
+    print the single-process model's greedy tokens."""
+    text = (ROOT / "docs" / "distributed.md").read_text()
+    code = next(b for b in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+                if "parallelize(" in b)
+    script = tmp_path / "model_example.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    p = subprocess.run([sys.executable, "-m", "glm5.cli", "launch", "--nproc", "2", "--timeout",
+                        "30", str(script)], capture_output=True, text=True, timeout=180,
+                       env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    ex = _example()
+    model = ex.preset_model("tiny", 0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8),
+                        generator=torch.Generator().manual_seed(1))
+    want = model.generate(ids, 4)[:, 8:].tolist()
+    # the ranks share the pipe: a print's text and its newline may be split by the other's
+    got = sorted(re.findall(r"rank (\d): (\[\[[\d, \[\]]*\]\])", p.stdout))
+    assert got == [(str(r), str(want)) for r in (0, 1)], p.stdout
