@@ -220,8 +220,9 @@ def run(a: argparse.Namespace, ctx: Any) -> int:
         ok = bool(gd.all_reduce(torch.tensor([int(not ok)]), ctx.world).item() == 0)
         if not ok:
             raise UsageError(f"--preset {a.preset}: every rank builds the whole model before "
-                             f"cutting it and that does not fit ({why or 'on another rank'}); save a checkpoint "
-                             f"and use --model DIR (each rank then reads only its slice)")
+                             f"cutting it and that does not fit ({why or 'on another rank'}); "
+                             f"save a checkpoint and use --model DIR (each rank then reads only "
+                             f"its slice)")
         model = parallelize(preset_model(a.preset, a.seed).to(ctx.device), cfg)
         source = f"preset {a.preset}, seed {a.seed}"
     mode = (f"tp {a.tp}" + (" + FlashComm" if a.flashcomm else "") + (" int8" if a.int8 else "")
