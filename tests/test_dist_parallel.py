@@ -127,8 +127,6 @@ def test_small_preset_tp2_and_dp_attention_ep2(world2):
             assert r["greedy_equal"], (args, r)
 
 
-# max |logit error| / max |logit| of int8 FlashComm gathers against the fp32 model, measured on
-# the random-init tiny model (0.087 at 2 ranks); docs/distributed.md states it
 def test_small_preset_ep4_with_and_without_dp_attention(world4):
     for dp in (False, True):
         for r in _run(world4, "small", 1, 4, dp, False, None, 4, 8, 3, timeout_s=300):
@@ -136,6 +134,10 @@ def test_small_preset_ep4_with_and_without_dp_attention(world4):
             assert r["greedy_equal"], (dp, r)
 
 
+# max |logit error| / max |logit| of int8 FlashComm gathers against the fp32 model for THESE
+# shapes (tiny, 4 x 11 tokens, 2 ranks: 0.087 measured). Not a general bound: in a random-init
+# model the error comes from expert-routing and DSA top-k choices the rounding flips (small at
+# 512 tokens: 0.45; docs/distributed.md); the exactness check below is the general one.
 INT8_BUDGET = 0.15
 
 
