@@ -403,7 +403,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = _preset(args.preset) if args.preset else _config_from(args.model, "--model")
     try:
         p = plan(cfg, args.chip, args.quant, args.batch, args.context, tp=args.tp, ep=args.ep,
-                 kv_dtype=args.kv_dtype, reserve_gb=args.reserve_gb, mtp=args.mtp)
+                 kv_dtype=args.kv_dtype, reserve_gb=args.reserve_gb, mtp=args.mtp,
+                 comm=args.comm)
     except ValueError as e:  # PlanError, ConfigError: name the command-line option
         msg = str(e).removeprefix("glm5.plan: ").removeprefix("glm5 config: ")
         raise UsageError(re.sub(r"argument '(\w+)'",
@@ -682,6 +683,55 @@ def cmd_rl_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- launch
+def launch_argv(args: argparse.Namespace) -> list[str]:
+    """The torchrun (torch.distributed.run) command line of ``glm5 launch``: one node with a
+    free port found by torchrun's standalone rendezvous, or, with ``--nnodes``, torchrun's own
+    c10d rendezvous at ``--rdzv-endpoint``. ``python script.py ...`` and ``script.py ...`` run
+    the script with this interpreter; ``python -m module ...`` runs a module; anything else is
+    an executable run as is."""
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise UsageError("expected the program to run: glm5 launch --nproc N [--] script.py "
+                         "[args] (or python script.py, python -m module)")
+    if args.nproc < 1:
+        raise UsageError(f"--nproc expected a positive integer, got {args.nproc}")
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError(f"--timeout expected a positive number of seconds, got {args.timeout}")
+    run = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}"]
+    if args.nnodes is None:
+        run.append("--standalone")
+    else:
+        if not args.rdzv_endpoint:
+            raise UsageError("--nnodes expected with --rdzv-endpoint HOST:PORT (the rendezvous "
+                             "every node joins)")
+        run += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-id={args.rdzv_id}"]
+    if Path(cmd[0]).name.startswith("python") and len(cmd) > 1:
+        cmd = cmd[1:]  # torchrun runs scripts and modules with this very interpreter
+    if cmd[0] == "-m":
+        if len(cmd) < 2:
+            raise UsageError("expected a module name after -m")
+        return run + ["--module", *cmd[1:]]
+    if cmd[0].endswith(".py"):
+        if not Path(cmd[0]).is_file():
+            raise UsageError(f"{cmd[0]}: no such script")
+        return run + cmd
+    return run + ["--no-python", *cmd]
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    import subprocess
+
+    argv = launch_argv(args)
+    env = dict(os.environ)
+    if args.timeout is not None:  # glm5.dist.init_distributed reads it as its default timeout
+        env["GLM5_DIST_TIMEOUT"] = str(args.timeout)
+    return subprocess.call(argv, env=env)
+
+
 # --------------------------------------------------------------------------- doctor
 def cmd_doctor(args: argparse.Namespace) -> int:
     from glm5.doctor import doctor_report, format_report
@@ -870,6 +920,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--reserve-gb", type=float, default=None,
                     help="activation/workspace reserve per device (default 10%% of memory)")
     pl.add_argument("--mtp", action="store_true", help="add the MTP layer to each decode step")
+    pl.add_argument("--comm", default="auto", type=str.lower,
+                    help="how TP groups sum partial outputs in the step times: allreduce, "
+                         "flashcomm, flashcomm-int8, or auto (FlashComm from the computed token "
+                         "threshold on) (default auto)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 
@@ -944,6 +998,19 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--json", action="store_true", help="one JSON object instead of text")
     dr.add_argument("--strict", action="store_true", help="exit 1 when there is any warning")
     dr.set_defaults(func=cmd_doctor)
+
+    la = sub.add_parser("launch", help="run a script on N processes (torchrun): glm5 launch "
+                        "--nproc N [--] script.py [args]")
+    la.add_argument("--nproc", type=int, required=True, help="processes on this node")
+    la.add_argument("--timeout", type=float, default=None,
+                    help="seconds a collective may take before the ranks fail with an error "
+                         "naming it (GLM5_DIST_TIMEOUT; default 60)")
+    la.add_argument("--nnodes", default=None, help="nodes (multi-node: torchrun's rendezvous)")
+    la.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT every node joins")
+    la.add_argument("--rdzv-id", default="glm5", help="the job's rendezvous id (default glm5)")
+    la.add_argument("cmd", nargs=argparse.REMAINDER,
+                    help="script.py [args], python script.py [args], python -m module [args]")
+    la.set_defaults(func=cmd_launch)
 
     for command in sub.choices.values():  # every command takes the global options after it too
         _add_global_options(command, suppress=True)

@@ -68,7 +68,7 @@ def test_tiny_decode_golden_w8a8():
     want = sum(max(r["flops"] / r["calls"] / ch.peak_flops(r["dtype"]),
                    r["bytes"] / r["calls"] / (ch.hbm_gbs * 1e9)) * r["calls"] for r in d["ops"])
     assert math.isclose(d["compute_ms"], want * 1e3, rel_tol=1e-12)
-    assert d["tp_allreduce_ms"] == 0 and d["ep_alltoall_ms"] == 0
+    assert d["tp_comm_ms"] == 0 and d["ep_alltoall_ms"] == 0 and d["comm_option"] == "none"
     assert math.isclose(d["tokens_per_s"], 2 / (d["total_ms"] / 1e3))
 
 
@@ -160,7 +160,8 @@ def test_every_chip_answers_for_glm5(chip):
 
     ch = get_chip(chip)
     assert ch.backend in glm5.get_registry().backends  # a real glm5 backend serves it
-    for f in ("memory_gb", "hbm_gbs", "bf16_tflops", "int8_tops", "link_gbs"):
+    for f in ("memory_gb", "hbm_gbs", "bf16_tflops", "int8_tops", "link_gbs",
+              "collective_latency_us"):
         assert getattr(ch, f) > 0 and ch.sources[f], f
         assert f not in ch.estimates or "estimate" in ch.sources[f]
     p = plan(GLM5, chip, "w4a8", batch=1, context=8192)
@@ -231,12 +232,14 @@ def test_communication_only_with_parallelism():
     one = plan(GLM5, "h100-sxm", "w4a8", batch=16, context=4096, tp=8, ep=8, suggest=False)
     d = one["decode"]
     ch = get_chip("h100-sxm")
-    # ring all-reduce: 2 per layer of [16 tokens, 6144] bf16, 2(N-1)/N bytes / (900/2 GB/s)
-    ar = 2 * 16 * 6144 * 2 * 78
-    assert d["tp_allreduce_bytes"] == ar
-    assert d["tp_allreduce_ms"] == pytest.approx(2 * 7 / 8 * ar / 450e9 * 1e3)
+    # 16 tokens is below the FlashComm threshold: ring all-reduces, 2 per layer of
+    # [16 tokens, 6144] bf16: 2(N-1)/N of it sent per device, each 6 us + bytes / (900/2 GB/s)
+    assert d["comm_option"] == "allreduce"
+    link = 2 * 7 / 8 * 16 * 6144 * 2
+    assert d["tp_comm_link_bytes"] == 2 * 78 * link
+    assert d["tp_comm_ms"] == pytest.approx(2 * 78 * (6e-6 + link / 450e9) * 1e3)
     assert d["ep_alltoall_ms"] > 0 and ch.link_gbs_per_direction == 450
-    assert d["total_ms"] == pytest.approx(d["compute_ms"] + d["tp_allreduce_ms"]
+    assert d["total_ms"] == pytest.approx(d["compute_ms"] + d["tp_comm_ms"]
                                           + d["ep_alltoall_ms"])
     # a bigger batch amortises the weight reads: more tokens/s
     big = plan(GLM5, "h100-sxm", "w4a8", batch=64, context=4096, tp=8, ep=8, suggest=False)

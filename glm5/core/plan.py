@@ -7,8 +7,16 @@ parameter names and shapes are the model's own), and every op the model runs is 
 the formulas and assumptions; the main ones:
 
 * time of an op = max(flops / peak(dtype of the op), bytes / HBM bandwidth); a phase's compute
-  time is the sum over its ops (no overlap between ops), communication is added on top:
-  TP all-reduce = 2 (N-1)/N * bytes / link (ring), EP all-to-all = (N-1)/N * bytes / link.
+  time is the sum over its ops (no overlap between ops), communication is added on top.
+* communication (per device; link bytes = what one device sends, B = the whole tensor):
+  ring all-reduce 2 (N-1)/N * B, reduce-scatter and all-gather (N-1)/N * B each, all-to-all
+  (N-1)/N * B; each collective takes ``chip.collective_latency_us`` + link bytes / per-direction
+  link bandwidth. Each layer sums the TP group's partial outputs twice (after o_proj, after
+  the MLP / MoE) by one of: a plain all-reduce; **FlashComm** (reduce-scatter over the tokens
+  padded to a multiple of N, residual add + RMSNorm on the local 1/N of them, all-gather before
+  the next column-parallel linear); FlashComm with an int8 all-gather (per-token fp32 scales).
+  ``auto`` takes FlashComm from the token count where its time line crosses the all-reduce's
+  (:func:`flashcomm_threshold`). EP all-to-all: a dispatch and a combine per MoE layer.
 * parallel layout on ``devices = max(tp, ep)`` devices: attention heads, the dense / shared MLP
   columns and the vocabulary are split ``tp`` ways (the MLA latent cache cannot be split by head,
   so each TP rank keeps the whole latent cache of its sequences); ``devices / tp`` data-parallel
@@ -31,6 +39,7 @@ from glm5.core.config import GLM5Config
 from glm5.core.info import KV_DTYPES, count_params, kv_cache_per_token
 from glm5.core.quant_policy import is_quantized
 from glm5.ir.catalog import get_op
+from glm5.ir.ops_comm import SCALE_BYTES, get_comm_op
 from glm5.ir.quant_formats import SCHEMES, Scheme
 
 #: the unquantized choice of ``--quant``
@@ -42,9 +51,14 @@ RESERVE_FRACTION = 0.10
 #: the chunk end: sum over chunks ~ L^2/2 + L*CHUNK/2 key rows instead of L^2)
 PREFILL_CHUNK = 1024
 FORMULA = ("op time = max(flops / peak_flops(op dtype), bytes / hbm_bandwidth); phase compute "
-           "time = sum over ops; TP all-reduce = 2(N-1)/N * bytes / link_bw_per_direction "
-           "(ring); EP all-to-all = (N-1)/N * bytes / link_bw_per_direction; step time = "
-           "compute + communication (no overlap assumed)")
+           "time = sum over ops; collective time = latency + link bytes / link_bw_per_direction, "
+           "link bytes per device: all-reduce 2(N-1)/N * B (ring), reduce-scatter, all-gather, "
+           "all-to-all (N-1)/N * B; step time = compute + communication (no overlap assumed)")
+#: ``--comm``: how a TP group sums its partial outputs (``auto`` picks between the first two)
+COMM_OPTIONS = ("allreduce", "flashcomm", "flashcomm-int8")
+COMM_CHOICES = (*COMM_OPTIONS, "auto")
+#: the threshold search gives up past this many tokens per TP group (FlashComm never wins)
+THRESHOLD_MAX_TOKENS = 2 ** 40
 
 # Tensors kept in fp32 by the model (the router runs `F.linear(x.float(), weight.float())`, the
 # indexer head weights likewise; quant_policy keeps them out of every scheme).
@@ -216,8 +230,9 @@ class Layout:
 class _Coster:
     """Builds the per-device op list of one phase."""
 
-    def __init__(self, cfg: GLM5Config, scheme: Scheme | None, lay: Layout) -> None:
-        self.cfg, self.scheme, self.lay = cfg, scheme, lay
+    def __init__(self, cfg: GLM5Config, scheme: Scheme | None, lay: Layout,
+                 comm: str = "none") -> None:
+        self.cfg, self.scheme, self.lay, self.comm = cfg, scheme, lay, comm
 
     # -- helpers
     def linear(self, label: str, name: str, M: int, N: int, K: int, count: float = 1.0) -> OpCost:
@@ -252,9 +267,10 @@ class _Coster:
         c_len = lay.context
         T = tokens
         a = pre + "self_attn."
-        ops: list[OpCost] = []
-        f, b = op_cost("rms_norm", x=_t(T, D), weight=_t(D), eps=c.rms_norm_eps)
-        ops.append(OpCost("input_layernorm", "rms_norm", f, b, "bf16", count))
+        # the residual add and norm before attention close the previous layer's MLP reduction
+        # (the embedding's, for the first layer): on the token shard under FlashComm
+        ops: list[OpCost] = sync_ops(c.hidden_size, c.rms_norm_eps, lay.tp, T, self.comm,
+                                     "input_layernorm", count)
         rows = sequences * c_len
         sparse = c_len > c.index_topk
         # the model's own choice; 2-byte (bf16) cache elements
@@ -291,8 +307,8 @@ class _Coster:
         ops += self.indexer(attn, a, T, sequences, phase, sparse, count)
         ops += self.attention(absorb, sparse, T, sequences, phase, count, a)
         ops.append(self.linear("o_proj", a + "o_proj.weight", T, D, Hl * Dv, count))
-        f, b = op_cost("rms_norm", x=_t(T, D), weight=_t(D), eps=c.rms_norm_eps)
-        ops.append(OpCost("post_attention_layernorm", "rms_norm", f, b, "bf16", count))
+        ops += sync_ops(D, c.rms_norm_eps, lay.tp, T, self.comm, "post_attention_layernorm",
+                        count)
         return ops
 
     def indexer(self, attn: torch.nn.Module, a: str, T: int, sequences: int, phase: str,
@@ -422,78 +438,252 @@ def expert_load(E: int, k: int, tokens: int, ep: int) -> tuple[int, int]:
     return slots, touched
 
 
-# --------------------------------------------------------------------------- phases
-def _ring_allreduce_s(nbytes: float, n: int, chip: Chip) -> float:
-    return 0.0 if n <= 1 else 2.0 * (n - 1) / n * nbytes / (chip.link_gbs_per_direction * 1e9)
+# --------------------------------------------------------------------------- communication
+def link_bytes(op: str, rows: float, width: int, n: int, **attrs: Any) -> float:
+    """Bytes one device sends in the collective ``op`` (the ``glm5.ir.ops_comm`` cost) of its
+    ``[rows, width]`` bf16 input over ``n`` devices: all_reduce 2 (n-1)/n B, reduce_scatter
+    (n-1)/n B (B = the whole input each device holds), all_gather (n-1) B of its shard
+    (``quant="int8"``: (n-1) (numel + 4 rows)); 0 when n is 1."""
+    return 0.0 if n <= 1 else get_comm_op(op).link_bytes((rows, width), torch.bfloat16, n,
+                                                         **attrs)
 
 
-def _alltoall_s(nbytes: float, n: int, chip: Chip) -> float:
-    return 0.0 if n <= 1 else (n - 1) / n * nbytes / (chip.link_gbs_per_direction * 1e9)
+def all_to_all_link_bytes(nbytes: float, n: int) -> float:
+    """Bytes one device sends exchanging ``nbytes`` spread evenly over ``n`` devices (the
+    ``all_to_all`` op's cost with equal send counts; uniform routing makes them equal on
+    average, and fractional, so the counts are not passed): the 1/n kept local never crosses a
+    link: (n-1)/n * nbytes."""
+    return 0.0 if n <= 1 else (n - 1) / n * nbytes
+
+
+def collective_seconds(sent_bytes: float, chip: Chip) -> float:
+    """One collective: the chip's fixed per-collective latency + the bytes one device sends over
+    the per-direction link bandwidth."""
+    return chip.collective_latency_us * 1e-6 + sent_bytes / (chip.link_gbs_per_direction * 1e9)
+
+
+def padded_tokens(tokens: int, n: int) -> int:
+    """Tokens after padding to a multiple of ``n`` (FlashComm's reduce-scatter splits the token
+    axis n ways)."""
+    return -(-tokens // n) * n
+
+
+def int8_rows_bytes(rows: int, width: int) -> int:
+    """Bytes of ``rows`` int8 rows of ``width`` with one fp32 scale per row."""
+    return rows * width + SCALE_BYTES * rows
+
+
+def _check_comm(option: str, where: str) -> None:
+    if option not in COMM_OPTIONS:
+        raise _err(where, f"one of {', '.join(COMM_OPTIONS)}", option)
+
+
+def tp_collectives(hidden: int, tp: int, tokens: int, option: str) -> list[tuple[str, float]]:
+    """(collective, link bytes one device sends) of one place where a TP group of ``tp`` sums
+    its partial ``[tokens, hidden]`` bf16 outputs, done the ``option`` way:
+
+    * allreduce: one all-reduce of tokens * hidden * 2 bytes;
+    * flashcomm: a reduce-scatter of the padded ``[P, hidden]`` (P = tokens padded to a multiple
+      of tp), then an all-gather of the normed ``[P, hidden]`` bf16 before the next
+      column-parallel linear;
+    * flashcomm-int8: the same reduce-scatter in bf16 (a reduction sums partial sums: int8 there
+      would re-quantize at every ring step), and the all-gather of int8 codes + one fp32 scale
+      per token: P * hidden + 4 P bytes.
+    """
+    _check_comm(option, "comm")
+    if tp <= 1:
+        return []
+    if option == "allreduce":
+        return [("all_reduce", link_bytes("all_reduce", tokens, hidden, tp))]
+    P = padded_tokens(tokens, tp)
+    quant = None if option == "flashcomm" else "int8"
+    return [("reduce_scatter", link_bytes("reduce_scatter", P, hidden, tp)),
+            ("all_gather", link_bytes("all_gather", P // tp, hidden, tp, quant=quant))]
+
+
+def sync_ops(hidden: int, eps: float, tp: int, tokens: int, option: str, norm_label: str,
+             count: float = 1.0) -> list[OpCost]:
+    """The device work between a TP reduction and the next column-parallel linear: the residual
+    add ([t, hidden] + [t, hidden] -> [t, hidden] bf16: t * hidden flops, 3 * 2 t * hidden bytes)
+    and the RMSNorm (its OpDef cost), on t = ``tokens`` rows (all-reduce; also tp 1 or
+    ``option`` "none") or on this device's shard t = P / tp of the padded tokens (FlashComm).
+    With int8 communication also the per-token quantization of the shard (the
+    ``quantize_per_token`` OpDef) and the dequantization of the gathered [P, hidden] (read
+    codes + scales, write bf16: P * hidden flops)."""
+    if option != "none":
+        _check_comm(option, "comm")
+    shard = tp > 1 and option != "allreduce" and option != "none"
+    P = padded_tokens(tokens, tp) if shard else tokens
+    t = P // tp if shard else tokens
+    D = hidden
+    f, b = op_cost("rms_norm", x=_t(t, D), weight=_t(D), eps=eps)
+    ops = [OpCost("residual_add", "add", float(t * D), 6.0 * t * D, "bf16", count),
+           OpCost(norm_label, "rms_norm", f, b, "bf16", count)]
+    if shard and option == "flashcomm-int8":
+        f, b = op_cost("quantize_per_token", x=_t(t, D), bits=8)
+        ops.append(OpCost("comm_quant_int8", "quantize_per_token", f, b, "bf16", count))
+        ops.append(OpCost("comm_dequant_int8", "dequant", float(P * D),
+                          float(int8_rows_bytes(P, D) + 2 * P * D), "bf16", count))
+    return ops
+
+
+def sync_point(chip: Chip, hidden: int, eps: float, tp: int, tokens: int,
+               option: str) -> dict[str, Any]:
+    """One TP reduction point done the ``option`` way, as one device sees it: its collectives,
+    their link bytes and time, the residual/norm work after it (:func:`sync_ops`), and the
+    residual-stream bytes a device holds ([t, hidden] bf16: t = tokens, or the shard)."""
+    coll = tp_collectives(hidden, tp, tokens, option)
+    work = sync_ops(hidden, eps, tp, tokens, option, "norm")
+    comm_s = sum(collective_seconds(lb, chip) for _, lb in coll)
+    work_s = sum(o.seconds(chip) for o in work)
+    shard = tp > 1 and option != "allreduce"
+    rows = padded_tokens(tokens, tp) // tp if shard else tokens
+    return {
+        "collectives": [c for c, _ in coll],
+        "link_bytes": float(sum(lb for _, lb in coll)),
+        "comm_us": comm_s * 1e6,
+        "work_flops": sum(o.flops for o in work),
+        "work_bytes": sum(o.bytes for o in work),
+        "work_us": work_s * 1e6,
+        "total_us": (comm_s + work_s) * 1e6,
+        "norm_tokens": rows,
+        "residual_bytes": 2.0 * rows * hidden,
+    }
+
+
+_PER_POINT_SUMS = ("link_bytes", "comm_us", "work_flops", "work_bytes", "work_us", "total_us")
+_THRESHOLDS: dict[tuple[Any, ...], int | None] = {}
+
+
+def flashcomm_threshold(chip: Chip, hidden: int, tp: int, option: str = "flashcomm",
+                        eps: float = 1e-5) -> int | None:
+    """The token count per TP group from which ``option`` (FlashComm, bf16 or int8) is never
+    slower than a plain all-reduce at one reduction point (collectives + the residual/norm work
+    after them, :func:`sync_point`); None when tp is 1 or it is slower up to
+    THRESHOLD_MAX_TOKENS tokens.
+
+    Why a threshold: FlashComm launches two collectives instead of one (one more latency) and
+    pads the tokens to a multiple of tp, and wins back (1 - 1/tp) of the residual add + norm
+    work (and, with int8, half the gathered bytes less the quantize/dequantize work), all in
+    proportion to the tokens. Within a block of tp token counts sharing one padded size the
+    FlashComm time is flat and the all-reduce time grows, and from block to block the
+    difference falls, so the last losing token count is found by two binary searches.
+    """
+    if option not in ("flashcomm", "flashcomm-int8"):
+        raise _err("option", "'flashcomm' or 'flashcomm-int8'", option)
+    if tp <= 1:
+        return None
+    key = (chip.name, chip.hbm_gbs, chip.bf16_tflops, chip.link_gbs_per_direction,
+           chip.collective_latency_us, hidden, tp, option)
+    if key in _THRESHOLDS:
+        return _THRESHOLDS[key]
+
+    def loses(T: int) -> bool:  # FlashComm strictly slower than the all-reduce at T tokens
+        fc = sync_point(chip, hidden, eps, tp, T, option)["total_us"]
+        return fc > sync_point(chip, hidden, eps, tp, T, "allreduce")["total_us"]
+
+    def first(k: int) -> int:  # first token count of block k (padded size k * tp)
+        return (k - 1) * tp + 1
+
+    out: int | None
+    if not loses(1):
+        out = 1
+    else:
+        lo, hi = 1, 2  # loses(first(lo)); look for a block whose first count wins
+        while loses(first(hi)):
+            lo, hi = hi, hi * 2
+            if first(hi) > THRESHOLD_MAX_TOKENS:
+                _THRESHOLDS[key] = None
+                return None
+        while hi - lo > 1:  # last losing block
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if loses(first(mid)) else (lo, mid)
+        a, b = first(lo), lo * tp  # last losing token count inside block lo
+        while a < b:
+            mid = (a + b + 1) // 2
+            a, b = (mid, b) if loses(mid) else (a, mid - 1)
+        out = a + 1
+    _THRESHOLDS[key] = out
+    return out
+
+
+def choose_comm(comm: str, tp: int, tokens: int, threshold: int | None) -> str:
+    """The option a phase uses: "none" at tp 1; ``auto`` = FlashComm (bf16) from ``threshold``
+    tokens per TP group on, else all-reduce; otherwise ``comm`` as given."""
+    if comm not in COMM_CHOICES:
+        raise _err("comm", f"one of {', '.join(COMM_CHOICES)}", comm)
+    if tp <= 1:
+        return "none"
+    if comm == "auto":
+        return "flashcomm" if threshold is not None and tokens >= threshold else "allreduce"
+    return comm
 
 
 def phase_cost(cfg: GLM5Config, chip: Chip, scheme: Scheme | None, lay: Layout, phase: str,
-               mtp: bool = False) -> dict[str, Any]:
-    """Per-device flops, bytes, op list and times of one decode step or one prefill.
+               mtp: bool = False, comm: str = "auto") -> dict[str, Any]:
+    """Per-device flops, bytes, op list, communication and times of one decode step or one
+    prefill, with the TP reductions done the ``comm`` way (:data:`COMM_CHOICES`).
 
     decode: each of the device's ``local_batch`` sequences adds one token at context L;
-    prefill: each processes L tokens (causal). Logits only for the last token of each sequence.
+    prefill: each processes L tokens (causal) in one forward. Logits only for the last token of
+    each sequence.
     """
     if phase not in ("decode", "prefill"):
         raise _err("phase", "'decode' or 'prefill'", phase)
     seqs = lay.local_batch
-    T = seqs if phase == "decode" else seqs * lay.context
+    T = seqs if phase == "decode" else seqs * lay.context  # tokens per TP group
     global_tokens = lay.batch if phase == "decode" else lay.batch * lay.context
-    co = _Coster(cfg, scheme, lay)
-    D = cfg.hidden_size
+    D, eps = cfg.hidden_size, cfg.rms_norm_eps
+    thresholds = {o: flashcomm_threshold(chip, D, lay.tp, o, eps)
+                  for o in ("flashcomm", "flashcomm-int8")}
+    option = choose_comm(comm, lay.tp, T, thresholds["flashcomm"])
+    co = _Coster(cfg, scheme, lay, option)
     ops: list[OpCost] = []
-    n_layers = 0
-    moe_layers = 0
-    kinds = [(kind, layers[0], len(layers), cfg) for kind, layers in _kinds(cfg).items()]
-    if mtp:
-        for _ in range(cfg.num_nextn_predict_layers):
-            mk = "sparse" if "sparse" in cfg.mlp_layer_types else "dense"
-            kinds.append(((mk, "full"), 0, 1, _mtp_cfg(cfg)))
-    for (mlp, _idx), first, n, kcfg in kinds:
+    kinds = [("moe" if mlp == "sparse" else "dense", mlp, layers[0], len(layers), cfg)
+             for (mlp, _), layers in _kinds(cfg).items()]
+    n_mtp = cfg.num_nextn_predict_layers if mtp else 0
+    for _ in range(n_mtp):
+        mk = "sparse" if "sparse" in cfg.mlp_layer_types else "dense"
+        kinds.append(("mtp", mk, 0, 1, _mtp_cfg(cfg)))
+    layer_counts: dict[str, list[int]] = {}  # kind -> [layers, of which MoE]
+    for kind, mlp, first, n, kcfg in kinds:
         layer = _meta_layer(kcfg, first, mlp)
         pre = f"model.layers.{first}."
         co.cfg = kcfg
         ops += co.layer(T, seqs, phase, float(n), layer.self_attn, pre)
         if mlp == "sparse":
             ops += co.moe(pre, T, global_tokens, float(n))
-            moe_layers += n
         else:
             ops += co.dense_mlp(pre + "mlp.", T, cfg.intermediate_size, "mlp", float(n))
-        n_layers += n
+        cnt = layer_counts.setdefault(kind, [0, 0])
+        cnt[0] += n
+        cnt[1] += n if mlp == "sparse" else 0
     co.cfg = cfg
     out_rows = seqs  # logits for the last token of each sequence
-    f, b = op_cost("rms_norm", x=_t(out_rows, D), weight=_t(D), eps=cfg.rms_norm_eps)
+    f, b = op_cost("rms_norm", x=_t(out_rows, D), weight=_t(D), eps=eps)
     ops.append(OpCost("final_norm", "rms_norm", f, b, "bf16"))
-    heads = 1 + (cfg.num_nextn_predict_layers if mtp else 0)
+    heads = 1 + n_mtp
     if mtp:
         mp = f"model.layers.{cfg.num_hidden_layers}."
-        ops.append(co.linear("mtp.eh_proj", mp + "eh_proj.weight", T, D, 2 * D,
-                             cfg.num_nextn_predict_layers))
+        ops.append(co.linear("mtp.eh_proj", mp + "eh_proj.weight", T, D, 2 * D, n_mtp))
     ops.append(co.linear("lm_head", "lm_head.weight", out_rows, cfg.vocab_size // lay.tp, D,
                          heads))
     compute_s = sum(o.seconds(chip) for o in ops)
-    # communication: two all-reduces of [T, D] bf16 per layer (after attention, after the MLP)
-    ar_bytes = 2.0 * T * D * 2 * n_layers
-    tp_s = _ring_allreduce_s(ar_bytes, lay.tp, chip)
-    # dispatch + combine of each token's hidden state to its k experts, per MoE layer; each
-    # device sends the tokens it owns (global_tokens / devices)
-    a2a_bytes = 2.0 * moe_layers * (global_tokens / lay.devices) * cfg.num_experts_per_tok * D * 2
-    ep_s = _alltoall_s(a2a_bytes, lay.ep, chip)
+    cm = comm_section(cfg, chip, lay, T, global_tokens, layer_counts, n_mtp, option, thresholds)
+    tp_s, ep_s = cm["tp_ms"] / 1e3, cm["ep_ms"] / 1e3
     total_s = compute_s + tp_s + ep_s
     res: dict[str, Any] = {
         "tokens_per_device": T,
         "flops": sum(o.flops * o.count for o in ops),
         "bytes": sum(o.bytes * o.count for o in ops),
         "compute_ms": compute_s * 1e3,
-        "tp_allreduce_bytes": ar_bytes if lay.tp > 1 else 0.0,
-        "tp_allreduce_ms": tp_s * 1e3,
-        "ep_alltoall_bytes": a2a_bytes if lay.ep > 1 else 0.0,
+        "comm_option": option,
+        "tp_comm_link_bytes": cm["tp_link_bytes"],
+        "tp_comm_ms": tp_s * 1e3,
+        "ep_alltoall_link_bytes": cm["ep_link_bytes"],
         "ep_alltoall_ms": ep_s * 1e3,
         "total_ms": total_s * 1e3,
+        "comm": cm,
         "ops": _summarise(ops, chip),
     }
     if phase == "decode":
@@ -503,6 +693,62 @@ def phase_cost(cfg: GLM5Config, chip: Chip, scheme: Scheme | None, lay: Layout, 
         res["time_s"] = total_s
         res["tokens_per_s"] = lay.batch * lay.context / total_s
     return res
+
+
+def comm_section(cfg: GLM5Config, chip: Chip, lay: Layout, tokens: int, global_tokens: int,
+                 layer_counts: dict[str, list[int]], stacks_extra: int, option: str,
+                 thresholds: dict[str, int | None]) -> dict[str, Any]:
+    """Communication of one phase per layer kind ('dense', 'moe', 'mtp'): for each TP option
+    the per-layer figures of its two reduction points (:func:`sync_point`, doubled), the EP
+    dispatch + combine of an MoE layer, and the phase totals for the chosen ``option``.
+
+    EP all-to-all: each device sends the hidden states of the tokens it owns
+    (global_tokens / devices) to their k experts and gets them back: two all-to-alls of
+    tokens/devices * k * hidden * 2 bytes each. FlashComm also gathers the residual stream once
+    at the end of each stack (the main layers, each MTP block): one bf16 all-gather each.
+    """
+    D, tp, ep = cfg.hidden_size, lay.tp, lay.ep
+    eps = cfg.rms_norm_eps
+    per_opt = {}
+    for o in COMM_OPTIONS:
+        pt = sync_point(chip, D, eps, tp, tokens, o)
+        # two reduction points per layer (after o_proj, after the MLP): the sums double
+        per_opt[o] = {**pt, "collectives": pt["collectives"] * 2,
+                      **{k: 2 * pt[k] for k in _PER_POINT_SUMS}}
+    a2a_payload = (global_tokens / lay.devices) * cfg.num_experts_per_tok * D * 2
+    a2a_link = all_to_all_link_bytes(a2a_payload, ep)
+    a2a = ({"collectives": ["all_to_all", "all_to_all"], "link_bytes": 2 * a2a_link,
+            "us": 2 * collective_seconds(a2a_link, chip) * 1e6} if ep > 1 else None)
+    kinds = []
+    tp_link = tp_s = ep_link = ep_s = 0.0
+    for kind, (n, n_moe) in layer_counts.items():
+        kinds.append({"kind": kind, "layers": n, "tp": per_opt if tp > 1 else None,
+                      "ep_alltoall": a2a if n_moe else None})
+        if tp > 1:
+            tp_link += n * per_opt[option]["link_bytes"]
+            tp_s += n * per_opt[option]["comm_us"] * 1e-6
+        if a2a is not None:
+            ep_link += n_moe * a2a["link_bytes"]
+            ep_s += n_moe * a2a["us"] * 1e-6
+    stack_end = None
+    if tp > 1 and option in ("flashcomm", "flashcomm-int8"):
+        lb = link_bytes("all_gather", padded_tokens(tokens, tp) // tp, D, tp)
+        stack_end = {"all_gathers": 1 + stacks_extra, "link_bytes": (1 + stacks_extra) * lb,
+                     "us": (1 + stacks_extra) * collective_seconds(lb, chip) * 1e6}
+        tp_link += stack_end["link_bytes"]
+        tp_s += stack_end["us"] * 1e-6
+    return {
+        "option": option,
+        "tokens_per_tp_group": tokens,
+        "padded_tokens": padded_tokens(tokens, tp),
+        "thresholds": thresholds,
+        "kinds": kinds,
+        "stack_end_gather": stack_end,
+        "tp_link_bytes": tp_link,
+        "tp_ms": tp_s * 1e3,
+        "ep_link_bytes": ep_link,
+        "ep_ms": ep_s * 1e3,
+    }
 
 
 def _summarise(ops: list[OpCost], chip: Chip) -> list[dict[str, Any]]:
@@ -593,11 +839,18 @@ def _candidates(cfg: GLM5Config, max_devices: int = 4096) -> list[tuple[int, int
 
 def plan(cfg: GLM5Config, chip: str | Chip, quant: str, batch: int, context: int, tp: int = 1,
          ep: int = 1, kv_dtype: str = "bf16", reserve_gb: float | None = None,
-         mtp: bool = False, suggest: bool = True) -> dict[str, Any]:
-    """The full plan as a JSON-serializable dict (see docs/planner.md for every field)."""
+         mtp: bool = False, suggest: bool = True, comm: str = "auto") -> dict[str, Any]:
+    """The full plan as a JSON-serializable dict (see docs/planner.md for every field).
+    ``comm`` (:data:`COMM_CHOICES`): how TP groups sum partial outputs in the step times;
+    FlashComm needs tp > 1."""
     ch = chip if isinstance(chip, Chip) else get_chip(chip)
     sc = get_quant(quant)
     check_inputs(cfg, batch, context, tp, ep)
+    if comm not in COMM_CHOICES:
+        raise _err("comm", f"one of {', '.join(COMM_CHOICES)}", comm)
+    if tp == 1 and comm in ("flashcomm", "flashcomm-int8"):
+        raise _err("comm", "allreduce or auto with tp 1 (FlashComm replaces the TP all-reduce)",
+                   comm)
     if kv_dtype not in KV_DTYPES:
         raise _err("kv_dtype", f"one of {', '.join(KV_DTYPES)}", kv_dtype)
     if reserve_gb is not None and not (reserve_gb >= 0):
@@ -610,7 +863,7 @@ def plan(cfg: GLM5Config, chip: str | Chip, quant: str, batch: int, context: int
     out: dict[str, Any] = {
         "inputs": {"chip": ch.name, "quant": quant, "batch": batch, "context": context,
                    "tp": tp, "ep": ep, "kv_dtype": kv_dtype, "mtp": mtp,
-                   "reserve_gb": reserve / 1e9},
+                   "reserve_gb": reserve / 1e9, "comm": comm},
         "chip": ch.as_dict(),
         "layout": asdict(lay),
         "formula": FORMULA,
@@ -619,19 +872,22 @@ def plan(cfg: GLM5Config, chip: str | Chip, quant: str, batch: int, context: int
                   "weight_bytes_by_class": wb["by_class"], "params_counted": wb["params"],
                   "quantized_params": wb["quantized_params"]},
         "memory": mem,
-        "decode": phase_cost(cfg, ch, sc, lay, "decode", mtp),
-        "prefill": phase_cost(cfg, ch, sc, lay, "prefill", mtp),
+        "decode": phase_cost(cfg, ch, sc, lay, "decode", mtp, comm),
+        "prefill": phase_cost(cfg, ch, sc, lay, "prefill", mtp, comm),
         "suggestion": None,
     }
     if suggest and not mem["fits"]:
-        out["suggestion"] = smallest_fit(cfg, ch, sc, wb, batch, context, kv_dtype, reserve, mtp)
+        out["suggestion"] = smallest_fit(cfg, ch, sc, wb, batch, context, kv_dtype, reserve, mtp,
+                                         comm)
     return out
 
 
 def smallest_fit(cfg: GLM5Config, chip: Chip, sc: Scheme | None, wb: dict[str, Any], batch: int,
-                 context: int, kv_dtype: str, reserve: float, mtp: bool) -> dict[str, Any] | None:
+                 context: int, kv_dtype: str, reserve: float, mtp: bool,
+                 comm: str = "auto") -> dict[str, Any] | None:
     """The (tp, ep) with the fewest devices whose memory fits; among those, the fastest decode
-    step. None when nothing up to 4096 devices fits."""
+    step (``comm`` as asked where tp > 1; a tp 1 candidate has no TP reduction). None when
+    nothing up to 4096 devices fits."""
     best: tuple[int, float, int, int] | None = None
     for tp, ep in _candidates(cfg):
         lay = Layout(batch, context, tp, ep)
@@ -639,7 +895,8 @@ def smallest_fit(cfg: GLM5Config, chip: Chip, sc: Scheme | None, wb: dict[str, A
             break
         if not memory(cfg, chip, wb, lay, kv_dtype, reserve, mtp)["fits"]:
             continue
-        ms = phase_cost(cfg, chip, sc, lay, "decode", mtp)["total_ms"]
+        ms = phase_cost(cfg, chip, sc, lay, "decode", mtp,
+                        comm if tp > 1 else "auto")["total_ms"]
         if best is None or ms < best[1]:
             best = (lay.devices, ms, tp, ep)
     if best is None:
@@ -691,8 +948,8 @@ def format_plan(p: dict[str, Any], top: int = 8) -> str:
         f"  FLOPs           {_num(d['flops']):<18} {_num(f['flops'])}",
         f"  bytes           {_num(d['bytes']) + 'B':<18} {_num(f['bytes'])}B",
         f"  compute         {d['compute_ms']:<10.3f} ms      {f['compute_ms'] / 1e3:.3f} s",
-        f"  TP all-reduce   {d['tp_allreduce_ms']:<10.3f} ms      "
-        f"{f['tp_allreduce_ms'] / 1e3:.3f} s",
+        f"  TP comm         {d['tp_comm_ms']:<10.3f} ms      {f['tp_comm_ms'] / 1e3:.3f} s",
+        f"    (option)      {d['comm_option']:<18} {f['comm_option']}",
         f"  EP all-to-all   {d['ep_alltoall_ms']:<10.3f} ms      "
         f"{f['ep_alltoall_ms'] / 1e3:.3f} s",
         f"  total           {d['total_ms']:<10.3f} ms      {f['time_s']:.3f} s",
@@ -704,7 +961,55 @@ def format_plan(p: dict[str, Any], top: int = 8) -> str:
     for r in d["ops"][:top]:
         rows.append((r["label"], f"{r['calls']:g}", r["dtype"], _num(r["flops"]),
                      _num(r["bytes"]) + "B", f"{r['ms']:.3f}", r["bound"]))
-    w = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
-    lines += ["  " + "  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip() for r in rows]
-    lines += ["", f"model: {p['formula']}"]
+    lines += _table(rows, "  ")
+    lines += ["", *format_comm(p), "", f"model: {p['formula']}"]
     return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]], indent: str) -> list[str]:
+    w = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip() for r in rows]
+
+
+def format_comm(p: dict[str, Any]) -> list[str]:
+    """The plan's communication section as text lines: per phase and layer kind, link bytes
+    sent per device per layer and the time of the collectives + the residual/norm work after
+    them, for each TP option and the EP all-to-all; the FlashComm thresholds; the options the
+    step times use."""
+    ch, lay = p["chip"], p["layout"]
+    est = ", estimate" if "collective_latency_us" in ch["estimates"] else ""
+    head = (f"communication per device ({ch['link_name']}: {ch['link_gbs_per_direction']:g} GB/s "
+            f"each way, {ch['collective_latency_us']:g} us per collective{est})")
+    if lay["tp"] == 1 and lay["ep"] == 1:
+        return [head, "  none: one device"]
+    lines = [head, "  per layer: link bytes sent, and us = the collectives + the residual add and "
+             "RMSNorm after them"]
+    for phase in ("decode", "prefill"):
+        cm = p[phase]["comm"]
+        lines.append(f"  {phase}, {cm['tokens_per_tp_group']:,} tokens per TP group"
+                     + (f" (padded to {cm['padded_tokens']:,})"
+                        if cm["padded_tokens"] != cm["tokens_per_tp_group"] else ""))
+        opts = COMM_OPTIONS if lay["tp"] > 1 else ()
+        rows = [("layers", *opts, "EP all-to-all")]
+        for k in cm["kinds"]:
+            cells = [f"{k['kind']} x{k['layers']}"]
+            for o in opts:
+                r = k["tp"][o]
+                cells.append(f"{_num(r['link_bytes'])}B {r['total_us']:,.1f} us")
+            a = k["ep_alltoall"]
+            cells.append(f"{_num(a['link_bytes'])}B {a['us']:,.1f} us" if a else "-")
+            rows.append(tuple(cells))
+        lines += _table(rows, "    ")
+    th = p["decode"]["comm"]["thresholds"]
+    if lay["tp"] > 1:
+        def at(n: int | None) -> str:
+            return f"from {n:,} tokens per TP group" if n is not None else "never"
+
+        lines.append(f"  FlashComm beats all-reduce {at(th['flashcomm'])}; with the int8 "
+                     f"all-gather {at(th['flashcomm-int8'])} (vllm-ascend used 1,000 for dense "
+                     f"models)")
+    else:
+        lines.append("  no TP reduction (tp 1)")
+    lines.append(f"  step times use: decode {p['decode']['comm_option']}, prefill "
+                 f"{p['prefill']['comm_option']} (--comm {p['inputs']['comm']})")
+    return lines
