@@ -475,6 +475,10 @@ def _listen_socket(host: str, port: int):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)
+        # listening from now on: a client that connects once the "at http://..." line is out
+        # waits in the backlog until the server accepts, instead of being refused while
+        # uvicorn starts (a race seen in CI)
+        sock.listen(2048)
     except OSError as e:
         sock.close()
         raise CommandError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None

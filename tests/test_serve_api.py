@@ -758,3 +758,18 @@ def test_cli_serve_answers_and_drains_on_sigterm(model_and_tok, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_serve_socket_accepts_connections_before_uvicorn_runs():
+    """`glm5 serve` prints its URL before uvicorn starts: the socket must already listen, so a
+    client connecting at once waits instead of being refused."""
+    import socket
+
+    from glm5.cli import _listen_socket
+
+    sock = _listen_socket("127.0.0.1", 0)
+    try:
+        c = socket.create_connection(sock.getsockname()[:2], timeout=5)  # refused if not
+        c.close()
+    finally:
+        sock.close()
