@@ -769,7 +769,12 @@ def test_the_serve_socket_accepts_connections_before_uvicorn_runs():
 
     sock = _listen_socket("127.0.0.1", 0)
     try:
-        c = socket.create_connection(sock.getsockname()[:2], timeout=5)  # refused if not
-        c.close()
+        addr = sock.getsockname()[:2]
+        try:
+            c = socket.create_connection(addr, timeout=5)
+        except ConnectionRefusedError:
+            pytest.fail("glm5 serve's socket refused a connection: it is not listening yet")
+        with c:
+            assert c.getpeername()[:2] == addr  # connected (waiting in the backlog)
     finally:
         sock.close()
