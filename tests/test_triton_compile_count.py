@@ -233,3 +233,18 @@ def test_misaligned_pointer_is_a_variant():
     k = {compile_check.specialization_key(_len_runtime_kernel, (x[o:], 5), {"BLOCK": 16})
          for o in (0, 1, 4)}
     assert len(k) == 2
+
+
+def test_entry_kernel_names_its_arguments():
+    from glm5.kernels.triton._common import entry_kernel
+
+    def k(x_ptr, T, N_TILES, BLOCK: triton.language.constexpr):
+        pass
+
+    with pytest.raises(TypeError, match="k has no argument S"):
+        entry_kernel("T", "S")(k)
+    # grid-policy args the kernel lacks (NUM_PROGRAMS, GRID_i) are left out, not passed on
+    kern = entry_kernel("T")(k)
+    x = torch.empty(4)
+    assert len({compile_check.specialization_key(kern, (x, n, n), {"BLOCK": 16})
+                for n in (1, 16, 17)}) == 1
