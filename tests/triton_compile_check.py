@@ -24,8 +24,8 @@ import os
 import sys
 import time
 
-KERNEL_MODULES = ("_norm_kernels", "_indexer_kernels", "_attention_kernels", "_prolog_kernels",
-                  "_moe_kernels", "_quant_kernels", "_logprobs_kernels")
+from glm5.kernels.triton.compile_check import KERNEL_MODULES
+
 CODES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "i8",
          "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64"}
 

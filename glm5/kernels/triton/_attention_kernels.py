@@ -9,10 +9,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from glm5.kernels.triton._common import dot as _dot
+from glm5.kernels.triton._common import dot as _dot, entry_kernel
 
 
-@triton.jit
+@entry_kernel("K")
 def attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
                      G, Dqk, Dv, K, N_HB, qk_scale,
                      sqt, sqh, sqd, sks, skh, skd, svs, svh, svd, sit, sik,

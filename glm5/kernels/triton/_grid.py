@@ -29,6 +29,12 @@ from typing import Any, Callable
 
 POLICIES = ("tiles", "persistent")
 
+# The grid-policy arguments ``launch`` appends. They vary with the sequence length, so no kernel
+# lets Triton specialize on them (``_common.entry_kernel``): Triton would otherwise compile a new
+# variant whenever one of them becomes 1 or changes its divisibility by 16 (docs/performance.md,
+# "Compilation per variant"; tests/test_triton_compile_count.py).
+GRID_ARGS: tuple[str, ...] = ("N_TILES", "NUM_PROGRAMS", "GRID_1", "GRID_2")
+
 
 def policy(p: dict[str, Any], op: str) -> str:
     """The tuning entry's grid policy, checked."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from glm5.kernels.triton._common import dot as _dot
+from glm5.kernels.triton._common import dot as _dot, entry_kernel
 
 # order key of -inf: bits 0xFF800000 as int32 = -8388608, ^ 0x7FFFFFFF -> -2139095041
 HI_NINF = -2139095041
@@ -54,7 +54,7 @@ def _order_key(score, s_idx):
     return (b.to(tl.int64) << 32) | (4294967295 - s_idx.to(tl.int64))
 
 
-@triton.jit
+@entry_kernel("T", "S", "sot")
 def lightning_indexer_kernel(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, T, S, Hi, Di,
                              sqt, sqh, sqd, sks, skd, swt, swh, sot, sos,
                              N_TILES, NUM_PROGRAMS, GRID_1,
@@ -98,7 +98,7 @@ def _indexer_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, T, S, Hi, Di,
              mask=t_mask[:, None] & s_mask[None, :])
 
 
-@triton.jit
+@entry_kernel("T", "S")
 def indexer_topk_kernel(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr,
                         T, S, Hi, Di, TOPK,
                         sqt, sqh, sqd, sks, skd, swt, swh, sot, sok, N_TILES, NUM_PROGRAMS,
@@ -188,7 +188,7 @@ def _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, T, S, Hi, D
              mask=t_mask[:, None] & (cols[None, :] < TOPK))
 
 
-@triton.jit
+@entry_kernel("T", "sbb")
 def paged_indexer_topk_kernel(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr,
                               T, PS, Hi, Di, TOPK,
                               sqt, sqh, sqd, sks, skd, swt, swh, sbb, sbp, sot, sok,

@@ -13,8 +13,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from glm5.kernels.triton._common import entry_kernel
 
-@triton.jit
+
+@entry_kernel("T", "v_per_split")
 def token_logprobs_partial_kernel(
     h_ptr, w_ptr, tgt_ptr, m_ptr, s_ptr, zs_ptr, zt_ptr,
     T, V, D, inv_temp, v_per_split,
@@ -93,7 +95,7 @@ def _partial_tile(
     tl.store(zt_ptr + out, zt, mask=rmask)
 
 
-@triton.jit
+@entry_kernel("T", "SPLIT")
 def token_logprobs_combine_kernel(m_ptr, s_ptr, zs_ptr, zt_ptr, logp_ptr, ent_ptr, T, SPLIT,
                                   N_TILES, NUM_PROGRAMS,
                                   BLOCK_T: tl.constexpr, PERSISTENT: tl.constexpr):

@@ -9,10 +9,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from glm5.kernels.triton._common import dot as _dot
+from glm5.kernels.triton._common import dot as _dot, entry_kernel
 
 
-@triton.jit
+@entry_kernel()
 def moe_gemm13_kernel(x_ptr, w13_ptr, h_ptr, tok_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
                       D, I, sxt, sxd, swe, swn, swd, shr, shi, N_TILES, NUM_PROGRAMS, GRID_1,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -68,7 +68,7 @@ def _gemm13_tile(x_ptr, w13_ptr, h_ptr, tok_ptr, tile_e_ptr, tile_lo_ptr, tile_h
                  h.to(h_ptr.dtype.element_ty), mask=rm[:, None] & nm[None, :])
 
 
-@triton.jit
+@entry_kernel()
 def moe_gemm2_kernel(h_ptr, w2_ptr, y_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
                      D, I, shr, shi, swe, swn, swi, syr, syd, N_TILES, NUM_PROGRAMS, GRID_1,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -116,7 +116,7 @@ def _gemm2_tile(h_ptr, w2_ptr, y_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
                  mask=rm[:, None] & nm[None, :])
 
 
-@triton.jit
+@entry_kernel()
 def moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, w_ptr, out_ptr, D, KTOP,
                        syr, syd, sit, sik, swt, swk, sot, sod, N_TILES, NUM_PROGRAMS, GRID_1,
                        BLOCK_D: tl.constexpr, PERSISTENT: tl.constexpr):

@@ -10,8 +10,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from glm5.kernels.triton._common import entry_kernel
 
-@triton.jit
+
+@entry_kernel()
 def rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_xr, stride_xd, stride_w, stride_yr, eps,
                     N_TILES, NUM_PROGRAMS,
                     BLOCK_D: tl.constexpr, ONE_PASS: tl.constexpr, PERSISTENT: tl.constexpr):
@@ -58,7 +60,7 @@ def _rms_norm_row(x_ptr, w_ptr, y_ptr, D, stride_xr, stride_xd, stride_w, stride
             tl.store(y_row + c, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@entry_kernel()
 def silu_mul_kernel(x_ptr, y_ptr, I, stride_xr, stride_xc, stride_yr, N_TILES, NUM_PROGRAMS,
                     GRID_1, BLOCK_I: tl.constexpr, PERSISTENT: tl.constexpr):
     """Grid (rows, cdiv(I, BLOCK_I)): y[r, i] = silu(x[r, i]) * x[r, I + i] (fp32 math)."""
@@ -84,7 +86,7 @@ def _silu_mul_tile(x_ptr, y_ptr, I, stride_xr, stride_xc, stride_yr, pid0, pid1,
     tl.store(y_ptr + row * stride_yr + cols, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@entry_kernel()
 def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, M, HALF,
                 stride_xt, stride_xm, stride_xr, stride_ct, stride_cr, stride_st, stride_sr,
                 stride_yt, stride_ym, N_TILES, NUM_PROGRAMS, GRID_1,

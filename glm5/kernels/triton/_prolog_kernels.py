@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from glm5.kernels.triton._common import entry_kernel
+
 
 @triton.jit
 def _rms_row(ptr, g_ptr, n, sx, sg, eps, BLOCK: tl.constexpr):
@@ -21,7 +23,7 @@ def _rms_row(ptr, g_ptr, n, sx, sg, eps, BLOCK: tl.constexpr):
     return x * (1.0 / tl.sqrt(ms + eps)) * g, c, m
 
 
-@triton.jit
+@entry_kernel()
 def prolog_token_kernel(cq_raw_ptr, g_qa_ptr, cq_ptr, kv_ptr, g_kva_ptr, cos_ptr, sin_ptr,
                         slots_ptr, cache_ptr, Rq, Rkv, R2, eps,
                         s_cqr_t, s_cqr_c, s_gqa, s_cq_t, s_cq_c, s_kv_t, s_kv_c, s_gkva,
@@ -74,7 +76,7 @@ def _prolog_token(cq_raw_ptr, g_qa_ptr, cq_ptr, kv_ptr, g_kva_ptr, cos_ptr, sin_
         tl.store(dst + (Rkv + 2 * i + 1) * s_cache_c, (o * cs + e * sn).to(ty), mask=mi)
 
 
-@triton.jit
+@entry_kernel()
 def prolog_q_kernel(q_ptr, cos_ptr, sin_ptr, qn_ptr, qpe_ptr, Dn, R2, DH,
                     s_q_t, s_q_c, s_cos_t, s_cos_i, s_sin_t, s_sin_i,
                     s_qn_t, s_qn_h, s_qn_d, s_qpe_t, s_qpe_h, s_qpe_d,

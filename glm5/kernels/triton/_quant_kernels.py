@@ -20,6 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from glm5.kernels.triton._common import entry_kernel
+
 GROUP: tl.constexpr = tl.constexpr(128)
 
 
@@ -34,7 +36,7 @@ def _round_half_even(v):
     return tl.where(up, f + 1.0, f)
 
 
-@triton.jit
+@entry_kernel()
 def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_xk, stride_qm,
                          N_TILES, NUM_PROGRAMS,
                          QMAX: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
@@ -131,7 +133,7 @@ def _group_isum(xq_ptr, w_ptr, offs_m, offs_n, k0, M, N, K, stride_xm, stride_wn
     return isum
 
 
-@triton.jit
+@entry_kernel("M")
 def quant_linear_int_kernel(
     xq_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr,
     M, N, K, G, stride_xm, stride_wn, stride_swn, stride_ym, N_TILES, NUM_PROGRAMS, GRID_1,
@@ -188,7 +190,7 @@ def _int_tile(
              y.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
-@triton.jit
+@entry_kernel("M")
 def quant_linear_w8a16_kernel(
     x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr,
     M, N, K, stride_xm, stride_xk, stride_wn, stride_ym, N_TILES, NUM_PROGRAMS, GRID_1,

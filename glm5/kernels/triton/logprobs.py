@@ -23,6 +23,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "TARGET_PROGRAMS": 264,
         # The interpreter runs programs one after another: splitting only adds work there.
         "TARGET_PROGRAMS_INTERPRETED": 0,
+        # Tokens per program of the kernel merging the split partials.
+        "COMBINE_BLOCK_T": 256,
     },
 }
 
@@ -45,8 +47,9 @@ def make_token_logprobs(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, 
         if T == 0:
             return logp, ent
         interp = interpreted()
+        # Tiles never follow T (a tl.constexpr that did would compile per length bucket):
+        # fewer tokens than BLOCK_T are masked.
         bt = max(16, next_pow2(int(p.get("BLOCK_T", 64))))
-        bt = min(bt, max(16, next_pow2(T)))
         bv = max(16, next_pow2(int(p.get("BLOCK_V", 128))))
         bd = max(16, next_pow2(int(p.get("BLOCK_D", 64))))
         bd = min(bd, max(16, next_pow2(D)))
@@ -61,7 +64,9 @@ def make_token_logprobs(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, 
         split = max(1, min(split, n_chunks))
         per = cdiv(n_chunks, split)  # chunks per split; no split is left empty
         split = cdiv(n_chunks, per)
-        parts = torch.empty(4, split, T, dtype=torch.float32, device=dev)
+        # four allocations, not views of one: a view at offset i*split*T floats is 16-byte
+        # aligned only for some T, and alignment is part of Triton's specialization key
+        parts = [torch.empty(split, T, dtype=torch.float32, device=dev) for _ in range(4)]
         dot_f32 = interp or h.dtype == torch.float32 or w_vocab.dtype == torch.float32
         k = _kernels()
         launch(
@@ -70,7 +75,7 @@ def make_token_logprobs(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, 
             T, V, D, 1.0 / float(temperature), per * bv,
             h.stride(0), h.stride(1), w_vocab.stride(0), w_vocab.stride(1), targets.stride(0),
             BLOCK_T=bt, BLOCK_V=bv, BLOCK_D=bd, DOT_F32=dot_f32, **launch_opts(p))
-        cb = max(16, min(1024, next_pow2(T)))
+        cb = max(16, next_pow2(int(p.get("COMBINE_BLOCK_T", 256))))
         launch(
             k.token_logprobs_combine_kernel, (cdiv(T, cb),), p, "token_logprobs",
             parts[0], parts[1], parts[2], parts[3], logp, ent, T, split, BLOCK_T=cb)

@@ -81,7 +81,9 @@ def make_quant_linear(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         if M <= int(p.get("SMALL_M", 16)):
             bm = int(p.get("BLOCK_M_SMALL_M", bm))
             bn = int(p.get("BLOCK_N_SMALL_M", bn))
-        bm = max(16, min(next_pow2(bm), next_pow2(M)))
+        # BLOCK_M follows M only through the two regimes above (decode / prefill tiles, one
+        # compilation each): a tile clipped to next_pow2(M) compiled once per length bucket.
+        bm = max(16, next_pow2(bm))
         bn = max(16, min(next_pow2(bn), next_pow2(N)))
         bk = max(32, min(next_pow2(int(p.get("BLOCK_K", 128))), GROUP))
         grid = (cdiv(M, bm), cdiv(N, bn))

@@ -1,0 +1,250 @@
+"""No compilation per sequence length: every Triton kernel of glm5.kernels.triton, launched by its
+op's launcher for 50 different lengths (1, odd values, multiples of 16, up to 1000), must need
+exactly one compiled variant per declared variant -- measured as Triton's own specialization
+key for a CUDA target (glm5.kernels.triton.compile_check), so no GPU is needed and nothing is
+compiled or run. The planted-bug tests show the check fails for a length passed as a
+``tl.constexpr`` or as a specialized int."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Callable
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from glm5.ir.quant_formats import quantize_weight  # noqa: E402
+from glm5.kernels.triton import compile_check, registry  # noqa: E402
+from glm5.kernels.triton.launch import interpreted  # noqa: E402
+
+# 50 lengths: 1, small odd and even values, multiples of 16 and their neighbours.
+LENGTHS = sorted({1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 15, 16, 17, 19, 23, 31, 32, 33, 37, 47, 48,
+                  49, 63, 64, 65, 80, 97, 111, 112, 127, 128, 129, 160, 191, 192, 200, 255, 256,
+                  257, 301, 320, 383, 384, 449, 511, 512, 513, 640, 1000})
+assert len(LENGTHS) == 50
+
+DEV = "cuda" if torch.cuda.is_available() and not interpreted() else "cpu"
+BF = torch.bfloat16
+
+
+def _r(*shape: int, dtype: torch.dtype = BF) -> torch.Tensor:
+    return torch.randn(*shape, device=DEV).to(dtype)
+
+
+def _i(*shape: int, hi: int) -> torch.Tensor:
+    return torch.randint(0, max(hi, 1), shape, device=DEV, dtype=torch.int32)
+
+
+def _ranges(T: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal key ranges of the last T of S positions: [0, S - T + t + 1)."""
+    ke = torch.arange(S - T + 1, S + 1, device=DEV, dtype=torch.int32).clamp(min=0)
+    return torch.zeros_like(ke), ke
+
+
+# Each scenario: (op, call(fn, L) -> None, variant(L) -> label). A label groups the lengths that
+# must share one compilation; all labels but quant_linear's are the same for every length.
+def _lightning(fn, L):
+    for T, S in ((L, L), (1 + L % 3, L)):  # prefill, decode (a few queries over L keys)
+        ks, ke = _ranges(T, S)
+        fn(_r(T, 2, 16), _r(S, 16), _r(T, 2, dtype=torch.float32), ks, ke)
+
+
+def _topk(fn, L):
+    for T, S in ((L, L), (1 + L % 3, L)):
+        ks, ke = _ranges(T, S)
+        fn(_r(T, 2, 16), _r(S, 16), _r(T, 2, dtype=torch.float32), ks, ke, 4)
+
+
+def _paged(fn, L):
+    ps = 4
+    pages = math.ceil(L / ps)
+    for B in (L, 1 + L % 3):  # a prefill chunk / a decode batch over sequences of L keys
+        pool = _r(64 * ps, 16)
+        table = _i(B, pages, hi=64)
+        fn(_r(B, 2, 16), pool, _r(B, 2, dtype=torch.float32), table,
+           torch.arange(B, device=DEV, dtype=torch.int32) % B,
+           torch.full((B,), L, device=DEV, dtype=torch.int32), ps, 4)
+
+
+def _sparse(fn, L):
+    k = _r(L, 1, 32)
+    fn(_r(L, 4, 32), k, k[..., :16], _i(L, 8, hi=L), 0.1)
+
+
+def _attention(fn, L):
+    for T in (L, 1):
+        ks, ke = _ranges(T, L)
+        fn(_r(T, 4, 16), _r(L, 2, 16), _r(L, 2, 16), ks, ke, 0.1)
+
+
+def _mla(absorb: bool) -> Callable[..., Any]:
+    def call(fn, L):
+        D, Rq, H, Dn, Rkv, Dr = 32, 16, 2, 16, 32, 8
+        fn(_r(L, D), _r(Rq, D), _r(Rq), _r(H * (Dn + Dr), Rq), _r(Rkv + Dr, D), _r(Rkv),
+           _r(H, Dn, Rkv), _r(L, Dr // 2), _r(L, Dr // 2), 1e-6, _r(2048, Rkv + Dr),
+           _i(L, hi=2048), absorb)
+
+    return call
+
+
+def _moe(fn, L):
+    E, D, I = 4, 32, 16
+    fn(_r(L, D), _i(L, 2, hi=E), _r(L, 2), _r(E, 2 * I, D), _r(E, D, I))
+
+
+QUANT = {s: quantize_weight(torch.randn(48, 160), s) for s in ("w8a16", "w8a8", "w4a8", "w6a12")}
+
+
+def _quant(scheme: str) -> Callable[..., Any]:
+    def call(fn, L):
+        wp, ws = QUANT[scheme]
+        fn(_r(L, 160), wp.to(DEV), ws.to(DEV), scheme, None)
+
+    return call
+
+
+def _quant_variant(L: int) -> str:
+    return "decode" if L <= 16 else "prefill"
+
+
+def _logprobs(fn, L):
+    fn(_r(L, 32), _r(1000, 32), _i(L, hi=1000).long(), 0.7)  # 8 vocabulary chunks: split
+
+
+SCENARIOS: list[tuple[str, Callable[..., Any], Callable[[int], Any]]] = [
+    ("rms_norm", lambda fn, L: fn(_r(L, 32), _r(32), 1e-6), lambda L: None),
+    ("rope", lambda fn, L: fn(_r(L, 4, 16), _r(L, 8), _r(L, 8), True), lambda L: None),
+    ("silu_mul", lambda fn, L: fn(_r(L, 64)), lambda L: None),
+    ("lightning_indexer", _lightning, lambda L: None),
+    ("indexer_topk", _topk, lambda L: None),
+    ("paged_indexer_topk", _paged, lambda L: None),
+    ("sparse_attention", _sparse, lambda L: None),
+    ("attention", _attention, lambda L: None),
+    *[("mla_prolog", _mla(absorb), lambda L: None) for absorb in (True, False)],
+    ("moe_experts", _moe, lambda L: None),
+    # decode (M <= SMALL_M) and prefill tiles are two declared variants
+    *[("quant_linear", _quant(s), _quant_variant) for s in QUANT],
+    ("token_logprobs", _logprobs, lambda L: None),
+]
+
+# Tunings as the backends use them: one program per tile (cuda), and a persistent grid
+# (ascend); the vocabulary split as on a GPU (the interpreter alone would never split).
+POLICIES = {
+    "tiles": {},
+    "persistent": {"grid": "persistent", "programs": 8},
+}
+GPU_LIKE = {"token_logprobs": {"TARGET_PROGRAMS_INTERPRETED": 264}}
+
+
+def _ops(policy: str) -> dict[str, Callable[..., Any]]:
+    default = registry.default_table()
+
+    def tuning(op: str) -> dict[str, Any]:
+        return {**default.get(op, {}), **GPU_LIKE.get(op, {}), **POLICIES[policy]}
+
+    return {row[0]: row[1] for row in registry.kernels(tuning)}
+
+
+def _sweep(op: str, call: Callable[..., Any], variant: Callable[[int], Any],
+           policy: str) -> dict[tuple[str, Any], set[str]]:
+    """{(kernel, variant label): the set of keys} over LENGTHS."""
+    fn = _ops(policy)[op]
+    keys: dict[tuple[str, Any], set[str]] = defaultdict(set)
+    torch.manual_seed(0)
+    for L in LENGTHS:
+        with compile_check.record_launches() as log:
+            call(fn, L)
+        assert log, f"{op}: no kernel launched at length {L}"
+        for name, key in log:
+            keys[(name, variant(L))].add(key)
+    return keys
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_one_compilation_per_variant_over_50_lengths(policy):
+    launched: set[str] = set()
+    bad = []
+    for op, call, variant in SCENARIOS:
+        for (name, label), keys in _sweep(op, call, variant, policy).items():
+            launched.add(name)
+            if len(keys) != 1:
+                bad.append(f"{op}/{name} variant {label}: {len(keys)} compilations")
+    assert not bad, f"{policy}: compilation per length: " + "; ".join(bad)
+    # every entry kernel of the library took part (a new kernel needs a scenario here)
+    assert launched == set(compile_check.entry_kernels()), \
+        set(compile_check.entry_kernels()) - launched
+
+
+def test_variants_that_should_differ_do():
+    """The key is not blind: the declared quant_linear variants and the schemes compile apart."""
+    keys = _sweep("quant_linear", _quant("w4a8"), _quant_variant, "tiles")
+    dec = keys[("quant_linear_int_kernel", "decode")]
+    pre = keys[("quant_linear_int_kernel", "prefill")]
+    assert len(dec) == len(pre) == 1 and dec != pre
+
+
+# ---------------------------------------------------------------- planted bugs: the check fails
+@triton.jit
+def _len_constexpr_kernel(x_ptr, N: triton.language.constexpr, BLOCK: triton.language.constexpr):
+    i = triton.language.arange(0, BLOCK)
+    triton.language.store(x_ptr + i, i, mask=i < N)
+
+
+@triton.jit
+def _len_int_kernel(x_ptr, N, BLOCK: triton.language.constexpr):
+    i = triton.language.arange(0, BLOCK)
+    triton.language.store(x_ptr + i, i, mask=i < N)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _len_runtime_kernel(x_ptr, N, BLOCK: triton.language.constexpr):
+    i = triton.language.arange(0, BLOCK)
+    triton.language.store(x_ptr + i, i, mask=i < N)
+
+
+def _count(kernel) -> int:
+    x = torch.empty(16, dtype=torch.int32)
+    return len({compile_check.specialization_key(kernel, (x, L), {"BLOCK": 16})
+                if kernel is not _len_constexpr_kernel else
+                compile_check.specialization_key(kernel, (x,), {"N": L, "BLOCK": 16})
+                for L in LENGTHS})
+
+
+def test_planted_constexpr_length_is_caught():
+    assert _count(_len_constexpr_kernel) == 50
+
+
+def test_planted_specialized_int_length_is_caught():
+    # Triton specializes an int on == 1 and on divisibility by 16: three variants over LENGTHS
+    assert _count(_len_int_kernel) == 3
+
+
+def test_runtime_length_is_one_variant():
+    assert _count(_len_runtime_kernel) == 1
+
+
+def test_misaligned_pointer_is_a_variant():
+    """A tensor's 16-byte alignment is part of the key (a slice at an odd offset compiles anew),
+    so launchers must hand kernels fresh or aligned buffers."""
+    x = torch.empty(64, dtype=torch.int32)
+    k = {compile_check.specialization_key(_len_runtime_kernel, (x[o:], 5), {"BLOCK": 16})
+         for o in (0, 1, 4)}
+    assert len(k) == 2
+
+
+def test_entry_kernel_names_its_arguments():
+    from glm5.kernels.triton._common import entry_kernel
+
+    def k(x_ptr, T, N_TILES, BLOCK: triton.language.constexpr):
+        pass
+
+    with pytest.raises(TypeError, match="k has no argument S"):
+        entry_kernel("T", "S")(k)
+    # grid-policy args the kernel lacks (NUM_PROGRAMS, GRID_i) are left out, not passed on
+    kern = entry_kernel("T")(k)
+    x = torch.empty(4)
+    assert len({compile_check.specialization_key(kern, (x, n, n), {"BLOCK": 16})
+                for n in (1, 16, 17)}) == 1
