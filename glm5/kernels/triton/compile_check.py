@@ -95,29 +95,33 @@ class _Recorder:
     """Stands in for a kernel: ``rec[grid](*args, **kw)`` records the specialization key."""
 
     def __init__(self, name: str, kernel: Any, log: list[tuple[str, str]],
-                 target: tuple[str, int, int]) -> None:
+                 target: tuple[str, int, int], calls: list | None = None) -> None:
         self.name, self.kernel, self.log, self.target = name, kernel, log, target
+        self.calls = calls
 
     def __getitem__(self, grid: Any) -> Any:
         def launch(*args: Any, **kwargs: Any) -> None:
             self.log.append((self.name,
                              specialization_key(self.kernel, args, kwargs, self.target)))
+            if self.calls is not None:
+                self.calls.append((self.name, self.kernel, args, kwargs))
 
         return launch
 
 
 @contextlib.contextmanager
-def record_launches(target: tuple[str, int, int] = DEFAULT_TARGET
+def record_launches(target: tuple[str, int, int] = DEFAULT_TARGET, calls: list | None = None
                     ) -> Iterator[list[tuple[str, str]]]:
     """Within the block every entry kernel records ``(name, key)`` into the yielded list instead
-    of running; the kernels are restored on exit."""
+    of running; the kernels are restored on exit. With ``calls``, each launch also appends
+    ``(name, kernel, args, kwargs)`` there (glm5.kernels.triton.static_check compiles them)."""
     log: list[tuple[str, str]] = []
     saved = []
     try:
         for name, (mod, attr) in entry_kernels().items():
             kern = getattr(mod, attr)
             saved.append((mod, attr, kern))
-            setattr(mod, attr, _Recorder(name, kern, log, target))
+            setattr(mod, attr, _Recorder(name, kern, log, target, calls))
         yield log
     finally:
         for mod, attr, kern in saved:

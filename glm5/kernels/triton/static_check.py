@@ -1,0 +1,304 @@
+"""Hopper static check without a GPU: compile every Triton kernel variant glm5 launches at GLM-5's
+shapes for sm_90 (H100/H200) and read what the compiled binary needs.
+
+Triton compiles for any target without a device: the NVIDIA backend ships ``ptxas`` and
+``cuobjdump`` in the wheel, so ``triton.compile(..., target=GPUTarget("cuda", 90, 32))`` produces
+the same cubin a Hopper GPU would load. From it this module reads, per variant:
+
+* ``regs`` (registers per thread; 255 is the hardware limit and above ~168 at 8 warps the SM
+  holds a single block), ``local`` / ``stack`` bytes (register spills to local memory: on a
+  kernel that is meant to stream HBM or feed tensor cores, any spill is a slowdown, often many
+  times over);
+* ``shared`` bytes (Triton's own count; an sm_90 block can use at most 227 KiB);
+* whether the tensor-core dots lowered to Hopper's asynchronous warpgroup MMA (``wgmma`` in the
+  PTX) or to the older ``mma.sync`` (a bf16 ``tl.dot`` whose tile is too small for a warpgroup
+  falls back to it, at roughly half the peak), and whether TMA bulk copies are used.
+
+These are necessary conditions for Hopper speed, not a measurement: a variant can pass and still
+be slow. The speed itself is measured on a GPU by bench/gpu_suite.py.
+
+Run it as ``python -m glm5.kernels.triton.static_check`` (prints a table; ``--json PATH``
+writes it). It must run WITHOUT ``TRITON_INTERPRET=1``: under the interpreter the kernels'
+``@triton.jit`` helpers are interpreter functions the compiler cannot lower, so tests call it in
+a subprocess. The launchers' device check is bypassed for the duration (the arguments are CPU
+tensors that are never launched: every entry kernel is replaced by a recorder, see
+``compile_check.record_launches``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from glm5.kernels.triton import compile_check
+
+# sm_90's per-block shared memory limit (cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200).
+SM90_SHARED_LIMIT = 227 * 1024
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one compiled variant of an entry kernel needs on the target."""
+
+    op: str
+    compute_bound: bool
+    kernel: str
+    constexprs: str
+    num_warps: int
+    num_stages: int
+    regs: int
+    local: int
+    stack: int
+    shared: int
+    wgmma: bool
+    mma_sync: bool
+    tma: bool
+
+    @property
+    def spills(self) -> bool:
+        return self.local > 0 or self.stack > 0
+
+    @property
+    def dots(self) -> bool:
+        return self.wgmma or self.mma_sync
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.exists():
+        raise RuntimeError(f"glm5 static_check: {path} not found; this Triton wheel ships no "
+                           f"NVIDIA {name}")
+    return str(path)
+
+
+_RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """{regs, stack, shared_static, local} of the single function in ``cubin`` (cuobjdump
+    -res-usage)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    m = _RES.search(out)
+    if m is None:
+        raise RuntimeError(f"glm5 static_check: cuobjdump printed no resource line:\n{out}")
+    regs, stack, shared, local = (int(g) for g in m.groups())
+    return {"regs": regs, "stack": stack, "shared_static": shared, "local": local}
+
+
+def compile_variant(kernel: Any, args: tuple, kwargs: dict[str, Any],
+                    target: tuple[str, int, int] = compile_check.DEFAULT_TARGET) -> Any:
+    """The CompiledKernel Triton would build for ``kernel[grid](*args, **kwargs)`` on
+    ``target`` (as ``JITFunction.run`` does on a cache miss), compiled here without a device."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    fn, dns, dnsa = compile_check._jit_parts(kernel)
+    if type(kernel).__name__ != "JITFunction":
+        raise RuntimeError("glm5 static_check: the kernels were defined under "
+                           "TRITON_INTERPRET=1; run the static check in a process without it")
+    jf = JITFunction(fn, do_not_specialize=dns, do_not_specialize_on_alignment=dnsa)
+    gpu = GPUTarget(*target)
+    backend = make_backend(gpu)
+    binder = create_function_from_signature(jf.signature, jf.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = jf._pack_args(backend, kwargs, bound,
+                                                          specialization, options)
+    return triton.compile(ASTSource(jf, signature, constexprs, attrs), target=gpu,
+                          options=options.__dict__)
+
+
+def describe(op: str, compute_bound: bool, name: str, kernel: Any, args: tuple,
+             kwargs: dict[str, Any]) -> Variant:
+    """Compile one launch and read its needs."""
+    ck = compile_variant(kernel, args, kwargs)
+    ptx = ck.asm["ptx"]
+    res = resources(ck.asm["cubin"])
+    const = {k: v for k, v in kwargs.items()
+             if k not in ("num_warps", "num_stages") and not isinstance(v, torch.Tensor)}
+    return Variant(op=op, compute_bound=compute_bound, kernel=name, constexprs=",".join(f"{k}={v}" for k, v in const.items()),
+                   num_warps=int(ck.metadata.num_warps), num_stages=int(ck.metadata.num_stages),
+                   regs=res["regs"], local=res["local"], stack=res["stack"],
+                   shared=int(ck.metadata.shared), wgmma="wgmma.mma_async" in ptx,
+                   mma_sync="mma.sync" in ptx, tma="cp.async.bulk.tensor" in ptx)
+
+
+@contextlib.contextmanager
+def _device_checks_off() -> Iterator[None]:
+    """The launchers refuse CPU tensors without the interpreter; the recorded launches never
+    run, so their device check is lifted while recording."""
+    import importlib
+
+    saved = []
+    for mod_name in ("indexer", "sparse_attention", "mla_prolog", "moe", "quant_linear",
+                     "logprobs", "norm"):
+        mod = importlib.import_module(f"glm5.kernels.triton.{mod_name}")
+        if hasattr(mod, "check_device"):
+            saved.append((mod, mod.check_device))
+            mod.check_device = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        for mod, fn in saved:
+            mod.check_device = fn
+
+
+def record(op_fn: Callable[[], Any]) -> list[tuple[str, Any, tuple, dict[str, Any]]]:
+    """(kernel name, kernel, args, kwargs) of every distinct launch ``op_fn()`` makes."""
+    calls: list[tuple[str, Any, tuple, dict[str, Any]]] = []
+    seen: set[tuple[str, str]] = set()
+    with _device_checks_off(), compile_check.record_launches(calls=calls) as log:
+        op_fn()
+    out = []
+    for (name, key), call in zip(log, calls):
+        if (name, key) not in seen:
+            seen.add((name, key))
+            out.append(call)
+    return out
+
+
+# ---- GLM-5 shapes ---------------------------------------------------------------------------
+# Only the dimensions that reach a tl.constexpr matter (lengths are runtime arguments), so the
+# token counts below are small; the head and model dimensions are GLM-5's.
+H, DQK, DV, HI, DI, TOPK = 64, 576, 512, 32, 128, 2048
+D_MODEL, I_MOE, E, K_ACT = 6144, 2048, 8, 8
+MHA_H, MHA_D = 64, 256
+
+
+def _bf(*shape: int) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+def _ranges(T: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ke = torch.arange(S - T + 1, S + 1, dtype=torch.int32)
+    return torch.zeros_like(ke), ke
+
+
+def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]], None]]]:
+    """{label: (compute bound, run(ops))}: one call of an op at GLM-5 shapes per label (prefill
+    and decode where the launch differs). A compute-bound scenario's dots must lower to wgmma;
+    a memory-bound one (decode, GEMV) is judged by the bytes it moves, on a GPU."""
+    from glm5.ir.quant_formats import quantize_weight
+
+    def lightning(ops):
+        ks, ke = _ranges(64, 4096)
+        ops["lightning_indexer"](_bf(64, HI, DI), _bf(4096, DI),
+                                 torch.zeros(64, HI), ks, ke)
+
+    def topk(ops):
+        ks, ke = _ranges(64, 4096)
+        ops["indexer_topk"](_bf(64, HI, DI), _bf(4096, DI), torch.zeros(64, HI), ks, ke, TOPK)
+
+    def sparse_prefill(ops):
+        k = _bf(4096, 1, DQK)
+        ops["sparse_attention"](_bf(64, H, DQK), k, k[..., :DV],
+                                torch.zeros(64, TOPK, dtype=torch.int32), 0.1)
+
+    def sparse_decode(ops):
+        k = _bf(4096, 1, DQK)
+        ops["sparse_attention"](_bf(2, H, DQK), k, k[..., :DV],
+                                torch.zeros(2, TOPK, dtype=torch.int32), 0.1)
+
+    def attention_mha(ops):
+        ks, ke = _ranges(256, 256)
+        ops["attention"](_bf(256, MHA_H, MHA_D), _bf(256, MHA_H, MHA_D),
+                         _bf(256, MHA_H, MHA_D), ks, ke, 0.1)
+
+    def moe(ops):
+        T = 256
+        ops["moe_experts"](_bf(T, D_MODEL), torch.zeros(T, K_ACT, dtype=torch.int32),
+                           _bf(T, K_ACT), _bf(E, 2 * I_MOE, D_MODEL), _bf(E, D_MODEL, I_MOE))
+
+    def quant(scheme: str, M: int):
+        wp, ws = quantize_weight(torch.randn(256, D_MODEL), scheme)
+
+        def run(ops):
+            ops["quant_linear"](_bf(M, D_MODEL), wp, ws, scheme, None)
+
+        return run
+
+    out = {"lightning_indexer": (True, lightning), "indexer_topk": (True, topk),
+           "sparse_attention prefill": (True, sparse_prefill),
+           "sparse_attention decode": (False, sparse_decode),
+           "attention MHA 256": (True, attention_mha), "moe_experts": (True, moe)}
+    for s in ("w8a16", "w8a8", "w4a8", "w6a12"):
+        out[f"quant_linear {s} M=1"] = (False, quant(s, 1))
+        out[f"quant_linear {s} M=512"] = (True, quant(s, 512))
+    return out
+
+
+def cuda_ops() -> dict[str, Callable[..., Any]]:
+    """The Triton ops with the cuda backend's tuning (its table over the kernels' defaults)."""
+    from glm5.kernels.triton import registry
+
+    table = Path(__file__).parents[2] / "backends" / "cuda" / "tuning.json"
+    return {row[0]: row[1] for row in registry.kernels(registry.load_table(table))}
+
+
+def check(only: str | None = None) -> list[Variant]:
+    """Every distinct variant the scenarios launch, compiled for sm_90."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("glm5 static_check: unset TRITON_INTERPRET (the kernels must be "
+                           "real @triton.jit functions to compile)")
+    ops = cuda_ops()
+    out = []
+    for label, (bound, run) in scenarios().items():
+        if only and only not in label:
+            continue
+        for name, kernel, args, kwargs in record(lambda: run(ops)):
+            out.append(describe(label, bound, name, kernel, args, kwargs))
+    return out
+
+
+def problems(v: Variant) -> list[str]:
+    """What keeps a variant from Hopper speed (empty: none of the checked conditions)."""
+    bad = []
+    if v.spills:
+        bad.append(f"spills (local {v.local} B, stack {v.stack} B)")
+    if v.shared > SM90_SHARED_LIMIT:
+        bad.append(f"shared {v.shared} B > {SM90_SHARED_LIMIT}")
+    if v.compute_bound and v.mma_sync and not v.wgmma:
+        bad.append("mma.sync, not wgmma")
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m glm5.kernels.triton.static_check",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", help="scenarios whose label contains this")
+    ap.add_argument("--json", help="write the table as JSON here")
+    a = ap.parse_args(argv)
+    rows = check(a.only)
+    print(f"{'scenario':28} {'kernel':28} {'warps':>5} {'stg':>3} {'regs':>4} {'spill B':>7} "
+          f"{'smem KiB':>8} {'mma':>6}  problems")
+    for v in rows:
+        mma = "wgmma" if v.wgmma else ("sync" if v.mma_sync else "-")
+        print(f"{v.op:28} {v.kernel:28} {v.num_warps:5d} {v.num_stages:3d} {v.regs:4d} "
+              f"{v.local + v.stack:7d} {v.shared / 1024:8.1f} {mma:>6}  "
+              f"{'; '.join(problems(v)) or 'ok'}")
+    if a.json:
+        Path(a.json).write_text(json.dumps([{**asdict(v), "problems": problems(v)}
+                                            for v in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
