@@ -24,11 +24,8 @@ import os
 import sys
 import time
 
+from glm5.kernels.triton import compile_check, static_check
 from glm5.kernels.triton.compile_check import KERNEL_MODULES
-
-CODES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "i8",
-         "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64"}
-
 
 class Recorder:
     """Stands in for a JITFunction: ``kernel[grid](*args, **constexprs)`` compiles the variant
@@ -44,41 +41,23 @@ class Recorder:
         self.fn = fn
 
     def __getitem__(self, grid):
-        import torch
-        import triton
-        from triton.compiler import ASTSource
-
-        from glm5.kernels.triton.launch import LAUNCH_OPTIONS
-
         def launch(*args, **kw):
             if Recorder.target is None:
                 Recorder.calls.append((self.fn.__name__, grid, args, dict(kw)))
                 return
-            opts = {k: kw.pop(k) for k in LAUNCH_OPTIONS if k in kw}
-            names = [n for n in self.fn.arg_names if n not in kw]
-            sig = {}
-            for n, v in zip(names, args):
-                if isinstance(v, torch.Tensor):
-                    sig[n] = "*" + CODES[str(v.dtype).removeprefix("torch.")]
-                elif isinstance(v, bool):
-                    sig[n] = "i1"
-                elif isinstance(v, int):
-                    sig[n] = "i32" if -2**31 <= v < 2**31 else "i64"
-                else:
-                    sig[n] = "fp32"
-            sig.update({n: "constexpr" for n in kw})
-            sig = {n: sig[n] for n in self.fn.arg_names}
-            key = (str(Recorder.target), self.fn.__name__, tuple(sorted(sig.items())),
-                   tuple(sorted(kw.items())), tuple(sorted(opts.items())))
+            t = Recorder.target
+            target = (t.backend, t.arch, t.warp_size)
+            key = (target, self.fn.__name__,
+                   compile_check.specialization_key(self.fn, args, kw, target))
             if key in Recorder.done:
                 return
-            t = time.time()
+            t0 = time.time()
             try:
-                triton.compile(ASTSource(self.fn, sig, dict(kw)), target=Recorder.target,
-                               options=opts)
-                Recorder.done[key] = time.time() - t
+                static_check.compile_variant(self.fn, args, kw, target)
+                Recorder.done[key] = time.time() - t0
             except Exception as e:  # reported, not raised: every failing variant is listed
-                Recorder.failed.append(f"{Recorder.target.backend} {self.fn.__name__} {kw}: "
+                Recorder.failed.append(f"{t.backend} {self.fn.__name__} "
+                                       f"{ {k: v for k, v in kw.items()} }: "
                                        f"{type(e).__name__}: {str(e)[:1500]}")
                 Recorder.done[key] = -1
         return launch
@@ -99,11 +78,7 @@ def install_recorders(patch=setattr) -> None:
 
 def skip_device_checks(patch=setattr) -> None:
     """CPU tensors stand in for GPU ones: turn off each launcher module's device check."""
-    from glm5.kernels.triton import registry as kreg
-
-    for name in kreg.MODULES:
-        patch(importlib.import_module(f"glm5.kernels.triton.{name}"), "check_device",
-              lambda *ts, **named: None)
+    static_check.lift_device_checks(patch)
 
 
 def launchers(table: str) -> dict:

@@ -141,24 +141,36 @@ def describe(op: str, compute_bound: bool, name: str, kernel: Any, args: tuple,
                    mma_sync="mma.sync" in ptx, tma="cp.async.bulk.tensor" in ptx)
 
 
-@contextlib.contextmanager
-def _device_checks_off() -> Iterator[None]:
-    """The launchers refuse CPU tensors without the interpreter; the recorded launches never
-    run, so their device check is lifted while recording."""
+def _no_check(*tensors: Any, **named: Any) -> None:
+    return None
+
+
+def lift_device_checks(patch: Callable[[Any, str, Any], None] = setattr) -> None:
+    """The launchers refuse CPU tensors without the interpreter; recorded launches never run, so
+    CPU tensors may stand in for GPU ones: replace each launcher module's ``check_device``
+    through ``patch`` (``setattr``, or a test's ``monkeypatch.setattr``)."""
     import importlib
 
-    saved = []
-    for mod_name in ("indexer", "sparse_attention", "mla_prolog", "moe", "quant_linear",
-                     "logprobs", "norm"):
-        mod = importlib.import_module(f"glm5.kernels.triton.{mod_name}")
-        if hasattr(mod, "check_device"):
-            saved.append((mod, mod.check_device))
-            mod.check_device = lambda *a, **k: None
+    from glm5.kernels.triton import registry
+
+    for name in registry.MODULES:
+        patch(importlib.import_module(f"glm5.kernels.triton.{name}"), "check_device", _no_check)
+
+
+@contextlib.contextmanager
+def _device_checks_off() -> Iterator[None]:
+    saved: list[tuple[Any, str, Any]] = []
+
+    def patch(mod: Any, attr: str, value: Any) -> None:
+        saved.append((mod, attr, getattr(mod, attr)))
+        setattr(mod, attr, value)
+
     try:
+        lift_device_checks(patch)
         yield
     finally:
-        for mod, fn in saved:
-            mod.check_device = fn
+        for mod, attr, value in reversed(saved):
+            setattr(mod, attr, value)
 
 
 def record(op_fn: Callable[[], Any]) -> list[tuple[str, Any, tuple, dict[str, Any]]]:

@@ -1,0 +1,44 @@
+"""bench/gpu_model.py runs its whole sequence (prefill against transformers, decode steps,
+profile) as a CPU smoke test on the tiny preset, and writes the JSON the GPU run quotes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_smoke_on_cpu(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "gm.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_model.py"), "--device", "cpu",
+                        "--preset", "tiny", "--prefill", "16,40", "--hf-max", "16",
+                        "--decode-batches", "1,2", "--decode-prompt", "12", "--first-steps", "2",
+                        "--decode-steps", "2", "--profile-len", "16", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    pre = {row["tokens"]: row for row in res["prefill"]}
+    assert set(pre) == {16, 40}
+    assert pre[16]["glm5_s"] > 0 and pre[16]["hf_s"] > 0 and pre[16]["speedup"] > 0
+    assert "hf_s" not in pre[40]  # above --hf-max
+    dec = {row["batch"]: row for row in res["decode"]}
+    assert set(dec) == {1, 2}
+    for row in dec.values():
+        assert len(row["first_steps_ms"]) == 2 and row["steady_ms"] > 0
+    assert res["profile"]["kernels"] and 0 < res["profile"]["kernels"][0]["share"] <= 1
+
+
+def test_without_cuda_says_so():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_model.py")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and "no CUDA device" in r.stdout
