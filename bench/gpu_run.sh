@@ -2,11 +2,12 @@
 # One GPU session's measurements (issue 16), for the device machine: install this checkout
 # into the image's torch/Triton, run the kernel suite and the model-level run with time budgets
 # that leave room for a rerun, copy the JSON to $OUT (the device tool brings it back).
-#   bash bench/gpu_run.sh [suite-budget-s] [model-budget-s]
+#   bash bench/gpu_run.sh [suite-budget-s] [model-budget-s] [tune-budget-s (0: no tile search)]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SUITE_S="${1:-240}"
 MODEL_S="${2:-200}"
+TUNE_S="${3:-0}"
 export TRITON_DEFAULT_FP_FUSION=1
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader || true
@@ -14,7 +15,11 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 rc=0
 python bench/gpu_suite.py --budget-s "$SUITE_S" || rc=$?
 python bench/gpu_model.py --budget-s "$MODEL_S" || rc=$?
+if [ "$TUNE_S" != "0" ]; then
+    python bench/gpu_tune.py --budget-s "$TUNE_S" --write bench/results/cuda_tuning_candidate.json || rc=$?
+fi
 if [ -n "${OUT:-}" ]; then
-    mkdir -p "$OUT" && cp -v bench/results/gpu_suite_*.json bench/results/gpu_model_*.json "$OUT"/ 2>/dev/null
+    mkdir -p "$OUT" && cp -v bench/results/gpu_suite_*.json bench/results/gpu_model_*.json \
+        bench/results/gpu_tune_*.json bench/results/cuda_tuning_candidate.json "$OUT"/ 2>/dev/null
 fi
 exit $rc
