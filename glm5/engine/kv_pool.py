@@ -2,7 +2,8 @@
 ([num_pages * page_size, kv_lora_rank + qk_rope_head_dim]) and, on layers that run the
 indexer, the indexer keys ([num_pages * page_size, index_head_dim]); the MTP layers get pools
 of their own, addressed by the same page ids (a token's MTP entry lives in the same page as its
-main-model entries)."""
+main-model entries). One page more than the allocator hands out, the scratch page, is what the
+padded rows of a captured decode graph write and read (glm5.engine.graphs)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from glm5.core.model import GLM5ForCausalLM
 
 
 class KVPool:
-    """Page pools of one model. Page p holds rows [p * page_size, (p + 1) * page_size)."""
+    """Page pools of one model. Page p holds rows [p * page_size, (p + 1) * page_size);
+    pages 0 .. num_pages - 1 are the requests', page ``scratch_page`` (= num_pages) no
+    request's."""
 
     def __init__(self, model: GLM5ForCausalLM, num_pages: int, page_size: int,
                  mtp: bool = False) -> None:
@@ -20,9 +23,10 @@ class KVPool:
             raise ValueError(f"glm5 KVPool: num_pages and page_size expected >= 1, got "
                              f"{num_pages}, {page_size}")
         cfg = model.config
-        rows = num_pages * page_size
+        rows = (num_pages + 1) * page_size
         dt, dev = model.dtype, model.device
         self.num_pages, self.page_size = num_pages, page_size
+        self.scratch_page = num_pages
 
         def pool(width: int) -> torch.Tensor:
             return torch.zeros(rows, width, dtype=dt, device=dev)

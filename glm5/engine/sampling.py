@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from glm5.ir.opdef import value_checks
+
 # Largest top-n a request may ask for (as vLLM / the OpenAI API).
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy (see the module docstring).
@@ -157,7 +159,11 @@ def _check_logits(fn: str, logits: torch.Tensor, params: Sequence[SamplingParams
             raise ValueError(f"glm5 {fn}: argument 'params' expected SamplingParams, item {i} "
                              f"is a {type(p).__name__}")
     # NaN or +inf anywhere, or a row with no finite entry, has no distribution. One reduction
-    # finds all three: the row max propagates NaN and is +inf or -inf exactly then.
+    # finds all three: the row max propagates NaN and is +inf or -inf exactly then. A value
+    # check: on a device only under GLM5_STRICT=1 (glm5.ir.opdef.value_checks); the engine
+    # finds such rows itself, in the one read of its step.
+    if not value_checks(logits):
+        return
     bad = ~torch.isfinite(logits.amax(-1))
     if bool(bad.any()):
         rows = bad.nonzero().flatten()[:8].tolist()
@@ -178,7 +184,7 @@ def _check_tokens(fn: str, name: str, tokens: torch.Tensor, n: int, v: int) -> N
                else type(tokens).__name__)
         raise ValueError(f"glm5 {fn}: argument '{name}' expected an int64 or int32 tensor [{n}], "
                          f"got {got}")
-    if n and bool(((tokens < 0) | (tokens >= v)).any()):
+    if n and value_checks(tokens) and bool(((tokens < 0) | (tokens >= v)).any()):
         raise ValueError(f"glm5 {fn}: argument '{name}' expected token ids in [0, {v}), got "
                          f"min {int(tokens.min())} max {int(tokens.max())}")
 
@@ -276,7 +282,10 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # product loses at most one ulp and never rounds up to a normal total; a positive sum of
     # float32 weights is always normal in float64), so the index stays at or before the last
     # positive weight.
-    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+    # The clamp changes nothing for such weights; rows a device did not check (NaN, all zero)
+    # still get an id in range rather than V (an out-of-range id would fault a later kernel).
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+    return idx.clamp_(max=weights.shape[-1] - 1)
 
 
 @dataclass
@@ -385,7 +394,8 @@ def speculative_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
                if isinstance(draft_probs, torch.Tensor) else type(draft_probs).__name__)
         raise ValueError(f"glm5 {fn}: argument 'draft_probs' expected a floating tensor "
                          f"[{n}, {v}], got {got}")
-    elif sampled and not bool((draft_probs[sampled] >= 0).all()):  # NaN fails too
+    elif sampled and value_checks(draft_probs) \
+            and not bool((draft_probs[sampled] >= 0).all()):  # NaN fails too
         raise ValueError(f"glm5 {fn}: argument 'draft_probs' expected probabilities >= 0 in "
                          f"the sampled rows, got a negative or NaN entry")
     dev = target_logits.device
