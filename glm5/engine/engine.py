@@ -75,7 +75,7 @@ class EngineConfig:
                 and math.isfinite(self.long_prompt_qps)):
             raise ValueError(f"glm5 EngineConfig: argument 'long_prompt_qps' expected a finite "
                              f"number > 0, got {self.long_prompt_qps!r}")
-        if self.cuda_graphs not in (None, True, False):
+        if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):
             raise ValueError(f"glm5 EngineConfig: argument 'cuda_graphs' expected None, True or "
                              f"False, got {self.cuda_graphs!r}")
         self.cuda_graph_buckets = check_buckets(self.cuda_graph_buckets, "EngineConfig")
@@ -154,10 +154,13 @@ class LLMEngine:
         self.backend = backend  # ops run under glm5.use_backend(backend) (every thread)
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         mtp = cfg.num_speculative_tokens > 0
-        # The pool holds one page more than it hands out (its scratch page).
+        # Beyond the pages it hands out, the pool holds scratch pages for the padded rows of a
+        # decode graph (fewer than the largest bucket).
+        scratch = max(cfg.cuda_graph_buckets) - 1
         num_pages = cfg.num_pages or max(
-            cfg.kv_cache_bytes // KVPool.page_bytes(model, cfg.page_size, mtp) - 1, 1)
-        self.pool = KVPool(model, num_pages, cfg.page_size, mtp)
+            cfg.kv_cache_bytes // KVPool.page_bytes(model, cfg.page_size, mtp)
+            - KVPool.scratch_page_count(scratch, cfg.page_size), 1)
+        self.pool = KVPool(model, num_pages, cfg.page_size, mtp, scratch)
         self.allocator = PageAllocator(num_pages)
         self.radix = RadixCache(self.allocator, cfg.page_size, cfg.enable_prefix_cache)
         self.scheduler = Scheduler(self.allocator, self.radix, cfg.page_size, cfg.max_num_seqs,
@@ -200,7 +203,7 @@ class LLMEngine:
         ps = self.config.page_size
         return DecodeGraphs(self.runner.main, self.model.device, buckets,
                             self.model.config.index_topk, ps, -(-self.max_model_len // ps),
-                            self.pool.scratch_page, capture)
+                            self.pool.scratch_pages, capture)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int],

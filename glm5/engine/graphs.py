@@ -6,9 +6,10 @@ step), so on a CUDA device the step's forward — token ids to logits — is cap
 (bucket, path) and replayed:
 
 - the batch is padded up to the next bucket (``EngineConfig.cuda_graph_buckets``, default
-  1, 2, 4, ..., 32); padded rows decode token 0 at position 0 of a block table that is the
-  pool's scratch page only (`KVPool.scratch_page`, which no request owns), so they write and
-  read nothing of the real rows;
+  1, 2, 4, ..., 32); padded row j decodes token 0 at position j of a block table made of the
+  pool's scratch pages (`KVPool.scratch_pages`, which no request owns): each padded row writes
+  a slot of its own (mla_prolog's slots are distinct) and nothing of the real rows is written
+  or read;
 - inputs live in static buffers (token ids, positions, block tables of ``max_pages`` columns,
   the rows beyond a sequence's pages -1), written before each replay; outputs are the captured
   tensors, sliced to the real rows;
@@ -139,17 +140,25 @@ class DecodeGraphs:
 
     ``forward`` is the eager forward the graphs capture (`ModelRunner.main`); ``index_topk``
     the model's; ``page_size`` / ``max_pages`` the block-table layout (``max_pages`` columns
-    hold the longest sequence: ceil(max_model_len / page_size)); ``scratch_page`` the pool page
-    padded rows use; ``capture`` a `Capture` (`CudaGraphCapture` on a GPU, `EagerCapture` in
-    tests). ``captured``, ``replays`` and ``eager`` count what happened."""
+    hold the longest sequence: ceil(max_model_len / page_size)); ``scratch_pages`` the pool
+    pages padded rows use (room for a row per padded row: the largest bucket - 1); ``capture``
+    a `Capture` (`CudaGraphCapture` on a GPU, `EagerCapture` in tests). ``captured``,
+    ``replays`` and ``eager`` count what happened."""
 
     def __init__(self, forward: Forward, device: torch.device, buckets: Sequence[int],
-                 index_topk: int, page_size: int, max_pages: int, scratch_page: int,
+                 index_topk: int, page_size: int, max_pages: int, scratch_pages: Sequence[int],
                  capture: Capture) -> None:
         self.forward, self.device = forward, device
         self.buckets = check_buckets(buckets, "DecodeGraphs")
         self.index_topk, self.page_size, self.max_pages = index_topk, page_size, max_pages
-        self.scratch_page = scratch_page
+        self.scratch_pages = list(scratch_pages)
+        room = min(len(self.scratch_pages), max_pages) * page_size
+        if self.buckets[-1] - 1 > room:
+            raise ValueError(f"glm5 DecodeGraphs: argument 'buckets' expected at most {room + 1} "
+                             f"sequences per bucket (the padded rows of the largest bucket each "
+                             f"need a scratch row: {len(self.scratch_pages)} scratch pages of "
+                             f"{page_size}, {max_pages} block-table columns), got "
+                             f"{self.buckets[-1]}")
         self.capture = capture
         self._buffers: dict[int, _Buffers] = {}
         self._graphs: dict[tuple[int, bool], Callable[[], Outputs]] = {}
@@ -174,23 +183,23 @@ class DecodeGraphs:
             buf = _Buffers(torch.zeros(b, dtype=torch.long, device=dev),
                            torch.zeros(b, dtype=torch.long, device=dev),
                            torch.arange(b, dtype=torch.int32, device=dev),
-                           torch.full((b, self.max_pages), self.scratch_page, dtype=torch.int32,
-                                      device=dev))
+                           torch.full((b, self.max_pages), -1, dtype=torch.int32, device=dev))
             self._buffers[b] = buf
         return buf
 
     def _fill(self, buf: _Buffers, ids: list[int], positions: list[int],
               pages: list[list[int]]) -> None:
-        """Write a step's inputs into the static buffers (one host-to-device copy each); rows
-        past ``len(ids)`` are padding: token 0 at position 0 of the scratch page."""
+        """Write a step's inputs into the static buffers (one host-to-device copy each); row
+        n + j (padding) is token 0 at position j of the scratch pages."""
         b, n, width = buf.ids.shape[0], len(ids), self.max_pages
         pad = b - n
         table = torch.full((b, width), -1, dtype=torch.int32)
         for r, p in enumerate(pages):
             table[r, :len(p)] = torch.tensor(p, dtype=torch.int32)
-        table[n:] = self.scratch_page
+        scratch = self.scratch_pages[:width]
+        table[n:, :len(scratch)] = torch.tensor(scratch, dtype=torch.int32)
         buf.ids.copy_(torch.tensor(ids + [0] * pad, dtype=torch.long), non_blocking=True)
-        buf.positions.copy_(torch.tensor(positions + [0] * pad, dtype=torch.long),
+        buf.positions.copy_(torch.tensor(positions + list(range(pad)), dtype=torch.long),
                             non_blocking=True)
         buf.block_table.copy_(table, non_blocking=True)
 
