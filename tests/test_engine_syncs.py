@@ -36,6 +36,16 @@ HERE = os.path.basename(__file__)
 DECODE_READS = 1
 
 
+def decode_read_budget(logprobs: int | None, k: int) -> int:
+    """The most host reads a decode step makes (the same table as the docs): the tokens; with
+    logprobs one more, with a top-n three more (ids, values, the tie test) and one where top-n
+    values tie; with k MTP drafts one per further verified depth and one per drafted depth."""
+    reads = DECODE_READS
+    if logprobs is not None:
+        reads += 1 + (4 if logprobs else 0)
+    return reads + 2 * k
+
+
 # --------------------------------------------------------------------------- the counter
 def _read_kinds(fn) -> list[str]:
     with HostReadCounter() as c:
@@ -219,17 +229,18 @@ def device_kernels(tmp_path, monkeypatch):
     return "cpu", b.name
 
 
-def _decoding_engine(model, device: str, backend: str | None, lengths: list[int]) -> LLMEngine:
+def _decoding_engine(model, device: str, backend: str | None, lengths: list[int],
+                     logprobs: int | None = None, k: int = 0) -> LLMEngine:
     """An engine whose requests (prompts of ``lengths``, greedy and sampled alternately) are
     past their prefill and first decode step, from now on on ``backend``'s kernels (the two
     steps before ran on the reference's when emulating: the interpreter is slow)."""
     m = model.to(device)
     eng = LLMEngine(m, EngineConfig(page_size=4, num_pages=64, max_num_batched_tokens=64,
-                                    chunk_size=32, cuda_graphs=False))
+                                    chunk_size=32, cuda_graphs=False, num_speculative_tokens=k))
     for i, n in enumerate(lengths):
         eng.add_request(f"r{i}", list(range(3 + 25 * i, 3 + 25 * i + n)),  # no shared prefix
                         SamplingParams(max_tokens=8, temperature=0.0 if i % 2 == 0 else 0.8,
-                                       seed=i, ignore_eos=True))
+                                       seed=i, ignore_eos=True, logprobs=logprobs))
     eng.backend = "reference" if backend else None
     eng.step()  # prefill: every prompt fits one chunk
     assert all(not r.in_prefill for r in eng.requests.values())
@@ -252,6 +263,20 @@ def test_decode_step_reads_only_the_sampled_tokens(model, device_kernels, length
     assert reads.reads[0].where.split(" in ")[-1] == "_sample"
     assert sorted(o.request_id for o in outs) == [f"r{i}" for i in range(len(lengths))]
     assert all(len(o.new_token_ids) == 1 for o in outs)
+
+
+@pytest.mark.parametrize("logprobs,k", [(0, 0), (3, 0), (None, 1)],
+                         ids=["logprobs", "top3-logprobs", "mtp1"])
+def test_decode_step_reads_with_logprobs_and_mtp(model, device_kernels, logprobs, k):
+    """Logprobs and MTP drafts add the documented reads, no more (batch 2, sparse path)."""
+    device, backend = device_kernels
+    eng = _decoding_engine(model, device, backend, [9, 12], logprobs, k)
+    with count_host_reads() as reads:
+        outs = eng.step()
+    assert DECODE_READS < reads.count <= decode_read_budget(logprobs, k), reads.report()
+    assert len(outs) == 2
+    if logprobs is not None:
+        assert all(len(o.new_logprobs) == len(o.new_token_ids) for o in outs)
 
 
 def test_planted_reads_are_counted(model, device_kernels, monkeypatch):

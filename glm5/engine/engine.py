@@ -26,7 +26,7 @@ from glm5.engine.pages import PageAllocator
 from glm5.engine.radix import RadixCache
 from glm5.engine.request import Request, Status
 from glm5.engine.runner import Batch, ModelRunner, make_batch
-from glm5.engine.sampling import (SamplingParams, find_stop, make_generator, sample,
+from glm5.engine.sampling import (SamplingParams, find_stop, make_generator, sample_tokens,
                                   speculative_verify, target_probs, token_logprobs)
 from glm5.engine.scheduler import Item, Scheduler
 from glm5.ir.opdef import strict_mode
@@ -396,8 +396,8 @@ class LLMEngine:
             parts = []
             if plain:  # no draft left: sample the next token from this row
                 r = torch.tensor([first[i] + depth for i in plain], device=dev)
-                parts.append(sample(safe[r], [items[i].req.params for i in plain],
-                                    [items[i].req.generator for i in plain]).tokens)
+                parts.append(sample_tokens(safe[r], [items[i].req.params for i in plain],
+                                           [items[i].req.generator for i in plain]))
             if with_draft:
                 r = torch.tensor([first[i] + depth for i in with_draft], device=dev)
                 d = torch.tensor([items[i].tokens[1 + depth] for i in with_draft], device=dev)
@@ -484,10 +484,10 @@ class LLMEngine:
         p_pos = pos_t[last_t]
         for depth in range(k):
             params = [items[i].req.params for i in sel]
-            s = sample(logits, params, [items[i].req.generator for i in sel])
+            s = sample_tokens(logits, params, [items[i].req.generator for i in sel])
             greedy = all(p.greedy for p in params)
             q = None if greedy else target_probs(logits, params)
-            for j, (i, t) in enumerate(zip(sel, s.tokens.tolist())):  # the read
+            for j, (i, t) in enumerate(zip(sel, s.tolist())):  # the read
                 drafts[i][0].append(t)
                 drafts[i][1].append(None if q is None or params[j].greedy else q[j])
             if depth + 1 == k:
@@ -495,7 +495,7 @@ class LLMEngine:
             p_pos = p_pos + 1  # the draft's position: its MTP entry, drafted recursively
             p_host = [p + 1 for p in p_host]
             seq_sel = torch.tensor(sel, dtype=torch.int32, device=dev)
-            logits, hid = self.runner.mtp(batch, hid, s.tokens.to(dev), p_pos, seq_sel,
+            logits, hid = self.runner.mtp(batch, hid, s.to(dev), p_pos, seq_sel,
                                           torch.arange(len(sel), device=dev),
                                           max_range=max(p_host) + 1)
         return drafts
@@ -503,6 +503,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ commit
     def _commit(self, items, new_tokens, fails, drafts, logits, owner) -> None:
         now = time.monotonic()
+        lps = self._logprobs(items, new_tokens, fails, logits)
         for i, it in enumerate(items):
             req = it.req
             if i in fails:
@@ -513,14 +514,45 @@ class LLMEngine:
             # An error here fails this request alone: raising would make `step` run the whole
             # step again item by item, committing the requests before this one twice.
             try:
-                self._commit_one(i, it, new_tokens, drafts, logits, now)
+                self._commit_one(i, it, new_tokens, drafts, lps.get(i), now)
             except Exception as e:  # noqa: BLE001 - e.g. a detokenizer rejecting an id
                 req.error = f"{type(e).__name__}: {e}"
                 self._finish(req, "error")
                 self.stats.failed += 1
 
-    def _commit_one(self, i: int, it: Item, new_tokens, drafts, logits, now: float) -> None:
-        """Item ``i``'s results: its cache progress, new tokens, logprobs, drafts, stops."""
+    def _logprobs(self, items: list[Item], new_tokens: dict[int, list[tuple[int, int]]],
+                  fails: dict[int, str], logits: torch.Tensor) -> dict[int, list[TokenLogprob]]:
+        """{item: the TokenLogprob of each new token} for the items whose requests ask for
+        logprobs, from one `token_logprobs` over all their rows. Host reads: the logprobs, and
+        with a top-n the ids and their logprobs (plus one where top-n values tie)."""
+        want = [i for i, it in enumerate(items) if it.sample and i not in fails
+                and it.req.logprobs is not None and new_tokens.get(i)]
+        if not want:
+            return {}
+        rows = [r for i in want for _, r in new_tokens[i]]
+        toks = [t for i in want for t, _ in new_tokens[i]]
+        params = [items[i].req.params for i in want for _ in new_tokens[i]]
+        dev = logits.device
+        lp, top_i, top_l = token_logprobs(logits[torch.tensor(rows, device=dev)], params,
+                                          torch.tensor(toks, device=dev))
+        lp = lp.tolist()
+        if top_i is not None:
+            top_i, top_l = top_i.tolist(), top_l.tolist()
+        out: dict[int, list[TokenLogprob]] = {}
+        k = 0
+        for i in want:
+            n = items[i].req.params.logprobs or 0
+            out[i] = []
+            for t, _ in new_tokens[i]:
+                top = list(zip(top_i[k][:n], top_l[k][:n])) if n else []
+                out[i].append(TokenLogprob(t, lp[k], top))
+                k += 1
+        return out
+
+    def _commit_one(self, i: int, it: Item, new_tokens, drafts,
+                    lps: list[TokenLogprob] | None, now: float) -> None:
+        """Item ``i``'s results: its cache progress, new tokens, logprobs (``lps``, from
+        `_logprobs`), drafts, stops."""
         req = it.req
         n_draft = self._n_drafts(it)
         toks = new_tokens.get(i, [])
@@ -536,23 +568,12 @@ class LLMEngine:
             return
         if req.metrics.first_token is None:
             req.metrics.first_token = now
-        if req.logprobs is not None:
-            dev = logits.device
-            lp_rows = torch.tensor([r for _, r in toks], device=dev)
-            lp, top_i, top_l = token_logprobs(logits[lp_rows], [req.params] * len(toks),
-                                              torch.tensor([t for t, _ in toks], device=dev))
-            # host copies, one read each (not one per entry)
-            lp = lp.tolist()
-            n = req.params.logprobs or 0
-            if n and top_i is not None:
-                top_i, top_l = top_i[:, :n].tolist(), top_l[:, :n].tolist()
         for j, (t, _) in enumerate(toks):
             req.output_ids.append(t)
             req.output_versions.append(self.weights_version)
             self.stats.generation_tokens += 1
             if req.logprobs is not None:
-                top = list(zip(top_i[j], top_l[j])) if n and top_i is not None else []
-                req.logprobs.append(TokenLogprob(t, lp[j], top))
+                req.logprobs.append(lps[j])
             if self._stopped(req, t):
                 break
         req.num_computed = min(req.num_computed, req.num_tokens)

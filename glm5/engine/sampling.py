@@ -345,8 +345,17 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     Greedy rows take the first maximum; sampled rows draw one float64 uniform from their own
     generator and invert the CDF of `target_probs` (so a seeded row's token does not depend on
     the other rows). Everything else is vectorised over the batch."""
-    _check_logits("sample", logits, params)
-    _check_generators("sample", generators, logits.shape[0])
+    tokens = sample_tokens(logits, params, generators, "sample")
+    return SampleOutput(tokens, *_logprobs(logits, params, tokens))
+
+
+def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator], fn: str = "sample_tokens"
+                  ) -> torch.Tensor:
+    """`sample`'s tokens alone, int64 [N] on the logits' device, without the logprobs (the
+    engine takes the logprobs of the tokens it keeps, after verifying drafts, in one batch)."""
+    _check_logits(fn, logits, params)
+    _check_generators(fn, generators, logits.shape[0])
     n = logits.shape[0]
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -359,7 +368,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         probs = torch.softmax(_processed(logits[rows], [params[i] for i in sampled]), dim=-1)
         u = _uniforms(generators, sampled, 1, logits.device)[:, 0]
         tokens[rows] = _inverse_cdf(probs, u)
-    return SampleOutput(tokens, *_logprobs(logits, params, tokens))
+    return tokens
 
 
 def speculative_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
