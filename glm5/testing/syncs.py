@@ -182,6 +182,10 @@ class HostReadCounter(TorchDispatchMode):
         return "\n".join(lines)
 
 
+# The name bench/gpu_model.py looks for (``with SyncCounter() as c: ...; c.count``).
+SyncCounter = HostReadCounter
+
+
 @contextlib.contextmanager
 def count_host_reads(as_on_device: bool = True) -> Iterator[HostReadCounter]:
     """Count host reads in the block. ``as_on_device`` (default): value checks behave as on a
