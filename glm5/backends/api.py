@@ -6,7 +6,6 @@ contract (see docs/plugins.md)."""
 from __future__ import annotations
 
 import contextvars
-import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -14,6 +13,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import pluggy
 import torch
+
+# GLM5_STRICT is defined once, in the IR (the ground floor: argument value checks read it too);
+# re-exported here, where plugins and selection use it.
+from glm5.ir.opdef import STRICT_ENV, strict_mode  # noqa: F401
 
 PROJECT = "glm5"
 API_VERSION = "1.0"  # a plugin declares GLM5_API_VERSION; another major version is refused
@@ -39,13 +42,6 @@ DEVICE_ANY = "any"
 # The name of glm5's own float64 oracle backend: reserved (no plugin may register it), the
 # explicit last resort of selection.
 REFERENCE = "reference"
-
-STRICT_ENV = "GLM5_STRICT"
-
-
-def strict_mode() -> bool:
-    """``GLM5_STRICT`` is set (1/true/yes/on): a broken plugin or a reference fallback raises."""
-    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 # Ops whose weights come in a canonical packed format (docs/ops.md) that a backend may repack once at
 # load time (`@backend.repack`).

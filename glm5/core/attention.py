@@ -185,9 +185,10 @@ class Attention(nn.Module):
         q_nope = q[..., :Dn]
         q_main = torch.einsum("thd,hdc->thc", q_nope, w_uk) if absorb else q_nope.contiguous()
         rows = self._latent_rows(x, st)
-        keep = st.slots >= 0  # slot -1 is skipped, as in mla_prolog
+        # The model never passes slot -1 (mla_prolog's "skip"; the indexer-key write in
+        # `forward` relies on it too), so no mask: a boolean one would cost a host read.
         with torch.no_grad():
-            latent[st.slots[keep].long()] = rows[keep].detach().to(latent.dtype)
+            latent[st.slots.long()] = rows.detach().to(latent.dtype)
         return q_main, q_pe, c_q
 
     def use_absorbed(self, n_queries: int, n_rows: int, sparse: bool,

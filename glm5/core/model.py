@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5 import ops
-from glm5.ir.opdef import has_data
+from glm5.ir.opdef import value_checks
 from glm5.core.attention import Attention, Pages, Step
 from glm5.core.cache import KVCache
 from glm5.core.config import GLM5Config
@@ -127,7 +127,7 @@ class GLM5ForCausalLM(nn.Module):
         if T == 0:
             raise ValueError("glm5 model: input_ids expected at least one token")
         V = self.config.vocab_size
-        if has_data(input_ids) and bool(((input_ids < 0) | (input_ids >= V)).any()):
+        if value_checks(input_ids) and bool(((input_ids < 0) | (input_ids >= V)).any()):
             raise ValueError(f"glm5 model: input_ids expected ids in [0, {V})")
         if cache is None:
             cache = self.new_cache(B, T)
@@ -152,14 +152,24 @@ class GLM5ForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ paged (serving)
     def paged_step(self, positions: torch.Tensor, slots: torch.Tensor,
-                   block_table: torch.Tensor, seq: torch.Tensor, page_size: int) -> Step:
+                   block_table: torch.Tensor, seq: torch.Tensor, page_size: int,
+                   max_range: int | None = None) -> Step:
         """The layout of one forward over a paged cache (the serving engine's): N tokens of any
         number of sequences, token n at logical ``positions[n]`` of sequence ``seq[n]`` (a row of
         ``block_table`` [B, P] int32), written to physical row ``slots[n]``; it attends to its
-        sequence's positions 0 .. positions[n] (causal)."""
+        sequence's positions 0 .. positions[n] (causal).
+
+        ``max_range``: ``max(positions) + 1`` as the caller knows it on the host (the engine
+        does); None reads it from ``positions``, a host synchronisation on a device. A larger
+        bound, on the same side of ``index_topk`` and at most ``P * page_size``, gives the same
+        result (the dense path then lists that many keys per query, the ones past a query's
+        range as -1): a captured decode graph passes one so its shapes do not change with the
+        lengths."""
         cos, sin = rope_tables(self.inv_freq, self.rope_scaling, positions, self.dtype)
         k_len = (positions + 1).to(torch.int32)
-        return Step(cos, sin, slots.to(torch.int32), None, None, int(k_len.max()), 0,
+        if max_range is None:
+            max_range = int(k_len.max())
+        return Step(cos, sin, slots.to(torch.int32), None, None, max_range, 0,
                     Pages(block_table.to(torch.int32), seq.to(torch.int32), k_len, page_size))
 
     @ops.model_run

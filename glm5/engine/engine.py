@@ -18,15 +18,18 @@ from typing import Any, Sequence
 import torch
 
 from glm5.core.model import GLM5ForCausalLM
+from glm5.engine.graphs import (DEFAULT_BUCKETS, Capture, CudaGraphCapture, DecodeGraphs,
+                                check_buckets)
 from glm5.engine.kv_pool import KVPool
 from glm5.engine.outputs import RequestOutput, TokenLogprob
 from glm5.engine.pages import PageAllocator
 from glm5.engine.radix import RadixCache
 from glm5.engine.request import Request, Status
 from glm5.engine.runner import Batch, ModelRunner, make_batch
-from glm5.engine.sampling import (SamplingParams, find_stop, make_generator, sample,
+from glm5.engine.sampling import (SamplingParams, find_stop, make_generator, sample_tokens,
                                   speculative_verify, target_probs, token_logprobs)
 from glm5.engine.scheduler import Item, Scheduler
+from glm5.ir.opdef import strict_mode
 
 
 @dataclass
@@ -46,6 +49,11 @@ class EngineConfig:
     long_prompt_qps: float = 0.5  # ... their own rate limit (requests per second) ...
     long_prompt_burst: int = 2  # ... with this many at once
     seed: int | None = None  # the generator of requests without a seed of their own
+    # Decode steps replayed from CUDA graphs (glm5.engine.graphs): None = on for a model on a
+    # CUDA device (off under GLM5_STRICT=1, whose value checks cannot be captured), off
+    # elsewhere; True requires a CUDA device. A decode batch is padded up to the next bucket.
+    cuda_graphs: bool | None = None
+    cuda_graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
 
     def __post_init__(self) -> None:
         for f in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size",
@@ -67,6 +75,10 @@ class EngineConfig:
                 and math.isfinite(self.long_prompt_qps)):
             raise ValueError(f"glm5 EngineConfig: argument 'long_prompt_qps' expected a finite "
                              f"number > 0, got {self.long_prompt_qps!r}")
+        if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):
+            raise ValueError(f"glm5 EngineConfig: argument 'cuda_graphs' expected None, True or "
+                             f"False, got {self.cuda_graphs!r}")
+        self.cuda_graph_buckets = check_buckets(self.cuda_graph_buckets, "EngineConfig")
         if self.chunk_size > self.max_num_batched_tokens:
             raise ValueError(f"glm5 EngineConfig: argument 'chunk_size' expected <= "
                              f"max_num_batched_tokens={self.max_num_batched_tokens}, got "
@@ -142,15 +154,20 @@ class LLMEngine:
         self.backend = backend  # ops run under glm5.use_backend(backend) (every thread)
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         mtp = cfg.num_speculative_tokens > 0
+        # Beyond the pages it hands out, the pool holds scratch pages for the padded rows of a
+        # decode graph (fewer than the largest bucket).
+        scratch = max(cfg.cuda_graph_buckets) - 1
         num_pages = cfg.num_pages or max(
-            cfg.kv_cache_bytes // KVPool.page_bytes(model, cfg.page_size, mtp), 1)
-        self.pool = KVPool(model, num_pages, cfg.page_size, mtp)
+            cfg.kv_cache_bytes // KVPool.page_bytes(model, cfg.page_size, mtp)
+            - KVPool.scratch_page_count(scratch, cfg.page_size), 1)
+        self.pool = KVPool(model, num_pages, cfg.page_size, mtp, scratch)
         self.allocator = PageAllocator(num_pages)
         self.radix = RadixCache(self.allocator, cfg.page_size, cfg.enable_prefix_cache)
         self.scheduler = Scheduler(self.allocator, self.radix, cfg.page_size, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, cfg.chunk_size,
                                    cfg.num_speculative_tokens, self.pool.copy_page)
         self.runner = ModelRunner(model, self.pool)
+        self.runner.graphs = self._graphs(cfg)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._long = _RateLimit(cfg.long_prompt_qps, cfg.long_prompt_burst)
@@ -166,6 +183,27 @@ class LLMEngine:
         # The version of the weights the model holds; every sampled token records it (RL rollouts
         # keep it per token to bound staleness). `set_weights_version` moves it.
         self.weights_version = 0
+
+    def _graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
+        dev = self.model.device
+        on = cfg.cuda_graphs
+        if on and dev.type != "cuda":
+            raise ValueError(f"glm5 EngineConfig: cuda_graphs=True needs the model on a CUDA "
+                             f"device, it is on {dev}")
+        if on is None:
+            on = dev.type == "cuda" and not strict_mode()
+        if not on:
+            return None
+        return self.decode_graphs(CudaGraphCapture(dev), cfg.cuda_graph_buckets)
+
+    def decode_graphs(self, capture: Capture, buckets: Sequence[int] = DEFAULT_BUCKETS
+                      ) -> DecodeGraphs:
+        """Captured decode steps over this engine's model and pool (``capture``:
+        `CudaGraphCapture` on a GPU; tests pass `EagerCapture` and set ``runner.graphs``)."""
+        ps = self.config.page_size
+        return DecodeGraphs(self.runner.main, self.model.device, buckets,
+                            self.model.config.index_topk, ps, -(-self.max_model_len // ps),
+                            self.pool.scratch_pages, capture)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int],
@@ -306,19 +344,29 @@ class LLMEngine:
 
     def _run(self, items: list[Item]) -> None:
         """Forward, sample, draft; then commit. Nothing about a request changes unless every
-        part succeeded (the cache rows written are rewritten when the request runs again)."""
-        batch = make_batch(items, self.model.device)
-        rows, owner = [], []  # logits rows: the last token of a sampled item and its drafts
-        for i, it in enumerate(items):
-            if it.sample:
-                n_draft = len(it.tokens) - 1 if it.req.num_tokens - it.start == 1 else 0
-                end = batch.offsets[i + 1]
-                rows += range(end - 1 - n_draft, end)
-                owner += [i] * (n_draft + 1)
-        row_t = torch.tensor(rows, dtype=torch.long)
-        logits, hn = self.runner.forward(batch, row_t)
-        new_tokens, fails = self._sample(items, logits, owner) if rows else ({}, {})
-        drafts = self._draft(items, batch, hn, new_tokens, fails)
+        part succeeded (the cache rows written are rewritten when the request runs again).
+
+        Host reads (synchronisations on a device): one per step without MTP drafts, the
+        sampled tokens with the logits' finiteness flags (`_sample`); see docs/performance.md
+        for the reads MTP and logprobs add."""
+        out = None if self.config.num_speculative_tokens else self.runner.decode(items)
+        batch = None
+        if out is not None:  # a captured decode graph: one logits row per item
+            logits, hn = out
+            owner = list(range(len(items)))
+        else:
+            batch = make_batch(items, self.model.device)
+            rows, owner = [], []  # logits rows: the last token of a sampled item and its drafts
+            for i, it in enumerate(items):
+                if it.sample:
+                    n_draft = len(it.tokens) - 1 if it.req.num_tokens - it.start == 1 else 0
+                    end = batch.offsets[i + 1]
+                    rows += range(end - 1 - n_draft, end)
+                    owner += [i] * (n_draft + 1)
+            row_t = torch.tensor(rows, dtype=torch.long, device=self.model.device)
+            logits, hn = self.runner.forward(batch, row_t)
+        new_tokens, fails = self._sample(items, logits, owner) if owner else ({}, {})
+        drafts = self._draft(items, batch, hn, new_tokens, fails) if batch is not None else {}
         self._commit(items, new_tokens, fails, drafts, logits, owner)
 
     # ------------------------------------------------------------------ sampling
@@ -326,47 +374,61 @@ class LLMEngine:
                 ) -> tuple[dict[int, list[tuple[int, int]]], dict[int, str]]:
         """{item: [(token, logits row), ...]} of the new tokens of each sampled item (accepted
         drafts, then the bonus or the correction), and {item: error} for items whose logits
-        are not finite."""
+        are not finite.
+
+        One host read per draft depth verified (one in all without drafts): the tokens, the
+        acceptances and, at depth 0, every row's finiteness, in one transfer. Rows that are
+        not finite are sampled from zeros meanwhile (so no kernel meets a NaN) and their items
+        fail."""
         first: dict[int, int] = {}
         for r, i in enumerate(owner):
             first.setdefault(i, r)
+        dev = logits.device
         finite = torch.isfinite(logits).all(-1)
-        fails = {}
-        for i, r in first.items():
-            if not bool(finite[r:r + 1 + self._n_drafts(items[i])].all()):
-                fails[i] = "the model's logits are not finite (NaN or inf)"
-        live = [i for i in first if i not in fails]
-        out: dict[int, list[tuple[int, int]]] = {i: [] for i in live}
-        pending = list(live)  # items still verifying drafts at this depth
+        safe = torch.where(finite[:, None], logits, logits.new_zeros(()))
+        fails: dict[int, str] = {}
+        out: dict[int, list[tuple[int, int]]] = {i: [] for i in first}
+        pending = list(first)  # items still verifying drafts at this depth
         depth = 0
         while pending:
             with_draft = [i for i in pending if depth < self._n_drafts(items[i])]
             plain = [i for i in pending if depth >= self._n_drafts(items[i])]
+            parts = []
             if plain:  # no draft left: sample the next token from this row
-                r = torch.tensor([first[i] + depth for i in plain])
-                s = sample(logits[r], [items[i].req.params for i in plain],
-                           [items[i].req.generator for i in plain])
-                for j, i in enumerate(plain):
-                    out[i].append((int(s.tokens[j]), first[i] + depth))
-            nxt = []
+                r = torch.tensor([first[i] + depth for i in plain], device=dev)
+                parts.append(sample_tokens(safe[r], [items[i].req.params for i in plain],
+                                           [items[i].req.generator for i in plain]))
             if with_draft:
-                r = torch.tensor([first[i] + depth for i in with_draft])
-                d = torch.tensor([items[i].tokens[1 + depth] for i in with_draft])
+                r = torch.tensor([first[i] + depth for i in with_draft], device=dev)
+                d = torch.tensor([items[i].tokens[1 + depth] for i in with_draft], device=dev)
                 q = [items[i].req.draft_probs[depth] for i in with_draft]
                 qt = None  # greedy rows verify by argmax; their row of qt is not read
                 if any(x is not None for x in q):
                     ref = next(x for x in q if x is not None)
                     qt = torch.stack([ref.new_zeros(ref.shape) if x is None else x for x in q])
-                ok, tok = speculative_verify(logits[r], d, qt,
+                ok, tok = speculative_verify(safe[r], d, qt,
                                              [items[i].req.params for i in with_draft],
                                              [items[i].req.generator for i in with_draft])
-                for j, i in enumerate(with_draft):
-                    out[i].append((int(tok[j]), first[i] + depth))
-                    if bool(ok[j]):
-                        nxt.append(i)
+                parts += [tok, ok.long()]
+            if depth == 0:
+                parts.append(finite.long())
+            host = torch.cat(parts).tolist()  # the read
+            if depth == 0:
+                fin = host[len(host) - len(owner):]
+                for i, r0 in first.items():
+                    if not all(fin[r0:r0 + 1 + self._n_drafts(items[i])]):
+                        fails[i] = "the model's logits are not finite (NaN or inf)"
+            n_p, n_d = len(plain), len(with_draft)
+            for j, i in enumerate(plain):
+                out[i].append((host[j], first[i] + depth))
+            nxt = []
+            for j, i in enumerate(with_draft):
+                out[i].append((host[n_p + j], first[i] + depth))
+                if host[n_p + n_d + j] and i not in fails:
+                    nxt.append(i)
             pending = nxt
             depth += 1
-        return out, fails
+        return {i: v for i, v in out.items() if i not in fails}, fails
 
     @staticmethod
     def _n_drafts(it: Item) -> int:
@@ -377,7 +439,8 @@ class LLMEngine:
                new_tokens: dict[int, list[tuple[int, int]]], fails: dict[int, str]
                ) -> dict[int, tuple[list[int], list[torch.Tensor | None]]]:
         """The MTP layer over every position the main model kept this step (hidden state at i,
-        token at i + 1), then ``num_speculative_tokens`` drafts for each sampled sequence."""
+        token at i + 1), then ``num_speculative_tokens`` drafts for each sampled sequence (one
+        host read per draft depth: the drafted tokens)."""
         k = self.config.num_speculative_tokens
         if not k:
             return {}
@@ -409,33 +472,38 @@ class LLMEngine:
         seq_t = torch.tensor(seq, dtype=torch.int32, device=dev)
         sel = list(last)
         # int64 even when empty: torch.tensor([]) is float and cannot index
-        last_t = torch.tensor([last[i] for i in sel], dtype=torch.long)
-        logits, h = self.runner.mtp(batch, hn[torch.tensor(rows)], torch.tensor(nxt, device=dev),
-                                    pos_t, seq_t, last_t)
+        last_t = torch.tensor([last[i] for i in sel], dtype=torch.long, device=dev)
+        logits, h = self.runner.mtp(batch, hn[torch.tensor(rows, device=dev)],
+                                    torch.tensor(nxt, device=dev), pos_t, seq_t, last_t,
+                                    max_range=max(pos) + 1)
         if not sel:  # only prefill chunks: their MTP cache rows are written, nothing to draft
             return {}
         drafts: dict[int, tuple[list[int], list[torch.Tensor | None]]] = {i: ([], []) for i in sel}
         hid = h[last_t]
+        p_host = [pos[last[i]] for i in sel]
         p_pos = pos_t[last_t]
         for depth in range(k):
             params = [items[i].req.params for i in sel]
-            s = sample(logits, params, [items[i].req.generator for i in sel])
+            s = sample_tokens(logits, params, [items[i].req.generator for i in sel])
             greedy = all(p.greedy for p in params)
             q = None if greedy else target_probs(logits, params)
-            for j, i in enumerate(sel):
-                drafts[i][0].append(int(s.tokens[j]))
+            for j, (i, t) in enumerate(zip(sel, s.tolist())):  # the read
+                drafts[i][0].append(t)
                 drafts[i][1].append(None if q is None or params[j].greedy else q[j])
             if depth + 1 == k:
                 break
             p_pos = p_pos + 1  # the draft's position: its MTP entry, drafted recursively
+            p_host = [p + 1 for p in p_host]
             seq_sel = torch.tensor(sel, dtype=torch.int32, device=dev)
-            logits, hid = self.runner.mtp(batch, hid, s.tokens.to(dev), p_pos, seq_sel,
-                                          torch.arange(len(sel)))
+            logits, hid = self.runner.mtp(batch, hid, s.to(dev), p_pos, seq_sel,
+                                          torch.arange(len(sel), device=dev),
+                                          max_range=max(p_host) + 1)
         return drafts
 
     # ------------------------------------------------------------------ commit
     def _commit(self, items, new_tokens, fails, drafts, logits, owner) -> None:
         now = time.monotonic()
+        lps = self._logprobs(items, new_tokens, fails, logits)
         for i, it in enumerate(items):
             req = it.req
             if i in fails:
@@ -446,14 +514,45 @@ class LLMEngine:
             # An error here fails this request alone: raising would make `step` run the whole
             # step again item by item, committing the requests before this one twice.
             try:
-                self._commit_one(i, it, new_tokens, drafts, logits, now)
+                self._commit_one(i, it, new_tokens, drafts, lps.get(i), now)
             except Exception as e:  # noqa: BLE001 - e.g. a detokenizer rejecting an id
                 req.error = f"{type(e).__name__}: {e}"
                 self._finish(req, "error")
                 self.stats.failed += 1
 
-    def _commit_one(self, i: int, it: Item, new_tokens, drafts, logits, now: float) -> None:
-        """Item ``i``'s results: its cache progress, new tokens, logprobs, drafts, stops."""
+    def _logprobs(self, items: list[Item], new_tokens: dict[int, list[tuple[int, int]]],
+                  fails: dict[int, str], logits: torch.Tensor) -> dict[int, list[TokenLogprob]]:
+        """{item: the TokenLogprob of each new token} for the items whose requests ask for
+        logprobs, from one `token_logprobs` over all their rows. Host reads: the logprobs, and
+        with a top-n the ids and their logprobs (plus one where top-n values tie)."""
+        want = [i for i, it in enumerate(items) if it.sample and i not in fails
+                and it.req.logprobs is not None and new_tokens.get(i)]
+        if not want:
+            return {}
+        rows = [r for i in want for _, r in new_tokens[i]]
+        toks = [t for i in want for t, _ in new_tokens[i]]
+        params = [items[i].req.params for i in want for _ in new_tokens[i]]
+        dev = logits.device
+        lp, top_i, top_l = token_logprobs(logits[torch.tensor(rows, device=dev)], params,
+                                          torch.tensor(toks, device=dev))
+        lp = lp.tolist()
+        if top_i is not None:
+            top_i, top_l = top_i.tolist(), top_l.tolist()
+        out: dict[int, list[TokenLogprob]] = {}
+        k = 0
+        for i in want:
+            n = items[i].req.params.logprobs or 0
+            out[i] = []
+            for t, _ in new_tokens[i]:
+                top = list(zip(top_i[k][:n], top_l[k][:n])) if n else []
+                out[i].append(TokenLogprob(t, lp[k], top))
+                k += 1
+        return out
+
+    def _commit_one(self, i: int, it: Item, new_tokens, drafts,
+                    lps: list[TokenLogprob] | None, now: float) -> None:
+        """Item ``i``'s results: its cache progress, new tokens, logprobs (``lps``, from
+        `_logprobs`), drafts, stops."""
         req = it.req
         n_draft = self._n_drafts(it)
         toks = new_tokens.get(i, [])
@@ -469,19 +568,12 @@ class LLMEngine:
             return
         if req.metrics.first_token is None:
             req.metrics.first_token = now
-        if req.logprobs is not None:
-            lp_rows = torch.tensor([r for _, r in toks])
-            lp, top_i, top_l = token_logprobs(logits[lp_rows], [req.params] * len(toks),
-                                              torch.tensor([t for t, _ in toks]))
         for j, (t, _) in enumerate(toks):
             req.output_ids.append(t)
             req.output_versions.append(self.weights_version)
             self.stats.generation_tokens += 1
             if req.logprobs is not None:
-                n = req.params.logprobs or 0
-                top = ([(int(a), float(b)) for a, b in zip(top_i[j][:n], top_l[j][:n])]
-                       if n and top_i is not None else [])
-                req.logprobs.append(TokenLogprob(t, float(lp[j]), top))
+                req.logprobs.append(lps[j])
             if self._stopped(req, t):
                 break
         req.num_computed = min(req.num_computed, req.num_tokens)

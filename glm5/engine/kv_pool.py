@@ -2,7 +2,9 @@
 ([num_pages * page_size, kv_lora_rank + qk_rope_head_dim]) and, on layers that run the
 indexer, the indexer keys ([num_pages * page_size, index_head_dim]); the MTP layers get pools
 of their own, addressed by the same page ids (a token's MTP entry lives in the same page as its
-main-model entries)."""
+main-model entries). Beyond the pages the allocator hands out, the pool holds scratch pages
+(enough for ``scratch_rows`` rows) that no request owns: the padded rows of a captured decode
+graph write and read them (glm5.engine.graphs)."""
 
 from __future__ import annotations
 
@@ -12,17 +14,21 @@ from glm5.core.model import GLM5ForCausalLM
 
 
 class KVPool:
-    """Page pools of one model. Page p holds rows [p * page_size, (p + 1) * page_size)."""
+    """Page pools of one model. Page p holds rows [p * page_size, (p + 1) * page_size);
+    pages 0 .. num_pages - 1 are the requests', ``scratch_pages`` (the next
+    ``scratch_page_count(scratch_rows, page_size)``) no request's."""
 
     def __init__(self, model: GLM5ForCausalLM, num_pages: int, page_size: int,
-                 mtp: bool = False) -> None:
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"glm5 KVPool: num_pages and page_size expected >= 1, got "
-                             f"{num_pages}, {page_size}")
+                 mtp: bool = False, scratch_rows: int = 1) -> None:
+        if num_pages < 1 or page_size < 1 or scratch_rows < 0:
+            raise ValueError(f"glm5 KVPool: num_pages and page_size expected >= 1 and "
+                             f"scratch_rows >= 0, got {num_pages}, {page_size}, {scratch_rows}")
         cfg = model.config
-        rows = num_pages * page_size
+        n_scratch = self.scratch_page_count(scratch_rows, page_size)
+        rows = (num_pages + n_scratch) * page_size
         dt, dev = model.dtype, model.device
         self.num_pages, self.page_size = num_pages, page_size
+        self.scratch_pages = list(range(num_pages, num_pages + n_scratch))
 
         def pool(width: int) -> torch.Tensor:
             return torch.zeros(rows, width, dtype=dt, device=dev)
@@ -47,6 +53,11 @@ class KVPool:
         ps = self.page_size
         for t in self.tensors():
             t[dst * ps:(dst + 1) * ps] = t[src * ps:(src + 1) * ps]
+
+    @staticmethod
+    def scratch_page_count(scratch_rows: int, page_size: int) -> int:
+        """Scratch pages that hold ``scratch_rows`` rows."""
+        return -(-scratch_rows // page_size)
 
     @staticmethod
     def page_bytes(model: GLM5ForCausalLM, page_size: int, mtp: bool = False) -> int:

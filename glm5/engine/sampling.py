@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from glm5.ir.opdef import value_checks
+
 # Largest top-n a request may ask for (as vLLM / the OpenAI API).
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy (see the module docstring).
@@ -157,7 +159,11 @@ def _check_logits(fn: str, logits: torch.Tensor, params: Sequence[SamplingParams
             raise ValueError(f"glm5 {fn}: argument 'params' expected SamplingParams, item {i} "
                              f"is a {type(p).__name__}")
     # NaN or +inf anywhere, or a row with no finite entry, has no distribution. One reduction
-    # finds all three: the row max propagates NaN and is +inf or -inf exactly then.
+    # finds all three: the row max propagates NaN and is +inf or -inf exactly then. A value
+    # check: on a device only under GLM5_STRICT=1 (glm5.ir.opdef.value_checks); the engine
+    # finds such rows itself, in the one read of its step.
+    if not value_checks(logits):
+        return
     bad = ~torch.isfinite(logits.amax(-1))
     if bool(bad.any()):
         rows = bad.nonzero().flatten()[:8].tolist()
@@ -178,7 +184,7 @@ def _check_tokens(fn: str, name: str, tokens: torch.Tensor, n: int, v: int) -> N
                else type(tokens).__name__)
         raise ValueError(f"glm5 {fn}: argument '{name}' expected an int64 or int32 tensor [{n}], "
                          f"got {got}")
-    if n and bool(((tokens < 0) | (tokens >= v)).any()):
+    if n and value_checks(tokens) and bool(((tokens < 0) | (tokens >= v)).any()):
         raise ValueError(f"glm5 {fn}: argument '{name}' expected token ids in [0, {v}), got "
                          f"min {int(tokens.min())} max {int(tokens.max())}")
 
@@ -276,7 +282,10 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # product loses at most one ulp and never rounds up to a normal total; a positive sum of
     # float32 weights is always normal in float64), so the index stays at or before the last
     # positive weight.
-    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+    # The clamp changes nothing for such weights; rows a device did not check (NaN, all zero)
+    # still get an id in range rather than V (an out-of-range id would fault a later kernel).
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+    return idx.clamp_(max=weights.shape[-1] - 1)
 
 
 @dataclass
@@ -336,8 +345,17 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     Greedy rows take the first maximum; sampled rows draw one float64 uniform from their own
     generator and invert the CDF of `target_probs` (so a seeded row's token does not depend on
     the other rows). Everything else is vectorised over the batch."""
-    _check_logits("sample", logits, params)
-    _check_generators("sample", generators, logits.shape[0])
+    tokens = sample_tokens(logits, params, generators, "sample")
+    return SampleOutput(tokens, *_logprobs(logits, params, tokens))
+
+
+def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator], fn: str = "sample_tokens"
+                  ) -> torch.Tensor:
+    """`sample`'s tokens alone, int64 [N] on the logits' device, without the logprobs (the
+    engine takes the logprobs of the tokens it keeps, after verifying drafts, in one batch)."""
+    _check_logits(fn, logits, params)
+    _check_generators(fn, generators, logits.shape[0])
     n = logits.shape[0]
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -350,7 +368,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         probs = torch.softmax(_processed(logits[rows], [params[i] for i in sampled]), dim=-1)
         u = _uniforms(generators, sampled, 1, logits.device)[:, 0]
         tokens[rows] = _inverse_cdf(probs, u)
-    return SampleOutput(tokens, *_logprobs(logits, params, tokens))
+    return tokens
 
 
 def speculative_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
@@ -385,7 +403,8 @@ def speculative_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
                if isinstance(draft_probs, torch.Tensor) else type(draft_probs).__name__)
         raise ValueError(f"glm5 {fn}: argument 'draft_probs' expected a floating tensor "
                          f"[{n}, {v}], got {got}")
-    elif sampled and not bool((draft_probs[sampled] >= 0).all()):  # NaN fails too
+    elif sampled and value_checks(draft_probs) \
+            and not bool((draft_probs[sampled] >= 0).all()):  # NaN fails too
         raise ValueError(f"glm5 {fn}: argument 'draft_probs' expected probabilities >= 0 in "
                          f"the sampled rows, got a negative or NaN entry")
     dev = target_logits.device

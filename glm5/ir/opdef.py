@@ -3,8 +3,11 @@ model, selection rule, decomposition)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -20,8 +23,24 @@ from glm5.ir.signature import (
     out_shape,
 )
 
-# `check(values, symbols)` hooks look at tensor *values* (index ranges); they are skipped when
-# the tensors carry no data (meta / fake tensors under tracing).
+# `check(values, symbols)` hooks look at tensor *values* (index ranges) only where
+# `value_checks` allows it: on CPU tensors, where reading them is free, or everywhere under
+# GLM5_STRICT=1. On a device each read would stall the host until the queued kernels ran (a
+# decode step made ~15 of them), so there they are skipped; tensors without data (meta / fake
+# under tracing) are never read.
+
+STRICT_ENV = "GLM5_STRICT"
+
+# Tests flip this to make CPU tensors behave as device tensors (glm5.testing.syncs counts the
+# host reads a device would make by running on CPU inside `checks_as_on_device`).
+_as_on_device: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "glm5_checks_as_on_device", default=False)
+
+
+def strict_mode() -> bool:
+    """``GLM5_STRICT`` is set (1/true/yes/on): a broken plugin or a reference fallback raises,
+    and argument value checks run on every device."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def has_data(t: torch.Tensor) -> bool:
@@ -29,6 +48,31 @@ def has_data(t: torch.Tensor) -> bool:
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return t.device.type != "meta"
     return False
+
+
+def value_checks(*tensors: torch.Tensor | None) -> bool:
+    """Whether validation may read the values of ``tensors`` (None entries are ignored): the one
+    place that decides it. True when all carry data and either ``GLM5_STRICT`` is on or all
+    are CPU tensors (outside `checks_as_on_device`); False on a device otherwise, where a read
+    is a host synchronisation."""
+    ts = [t for t in tensors if t is not None]
+    if not all(has_data(t) for t in ts):
+        return False
+    if strict_mode():
+        return True
+    return not _as_on_device.get() and all(t.device.type == "cpu" for t in ts)
+
+
+@contextlib.contextmanager
+def checks_as_on_device() -> Iterator[None]:
+    """Within the block (this thread / context), `value_checks` treats CPU tensors as device
+    tensors: value checks are skipped unless ``GLM5_STRICT=1``. For counting the host reads a
+    device would make (glm5.testing.syncs) on a machine without one."""
+    token = _as_on_device.set(True)
+    try:
+        yield
+    finally:
+        _as_on_device.reset(token)
 
 
 @dataclass
@@ -193,8 +237,8 @@ def require(cond: bool, op: str, arg: str, expected: str, got: Any) -> None:
 def check_index_range(
     op: str, arg: str, idx: torch.Tensor, low: int, high: int, what: str = ""
 ) -> None:
-    """Entries of ``idx`` must be −1 or in ``[low, high)``."""
-    if not has_data(idx) or idx.numel() == 0:
+    """Entries of ``idx`` must be −1 or in ``[low, high)`` (a value check: see `value_checks`)."""
+    if idx.numel() == 0 or not value_checks(idx):
         return
     bad = (idx != -1) & ((idx < low) | (idx >= high))
     if bool(bad.any()):

@@ -8,14 +8,14 @@ import math
 import torch
 
 from glm5.ir.numerics import ErrorTerms, Selection, SelectionRows, sqrt_n
-from glm5.ir.opdef import OpDef, check_index_range, has_data, require
+from glm5.ir.opdef import OpDef, check_index_range, has_data, require, value_checks
 from glm5.ir.ops_norm import _bytes, acc_of
 from glm5.ir.signature import FLOAT_DTYPES, INDEX_DTYPES, OpInputError, OutArg, TensorArg, scalar
 
 
 def check_ranges(op: str, k_start: torch.Tensor, k_end: torch.Tensor, S: int) -> None:
-    """0 <= k_start[t] <= k_end[t] <= S."""
-    if not (has_data(k_start) and has_data(k_end)) or k_start.numel() == 0:
+    """0 <= k_start[t] <= k_end[t] <= S (a value check: see `value_checks`)."""
+    if k_start.numel() == 0 or not value_checks(k_start, k_end):
         return
     if bool((k_start < 0).any()):
         raise OpInputError(
@@ -274,14 +274,14 @@ def paged_reachable(block_table: torch.Tensor, seq: torch.Tensor, k_len: torch.T
 
 
 def _paged_check(a, s) -> None:
-    """Three host syncs in all (this runs on every call, a decode step included): the seq and
-    k_len flags, the widest used row, the page flags."""
+    """The value checks read three values (the seq and k_len flags, the widest used row, the
+    page flags): only where `value_checks` allows, as this runs on every decode step."""
     op = "paged_indexer_topk"
     ps, S = a["page_size"], s["S"]
     require(S % ps == 0, op, "k", f"a row count S that is a multiple of page_size={ps} (the "
             f"pool holds whole pages)", f"S={S}")
     bt, seq, k_len = a["block_table"], a["seq"], a["k_len"]
-    if not (has_data(bt) and has_data(seq) and has_data(k_len)) or seq.numel() == 0:
+    if seq.numel() == 0 or not value_checks(bt, seq, k_len):
         return
     B, P = bt.shape
     bad_seq = (seq < 0) | (seq >= B)

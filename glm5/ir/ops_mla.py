@@ -14,7 +14,7 @@ from glm5.ir.numerics import (
     sqrt_n,
     no_error,
 )
-from glm5.ir.opdef import OpDef, check_index_range, has_data, require
+from glm5.ir.opdef import OpDef, check_index_range, require, value_checks
 from glm5.ir.ops_norm import _bytes, acc_of, rms_norm_ref, rope_ref
 from glm5.ir.signature import INDEX_DTYPES, OpInputError, OutArg, TensorArg, scalar
 
@@ -127,7 +127,7 @@ def _prolog_check(a, s) -> None:
                 a[name].dtype)
     check_index_range(op, "slots", a["slots"], 0, s["N"], "(cache rows; -1 = skip)")
     sl = a["slots"]
-    if has_data(sl) and sl.numel():
+    if sl.numel() and value_checks(sl):
         v = sl[sl >= 0]
         if v.numel() != torch.unique(v).numel():
             raise OpInputError(f"glm5.{op}: argument 'slots' expected distinct cache rows, "

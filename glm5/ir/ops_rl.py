@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from glm5.ir.numerics import LAMBDA, ErrorTerms, sqrt_n, unit_roundoff
-from glm5.ir.opdef import OpDef, check_index_range, has_data, require
+from glm5.ir.opdef import OpDef, check_index_range, require, value_checks
 from glm5.ir.ops_norm import _bytes, acc_of
 from glm5.ir.signature import FLOAT_DTYPES, INDEX_DTYPES, OutArg, TensorArg, scalar
 
@@ -87,7 +87,7 @@ def _tlp_check(a, s) -> None:
     require(s["V"] >= 1, "token_logprobs", "w_vocab", "at least one vocabulary row", s["V"])
     check_index_range("token_logprobs", "targets", a["targets"], 0, s["V"], "(vocabulary ids)")
     t = a["targets"]
-    if has_data(t) and t.numel() and bool((t == -1).any()):
+    if t.numel() and value_checks(t) and bool((t == -1).any()):
         require(False, "token_logprobs", "targets", f"ids in [0, {s['V']})", -1)
 
 

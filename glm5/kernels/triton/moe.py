@@ -46,7 +46,10 @@ def schedule(ids: torch.Tensor, E: int, block_m: int):
     inv = torch.empty_like(order)
     inv[order] = torch.arange(N, device=dev)
     tok = torch.div(order, k, rounding_mode="floor").to(torch.int32)
-    counts = torch.bincount(key, minlength=E + 1)[:E]
+    # scatter_add, not bincount: bincount's output length depends on max(key), a host read
+    # (and so a failed CUDA-graph capture) on a GPU
+    counts = torch.zeros(E + 1, dtype=torch.long, device=dev).scatter_add_(
+        0, key, torch.ones_like(key))[:E]
     offs = torch.zeros(E + 1, dtype=torch.long, device=dev)
     offs[1:] = torch.cumsum(counts, 0)
     tiles = torch.div(counts + block_m - 1, block_m, rounding_mode="floor")
