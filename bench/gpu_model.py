@@ -9,9 +9,9 @@ GPU, in one run of a few minutes.
    runs out of memory at 16K on an H200), out-of-memory reported as such.
 2. Decode through the serving engine (glm5.engine.LLMEngine) at each batch size (default 1, 8,
    32) after a --decode-prompt token prompt per sequence: the first --first-steps decode steps
-   timed one by one (a compilation per sequence length shows up here), then the median of
-   --decode-steps steady steps, and the host reads per step counted by
-   glm5.testing.syncs.SyncCounter where that module exists.
+   timed one by one (a compilation per sequence length, or a graph capture, shows up here),
+   then the median of --decode-steps steady steps, and the host reads per step counted by
+   glm5.testing.syncs.SyncCounter; with CUDA-graph decode steps and without (--graphs).
 3. A torch.profiler trace of one prefill at --profile-len (and of steady decode steps at the
    largest batch): GPU time per kernel, the top kernels' shares.
 
@@ -246,6 +246,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--decode-prompt", type=int, default=2048)
     ap.add_argument("--first-steps", type=int, default=4)
     ap.add_argument("--decode-steps", type=int, default=20)
+    ap.add_argument("--graphs", choices=("auto", "on", "off", "both"), default="both",
+                    help="CUDA-graph decode steps (EngineConfig.cuda_graphs): both runs the "
+                         "decode rows with and without (on a CUDA device)")
     ap.add_argument("--profile-len", type=int, default=65536, help="0: no profile")
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="rows not started by then are reported as skipped")
@@ -294,8 +297,17 @@ def main(argv: list[str] | None = None) -> int:
             hf_path = tmp
         result["prefill"] = prefill_rows(model, hf_path, a.prefill, a.hf_max, clock, a.device,
                                          a.repeat_below_s, deadline, cfg.vocab_size)
-    result["decode"] = decode_rows(model, a.decode_batches, a.decode_prompt, a.first_steps,
-                                   a.decode_steps, clock, deadline, cfg.vocab_size, {})
+    modes = {"auto": [None], "on": [True], "off": [False], "both": [True, False]}[a.graphs]
+    if not a.device.startswith("cuda"):
+        modes = [None]  # graphs are a CUDA feature (the engine refuses them elsewhere)
+    result["decode"] = []
+    for graphs in modes:
+        if graphs is not None:
+            print(f"decode with cuda_graphs={graphs}")
+        for row in decode_rows(model, a.decode_batches, a.decode_prompt, a.first_steps,
+                               a.decode_steps, clock, deadline, cfg.vocab_size,
+                               {"cuda_graphs": graphs}):
+            result["decode"].append({"cuda_graphs": graphs, **row})
     if a.profile_len > 0 and time.monotonic() < deadline:
         result["profile"] = profile_prefill(model, a.profile_len, a.device, cfg.vocab_size)
     out = Path(a.out) if a.out else (ROOT / "bench" / "results" /
