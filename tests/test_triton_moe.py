@@ -157,7 +157,9 @@ def test_regime_from_shapes_and_fp32_block_k():
     assert dec["BLOCK_M"] == p["BLOCK_M_DECODE"] and pre["BLOCK_M"] == p["BLOCK_M"]
     assert dec["opts"]["num_warps"] == 2 and pre["opts"]["num_warps"] == 8
     assert dec["opts"]["num_stages"] == pre["opts"]["num_stages"] == p["num_stages"]
-    assert moe.tiles(p, 9, 2, 4, 4)["BLOCK_K"] == pre["BLOCK_K"] // 2  # fp32: bytes per stage
+    f32 = moe.tiles(p, 9, 2, 4, 4)  # fp32: FMA dots, half the K and N tiles
+    assert [f32[n] * 2 for n in ("BLOCK_K", "BLOCK_N", "BLOCK_N2")] == \
+        [pre[n] for n in ("BLOCK_K", "BLOCK_N", "BLOCK_N2")] and f32["BLOCK_M"] == pre["BLOCK_M"]
 
 
 def test_default_regimes_at_glm5_shapes():

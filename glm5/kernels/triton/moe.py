@@ -31,10 +31,13 @@ from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, dot_fp32, la
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "moe_experts": {
-        # Prefill: row tiles of 64 (one warpgroup's wgmma M), gate and up tiles of 128 columns
-        # each (a 64 x 256 product per k-step in gemm13), 4 stages of 8 + 2 x 16 KiB (bf16).
-        "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_N2": 128, "BLOCK_K": 64, "GROUP_M": 8,
-        "num_warps": 4, "num_stages": 4,
+        # Prefill: vLLM fused_moe's tuned H200 entry for ~256 rows per expert (E=128, N=1024,
+        # M=4096: 64 x 128 x 64, 4 warps, 3 stages): row tiles of 64 (one warpgroup's wgmma M),
+        # gemm13 gate and up blocks of 64 columns each (a 64 x 128 slice of the [rows, 2I]
+        # product, vLLM's tile), gemm2 blocks of 128. sm_90: 122 / 142 registers, 72 KiB of
+        # shared memory each, so 3 blocks fit an SM. BLOCK_N is per half of w13.
+        "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_N2": 128, "BLOCK_K": 64, "GROUP_M": 8,
+        "num_warps": 4, "num_stages": 3,
         # Decode (T * k <= DECODE_ROWS_PER_EXPERT * E: at most about one 16-row tile per expert):
         # memory bound on the weights, each read once; 16-row tiles waste the least work and
         # narrower N-blocks give more programs to stream the weights with.
@@ -54,25 +57,26 @@ def _k():
 
 def tiles(p: dict[str, Any], T: int, k: int, E: int, elem_bytes: int) -> dict[str, Any]:
     """The launch tiles of one call: the decode regime's (``*_DECODE`` keys, launch options
-    ``decode_num_warps`` / ``decode_num_stages`` where set) when T * k <= DECODE_ROWS_PER_EXPERT
-    * E, else the prefill ones. Chosen from shapes only, so the regime is one of two compiled
-    variants and never a sync. 4-byte operands get half the BLOCK_K, so a pipeline stage holds
-    the bytes the tuning entry sized for 16-bit types."""
+    ``decode_num_warps`` / ``decode_num_stages`` where set, else the prefill ones) when
+    T * k <= DECODE_ROWS_PER_EXPERT * E, else the prefill ones. Chosen from shapes only, so the
+    regime is one of two compiled variants and never a sync. 4-byte operands (fp32: IEEE dots
+    on the FMA units, operands and both accumulators in registers) get half the BLOCK_K and
+    N-blocks of the entry, which is sized for 16-bit tensor-core tiles: on sm_90 the fp32
+    prefill GEMMs took 255 registers at full size (gemm2 spilling 32 B) and 128 at half."""
     decode = T * k <= int(p.get("DECODE_ROWS_PER_EXPERT", 16)) * E
     sfx = "_DECODE" if decode else ""
+    div = 2 if elem_bytes > 2 else 1
 
-    def tile(name: str, default: int) -> int:
-        return max(16, next_pow2(int(p.get(name + sfx, p.get(name, default)))))
+    def tile(name: str, default: int, d: int = 1) -> int:
+        return max(16, next_pow2(int(p.get(name + sfx, p.get(name, default)))) // d)
 
-    bk = tile("BLOCK_K", 64)
-    if elem_bytes > 2:
-        bk = max(16, bk // 2)
     opts = launch_opts(p)
     if decode:
         opts = launch_opts(p, "decode_", **opts)
-    return {"decode": decode, "BLOCK_M": tile("BLOCK_M", 64), "BLOCK_N": tile("BLOCK_N", 128),
-            "BLOCK_N2": tile("BLOCK_N2", 128), "BLOCK_K": bk,
-            "GROUP_M": max(1, int(p.get("GROUP_M", 8))), "opts": opts}
+    return {"decode": decode, "BLOCK_M": tile("BLOCK_M", 64),
+            "BLOCK_N": tile("BLOCK_N", 64, div), "BLOCK_N2": tile("BLOCK_N2", 128, div),
+            "BLOCK_K": tile("BLOCK_K", 64, div), "GROUP_M": max(1, int(p.get("GROUP_M", 8))),
+            "opts": opts}
 
 
 def schedule(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, ...]:
