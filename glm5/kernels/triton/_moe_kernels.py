@@ -194,7 +194,8 @@ def _combine_tile(y_ptr, ids_ptr, out_ptr, D, E, KTOP, syr, syd, sit, sik, sot, 
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in range(0, KTOP):
         e = tl.load(ids_ptr + t * sit + j * sik)
-        ok = ((d * 0 + e) >= 0) & ((d * 0 + e) < E)  # [BLOCK_D]: a scalar mask trips the interpreter
+        ev = d * 0 + e  # [BLOCK_D]: a scalar mask trips the interpreter
+        ok = (ev >= 0) & (ev < E)
         yv = tl.load(y_ptr + (t * KTOP + j) * syr + d * syd, mask=dm & ok, other=0.0)
         acc += yv
     tl.store(out_ptr + t * sot + d * sod, acc.to(out_ptr.dtype.element_ty), mask=dm)

@@ -43,7 +43,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # narrower N-blocks give more programs to stream the weights with.
         "DECODE_ROWS_PER_EXPERT": 16, "BLOCK_M_DECODE": 16, "BLOCK_N_DECODE": 64,
         "BLOCK_N2_DECODE": 64, "BLOCK_K_DECODE": 128,
-        # The combine: one program per (token, D-block).
+        # The combine: one program per (token, D-block); launch options combine_num_warps /
+        # combine_num_stages where set, else the entry's.
         "BLOCK_D": 256,
     },
 }
@@ -136,16 +137,16 @@ def make_moe_experts(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
             return out.zero_()
         N = T * kt
         fp32 = dot_fp32(x.dtype, w13.dtype, w2.dtype)
-        tl_ = tiles(p, T, kt, E, max(x.element_size(), w13.element_size(), w2.element_size()))
-        bm, gm, opts = tl_["BLOCK_M"], tl_["GROUP_M"], tl_["opts"]
+        cfg = tiles(p, T, kt, E, max(x.element_size(), w13.element_size(), w2.element_size()))
+        bm, gm, opts = cfg["BLOCK_M"], cfg["GROUP_M"], cfg["opts"]
         k = _k()
         pair, tok, tile_e, lo, hi = schedule(ids, E, bm)
         nt = tile_e.shape[0]
         h = torch.empty((N, max(I, 1)), dtype=x.dtype, device=x.device)
         y = torch.empty((N, D), dtype=torch.float32, device=x.device)
         if I > 0:
-            bn1 = max(16, min(tl_["BLOCK_N"], next_pow2(I)))
-            bk1 = max(16, min(tl_["BLOCK_K"], next_pow2(D)))
+            bn1 = max(16, min(cfg["BLOCK_N"], next_pow2(I)))
+            bk1 = max(16, min(cfg["BLOCK_K"], next_pow2(D)))
             launch(
                 k.moe_gemm13_kernel, (nt * cdiv(I, bn1),), p, "moe_experts",
                 x, w13, h, tok, tile_e, lo, hi, D, I,
@@ -155,8 +156,8 @@ def make_moe_experts(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
                 DOT_FP32=fp32, **opts)
         else:
             h.zero_()
-        bn2 = max(16, min(tl_["BLOCK_N2"], next_pow2(D)))
-        bk2 = max(16, min(tl_["BLOCK_K"], next_pow2(max(I, 1))))
+        bn2 = max(16, min(cfg["BLOCK_N2"], next_pow2(D)))
+        bk2 = max(16, min(cfg["BLOCK_K"], next_pow2(max(I, 1))))
         launch(
             k.moe_gemm2_kernel, (nt * cdiv(D, bn2),), p, "moe_experts",
             h, w2, y, pair, weights, tile_e, lo, hi, D, I, kt,
@@ -168,7 +169,8 @@ def make_moe_experts(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         launch(
             k.moe_combine_kernel, (T, cdiv(D, bd)), p, "moe_experts",
             y, ids, out, D, E, kt, y.stride(0), y.stride(1), ids.stride(0), ids.stride(1),
-            out.stride(0), out.stride(1), BLOCK_D=bd, **launch_opts(p, "combine_", num_warps=4))
+            out.stride(0), out.stride(1), BLOCK_D=bd,
+            **launch_opts(p, "combine_", **launch_opts(p)))  # the entry's, unless combine_*
         return out
 
     return moe_experts
