@@ -70,8 +70,8 @@ def _gemm13_tile(x_ptr, w13_ptr, h_ptr, tok_ptr, tile_e_ptr, tile_lo_ptr, tile_h
     reaches memory). Padding tiles (e < 0) do nothing."""
     e = tl.load(tile_e_ptr + tile).to(tl.int64)
     if e >= 0:
-        lo = tl.load(tile_lo_ptr + tile)
-        hi = tl.load(tile_hi_ptr + tile)
+        lo = tl.load(tile_lo_ptr + tile).to(tl.int32)  # rows < T k: int32 index math
+        hi = tl.load(tile_hi_ptr + tile).to(tl.int32)
         r = lo + tl.arange(0, BLOCK_M)
         rm = r < hi
         tok = tl.load(tok_ptr + r, mask=rm, other=0).to(tl.int64)  # padding rows: token 0
@@ -138,8 +138,8 @@ def _gemm2_tile(h_ptr, w2_ptr, y_ptr, pair_ptr, wt_ptr, tile_e_ptr, tile_lo_ptr,
     contiguously."""
     e = tl.load(tile_e_ptr + tile).to(tl.int64)
     if e >= 0:
-        lo = tl.load(tile_lo_ptr + tile)
-        hi = tl.load(tile_hi_ptr + tile)
+        lo = tl.load(tile_lo_ptr + tile).to(tl.int32)  # rows < T k: int32 index math
+        hi = tl.load(tile_hi_ptr + tile).to(tl.int32)
         r = lo + tl.arange(0, BLOCK_M)
         rm = r < hi
         rc = tl.minimum(r, hi - 1).to(tl.int64)  # padding rows re-read the tile's last row

@@ -34,7 +34,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # Prefill: vLLM fused_moe's tuned H200 entry for ~256 rows per expert (E=128, N=1024,
         # M=4096: 64 x 128 x 64, 4 warps, 3 stages): row tiles of 64 (one warpgroup's wgmma M),
         # gemm13 gate and up blocks of 64 columns each (a 64 x 128 slice of the [rows, 2I]
-        # product, vLLM's tile), gemm2 blocks of 128. sm_90: 122 / 142 registers, 72 KiB of
+        # product, vLLM's tile), gemm2 blocks of 128. sm_90: 122 / 140 registers, 72 KiB of
         # shared memory each, so 3 blocks fit an SM. BLOCK_N is per half of w13.
         "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_N2": 128, "BLOCK_K": 64, "GROUP_M": 8,
         "num_warps": 4, "num_stages": 3,
@@ -84,8 +84,9 @@ def schedule(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, ...
     """The expert-sorted tile schedule of routed pairs, on ids' device, without a host sync.
 
     ids: [T, k] int expert ids (-1, or any id outside [0, E), is never scheduled). Returns
-    (pair, tok, tile_e, tile_lo, tile_hi), int32: pair[r] = t * k + j, the (token, slot) pair at
-    sorted row r (pairs sorted by expert, stably: by pair within an expert); tok[r] = its token;
+    (pair, tok, tile_e, tile_lo, tile_hi), int64 (left so: no conversion launches):
+    pair[r] = t * k + j, the (token, slot) pair at sorted row r (pairs sorted by expert,
+    stably: by pair within an expert); tok[r] = its token;
     and per tile i of the MAX_TILES = min(T k, cdiv(T k, block_m) + E) upper bound (a count
     from shapes only, as vLLM's moe_align_block_size allocates), the expert tile_e[i] and the
     sorted rows [tile_lo[i], tile_hi[i]) it covers: block_m rows or an expert's last rows, one
@@ -113,9 +114,7 @@ def schedule(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, ...
     lo = offs.index_select(0, tec) + (i - (tile_end - per).index_select(0, tec)) * block_m
     hi = torch.minimum(offs.index_select(0, tec + 1), lo + block_m)
     tile_e = torch.where(real, tec, torch.full_like(tec, -1))
-    i32 = torch.int32
-    return (order.to(i32), torch.div(order, k, rounding_mode="floor").to(i32), tile_e.to(i32),
-            lo.to(i32), hi.to(i32))
+    return order, torch.div(order, k, rounding_mode="floor"), tile_e, lo, hi
 
 
 def make_moe_experts(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
