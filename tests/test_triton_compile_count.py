@@ -90,9 +90,20 @@ def _mla(absorb: bool) -> Callable[..., Any]:
     return call
 
 
+MOE_E, MOE_K = 4, 2
+
+
 def _moe(fn, L):
-    E, D, I = 4, 32, 16
-    fn(_r(L, D), _i(L, 2, hi=E), _r(L, 2), _r(E, 2 * I, D), _r(E, D, I))
+    D, I = 32, 16
+    fn(_r(L, D), _i(L, MOE_K, hi=MOE_E), _r(L, MOE_K), _r(MOE_E, 2 * I, D), _r(MOE_E, D, I))
+
+
+def _moe_variant(L: int) -> str:
+    # two tile regimes, decode and prefill, picked from T * k against the expert count
+    from glm5.kernels.triton import moe
+
+    t = moe.tiles(registry.default_table()["moe_experts"], L, MOE_K, MOE_E, 2)
+    return "decode" if t["decode"] else "prefill"
 
 
 QUANT = {s: quantize_weight(torch.randn(48, 160), s) for s in ("w8a16", "w8a8", "w4a8", "w6a12")}
@@ -124,7 +135,7 @@ SCENARIOS: list[tuple[str, Callable[..., Any], Callable[[int], Any]]] = [
     ("sparse_attention", _sparse, lambda L: None),
     ("attention", _attention, lambda L: None),
     *[("mla_prolog", _mla(absorb), lambda L: None) for absorb in (True, False)],
-    ("moe_experts", _moe, lambda L: None),
+    ("moe_experts", _moe, _moe_variant),  # decode and prefill tiles: two variants
     # decode (M <= SMALL_M) and prefill tiles are two declared variants
     *[("quant_linear", _quant(s), _quant_variant) for s in QUANT],
     ("token_logprobs", _logprobs, lambda L: None),
@@ -179,11 +190,16 @@ def test_one_compilation_per_variant_over_50_lengths(policy):
 
 
 def test_variants_that_should_differ_do():
-    """The key is not blind: the declared quant_linear variants and the schemes compile apart."""
+    """The key is not blind: the declared quant_linear and moe_experts variants (decode and
+    prefill tiles) and the schemes compile apart."""
     keys = _sweep("quant_linear", _quant("w4a8"), _quant_variant, "tiles")
     dec = keys[("quant_linear_int_kernel", "decode")]
     pre = keys[("quant_linear_int_kernel", "prefill")]
     assert len(dec) == len(pre) == 1 and dec != pre
+    keys = _sweep("moe_experts", _moe, _moe_variant, "tiles")
+    for kern in ("moe_gemm13_kernel", "moe_gemm2_kernel"):
+        dec, pre = keys[(kern, "decode")], keys[(kern, "prefill")]
+        assert len(dec) == len(pre) == 1 and dec != pre
 
 
 # ---------------------------------------------------------------- planted bugs: the check fails

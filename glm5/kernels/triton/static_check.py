@@ -234,10 +234,12 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
         ops["attention"](_bf(256, MHA_H, MHA_D), _bf(256, MHA_H, MHA_D),
                          _bf(256, MHA_H, MHA_D), ks, ke, 0.1)
 
-    def moe(ops):
-        T = 256
-        ops["moe_experts"](_bf(T, D_MODEL), torch.zeros(T, K_ACT, dtype=torch.int32),
-                           _bf(T, K_ACT), _bf(E, 2 * I_MOE, D_MODEL), _bf(E, D_MODEL, I_MOE))
+    def moe(T: int):
+        def run(ops):
+            ops["moe_experts"](_bf(T, D_MODEL), torch.zeros(T, K_ACT, dtype=torch.int32),
+                               _bf(T, K_ACT), _bf(E, 2 * I_MOE, D_MODEL), _bf(E, D_MODEL, I_MOE))
+
+        return run
 
     def quant(scheme: str, M: int):
         wp, ws = quantize_weight(torch.randn(256, D_MODEL), scheme)
@@ -250,7 +252,10 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
     out = {"lightning_indexer": (True, lightning), "indexer_topk": (True, topk),
            "sparse_attention prefill": (True, sparse_prefill),
            "sparse_attention decode": (False, sparse_decode),
-           "attention MHA 256": (True, attention_mha), "moe_experts": (True, moe)}
+           "attention MHA 256": (True, attention_mha),
+           # prefill: 256 rows per expert, wgmma tiles; decode (T k <= 16 E): 16-row tiles,
+           # bound by reading each routed expert's weights once
+           "moe_experts prefill": (True, moe(256)), "moe_experts decode": (False, moe(4))}
     for s in ("w8a16", "w8a8", "w4a8", "w6a12"):
         out[f"quant_linear {s} M=1"] = (False, quant(s, 1))
         out[f"quant_linear {s} M=512"] = (True, quant(s, 512))
