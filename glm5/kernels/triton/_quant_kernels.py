@@ -253,6 +253,14 @@ def _w8a16_tile(
 # codes become exact fp32 values (below) and every product and every partial sum inside a K-group
 # of 128 is an integer of magnitude < 2^24 (w8a8 127 * 128 * 128, w4a8 127 * 8 * 128, w6a12
 # 2047 * 32 * 128 = 8.4e6), so fp32 FMAs sum each group exactly, in any order.
+#
+# LAYOUT: how the packed rows are read (the launcher picks it from the scheme and alignment); a
+# "unit" is what one mask element covers, CPU its codes:
+#   0 int8: a byte per code (16-byte loads), CPU 1
+#   1 int4: a byte per 2 codes, low nibble first, CPU 2
+#   4 int4: a 32-bit word per 8 codes (rows 4-byte aligned; 16-byte loads), CPU 8
+#   2 int6: a 3-byte quad per 4 codes (three byte planes), CPU 4
+#   3 int6: three 32-bit words per 16 codes (rows of whole 12-byte units, 4-byte aligned), CPU 16
 
 
 @triton.jit
@@ -273,11 +281,10 @@ def _offset_f32(u, HALF: tl.constexpr):
 @triton.jit
 def _gemv_load(w_ptr, offs_n, u0, u_end, U, N, stride_wn,
                LAYOUT: tl.constexpr, BLOCK_U: tl.constexpr):
-    """The packed weight units [u0, u0 + BLOCK_U) of rows offs_n, as a tuple of tiles
-    [BLOCK_N, BLOCK_U] (the unit of each LAYOUT is in ``_gemv_units``; contiguous rows give
-    16-byte loads for int8 and int4, int6 reads three planes: bytes or words d of 3-element
-    units). A unit at or past u_end (the end of the program's K range) or U (the row), or in a
-    row at or past N, is not read (0)."""
+    """The packed weight units [u0, u0 + BLOCK_U) of rows offs_n (units of LAYOUT, above), as a
+    tuple of tiles [BLOCK_N, BLOCK_U]: one tile, or for int6 three planes (byte or word d of
+    each 3-element unit). A unit at or past u_end (the end of the program's K range) or U (the
+    row), or in a row at or past N, is not read (0)."""
     row = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     u = u0 + tl.arange(0, BLOCK_U)
     m = (offs_n < N)[:, None] & ((u < U) & (u < u_end))[None, :]
@@ -338,16 +345,13 @@ def _gemv_unpack(b, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
     elif LAYOUT == 4:
         # 8 codes per word, code i in bits 4i .. 4i + 3 (bytes little-endian, low nibble first).
         # Flipping every nibble's sign bit once per word makes each field offset binary
-        # (u = code + 8); the low and high nibbles of the 4 bytes are then split with one mask
-        # each, and every code is one byte extract placed in the mantissa of 2^23.
+        # (u = code + 8): then a code is a shift, a mask and an or with the 2^23 exponent.
         v = b[0] ^ -0x77777778  # 0x88888888
-        e = v & 0x0F0F0F0F
-        o = (v >> 4) & 0x0F0F0F0F
         w = _join8(
-            _offset_f32(e & 0xFF, 8), _offset_f32(o & 0xFF, 8),
-            _offset_f32((e >> 8) & 0xFF, 8), _offset_f32((o >> 8) & 0xFF, 8),
-            _offset_f32((e >> 16) & 0xFF, 8), _offset_f32((o >> 16) & 0xFF, 8),
-            _offset_f32(e >> 24, 8), _offset_f32(o >> 24, 8))
+            _offset_f32(v & 0xF, 8), _offset_f32((v >> 4) & 0xF, 8),
+            _offset_f32((v >> 8) & 0xF, 8), _offset_f32((v >> 12) & 0xF, 8),
+            _offset_f32((v >> 16) & 0xF, 8), _offset_f32((v >> 20) & 0xF, 8),
+            _offset_f32((v >> 24) & 0xF, 8), _offset_f32((v >> 28) & 0xF, 8))
     elif LAYOUT == 2:
         word = b[0].to(tl.int32) | (b[1].to(tl.int32) << 8) | (b[2].to(tl.int32) << 16)
         c0 = _exact_f32(word & 0x3F, 32)
@@ -407,7 +411,7 @@ def _gemv_tile(
     SPLIT == 1: the epilogue writes y here; else the sums go to the [SPLIT, M, N] workspace and
     quant_gemv_reduce_kernel finishes."""
     GPI: tl.constexpr = BLOCK_K // GROUP  # K-groups per step
-    # packed units (_gemv_load): codes per unit and units per step of each LAYOUT
+    # codes per packed unit (LAYOUT, above) and units per step
     CPU: tl.constexpr = (1 if LAYOUT == 0 else 2 if LAYOUT == 1 else 4 if LAYOUT == 2
                          else 16 if LAYOUT == 3 else 8)
     BLOCK_U: tl.constexpr = BLOCK_K // CPU
