@@ -34,7 +34,7 @@ import torch
 
 from glm5.ir.quant_formats import ACT_DTYPE, ACT_QMAX, GROUP, get_scheme, n_groups
 from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, interpreted, launch,
-                                        launch_opts, next_pow2)
+                                        launch_opts, next_pow2, split_for_target)
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "quant_linear": {
@@ -147,11 +147,7 @@ def gemv_split(N: int, K: int, p: dict[str, Any]) -> tuple[int, int, int, int]:
     that about GEMV_TARGET_PROGRAMS programs run; no split is left empty."""
     bn = max(1, next_pow2(int(p.get("GEMV_BLOCK_N", 16))))
     bk = max(GROUP, next_pow2(int(p.get("GEMV_BLOCK_K", 256))))
-    n_blocks, n_steps = cdiv(N, bn), cdiv(K, bk)
-    split = max(1, cdiv(int(p.get("GEMV_TARGET_PROGRAMS", 0)), n_blocks))
-    split = min(split, n_steps)
-    per = cdiv(n_steps, split)
-    split = cdiv(n_steps, per)
+    split, per = split_for_target(cdiv(N, bn), cdiv(K, bk), int(p.get("GEMV_TARGET_PROGRAMS", 0)))
     return bn, bk, split, per * bk
 
 
