@@ -158,8 +158,7 @@ def test_layouts():
     assert lay("w8a8", 421) == (0, 421, 1)
     assert lay("w4a8", 256) == (4, 32, 8) and lay("w4a8", 421) == (1, 211, 2)
     assert lay("w6a12", 256) == (3, 16, 16) and lay("w6a12", 421) == (2, 106, 4)
-    wp, _ = quantize_weight(torch.randn(4, 256), "w6a12")
-    # a row slice starting 1 byte in: not 4-byte aligned, so quads
+    # rows 193 bytes apart: not on 4-byte boundaries, so quads
     assert _gemv_layout(torch.empty(4, 193, dtype=torch.uint8)[:, 1:], SCHEMES["w6a12"],
                         256)[0] == 2
 
