@@ -353,6 +353,9 @@ SHAPES: dict[str, list[tuple[str, Callable, tuple, Callable | None]]] = {
     "quant_linear": [
         *[(f"{s} M=1 K=N=6144", b_quant_linear(1, 6144, 6144, s), (BF,), bl_quant_linear)
           for s in ("w4a8", "w8a8", "w8a16", "w6a12")],
+        # the largest decode batch the GEMV serves (GEMV_M): where it meets the GEMM
+        *[(f"{s} M=16 K=N=6144", b_quant_linear(16, 6144, 6144, s), (BF,), bl_quant_linear)
+          for s in ("w4a8", "w8a8", "w8a16", "w6a12")],
         *[(f"{s} M=512 K=N=6144", b_quant_linear(512, 6144, 6144, s), (BF,), bl_quant_linear)
           for s in ("w4a8", "w8a8", "w8a16", "w6a12")],
     ],

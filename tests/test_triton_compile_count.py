@@ -106,19 +106,20 @@ def _moe_variant(L: int) -> str:
     return "decode" if t["decode"] else "prefill"
 
 
-QUANT = {s: quantize_weight(torch.randn(48, 160), s) for s in ("w8a16", "w8a8", "w4a8", "w6a12")}
+# K = 640: the decode GEMV splits K (3 steps of 256), so its reduction kernel runs too
+QUANT = {s: quantize_weight(torch.randn(48, 640), s) for s in ("w8a16", "w8a8", "w4a8", "w6a12")}
 
 
 def _quant(scheme: str) -> Callable[..., Any]:
     def call(fn, L):
         wp, ws = QUANT[scheme]
-        fn(_r(L, 160), wp.to(DEV), ws.to(DEV), scheme, None)
+        fn(_r(L, 640), wp.to(DEV), ws.to(DEV), scheme, None)
 
     return call
 
 
 def _quant_variant(L: int) -> str:
-    return "decode" if L <= 16 else "prefill"
+    return "decode" if L <= 16 else "prefill"  # GEMV_M of the default tuning
 
 
 def _logprobs(fn, L):
@@ -136,7 +137,7 @@ SCENARIOS: list[tuple[str, Callable[..., Any], Callable[[int], Any]]] = [
     ("attention", _attention, lambda L: None),
     *[("mla_prolog", _mla(absorb), lambda L: None) for absorb in (True, False)],
     ("moe_experts", _moe, _moe_variant),  # decode and prefill tiles: two variants
-    # decode (M <= SMALL_M) and prefill tiles are two declared variants
+    # decode (M <= GEMV_M: the GEMV) and prefill (the GEMM) are two declared variants
     *[("quant_linear", _quant(s), _quant_variant) for s in QUANT],
     ("token_logprobs", _logprobs, lambda L: None),
 ]
@@ -191,11 +192,18 @@ def test_one_compilation_per_variant_over_50_lengths(policy):
 
 def test_variants_that_should_differ_do():
     """The key is not blind: the declared quant_linear and moe_experts variants (decode and
-    prefill tiles) and the schemes compile apart."""
+    prefill) and the schemes compile apart. quant_linear decode runs the GEMV (and quantizes to
+    fp32 codes), prefill the GEMM (int8 codes)."""
     keys = _sweep("quant_linear", _quant("w4a8"), _quant_variant, "tiles")
-    dec = keys[("quant_linear_int_kernel", "decode")]
-    pre = keys[("quant_linear_int_kernel", "prefill")]
+    assert {k for k in keys if k[0].startswith("quant_gemv")} == {
+        ("quant_gemv_kernel", "decode"), ("quant_gemv_reduce_kernel", "decode")}
+    assert {k for k in keys if k[0] == "quant_linear_int_kernel"} == {
+        ("quant_linear_int_kernel", "prefill")}
+    dec = keys[("quantize_rows_kernel", "decode")]
+    pre = keys[("quantize_rows_kernel", "prefill")]
     assert len(dec) == len(pre) == 1 and dec != pre
+    w6 = _sweep("quant_linear", _quant("w6a12"), _quant_variant, "tiles")
+    assert w6[("quant_gemv_kernel", "decode")] != keys[("quant_gemv_kernel", "decode")]
     keys = _sweep("moe_experts", _moe, _moe_variant, "tiles")
     for kern in ("moe_gemm13_kernel", "moe_gemm2_kernel"):
         dec, pre = keys[(kern, "decode")], keys[(kern, "prefill")]

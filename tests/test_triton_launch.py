@@ -103,6 +103,25 @@ def test_dot_fp32(monkeypatch):
     assert L.dot_fp32(torch.bfloat16, torch.bfloat16)
 
 
+@pytest.mark.parametrize("blocks,chunks,target,split,want", [
+    (384, 24, 1056, None, (3, 8)),   # cdiv(1056, 384) = 3 splits of 8 chunks
+    (16, 24, 1056, None, (24, 1)),   # at most one split per chunk
+    (5, 7, 12, None, (3, 3)),        # 3 splits would be 3 + 3 + 1: kept (none empty)
+    (2, 7, 8, None, (4, 2)),         # 4 splits: 2 + 2 + 2 + 1
+    (3, 10, 4, None, (2, 5)),
+    (1000, 24, 1056, None, (2, 12)),
+    (2000, 24, 1056, None, (1, 24)),  # the blocks alone reach the target
+    (4, 24, 0, None, (1, 24)),       # target 0: never split
+    (4, 7, 0, 3, (3, 3)),            # a forced split, trimmed the same way
+    (4, 7, 0, 6, (4, 2)),            # 6 splits of 2 would leave empty ones: 4
+])
+def test_split_for_target(blocks, chunks, target, split, want):
+    got = L.split_for_target(blocks, chunks, target, split)
+    assert got == want
+    s, per = got
+    assert (s - 1) * per < chunks <= s * per
+
+
 def test_one_definition_of_each_helper():
     """The wrappers hold no copies of their own: the names they use are the helper's."""
     from glm5.kernels.triton import registry as kreg
@@ -112,7 +131,7 @@ def test_one_definition_of_each_helper():
         for helper in ("_next_pow2", "_cdiv", "_launch_opts"):
             assert not hasattr(mod, helper), f"{name}.{helper}"
         for helper in ("next_pow2", "cdiv", "interpreted", "check_device", "launch_opts",
-                       "launch", "dot_fp32", "FLOATS"):
+                       "launch", "dot_fp32", "FLOATS", "split_for_target"):
             if hasattr(mod, helper):
                 assert getattr(mod, helper) is getattr(L, helper), f"{name}.{helper}"
         assert mod.check_device is L.check_device, name

@@ -128,9 +128,11 @@ def _act_codes(bits, M, K, g):
     return x
 
 
+@pytest.mark.parametrize("regime", [{}, {"GEMV_M": 0}], ids=["gemv", "gemm"])
 @pytest.mark.parametrize("scheme", ["w8a8", "w4a8", "w6a12"])
-def test_quant_linear_integer_sums_exact_k200(scheme):
-    """Unit scales: y is the raw integer sum; full-range random packed bytes (sign extension)."""
+def test_quant_linear_integer_sums_exact_k200(scheme, regime):
+    """Unit scales: y is the raw integer sum; full-range random packed bytes (sign extension).
+    M = 5 runs the decode GEMV; GEMV_M = 0 sends it to the GEMM."""
     sc = SCHEMES[scheme]
     g = torch.Generator().manual_seed(1)
     M, N, K = 5, 19, 200
@@ -142,7 +144,8 @@ def test_quant_linear_integer_sums_exact_k200(scheme):
     wq = unpack(wp, sc, K)
     ws = torch.ones(sc.scale_shape(N, K))
     want = x.double() @ wq.double().T  # exact
-    got = _fns()["quant_linear"](x.to(DEV), wp.to(DEV), ws.to(DEV), scheme).cpu()
+    got = _fns({"quant_linear": regime})["quant_linear"](x.to(DEV), wp.to(DEV), ws.to(DEV),
+                                                         scheme).cpu()
     assert got.dtype == torch.float32
     assert torch.equal(got.double(), want)
 
@@ -176,8 +179,7 @@ def test_quant_linear_many_groups_and_tiles(scheme):
     M, N, K = 37, 70, 3 * 128 + 50
     wp, ws = quantize_weight(torch.randn(N, K, generator=g), scheme)
     x = torch.randn(M, K, generator=g).to(torch.bfloat16)
-    fn = _fns({"quant_linear": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64,
-                                "BLOCK_N_SMALL_M": 16}})["quant_linear"]
+    fn = _fns({"quant_linear": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64}})["quant_linear"]
     got = fn(x.to(DEV), wp.to(DEV), ws.to(DEV), scheme).cpu()
     assert got.dtype == torch.bfloat16 and got.shape == (M, N)
     assert_matches("quant_linear", got,

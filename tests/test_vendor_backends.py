@@ -376,8 +376,21 @@ def test_persistent_grid_matches_default_grid(name, op, build, extra, tiles_extr
 @pytest.mark.parametrize("scheme", ["w8a16", "w8a8", "w4a8", "w6a12"])
 def test_persistent_grid_quant_linear(scheme, launches):
     _run_both("quant_linear", _quant_case_args(scheme), {"BLOCK_M": 16, "BLOCK_N": 16,
-                                                          "SMALL_M": 0})
+                                                          "GEMV_M": 0})
     kernels = [x for x in launches if x[0] == "quant_linear" and x[3]]
+    assert any(n > progs for _, n, progs, _ in kernels)
+
+
+@pytest.mark.parametrize("scheme", ["w8a16", "w8a8", "w4a8", "w6a12"])
+def test_persistent_grid_quant_linear_gemv(scheme, launches):
+    """The decode GEMV (3 rows) split over K, and its reduction, walked by 3 programs."""
+    x, wp, ws, _, bias = _quant_case_args(scheme)
+    _run_both("quant_linear", (x[:3], wp, ws, scheme, bias),
+              {"GEMV_BLOCK_N": 8, "GEMV_BLOCK_K": 128, "GEMV_TARGET_PROGRAMS": 10,
+               "GEMV_REDUCE_BLOCK_N": 16})
+    kernels = [x for x in launches if x[0] == "quant_linear" and x[3]]
+    # 5 N-blocks x 2 K-splits; the reduction: 3 rows x 3 column blocks
+    assert {n for _, n, _, _ in kernels} >= {10, 9}
     assert any(n > progs for _, n, progs, _ in kernels)
 
 

@@ -44,6 +44,19 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def split_for_target(blocks: int, chunks: int, target: int,
+                     split: int | None = None) -> tuple[int, int]:
+    """(SPLIT, chunks per split) for a grid of ``blocks`` x SPLIT programs that share ``chunks``
+    units of sequential work per block (token_logprobs' vocabulary chunks, the quant GEMV's K
+    steps): SPLIT = cdiv(target, blocks) so that about ``target`` programs run (1 when the blocks
+    alone reach it or target is 0), or ``split`` when given; at most one split per chunk, and
+    trimmed so that no split is left empty."""
+    s = max(1, int(split)) if split is not None else max(1, cdiv(int(target), max(1, blocks)))
+    s = max(1, min(s, chunks))
+    per = cdiv(chunks, s)
+    return cdiv(chunks, per), per
+
+
 def interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, interpreted, launch,
-                                        launch_opts, next_pow2)
+                                        launch_opts, next_pow2, split_for_target)
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "token_logprobs": {
@@ -56,14 +56,7 @@ def make_token_logprobs(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, 
         n_tb = cdiv(T, bt)
         n_chunks = cdiv(V, bv)
         target = int(p.get("TARGET_PROGRAMS_INTERPRETED" if interp else "TARGET_PROGRAMS", 0))
-        split = 1
-        if "SPLIT_V" in p:
-            split = max(1, int(p["SPLIT_V"]))
-        elif target > n_tb:
-            split = cdiv(target, n_tb)
-        split = max(1, min(split, n_chunks))
-        per = cdiv(n_chunks, split)  # chunks per split; no split is left empty
-        split = cdiv(n_chunks, per)
+        split, per = split_for_target(n_tb, n_chunks, target, p.get("SPLIT_V"))
         # four allocations, not views of one: a view at offset i*split*T floats is 16-byte
         # aligned only for some T, and alignment is part of Triton's specialization key
         parts = [torch.empty(split, T, dtype=torch.float32, device=dev) for _ in range(4)]
