@@ -24,7 +24,7 @@ from glm5.testing.cases import GENERATORS, PROFILES, HypothesisDraw  # noqa: E40
 from glm5.testing.compare import assert_matches  # noqa: E402
 from glm5.testing.parity import format_table, run_parity  # noqa: E402
 
-MODULES = ("indexer", "sparse_attention", "mla_prolog", "moe")
+MODULES = ("indexer", "sparse_attention", "attention", "mla_prolog", "moe")
 OPS = ("lightning_indexer", "indexer_topk", "sparse_attention", "attention", "mla_prolog",
        "moe_experts")
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
