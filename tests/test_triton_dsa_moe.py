@@ -281,7 +281,7 @@ def test_sparse_attention_mqa_view_and_empty_row(dtype):
 
 
 def test_attention_gqa_ranges():
-    fn = _fn("attention", {"attention": {"BLOCK_K": 16, "BLOCK_D": 16}})
+    fn = _fn("attention", {"attention": {"BLOCK_M": 16, "BLOCK_N": 16}})
     g = torch.Generator().manual_seed(3)
     T, H, Hk, S, D = 4, 4, 2, 37, 20
     q = torch.randn(T, H, D, generator=g).to(DEV)
