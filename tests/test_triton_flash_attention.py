@@ -78,7 +78,8 @@ def test_attention_matches_reference(name, dtype):
     over, T, S, H, Hk, Dqk, Dv, (ks, ke), view, reg = CASES[name]
     vals = _case(T, S, H, Hk, Dqk, Dv, ks, ke, dtype, view)
     p = {**A.DEFAULTS["attention"], **over}
-    assert A.regime(p, T, H // Hk) == reg
+    assert A.regime(p, T, H // Hk, dtype == torch.float32) == (
+        "FP32" if dtype == torch.float32 else reg)
     out, lse = _run(_fn(over), vals)
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert_matches("attention", (out, lse), vals)
@@ -142,6 +143,7 @@ def test_tuning_rules():
     d = A.DEFAULTS["attention"]
     assert A.regime(d, 4096, 1) == "MHA" and A.regime(d, 1, 1) == "DECODE"
     assert A.regime(d, 1, 64) == A.regime(d, 4096, 64) == "MQA"
+    assert A.regime(d, 4096, 1, fp32=True) == A.regime(d, 1, 64, fp32=True) == "FP32"
     # GLM-5: non-absorbed prefill 128 queries x 1 head; absorbed 2 queries x 64 heads
     c = A.tiles(d, 4096, 1, 256, 256)
     assert (c["BLOCK_T"], c["BLOCK_G"], c["BLOCK_DA"], c["BLOCK_DB"]) == (128, 1, 256, 0)
@@ -149,8 +151,8 @@ def test_tuning_rules():
     assert (c["BLOCK_T"], c["BLOCK_G"], c["BLOCK_DA"], c["BLOCK_DB"]) == (2, 64, 512, 64)
     # an unprefixed key pins every regime (ascend: BLOCK_DV 128; cambricon: num_warps 1)
     pinned = {**d, "BLOCK_DV": 128, "num_warps": 1}
-    for T, G in ((4096, 1), (1, 1), (1, 64)):
-        c = A.tiles(pinned, T, G, 576, 512)
+    for T, G, fp32 in ((4096, 1, False), (1, 1, False), (1, 64, False), (1, 64, True)):
+        c = A.tiles(pinned, T, G, 576, 512, fp32)
         assert c["BLOCK_DV"] == 128 and c["num_warps"] == 1
     assert A.tiles(d, 4096, 1, 256, 256)["num_warps"] == d["MHA_num_warps"]
     with pytest.raises(ValueError, match="attention: tuning 'MHA_BLOCK_N' expected a power of "

@@ -122,7 +122,7 @@ def _flash_tile(q_ptr, k_ptr, v_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
     while k0 < hi:
         # first key >= k0 that a row sees (the interior is done: jump over it)
         nxt = tl.min(tl.where(live & (ke > k0), tl.maximum(ks, k0), _BIG), axis=0)
-        nxt = tl.where((nxt >= b) & (nxt < c), c, nxt)
+        nxt = tl.minimum(tl.where((nxt >= b) & (nxt < c), c, nxt), hi)  # none left: hi
         start = (nxt // BLOCK_N) * BLOCK_N
         # one row's range covers every tile from there to the furthest end of a row that
         # starts in that tile

@@ -16,6 +16,7 @@ regime     when (G = H / Hk)                  BLOCK_M  BLOCK_N  BLOCK_DV  warps 
 MHA        G < MQA_MIN_G, T > DECODE_MAX_T    128      32       256       8      3
 DECODE     G < MQA_MIN_G, T <= DECODE_MAX_T   16       32       256       4      2
 MQA        G >= MQA_MIN_G (absorbed MLA)      128      16       256       8      2
+FP32       float32 inputs, any G and T        16       16       128       4      2
 =========  =================================  =======  =======  ========  =====  ======
 
 BLOCK_G = min(next_pow2(G), BLOCK_M) heads and BLOCK_T = BLOCK_M / BLOCK_G queries per
@@ -54,6 +55,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # and 128 rows with a 32-key tile need 248 KiB of shared memory (Q alone is 144 KiB)
         "MQA_BLOCK_M": 128, "MQA_BLOCK_N": 16, "MQA_BLOCK_DV": 256,
         "MQA_num_warps": 8, "MQA_num_stages": 2,
+        # fp32 inputs: IEEE fp32 dots run on CUDA cores with the operands in registers, and
+        # fp32 tiles take twice the shared memory (the MHA tiles would need 272 KiB, 10 KB of
+        # spills); correctness and the parity suite, not speed
+        "FP32_BLOCK_M": 16, "FP32_BLOCK_N": 16, "FP32_BLOCK_DV": 128,
+        "FP32_num_warps": 4, "FP32_num_stages": 2,
     },
 }
 
@@ -66,8 +72,10 @@ def _k():
     return _flash_kernels
 
 
-def regime(p: dict[str, Any], T: int, G: int) -> str:
-    """The tile regime of a launch with T queries and G query heads per KV head."""
+def regime(p: dict[str, Any], T: int, G: int, fp32: bool = False) -> str:
+    """The tile regime of a launch with T queries, G query heads per KV head, fp32 inputs."""
+    if fp32:
+        return "FP32"
     if G >= int(p.get("MQA_MIN_G", 16)):
         return "MQA"
     return "DECODE" if T <= int(p.get("DECODE_MAX_T", 16)) else "MHA"
@@ -86,9 +94,10 @@ def _param(p: dict[str, Any], reg: str, name: str) -> int:
     return v
 
 
-def tiles(p: dict[str, Any], T: int, G: int, Dqk: int, Dv: int) -> dict[str, Any]:
+def tiles(p: dict[str, Any], T: int, G: int, Dqk: int, Dv: int,
+          fp32: bool = False) -> dict[str, Any]:
     """The constexpr tiles and launch options of one launch (see the module's table)."""
-    reg = regime(p, T, G)
+    reg = regime(p, T, G, fp32)
     bm, bn, bdv = (_param(p, reg, n) for n in TILE_KEYS)
     bg = min(next_pow2(G), bm)
     # Q split into a power-of-two head and a tail, both >= 16 wide (tl.dot's minimum K)
@@ -114,7 +123,7 @@ def make_attention(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, torch
         if T == 0 or H == 0:
             return out, lse
         G = H // Hk
-        c = tiles(p, T, G, Dqk, Dv)
+        c = tiles(p, T, G, Dqk, Dv, torch.float32 in (q.dtype, k.dtype, v.dtype))
         n_tb = cdiv(T, c["BLOCK_T"])
         n_gb = cdiv(G, c["BLOCK_G"])
         grid = (n_tb, Hk * n_gb, cdiv(max(Dv, 1), c["BLOCK_DV"]))  # Dv = 0: lse still needed

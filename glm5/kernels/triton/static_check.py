@@ -234,6 +234,15 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
         k = _bf(1024, 1, DQK)
         ops["attention"](_bf(64, H, DQK), k, k[..., :DV], ks, ke, 0.1)
 
+    def attention_fp32(ops):
+        # the parity suite's fp32 rows on a GPU (CUDA-core dots): they must fit and launch
+        ks, ke = _ranges(2, 256)
+        ops["attention"](torch.zeros(2, MHA_H, MHA_D), torch.zeros(256, MHA_H, MHA_D),
+                         torch.zeros(256, MHA_H, MHA_D), ks, ke, 0.1)
+        ks, ke = _ranges(4, 2048)
+        k = torch.zeros(2048, 1, DQK)
+        ops["attention"](torch.zeros(4, H, DQK), k, k[..., :DV], ks, ke, 0.1)
+
     def moe(ops):
         T = 256
         ops["moe_experts"](_bf(T, D_MODEL), torch.zeros(T, K_ACT, dtype=torch.int32),
@@ -252,7 +261,8 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
            "sparse_attention decode": (False, sparse_decode),
            "attention MHA 256": (True, attention_mha(256)),
            "attention MHA 256 decode": (False, attention_mha(2)),
-           "attention MQA 576/512": (True, attention_mqa), "moe_experts": (True, moe)}
+           "attention MQA 576/512": (True, attention_mqa),
+           "attention fp32": (False, attention_fp32), "moe_experts": (True, moe)}
     for s in ("w8a16", "w8a8", "w4a8", "w6a12"):
         out[f"quant_linear {s} M=1"] = (False, quant(s, 1))
         out[f"quant_linear {s} M=512"] = (True, quant(s, 512))
