@@ -75,9 +75,28 @@ def _sparse(fn, L):
 
 
 def _attention(fn, L):
-    for T in (L, 1):
+    """Grouped heads (G = 2), T = L queries: the DECODE regime up to DECODE_MAX_T, then MHA."""
+    ks, ke = _ranges(L, L)
+    fn(_r(L, 4, 16), _r(L, 2, 16), _r(L, 2, 16), ks, ke, 0.1)
+
+
+def _attention_decode(fn, L):
+    ks, ke = _ranges(1 + L % 3, L)
+    fn(_r(1 + L % 3, 4, 16), _r(L, 2, 16), _r(L, 2, 16), ks, ke, 0.1)
+
+
+def _attention_mqa(fn, L):
+    """Absorbed-MLA layout (Hk = 1, G = 16, v a view of k): the MQA regime at every T."""
+    for T in (L, 1 + L % 3):
         ks, ke = _ranges(T, L)
-        fn(_r(T, 4, 16), _r(L, 2, 16), _r(L, 2, 16), ks, ke, 0.1)
+        k = _r(L, 1, 48)
+        fn(_r(T, 16, 48), k, k[..., :32], ks, ke, 0.1)
+
+
+def _attention_variant(L: int) -> str:
+    from glm5.kernels.triton.attention import DEFAULTS
+
+    return "decode" if L <= DEFAULTS["attention"]["DECODE_MAX_T"] else "prefill"
 
 
 def _mla(absorb: bool) -> Callable[..., Any]:
@@ -134,7 +153,10 @@ SCENARIOS: list[tuple[str, Callable[..., Any], Callable[[int], Any]]] = [
     ("indexer_topk", _topk, lambda L: None),
     ("paged_indexer_topk", _paged, lambda L: None),
     ("sparse_attention", _sparse, lambda L: None),
-    ("attention", _attention, lambda L: None),
+    # decode (T <= DECODE_MAX_T) and prefill tiles are two declared variants for G < 16
+    ("attention", _attention, _attention_variant),
+    ("attention", _attention_decode, lambda L: None),
+    ("attention", _attention_mqa, lambda L: None),
     *[("mla_prolog", _mla(absorb), lambda L: None) for absorb in (True, False)],
     ("moe_experts", _moe, _moe_variant),  # decode and prefill tiles: two variants
     # decode (M <= GEMV_M: the GEMV) and prefill (the GEMM) are two declared variants
@@ -208,6 +230,10 @@ def test_variants_that_should_differ_do():
     for kern in ("moe_gemm13_kernel", "moe_gemm2_kernel"):
         dec, pre = keys[(kern, "decode")], keys[(kern, "prefill")]
         assert len(dec) == len(pre) == 1 and dec != pre
+    keys = _sweep("attention", _attention, _attention_variant, "tiles")
+    dec = keys[("flash_attention_kernel", "decode")]
+    pre = keys[("flash_attention_kernel", "prefill")]
+    assert len(dec) == len(pre) == 1 and dec != pre
 
 
 # ---------------------------------------------------------------- planted bugs: the check fails

@@ -24,7 +24,7 @@ from glm5.testing.cases import GENERATORS, PROFILES, HypothesisDraw  # noqa: E40
 from glm5.testing.compare import assert_matches  # noqa: E402
 from glm5.testing.parity import format_table, run_parity  # noqa: E402
 
-MODULES = ("indexer", "sparse_attention", "mla_prolog", "moe")
+MODULES = ("indexer", "sparse_attention", "attention", "mla_prolog", "moe")
 OPS = ("lightning_indexer", "indexer_topk", "sparse_attention", "attention", "mla_prolog",
        "moe_experts")
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -281,7 +281,7 @@ def test_sparse_attention_mqa_view_and_empty_row(dtype):
 
 
 def test_attention_gqa_ranges():
-    fn = _fn("attention", {"attention": {"BLOCK_K": 16, "BLOCK_D": 16}})
+    fn = _fn("attention", {"attention": {"BLOCK_M": 16, "BLOCK_N": 16}})
     g = torch.Generator().manual_seed(3)
     T, H, Hk, S, D = 4, 4, 2, 37, 20
     q = torch.randn(T, H, D, generator=g).to(DEV)

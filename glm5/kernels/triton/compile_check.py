@@ -28,7 +28,7 @@ import importlib
 from typing import Any, Iterator
 
 # The modules holding the @triton.jit kernels; their public jit names are the entry kernels.
-KERNEL_MODULES: tuple[str, ...] = ("_attention_kernels", "_indexer_kernels",
+KERNEL_MODULES: tuple[str, ...] = ("_attention_kernels", "_flash_kernels", "_indexer_kernels",
                                    "_logprobs_kernels", "_moe_kernels", "_norm_kernels",
                                    "_prolog_kernels", "_quant_kernels")
 

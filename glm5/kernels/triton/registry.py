@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-MODULES = ("norm", "indexer", "sparse_attention", "mla_prolog", "moe", "quant_linear",
-           "logprobs")
+MODULES = ("norm", "indexer", "sparse_attention", "attention", "mla_prolog", "moe",
+           "quant_linear", "logprobs")
 
 
 def _modules() -> list[Any]:

@@ -1,4 +1,5 @@
-"""Triton sparse attention (DSA stage 2) and dense ranged attention, one kernel for both.
+"""Triton sparse attention (DSA stage 2). Dense ranged `attention` is the flash kernel of
+glm5.kernels.triton.attention (the SPARSE=False path of this kernel is no longer launched).
 
 One program per (query t, KV head, block of its query heads, block of Dv): the program's query
 heads share each key row, so in the absorbed-MLA (MQA, Hk = 1) case every selected latent row is
@@ -25,8 +26,6 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # recomputing the scores). 64 heads x 512 fp32 accumulators want num_warps = 8.
     "sparse_attention": {"BLOCK_H_MAX": 64, "BLOCK_K": 32, "BLOCK_D": 64, "BLOCK_DV": 512,
                          "num_warps": 8, "num_stages": 2},
-    "attention": {"BLOCK_H_MAX": 64, "BLOCK_K": 32, "BLOCK_D": 64, "BLOCK_DV": 512,
-                  "num_warps": 8, "num_stages": 2},
 }
 
 LOG2E = 1.4426950408889634
@@ -82,18 +81,9 @@ def make_sparse_attention(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor
     return sparse_attention
 
 
-def make_attention(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    def attention(q, k, v, k_start, k_end, scale):
-        check_device("attention", q=q, k=k, v=v, k_start=k_start, k_end=k_end)
-        return _launch(p, q, k, v, None, k_start, k_end, scale, False)
-
-    return attention
-
-
 def kernels(tuning: Callable[[str], dict[str, Any]]) -> list[tuple]:
     return [
         ("sparse_attention", make_sparse_attention(tuning("sparse_attention")), FLOATS, None),
-        ("attention", make_attention(tuning("attention")), FLOATS, None),
     ]
 
 

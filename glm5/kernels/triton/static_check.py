@@ -192,7 +192,7 @@ def record(op_fn: Callable[[], Any]) -> list[tuple[str, Any, tuple, dict[str, An
 # token counts below are small; the head and model dimensions are GLM-5's.
 H, DQK, DV, HI, DI, TOPK = 64, 576, 512, 32, 128, 2048
 D_MODEL, I_MOE, E, K_ACT = 6144, 2048, 8, 8
-MHA_H, MHA_D = 64, 256
+MHA_H, MHA_D, MHA_DN = 64, 256, 192
 
 
 def _bf(*shape: int) -> torch.Tensor:
@@ -229,10 +229,31 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
         ops["sparse_attention"](_bf(2, H, DQK), k, k[..., :DV],
                                 torch.zeros(2, TOPK, dtype=torch.int32), 0.1)
 
-    def attention_mha(ops):
-        ks, ke = _ranges(256, 256)
-        ops["attention"](_bf(256, MHA_H, MHA_D), _bf(256, MHA_H, MHA_D),
-                         _bf(256, MHA_H, MHA_D), ks, ke, 0.1)
+    def attention_mha(T: int):
+        # GLM-5's non-absorbed MLA prefill: k = [k_nope 192 | k_pe 64] per head, v the last
+        # 256 columns of the up-projected kv rows [S, H, 192 + 256] (a strided view)
+        def run(ops):
+            ks, ke = _ranges(T, 256)
+            kvx = _bf(256, MHA_H, MHA_DN + MHA_D)
+            ops["attention"](_bf(T, MHA_H, MHA_D), _bf(256, MHA_H, MHA_D), kvx[..., MHA_DN:],
+                             ks, ke, 0.1)
+
+        return run
+
+    def attention_mqa(ops):
+        # absorbed MLA over a sequence shorter than index_topk (dense, not DSA)
+        ks, ke = _ranges(64, 1024)
+        k = _bf(1024, 1, DQK)
+        ops["attention"](_bf(64, H, DQK), k, k[..., :DV], ks, ke, 0.1)
+
+    def attention_fp32(ops):
+        # the parity suite's fp32 rows on a GPU (CUDA-core dots): they must fit and launch
+        ks, ke = _ranges(2, 256)
+        ops["attention"](torch.zeros(2, MHA_H, MHA_D), torch.zeros(256, MHA_H, MHA_D),
+                         torch.zeros(256, MHA_H, MHA_D), ks, ke, 0.1)
+        ks, ke = _ranges(4, 2048)
+        k = torch.zeros(2048, 1, DQK)
+        ops["attention"](torch.zeros(4, H, DQK), k, k[..., :DV], ks, ke, 0.1)
 
     def moe(T: int):
         def run(ops):
@@ -252,7 +273,10 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
     out = {"lightning_indexer": (True, lightning), "indexer_topk": (True, topk),
            "sparse_attention prefill": (True, sparse_prefill),
            "sparse_attention decode": (False, sparse_decode),
-           "attention MHA 256": (True, attention_mha),
+           "attention MHA 256": (True, attention_mha(256)),
+           "attention MHA 256 decode": (False, attention_mha(2)),
+           "attention MQA 576/512": (True, attention_mqa),
+           "attention fp32": (False, attention_fp32),
            # prefill: 256 rows per expert, wgmma tiles; decode (T k <= 16 E): 16-row tiles,
            # bound by reading each routed expert's weights once
            "moe_experts prefill": (True, moe(256)), "moe_experts decode": (False, moe(4))}
