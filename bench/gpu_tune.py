@@ -3,7 +3,8 @@
 coordinate descent over its launch parameters (every power-of-two ``BLOCK_*`` tile of the op's
 entry as half / same / double, ``num_warps`` 4 / 8, ``num_stages`` 1-4), each candidate first
 judged by the conformance kit's float64 verdict (glm5.testing.compare.judge) at a small shape of
-the same regime, then timed at the GLM-5 shape of bench/gpu_suite.py. A candidate that fails to
+the same regime, then timed at the GLM-5 shape of bench/gpu_suite.py. Regime-prefixed keys
+(``MHA_BLOCK_N``, ``decode_num_warps``) are searched like the plain ones. A candidate that fails to
 compile (e.g. out of shared memory), or fails the verdict, is recorded and skipped.
 
 Prints one table per op (default vs best, ms and the parameters) and writes JSON to --out; with
@@ -82,19 +83,22 @@ STAGES = (1, 2, 3, 4)
 
 def candidates(key: str, value: Any) -> list[Any]:
     """The values the search tries for one launch parameter (its current value first)."""
-    if key == "num_warps":
+    if key.endswith("num_warps"):  # also regime-prefixed: MHA_num_warps, decode_num_warps
         return [value] + [w for w in WARPS if w != value]
-    if key == "num_stages":
+    if key.endswith("num_stages"):
         return [value] + [s for s in STAGES if s != value]
-    if key.startswith("BLOCK") and isinstance(value, int) and value >= 16 and \
-            value & (value - 1) == 0:
+    if "BLOCK" in key and isinstance(value, int) and not isinstance(value, bool) and \
+            value >= 16 and value & (value - 1) == 0:
         return [value, value // 2, value * 2] if value >= 32 else [value, value * 2]
     return [value]
 
 
 def searchable(entry: dict[str, Any]) -> list[str]:
+    """The entry's searchable keys; the plain launch options only where the entry sets no
+    regime-prefixed ones (a plain num_warps would pin every regime of such an entry)."""
     keys = [k for k, v in entry.items() if len(candidates(k, v)) > 1]
-    return keys + [k for k in ("num_warps", "num_stages") if k not in entry]
+    return keys + [k for k in ("num_warps", "num_stages")
+                   if not any(e.endswith(k) for e in entry)]
 
 
 def _op_fn(op: str, entry: dict[str, Any]) -> Callable[..., Any]:

@@ -32,6 +32,11 @@ def test_candidates():
     assert gpu_tune.candidates("MERGE", "auto") == ["auto"]
     assert set(gpu_tune.searchable({"BLOCK_K": 32, "MAX_TOPK": 7})) == {
         "BLOCK_K", "num_warps", "num_stages"}
+    # regime-prefixed keys are searched, and no plain launch option pins every regime
+    assert gpu_tune.candidates("MHA_BLOCK_N", 32) == [32, 16, 64]
+    assert set(gpu_tune.searchable({"MHA_BLOCK_N": 32, "MHA_num_warps": 8,
+                                    "decode_num_stages": 2})) == {
+        "MHA_BLOCK_N", "MHA_num_warps", "decode_num_stages"}
 
 
 def test_search_and_write(cpu, tmp_path):
