@@ -31,17 +31,22 @@ from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, dot_fp32, in
                                         launch, launch_opts, next_pow2)
 
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "lightning_indexer": {"BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128, "num_warps": 4,
-                          "num_stages": 2},
+    # BLOCK_M: rows of the score dot = (query, head) pairs; a block holds BLOCK_T = BLOCK_M //
+    # next_pow2(Hi) queries (4 for GLM-5's 32 heads) unless the entry sets BLOCK_T itself.
+    # A program computes SPAN = BLOCK_S * min(S_TILES, tiles / PROGRAMS) keys of its query block
+    # (the query tile read once), at least one tile: long rows share the query tile over
+    # S_TILES key tiles, short ones still spread over about PROGRAMS programs.
+    "lightning_indexer": {"BLOCK_M": 128, "BLOCK_S": 128, "BLOCK_D": 128, "num_warps": 8,
+                          "num_stages": 3, "S_TILES": 8, "PROGRAMS": 2048},
     # MERGE: "sort" (bitonic tl.sort per query row), "rank" (rank-by-comparison of a block
     # of rows, O((2*CH)^2): fast under the interpreter), "auto" = rank interpreted, else sort.
     # MAX_TOPK bounds the in-register bitonic sort (2*next_pow2(topk) int64 keys per query);
     # WS_BYTES bounds the workspace (queries are launched in groups that fit).
-    "indexer_topk": {"BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128, "num_warps": 8,
-                     "num_stages": 1, "MERGE": "auto", "MAX_TOPK": 4096, "WS_BYTES": 1 << 28},
+    "indexer_topk": {"BLOCK_M": 128, "BLOCK_S": 64, "BLOCK_D": 128, "num_warps": 8,
+                     "num_stages": 2, "MERGE": "auto", "MAX_TOPK": 4096, "WS_BYTES": 1 << 28},
     # as indexer_topk (same merge and workspace rules); keys are read through the block table
-    "paged_indexer_topk": {"BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128, "num_warps": 8,
-                           "num_stages": 1, "MERGE": "auto", "MAX_TOPK": 4096,
+    "paged_indexer_topk": {"BLOCK_M": 128, "BLOCK_S": 64, "BLOCK_D": 128, "num_warps": 8,
+                           "num_stages": 2, "MERGE": "auto", "MAX_TOPK": 4096,
                            "WS_BYTES": 1 << 28},
 }
 
@@ -52,11 +57,19 @@ def _k():
     return _indexer_kernels
 
 
-def _tiles(p: dict[str, Any], Di: int) -> tuple[int, int, int]:
-    bt = max(16, next_pow2(int(p.get("BLOCK_T", 16))))
+def _tiles(p: dict[str, Any], Hi: int, Di: int) -> dict[str, Any]:
+    """The constexpr tiles of a launch: BLOCK_T queries x HP padded heads (the dot's M, at
+    least 16), BLOCK_S keys, BLOCK_D dims, and ONE_D (Di fits one BLOCK_D: the query tile is
+    loaded once per program)."""
+    hp = next_pow2(Hi)
+    if "BLOCK_T" in p:
+        bt = next_pow2(int(p["BLOCK_T"]))
+    else:
+        bt = max(1, next_pow2(int(p.get("BLOCK_M", 128))) // hp)
+    bt = max(bt, next_pow2(cdiv(16, hp)))  # tl.dot needs M >= 16
     bs = max(16, next_pow2(int(p.get("BLOCK_S", 64))))
     bd = max(16, min(next_pow2(int(p.get("BLOCK_D", 128))), next_pow2(Di)))
-    return bt, bs, bd
+    return {"BLOCK_T": bt, "HP": hp, "BLOCK_S": bs, "BLOCK_D": bd, "ONE_D": Di <= bd}
 
 
 def make_lightning_indexer(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
@@ -68,15 +81,16 @@ def make_lightning_indexer(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         out = torch.empty((T, S), dtype=torch.float32, device=q.device)
         if T == 0 or S == 0:
             return out
-        bt, bs, bd = _tiles(p, Di)
-        grid = (cdiv(T, bt), cdiv(S, bs))
+        c = _tiles(p, Hi, Di)
+        n_t, n_s = cdiv(T, c["BLOCK_T"]), cdiv(S, c["BLOCK_S"])
+        per = max(1, min(int(p.get("S_TILES", 8)), (n_t * n_s) // int(p.get("PROGRAMS", 2048))))
+        span = per * c["BLOCK_S"]
         launch(
-            _k().lightning_indexer_kernel, grid, p, "lightning_indexer",
+            _k().lightning_indexer_kernel, (n_t, cdiv(S, span)), p, "lightning_indexer",
             q, k, w, k_start, k_end, out, T, S, Hi, Di,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-            w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-            BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd, DOT_FP32=dot_fp32(q.dtype, k.dtype),
-            **launch_opts(p))
+            w.stride(0), w.stride(1), out.stride(0), out.stride(1), span,
+            DOT_FP32=dot_fp32(q.dtype, k.dtype), **c, **launch_opts(p))
         return out
 
     return lightning_indexer
@@ -85,43 +99,63 @@ def make_lightning_indexer(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
 MAX_TENSOR_NUMEL = 1 << 20  # triton.language.TRITON_MAX_TENSOR_NUMEL
 
 
+def _check_counts(op: str, merge_counts: torch.Tensor | None, T: int,
+                  device: torch.device) -> None:
+    if merge_counts is None:
+        return
+    if (merge_counts.dtype != torch.int32 or tuple(merge_counts.shape) != (T,)
+            or not merge_counts.is_contiguous() or merge_counts.device != device):
+        raise ValueError(f"glm5 triton {op}: argument 'merge_counts' expected a contiguous "
+                         f"int32 tensor of shape ({T},) on {device}, got "
+                         f"{merge_counts.dtype} {tuple(merge_counts.shape)} on "
+                         f"{merge_counts.device}")
+
+
 def make_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
-    def indexer_topk(q, k, w, k_start, k_end, topk):
-        check_device("indexer_topk", q=q, k=k, w=w, k_start=k_start, k_end=k_end)
+    def indexer_topk(q, k, w, k_start, k_end, topk, *,
+                     merge_counts: torch.Tensor | None = None):
+        """The op; ``merge_counts`` (tests, diagnostics: an int32 [T] tensor) receives each
+        query's number of selection merges (overflow merges plus the final one)."""
+        check_device("indexer_topk", q=q, k=k, w=w, k_start=k_start, k_end=k_end,
+                     merge_counts=merge_counts)
         k_start, k_end = k_start.contiguous(), k_end.contiguous()
         T, Hi, Di = q.shape
         S = k.shape[0]
         topk = int(topk)
+        _check_counts("indexer_topk", merge_counts, T, q.device)
         out = torch.empty((T, topk), dtype=torch.int32, device=q.device)
         if T == 0:
             return out
         if S == 0:
+            if merge_counts is not None:
+                merge_counts.zero_()
             return out.fill_(-1)
-        bt, bs, bd, ch, rows, rank = _merge_plan(p, topk, Di, T)
+        c, ch, rows, rank = _merge_plan(p, topk, Hi, Di, T)
         ws = torch.empty((rows, 2 * ch), dtype=torch.int64, device=q.device)
         kern = _k().indexer_topk_kernel
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             n = t1 - t0
             qs, ws_, o = q[t0:t1], w[t0:t1], out[t0:t1]
+            mc = ws if merge_counts is None else merge_counts[t0:t1]
             launch(
-                kern, (cdiv(n, bt),), p, "indexer_topk",
-                qs, k, ws_, k_start[t0:t1], k_end[t0:t1], ws, o, n, S, Hi, Di, topk,
+                kern, (cdiv(n, c["BLOCK_T"]),), p, "indexer_topk",
+                qs, k, ws_, k_start[t0:t1], k_end[t0:t1], ws, o, mc, n, S, Hi, Di, topk,
                 qs.stride(0), qs.stride(1), qs.stride(2), k.stride(0), k.stride(1),
                 ws_.stride(0), ws_.stride(1), o.stride(0), o.stride(1),
-                BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd, CH=ch, RANK_MERGE=rank,
-                DOT_FP32=dot_fp32(q.dtype, k.dtype),
-                **launch_opts(p))
+                CH=ch, RANK_MERGE=rank, COUNT_MERGES=merge_counts is not None,
+                DOT_FP32=dot_fp32(q.dtype, k.dtype), **c, **launch_opts(p))
         return out
 
     return indexer_topk
 
 
-def _merge_plan(p: dict[str, Any], topk: int, Di: int, T: int) -> tuple[int, int, int, int,
-                                                                        int, bool]:
-    """(BLOCK_T, BLOCK_S, BLOCK_D, CH, rows per launch, rank merge) of a top-k launch."""
-    bt, bs, bd = _tiles(p, Di)
-    ch = max(next_pow2(topk), bs, 16)
+def _merge_plan(p: dict[str, Any], topk: int, Hi: int, Di: int,
+                T: int) -> tuple[dict[str, Any], int, int, bool]:
+    """(tiles, CH, rows per launch, rank merge) of a top-k launch."""
+    c = _tiles(p, Hi, Di)
+    bt = c["BLOCK_T"]
+    ch = max(next_pow2(topk), c["BLOCK_S"], 16)
     # group queries so the workspace (8 bytes x 2*CH per query) stays within WS_BYTES
     per = max(bt, (int(p.get("WS_BYTES", 1 << 28)) // (16 * ch)) // bt * bt)
     merge = str(p.get("MERGE", "auto"))
@@ -129,36 +163,42 @@ def _merge_plan(p: dict[str, Any], topk: int, Di: int, T: int) -> tuple[int, int
     # Triton's largest tensor (the bitonic sort takes over beyond, e.g. topk = 2048).
     fits = bt * (2 * ch) ** 2 <= MAX_TENSOR_NUMEL
     rank = fits and (merge == "rank" or (merge == "auto" and interpreted()))
-    return bt, bs, bd, ch, min(T, per), rank
+    return c, ch, min(T, per), rank
 
 
 def make_paged_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
-    def paged_indexer_topk(q, k, w, block_table, seq, k_len, page_size, topk):
+    def paged_indexer_topk(q, k, w, block_table, seq, k_len, page_size, topk, *,
+                           merge_counts: torch.Tensor | None = None):
+        """The op; ``merge_counts`` as for indexer_topk."""
         check_device("paged_indexer_topk", q=q, k=k, w=w, block_table=block_table, seq=seq,
-                     k_len=k_len)
+                     k_len=k_len, merge_counts=merge_counts)
         seq, k_len = seq.contiguous(), k_len.contiguous()
         T, Hi, Di = q.shape
         topk = int(topk)
+        _check_counts("paged_indexer_topk", merge_counts, T, q.device)
         out = torch.empty((T, topk), dtype=torch.int32, device=q.device)
         if T == 0:
             return out
         if k.shape[0] == 0 or block_table.shape[1] == 0:  # no page: no query sees a key
+            if merge_counts is not None:
+                merge_counts.zero_()
             return out.fill_(-1)
-        bt, bs, bd, ch, rows, rank = _merge_plan(p, topk, Di, T)
+        c, ch, rows, rank = _merge_plan(p, topk, Hi, Di, T)
         ws = torch.empty((rows, 2 * ch), dtype=torch.int64, device=q.device)
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             n = t1 - t0
             qs, ws_, o = q[t0:t1], w[t0:t1], out[t0:t1]
+            mc = ws if merge_counts is None else merge_counts[t0:t1]
             launch(
-                _k().paged_indexer_topk_kernel, (cdiv(n, bt),), p, "paged_indexer_topk",
-                qs, k, ws_, block_table, seq[t0:t1], k_len[t0:t1], ws, o, n, int(page_size),
-                Hi, Di, topk, qs.stride(0), qs.stride(1), qs.stride(2), k.stride(0),
-                k.stride(1), ws_.stride(0), ws_.stride(1), block_table.stride(0),
+                _k().paged_indexer_topk_kernel, (cdiv(n, c["BLOCK_T"]),), p,
+                "paged_indexer_topk",
+                qs, k, ws_, block_table, seq[t0:t1], k_len[t0:t1], ws, o, mc, n,
+                int(page_size), Hi, Di, topk, qs.stride(0), qs.stride(1), qs.stride(2),
+                k.stride(0), k.stride(1), ws_.stride(0), ws_.stride(1), block_table.stride(0),
                 block_table.stride(1), o.stride(0), o.stride(1),
-                BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd, CH=ch, RANK_MERGE=rank,
-                DOT_FP32=dot_fp32(q.dtype, k.dtype),
-                **launch_opts(p))
+                CH=ch, RANK_MERGE=rank, COUNT_MERGES=merge_counts is not None,
+                DOT_FP32=dot_fp32(q.dtype, k.dtype), **c, **launch_opts(p))
         return out
 
     return paged_indexer_topk
