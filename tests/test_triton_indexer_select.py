@@ -9,12 +9,12 @@ increasing order (every key beats the threshold: the buffer overflows at tile bo
 so every score is exact and the output must be exactly the reference's.
 
 The merge count (``merge_counts=``, an int32 [T] tensor the kernels fill on request) is checked
-against ``model_merges``, the documented schedule written out independently: per key tile of the
-block (tiles start at the block's smallest k_start), the row's keys above its threshold are
-appended; when they would pass W = 2*CH slots the row is merged first (keeping its best TOPK,
-threshold = the TOPK-th); a row with keys appended since its last merge is merged once more at
-the end. Planted bugs in the kernel source (threshold compare, threshold slot, overflow test,
-final merge, kept count) must each fail these checks.
+against ``model_merges``, the documented schedule written out independently: before each key
+tile of the block (tiles start at the block's smallest k_start) a row that a full tile could
+overflow (more than W - BLOCK_S of its W = 2*CH slots filled) is merged (keeping its best TOPK,
+threshold = the TOPK-th); then the row's keys above its threshold are appended; a row with keys
+appended since its last merge is merged once more at the end. Planted bugs in the kernel source
+(threshold compare, threshold slot, final merge, kept count) must each fail these checks.
 """
 
 from __future__ import annotations
@@ -60,14 +60,13 @@ def model_merges(scores: torch.Tensor, lo: int, hi: int, topk: int) -> list[int]
         thr = None  # None: nothing to beat (fewer than topk keys merged so far)
         merges, dirty = 0, False
         for s0 in range(lo, hi, BS):
-            tile = [(row[s], -s) for s in range(s0, min(s0 + BS, hi)) if row[s] != -math.inf]
-            take = [x for x in tile if thr is None or x > thr]
-            if len(kept) + len(take) > W:
+            if len(kept) > W - BS:  # a full tile could overflow the row: merge first
                 merges += 1
                 kept = sorted(kept, reverse=True)[:topk]
                 thr = kept[topk - 1] if len(kept) >= topk else None
-                take = [x for x in tile if thr is None or x > thr]
                 dirty = False
+            tile = [(row[s], -s) for s in range(s0, min(s0 + BS, hi)) if row[s] != -math.inf]
+            take = [x for x in tile if thr is None or x > thr]
             kept += take
             dirty = dirty or bool(take)
         out.append(merges + int(dirty))
@@ -82,9 +81,9 @@ def _block_span(ks: torch.Tensor, ke: torch.Tensor) -> tuple[int, int]:
 # --------------------------------------------------------------------------- designed cases
 S = 100
 ROWS = [  # (q features, k_start, k_end, why)
-    ((1, 0, 0, 0), 0, S, "increasing: buffer exactly full (cnt + n == W) at tile 2, then "
-                         "an overflow merge every tile"),
-    ((1, 0, 0, 0), 15, S, "increasing, 1 key in tile 1: cnt + n == W + 1 at tile 3"),
+    ((1, 0, 0, 0), 0, S, "increasing: W - BLOCK_S filled before tile 1 (no merge), all W "
+                         "before tile 2 (merge), then a merge before every tile"),
+    ((1, 0, 0, 0), 15, S, "increasing, 1 key in tile 0: W - BLOCK_S + 1 filled before tile 2"),
     ((1, 0, 0, 0), 5, 48, "increasing, ends on a tile boundary"),
     ((0, 1, 0, 0), 0, S, "decreasing: one overflow merge, then nothing passes"),
     ((1, 1, 0, 0), 3, S, "all scores equal: the smallest indices, in order"),
@@ -150,9 +149,9 @@ def test_designed_rows_exact_output_and_merges(merge):
         check_designed(fn, 16)
     got, mc = check_designed(fn, 6)
     # the plain expectations the model stands for, for topk 6
-    # S=100: tiles [0,16) and [16,32) fill the 32 slots exactly; each of the tiles at 32, 48,
-    # 64 and 80 overflows (22 + 16 > 32 after a merge keeps 6); [96,100) fits; the final merge
-    assert mc[0] == 5
+    # S=100: tiles [0,16) and [16,32) fill the 32 slots exactly; before each of the tiles at
+    # 32, 48, 64, 80 and 96 more than 16 slots are filled (6 kept + 16); the final merge
+    assert mc[0] == 6
     assert mc[1] > 1 and mc[3] == 1 and mc[4] == 1  # overflow / no overflow after it
     assert got[4].tolist() == [3, 4, 5, 6, 7, 8]  # ties: smallest indices first
     assert got[3].tolist() == [0, 1, 2, 3, 4, 5]
@@ -269,13 +268,12 @@ def test_paged_exact_output_and_merges(merge):
 KERNELS = Path(indexer.__file__).with_name("_indexer_kernels.py")
 MUTANTS = {
     # a key equal to the threshold (an empty slot's SENT while the row is not full) is let in
-    "threshold compare >=": ("take = key > thr[:, None]", "take = key >= thr[:, None]"),
+    "threshold compare >=": ("(key > thr[:, None])", "(key >= thr[:, None])"),
     # the threshold one slot too high: the key that belongs at slot TOPK-1 is filtered out
     "threshold slot TOPK-2": ("rows + (TOPK - 1)", "rows + (TOPK - 2)"),
-    # the overflow test one slot early: merges where the buffer still had room
-    "overflow at cnt + n >= W": ("(cnt + n > W)", "(cnt + n >= W)"),
-    # the final merge never runs: unsorted candidates are decoded
-    "no final merge": ("(last & dirty)", "(last & dirty & (cnt > W))"),
+    # appends do not mark the row for the final merge: its last candidates are decoded
+    # unsorted, or not at all
+    "no final merge": ("return cnt + n, dirty | (n > 0)", "return cnt + n, dirty"),
     # one key too few kept at a merge
     "keeps TOPK - 1": ("tl.minimum(cnt, TOPK), cnt)", "tl.minimum(cnt, TOPK - 1), cnt)"),
 }

@@ -7,9 +7,10 @@ is defined).
 Scores (all three kernels, ``_score_tile``): the rows of one tensor-core dot are (query, head)
 pairs, as DeepGEMM's mqa_logits lays them out: row r = t * HP + h of a block of BLOCK_T queries
 with the Hi heads padded to HP = next_pow2(Hi) (padded rows are masked: q = 0, w = 0). One
-[BLOCK_T*HP, Di] x [Di, BLOCK_S] dot per key tile (M = 128 for GLM-5's Hi = 32 at BLOCK_T = 4:
-a warpgroup-sized wgmma, where a [BLOCK_T, Di] dot per head was 16 rows of mma.sync), then
-ReLU, times w[t, h] per row, and the [BLOCK_T, HP, BLOCK_S] view summed over heads. The query
+[BLOCK_T*HP, Di] x [Di, BLOCK_S] dot per key tile (M = 256 for GLM-5's Hi = 32 at BLOCK_T = 8:
+warpgroup-sized wgmma, where a [BLOCK_T, Di] dot per head was 16 rows of mma.sync), then ReLU,
+times w[t, h] per row, and the [BLOCK_T, HP, BLOCK_S] view summed over heads (with 8 warps each
+warp's 32 accumulator rows are one query's heads, so the sum needs no shared memory). The query
 tile is loaded once per program when Di fits one BLOCK_D (ONE_D) and reused for every key tile.
 
 Order keys: a score s (fp32) at key index j becomes one int64 whose signed order is (s desc,
@@ -22,15 +23,21 @@ Selection (indexer_topk, paged_indexer_topk): threshold-filtered running top-k. 
 workspace row of W = 2*CH order keys (CH = next_pow2(topk) >= BLOCK_S) and keeps, in registers,
 ``cnt`` (filled slots) and ``thr`` (its current TOPK-th best key; SENT until a merge has seen
 TOPK keys). A key tile's keys strictly above the row's ``thr`` are appended at slots cnt, cnt+1,
-... (positions from a cumsum over the tile). Only when a row's appends would pass W is it merged:
-its cnt keys sorted descending, the best TOPK kept at slots 0..TOPK-1, ``thr`` raised to the
-TOPK-th; the tile is then filtered again against the new threshold (it fits: at a merge cnt >
-W - BLOCK_S >= TOPK, and W - TOPK >= CH >= BLOCK_S slots are free after it). At the end each row
-with keys appended since its last merge is merged once more, and the first TOPK slots decode to
-indices (-1 past cnt or for a -inf key). Keys stream in increasing index, so a new key equal in
-score to the threshold key has the larger index and is correctly below it; comparing order keys
-(not scores) keeps the contract's order in every case. A key at or below the TOPK-th best of the
-keys already seen can never be selected, so the output is exactly the full sort's.
+... (positions from a cumsum over the tile). A row is merged only when a full tile could
+overflow it (cnt > W - BLOCK_S): its cnt keys sorted descending, the best TOPK kept at slots
+0..TOPK-1, ``thr`` raised to the TOPK-th (after it cnt = TOPK <= W - BLOCK_S). The stream runs
+in rounds: merge the rows that need it, then m = min over rows of (W - cnt) // BLOCK_S key tiles
+(>= 1) that cannot overflow any row, in a loop without a merge (so Triton pipelines its loads).
+The round after the last tile merges each row with keys appended since its last merge, and the
+first TOPK slots decode to indices (-1 past cnt or for a -inf key). Keys stream in increasing
+index, so a new key equal in score to the threshold key has the larger index and is correctly
+below it; comparing order keys (not scores) keeps the contract's order in every case. A key at
+or below the TOPK-th best of the keys already seen can never be selected, so the output is
+exactly the full sort's. Merges: one per round in which a row fills up; on random scores a merge
+having seen n keys lets a new key in with probability TOPK/n, so the W - TOPK free slots last
+until the stream has grown by a factor W/TOPK: about log(S/W)/log(W/TOPK) + 2 merges for S keys
+(log2(S/4096) + 2 at topk 2048), at most about S/CH (every key above the threshold, e.g.
+increasing scores), where the former design sorted after every chunk of CH keys (S/CH sorts).
 """
 
 from __future__ import annotations
@@ -221,28 +228,35 @@ def _merge(ws_ptr, rows, pid, T, TOPK, cnt, thr, need, t_mask,
 
 
 @triton.jit
-def _select(ws_ptr, rows, pid, T, TOPK, key, last, cnt, thr, merges, dirty, t_mask,
-            BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CH: tl.constexpr,
-            RANK_MERGE: tl.constexpr):
-    """Offer a [BLOCK_T, BLOCK_S] tile of order keys (SENT where invalid) to the block's rows:
-    keys above a row's threshold are appended to its buffer, merging first the rows that would
-    overflow. ``last`` ([BLOCK_T] mask; its key rows are all SENT) also merges those rows when
-    keys were appended since their last merge: the final merge shares this one merge site (one
-    inlined copy of the sorts). Returns the new (cnt, thr, merges, dirty)."""
+def _make_room(ws_ptr, rows, pid, T, TOPK, done, cnt, thr, merges, dirty, t_mask,
+               BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CH: tl.constexpr,
+               RANK_MERGE: tl.constexpr):
+    """Start of a run of key tiles: merge the rows a full tile of keys could overflow (cnt >
+    W - BLOCK_S); ``done`` ([BLOCK_T] mask, all set once the stream has ended): merge instead
+    the rows with keys appended since their last merge (the final merge: one merge site, one
+    inlined copy of the sorts). Returns (cnt, thr, merges, dirty, m): m = the number of tiles
+    every row has room for, so the run of m tiles needs no merge (and its loop pipelines)."""
     W: tl.constexpr = 2 * CH
-    take = key > thr[:, None]
-    n = tl.sum(take.to(tl.int32), axis=1)
-    need = t_mask & ((cnt + n > W) | (last & dirty))
+    need = t_mask & ((done & dirty) | (~done & (cnt > W - BLOCK_S)))
     if tl.max(need.to(tl.int32), axis=0) > 0:
         cnt, thr = _merge(ws_ptr, rows, pid, T, TOPK, cnt, thr, need, t_mask,
                           BLOCK_T, CH, RANK_MERGE)
         merges += need.to(tl.int32)
         dirty = dirty & ~need
-        take = key > thr[:, None]
-        n = tl.sum(take.to(tl.int32), axis=1)
+    m = tl.min(tl.where(t_mask, (W - cnt) // BLOCK_S, W // BLOCK_S), axis=0)
+    return cnt, thr, merges, dirty, m
+
+
+@triton.jit
+def _append(rows, key, cnt, thr, dirty, t_mask):
+    """Append each row's keys of a [BLOCK_T, BLOCK_S] tile (SENT where invalid) that lie above
+    its threshold at slots cnt, cnt+1, ... (the caller guarantees the room). Returns the new
+    (cnt, dirty)."""
+    take = (key > thr[:, None]) & t_mask[:, None]
+    n = tl.sum(take.to(tl.int32), axis=1)
     pos = cnt[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
-    tl.store(rows[:, None] + pos, key, mask=take & t_mask[:, None])
-    return cnt + n, thr, merges, dirty | (n > 0)
+    tl.store(rows[:, None] + pos, key, mask=take)
+    return cnt + n, dirty | (n > 0)
 
 
 @triton.jit
@@ -270,19 +284,21 @@ def indexer_topk_kernel(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc
     """One tile per block of BLOCK_T queries, streaming over the union of their key ranges in
     BLOCK_S key tiles; each tile's scores go straight into the threshold-filtered running
     selection (module docstring), only a [BLOCK_T, BLOCK_S] score tile is ever live. With
-    COUNT_MERGES each query's number of merges is written to mc_ptr[t].
-    PERSISTENT: program p walks query blocks p, p + NUM_PROGRAMS, ..."""
+    COUNT_MERGES each query's number of merges is written to mc_ptr[t]. Blocks are taken last
+    first: in a causal prefill the last queries see the most keys, and starting the longest
+    work first shortens the tail. PERSISTENT: program p walks blocks p, p + NUM_PROGRAMS, ...
+    of that order."""
     if PERSISTENT:
         for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
             _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr,
-                       T, S, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh, sot, sok, tile,
-                       BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D, CH, RANK_MERGE, COUNT_MERGES,
-                       DOT_FP32)
+                       T, S, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh, sot, sok,
+                       N_TILES - 1 - tile, BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D, CH,
+                       RANK_MERGE, COUNT_MERGES, DOT_FP32)
     else:
         _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr,
                    T, S, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh, sot, sok,
-                   tl.program_id(0), BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D, CH, RANK_MERGE,
-                   COUNT_MERGES, DOT_FP32)
+                   N_TILES - 1 - tl.program_id(0), BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D, CH,
+                   RANK_MERGE, COUNT_MERGES, DOT_FP32)
 
 
 @triton.jit
@@ -309,19 +325,27 @@ def _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr,
     merges = tl.zeros([BLOCK_T], dtype=tl.int32)
     dirty = cnt > 0  # keys appended since the row's last merge: none yet
     sb = tl.arange(0, BLOCK_S)
-    # one iteration past the last key tile (every key masked) makes the final merge; "past" is
-    # a [BLOCK_T] comparison because the interpreter turns vector & 0-d bool into int32
-    for s0 in range(lo, hi + BLOCK_S, BLOCK_S):
-        s = s0 + sb
-        s_mask = s < hi
-        score = _score_tile(q_ptr, qv, qoff, r_mask, wr, k_ptr, s.to(tl.int64) * sks, s_mask,
-                            Di, sqd, skd, BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D, DOT_FP32)
-        valid = (s[None, :] >= ks[:, None]) & (s[None, :] < ke[:, None])
-        key = tl.where(valid, _order_key(score, s), -9187343243497619456)
-        cnt, thr, merges, dirty = _select(ws_ptr, rows, pid, T, TOPK, key,
-                                          t_mask & (tl.zeros_like(cnt) + s0 >= hi),
-                                          cnt, thr, merges, dirty, t_mask, BLOCK_T, BLOCK_S,
-                                          CH, RANK_MERGE)
+    # runs of key tiles between merges; the round after the last tile makes the final merge
+    s0 = lo
+    go = lo < hi
+    while go:
+        # [BLOCK_T] comparison: the interpreter turns vector & 0-d bool into int32
+        done = (tl.zeros_like(cnt) + s0) >= hi
+        cnt, thr, merges, dirty, m = _make_room(ws_ptr, rows, pid, T, TOPK, done, cnt, thr,
+                                                merges, dirty, t_mask, BLOCK_T, BLOCK_S, CH,
+                                                RANK_MERGE)
+        s1 = tl.minimum(hi, s0 + m * BLOCK_S)
+        for j0 in range(s0, s1, BLOCK_S):
+            s = j0 + sb
+            s_mask = s < hi
+            score = _score_tile(q_ptr, qv, qoff, r_mask, wr, k_ptr, s.to(tl.int64) * sks,
+                                s_mask, Di, sqd, skd, BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D,
+                                DOT_FP32)
+            valid = (s[None, :] >= ks[:, None]) & (s[None, :] < ke[:, None])
+            key = tl.where(valid, _order_key(score, s), -9187343243497619456)
+            cnt, dirty = _append(rows, key, cnt, thr, dirty, t_mask)
+        go = (s1 < hi) | (tl.max(dirty.to(tl.int32), axis=0) > 0)
+        s0 = s1
     key = _decoded_keys(rows, cnt, TOPK, merges, t_mask, mc_ptr, t, CH, COUNT_MERGES)
     # decode the first TOPK keys: index, or -1 for an empty slot / a -inf score
     cols = tl.arange(0, CH)
@@ -343,18 +367,19 @@ def paged_indexer_topk_kernel(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_p
                               DOT_FP32: tl.constexpr, PERSISTENT: tl.constexpr):
     """indexer_topk_kernel through a block table: query t sees logical keys 0 .. kl[t] - 1 of
     sequence seq[t], key j at pool row bt[seq[t], j // PS] * PS + j % PS. One tile per block
-    of BLOCK_T queries; PERSISTENT: program p walks blocks p, p + NUM_PROGRAMS, ..."""
+    of BLOCK_T queries, last block first (a prefill chunk's last queries see the most keys);
+    PERSISTENT: program p walks blocks p, p + NUM_PROGRAMS, ... of that order."""
     if PERSISTENT:
         for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
             _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr,
                              mc_ptr, T, PS, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh,
-                             sbb, sbp, sot, sok, tile, BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D, CH,
-                             RANK_MERGE, COUNT_MERGES, DOT_FP32)
+                             sbb, sbp, sot, sok, N_TILES - 1 - tile, BLOCK_T, HP, BLOCK_S,
+                             BLOCK_D, ONE_D, CH, RANK_MERGE, COUNT_MERGES, DOT_FP32)
     else:
         _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr,
                          mc_ptr, T, PS, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh,
-                         sbb, sbp, sot, sok, tl.program_id(0), BLOCK_T, HP, BLOCK_S, BLOCK_D,
-                         ONE_D, CH, RANK_MERGE, COUNT_MERGES, DOT_FP32)
+                         sbb, sbp, sot, sok, N_TILES - 1 - tl.program_id(0), BLOCK_T, HP,
+                         BLOCK_S, BLOCK_D, ONE_D, CH, RANK_MERGE, COUNT_MERGES, DOT_FP32)
 
 
 @triton.jit
@@ -392,20 +417,28 @@ def _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_p
         act = todo & (sq == b)
         hi = tl.max(tl.where(act, kl, 0), axis=0)
         brow = bt_ptr + b.to(tl.int64) * sbb
-        # one iteration past the sequence's last key tile makes the final merge of its queries
-        for s0 in range(0, hi + BLOCK_S, BLOCK_S):
-            s = s0 + sb
-            s_mask = s < hi
-            page = tl.load(brow + (s // PS).to(tl.int64) * sbp, mask=s_mask, other=0)
-            prow = page.to(tl.int64) * PS + (s % PS).to(tl.int64)
-            score = _score_tile(q_ptr, qv, qoff, r_mask, wr, k_ptr, prow * sks, s_mask,
-                                Di, sqd, skd, BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D, DOT_FP32)
-            valid = act[:, None] & (s[None, :] < kl[:, None])
-            key = tl.where(valid, _order_key(score, s), -9187343243497619456)
-            cnt, thr, merges, dirty = _select(ws_ptr, rows, pid, T, TOPK, key,
-                                              act & (tl.zeros_like(cnt) + s0 >= hi), cnt,
-                                              thr, merges, dirty,
-                                              t_mask, BLOCK_T, BLOCK_S, CH, RANK_MERGE)
+        # runs of key tiles between merges, then the final merge of the pass's queries
+        s0 = hi * 0
+        go = hi > 0
+        while go:
+            done = (tl.zeros_like(cnt) + s0) >= hi
+            cnt, thr, merges, dirty, m = _make_room(ws_ptr, rows, pid, T, TOPK, done, cnt,
+                                                    thr, merges, dirty, t_mask, BLOCK_T,
+                                                    BLOCK_S, CH, RANK_MERGE)
+            s1 = tl.minimum(hi, s0 + m * BLOCK_S)
+            for j0 in range(s0, s1, BLOCK_S):
+                s = j0 + sb
+                s_mask = s < hi
+                page = tl.load(brow + (s // PS).to(tl.int64) * sbp, mask=s_mask, other=0)
+                prow = page.to(tl.int64) * PS + (s % PS).to(tl.int64)
+                score = _score_tile(q_ptr, qv, qoff, r_mask, wr, k_ptr, prow * sks, s_mask,
+                                    Di, sqd, skd, BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D,
+                                    DOT_FP32)
+                valid = act[:, None] & (s[None, :] < kl[:, None])
+                key = tl.where(valid, _order_key(score, s), -9187343243497619456)
+                cnt, dirty = _append(rows, key, cnt, thr, dirty, t_mask)
+            go = (s1 < hi) | (tl.max(dirty.to(tl.int32), axis=0) > 0)
+            s0 = s1
         todo = todo & ~act
         left = tl.sum(todo.to(tl.int32), axis=0)
     key = _decoded_keys(rows, cnt, TOPK, merges, t_mask, mc_ptr, t, CH, COUNT_MERGES)

@@ -1,17 +1,23 @@
 """Triton Lightning Indexer: `lightning_indexer` (scores) and `indexer_topk` (fused selection).
 
-lightning_indexer: one program per [BLOCK_T queries x BLOCK_S keys] tile; per head a tl.dot over
-Di (fp32 accumulation), ReLU, times w[t,h], summed over heads; -inf outside [k_start, k_end).
-Tiles outside every query's range skip the dots.
+Scores (all three ops): the rows of one tensor-core dot are (query, head) pairs, as DeepGEMM's
+mqa_logits lays them out: a block of BLOCK_T queries x HP = next_pow2(Hi) heads (padded rows
+masked) times a [Di, BLOCK_S] key tile, then ReLU, times w[t, h] per row, summed over the heads
+of each query. At GLM-5's Hi = 32 the dot is [256, 128] x [128, 64] (BLOCK_M = 256): a
+warpgroup MMA (wgmma) on Hopper, where a [16, Di] dot per head lowered to mma.sync; the query
+tile is loaded once per program and stays in shared memory.
 
-indexer_topk (served whole): one program per block of BLOCK_T queries streams over the union
-of their key ranges in chunks of CH = max(next_pow2(topk), BLOCK_S, 16) columns, computing
-[BLOCK_T, BLOCK_S] score tiles with tl.dot and keeping a running top-CH per query in a global
-workspace row [T, 2*CH] of int64 order keys (score desc, index asc packed in one int64, see
-_indexer_kernels). After each chunk a bitonic tl.sort of the row keeps the best CH; at the end
-the first topk keys decode to int32 indices, -1 for empty slots. Everything on the device is
-Triton; the host only allocates the workspace and splits very large T into launches so the
-workspace stays bounded. No [T, S] score matrix is ever formed.
+lightning_indexer: one program per [BLOCK_T queries x SPAN keys] (SPAN a run of BLOCK_S tiles);
+key tiles outside every query's range are written -inf without a dot.
+
+indexer_topk (served whole): one program per block of BLOCK_T queries streams over the union of
+their key ranges in BLOCK_S tiles and keeps a threshold-filtered running top-k per query (see
+_indexer_kernels): only keys above the query's current TOPK-th best order key are appended to
+its workspace row of 2*CH int64 keys (CH = next_pow2(topk)); a row is merged (bitonic tl.sort,
+best TOPK kept, threshold raised) only when a key tile could overflow it, and once at the end.
+Runs of key tiles between merges contain no merge, so their loads pipeline. The first topk keys
+decode to int32 indices, -1 for empty slots. No [T, S] score matrix is ever formed; the host
+only allocates the workspace and splits very large T into launches so it stays bounded.
 
 paged_indexer_topk (served whole): indexer_topk's streaming top-k with the key rows read through
 the block table (the pool row of logical key j of sequence b is computed per key tile from
@@ -19,6 +25,10 @@ block_table[b, j // page_size]). A block of queries makes one pass per distinct 
 them, so prefill chunks (one sequence) stream once and a decode batch (one query per sequence)
 needs no host-side regrouping; order keys hold the logical position (ties to the smaller one)
 and the final decode maps them to pool rows. No host sync: the table is read on the device.
+
+Both top-k launchers take an optional keyword ``merge_counts`` (an int32 [T] tensor, for tests
+and diagnostics; the op's dispatcher never passes it) that receives each query's number of
+merges.
 """
 
 from __future__ import annotations
@@ -32,21 +42,26 @@ from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, dot_fp32, in
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     # BLOCK_M: rows of the score dot = (query, head) pairs; a block holds BLOCK_T = BLOCK_M //
-    # next_pow2(Hi) queries (4 for GLM-5's 32 heads) unless the entry sets BLOCK_T itself.
-    # A program computes SPAN = BLOCK_S * min(S_TILES, tiles / PROGRAMS) keys of its query block
-    # (the query tile read once), at least one tile: long rows share the query tile over
-    # S_TILES key tiles, short ones still spread over about PROGRAMS programs.
-    "lightning_indexer": {"BLOCK_M": 128, "BLOCK_S": 128, "BLOCK_D": 128, "num_warps": 8,
-                          "num_stages": 3, "S_TILES": 8, "PROGRAMS": 2048},
+    # next_pow2(Hi) queries (8 for GLM-5's 32 heads: M = 256, one query's heads per warp at 8
+    # warps, so the head sum stays in the warp), at most MAX_BLOCK_T, unless the entry sets
+    # BLOCK_T itself. A lightning_indexer program computes SPAN = BLOCK_S * min(S_TILES,
+    # tiles / PROGRAMS) keys of its query block (the query tile read once), at least one tile:
+    # long rows reuse the query tile over S_TILES key tiles, short ones still spread over
+    # about PROGRAMS programs.
+    "lightning_indexer": {"BLOCK_M": 256, "MAX_BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128,
+                          "num_warps": 8, "num_stages": 2, "S_TILES": 8, "PROGRAMS": 2048},
     # MERGE: "sort" (bitonic tl.sort per query row), "rank" (rank-by-comparison of a block
     # of rows, O((2*CH)^2): fast under the interpreter), "auto" = rank interpreted, else sort.
     # MAX_TOPK bounds the in-register bitonic sort (2*next_pow2(topk) int64 keys per query);
     # WS_BYTES bounds the workspace (queries are launched in groups that fit).
-    "indexer_topk": {"BLOCK_M": 128, "BLOCK_S": 64, "BLOCK_D": 128, "num_warps": 8,
-                     "num_stages": 2, "MERGE": "auto", "MAX_TOPK": 4096, "WS_BYTES": 1 << 28},
-    # as indexer_topk (same merge and workspace rules); keys are read through the block table
-    "paged_indexer_topk": {"BLOCK_M": 128, "BLOCK_S": 64, "BLOCK_D": 128, "num_warps": 8,
-                           "num_stages": 2, "MERGE": "auto", "MAX_TOPK": 4096,
+    "indexer_topk": {"BLOCK_M": 256, "MAX_BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128,
+                     "num_warps": 8, "num_stages": 2, "MERGE": "auto", "MAX_TOPK": 4096,
+                     "WS_BYTES": 1 << 28},
+    # as indexer_topk (same merge and workspace rules); keys are read through the block table.
+    # M = 128: the page gather's extra state spills at 256 rows, and decode blocks hold one
+    # query per sequence anyway.
+    "paged_indexer_topk": {"BLOCK_M": 128, "MAX_BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128,
+                           "num_warps": 8, "num_stages": 2, "MERGE": "auto", "MAX_TOPK": 4096,
                            "WS_BYTES": 1 << 28},
 }
 
@@ -66,6 +81,7 @@ def _tiles(p: dict[str, Any], Hi: int, Di: int) -> dict[str, Any]:
         bt = next_pow2(int(p["BLOCK_T"]))
     else:
         bt = max(1, next_pow2(int(p.get("BLOCK_M", 128))) // hp)
+        bt = min(bt, next_pow2(int(p.get("MAX_BLOCK_T", 16))))
     bt = max(bt, next_pow2(cdiv(16, hp)))  # tl.dot needs M >= 16
     bs = max(16, next_pow2(int(p.get("BLOCK_S", 64))))
     bd = max(16, min(next_pow2(int(p.get("BLOCK_D", 128))), next_pow2(Di)))
