@@ -11,10 +11,11 @@ so every score is exact and the output must be exactly the reference's.
 The merge count (``merge_counts=``, an int32 [T] tensor the kernels fill on request) is checked
 against ``model_merges``, the documented schedule written out independently: before each key
 tile of the block (tiles start at the block's smallest k_start) a row that a full tile could
-overflow (more than W - BLOCK_S of its W = 2*CH slots filled) is merged (keeping its best TOPK,
+overflow (more than W - BLOCK_S of its W = 2*CH slots filled) is merged (keeping its best CH,
 threshold = the TOPK-th); then the row's keys above its threshold are appended; a row with keys
 appended since its last merge is merged once more at the end. Planted bugs in the kernel source
-(threshold compare, threshold slot, final merge, kept count) must each fail these checks.
+(threshold compare, threshold slot, final merge, kept count, the bitonic top-k merge) must each
+fail these checks.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _tuning(op: str, merge: str, **extra) -> dict:
 def model_merges(scores: torch.Tensor, lo: int, hi: int, topk: int) -> list[int]:
     """Per row of ``scores`` ([T, S] float64, -inf = not in the row's range): the merges the
     documented schedule makes over key tiles [lo + i*BS, lo + (i+1)*BS) of [lo, hi)."""
-    ch = max(next_pow2(topk), BS, 16)
+    ch = max(next_pow2(topk), 2 * BS, 16)
     W = 2 * ch
     out = []
     for row in scores.tolist():
@@ -62,7 +63,7 @@ def model_merges(scores: torch.Tensor, lo: int, hi: int, topk: int) -> list[int]
         for s0 in range(lo, hi, BS):
             if len(kept) > W - BS:  # a full tile could overflow the row: merge first
                 merges += 1
-                kept = sorted(kept, reverse=True)[:topk]
+                kept = sorted(kept, reverse=True)[:ch]
                 thr = kept[topk - 1] if len(kept) >= topk else None
                 dirty = False
             tile = [(row[s], -s) for s in range(s0, min(s0 + BS, hi)) if row[s] != -math.inf]
@@ -81,9 +82,9 @@ def _block_span(ks: torch.Tensor, ke: torch.Tensor) -> tuple[int, int]:
 # --------------------------------------------------------------------------- designed cases
 S = 100
 ROWS = [  # (q features, k_start, k_end, why)
-    ((1, 0, 0, 0), 0, S, "increasing: W - BLOCK_S filled before tile 1 (no merge), all W "
-                         "before tile 2 (merge), then a merge before every tile"),
-    ((1, 0, 0, 0), 15, S, "increasing, 1 key in tile 0: W - BLOCK_S + 1 filled before tile 2"),
+    ((1, 0, 0, 0), 0, S, "increasing: exactly W - BLOCK_S slots filled before tile 3 (no "
+                         "merge), all W before tile 4 (merge)"),
+    ((1, 0, 0, 0), 15, S, "increasing, 1 key in tile 0: W - BLOCK_S + 1 filled before tile 3"),
     ((1, 0, 0, 0), 5, 48, "increasing, ends on a tile boundary"),
     ((0, 1, 0, 0), 0, S, "decreasing: one overflow merge, then nothing passes"),
     ((1, 1, 0, 0), 3, S, "all scores equal: the smallest indices, in order"),
@@ -102,9 +103,9 @@ def designed_case(dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     s = torch.arange(S, dtype=torch.float64)
     r1 = torch.randperm(S, generator=g)  # distinct
-    # the 5 best of r1 among the first 32 keys and the 6th best at key 60: for topk 6 the 6th
-    # arrives after the first merge (tile [32, 48)), just above the threshold it must beat
-    for pos, val in zip((2, 7, 11, 19, 30, 60), range(S - 1, S - 7, -1)):
+    # the 5 best of r1 among the first 64 keys and the 6th best at key 80: for topk 6 the 6th
+    # arrives after the first merge (before tile [64, 80)), just above the threshold it must beat
+    for pos, val in zip((2, 7, 11, 19, 30, 80), range(S - 1, S - 7, -1)):
         at = int((r1 == val).nonzero())
         r1[at], r1[pos] = r1[pos].clone(), val
     r1 = r1.double()
@@ -143,15 +144,15 @@ def check_designed(fn, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("merge", ["rank", "sort"])
 def test_designed_rows_exact_output_and_merges(merge):
     fn = indexer.make_indexer_topk(_tuning("indexer_topk", merge))
-    # CH 16, W 32; topk 16: TOPK == CH, the tightest buffer (the rank merge only: the bitonic
-    # one is slow under the interpreter, and both merge the same rows at the same points)
+    # CH 32, W 64 for topk 6; topk 32: TOPK == CH, the tightest buffer (the rank merge only:
+    # the bitonic one is slow under the interpreter; both merge the same rows at the same points)
     if merge == "rank" or not INTERP:
-        check_designed(fn, 16)
+        check_designed(fn, 32)
     got, mc = check_designed(fn, 6)
     # the plain expectations the model stands for, for topk 6
-    # S=100: tiles [0,16) and [16,32) fill the 32 slots exactly; before each of the tiles at
-    # 32, 48, 64, 80 and 96 more than 16 slots are filled (6 kept + 16); the final merge
-    assert mc[0] == 6
+    # S=100, W=64: 48 slots filled before tile 3 (no merge), 64 before tile 4 (merge, 32 kept),
+    # 48 before tile 5 (no merge), 64 before tile 6 (merge); the final merge
+    assert mc[0] == 3
     assert mc[1] > 1 and mc[3] == 1 and mc[4] == 1  # overflow / no overflow after it
     assert got[4].tolist() == [3, 4, 5, 6, 7, 8]  # ties: smallest indices first
     assert got[3].tolist() == [0, 1, 2, 3, 4, 5]
@@ -169,11 +170,11 @@ def test_topk_at_least_every_range():
 
 
 def test_merges_are_few_on_random_data():
-    """Random Gaussian inputs, 4 queries over S = 512 keys, topk 8 (CH 16, W 32): the old
-    design sorted after every chunk of CH keys (S/CH = 32 sorts per query). Once a merge has
-    seen n keys, a new key passes the threshold with probability topk/n, so the W - topk free
-    slots last until the stream has grown by a factor W/topk: about log(S/W)/log(W/topk) + 2
-    merges (4 here)."""
+    """Random Gaussian inputs, 4 queries over S = 512 keys, topk 8 (CH 32, W 64): the former
+    design sorted after every chunk of max(next_pow2(topk), BLOCK_S) = 16 keys, 32 sorts per
+    query. Once a merge has seen n keys, a new key passes the threshold with probability
+    topk/n, so the CH - BLOCK_S free slots last until the stream has grown by a factor
+    1 + (CH - BLOCK_S)/topk = 3: about log3(S/W) + 2 merges (3 here)."""
     g = torch.Generator().manual_seed(3)
     T, Sr, Hi, Di, topk = 4, 512, 2, 16, 8
     q = torch.randn(T, Hi, Di, generator=g)
@@ -185,8 +186,8 @@ def test_merges_are_few_on_random_data():
     got, mc = run_topk(fn, (q, k, w, ks, ke), topk)
     op = glm5.get_op("indexer_topk")
     assert_matches(op, got, {"q": q, "k": k, "w": w, "k_start": ks, "k_end": ke, "topk": topk})
-    chunks = Sr // max(next_pow2(topk), BS)
-    assert int(mc.max()) <= chunks // 4, (mc, chunks)
+    chunks = Sr // max(next_pow2(topk), BS)  # the former design's sorts per query
+    assert int(mc.max()) <= chunks // 8, (mc, chunks)
     assert int(mc.min()) >= 2  # the first overflow and the final merge
     # on exact (integer) random scores the count is the model's
     qi = torch.randint(-3, 4, (T, Hi, Di), generator=g).double()
@@ -196,7 +197,7 @@ def test_merges_are_few_on_random_data():
     assert torch.equal(got, indexer_topk_ref(qi, ki, wi, ks, ke, topk))
     scores = lightning_indexer_ref(qi, ki, wi, ks, ke)
     assert mc.tolist() == model_merges(scores, 0, Sr, topk)
-    assert int(mc.max()) <= chunks // 4
+    assert int(mc.max()) <= chunks // 8
 
 
 def test_merge_counts_argument_checked():
@@ -209,14 +210,14 @@ def test_merge_counts_argument_checked():
 
 # --------------------------------------------------------------------------- paged
 def paged_case(seed=0):
-    """Three sequences of 50, 33 (mid-page) and 0 keys in a shuffled pool of 4-row pages, with
+    """Three sequences of 90, 71 (mid-page) and 0 keys in a shuffled pool of 4-row pages, with
     logical keys featured as above (key j of a sequence of L keys: (j, L - j, r, r')); queries
     of each kind per sequence, interleaved in one block."""
     g = torch.Generator().manual_seed(seed)
-    ps, lens = 4, [50, 33, 0]
+    ps, lens = 4, [90, 71, 0]
     pages = [-(-n // ps) for n in lens]
     perm = torch.randperm(sum(pages) + 2, generator=g).tolist()
-    table = torch.full((3, 13), -1, dtype=I32)
+    table = torch.full((3, max(pages) + 1), -1, dtype=I32)
     k = torch.zeros(((sum(pages) + 2) * ps, 4), dtype=torch.float64)
     for b, n in enumerate(lens):
         for p in range(pages[b]):
@@ -266,21 +267,27 @@ def test_paged_exact_output_and_merges(merge):
 
 # --------------------------------------------------------------------------- planted bugs
 KERNELS = Path(indexer.__file__).with_name("_indexer_kernels.py")
-MUTANTS = {
+MUTANTS = {  # name: (kernel source, planted bug, merge path it is in)
     # a key equal to the threshold (an empty slot's SENT while the row is not full) is let in
-    "threshold compare >=": ("(key > thr[:, None])", "(key >= thr[:, None])"),
+    "threshold compare >=": ("(key > thr[:, None])", "(key >= thr[:, None])", "rank"),
     # the threshold one slot too high: the key that belongs at slot TOPK-1 is filtered out
-    "threshold slot TOPK-2": ("rows + (TOPK - 1)", "rows + (TOPK - 2)"),
+    "threshold slot TOPK-2": ("rows + (TOPK - 1)", "rows + (TOPK - 2)", "rank"),
     # appends do not mark the row for the final merge: its last candidates are decoded
     # unsorted, or not at all
-    "no final merge": ("return cnt + n, dirty | (n > 0)", "return cnt + n, dirty"),
-    # one key too few kept at a merge
-    "keeps TOPK - 1": ("tl.minimum(cnt, TOPK), cnt)", "tl.minimum(cnt, TOPK - 1), cnt)"),
+    "no final merge": ("return cnt + n, dirty | (n > 0)", "return cnt + n, dirty", "rank"),
+    # too few keys kept at a merge: the appends overwrite the running set
+    "keeps TOPK - 1": ("tl.minimum(cnt, CH), cnt)", "tl.minimum(cnt, TOPK - 1), cnt)", "rank"),
+    # bitonic top-k: the running set taken as sorted on the row's first merge
+    "first merge skips sorting A": ("tl.where(sel, merges, 0), axis=0) == 0:",
+                                    "tl.where(sel, merges, 0), axis=0) == 1:", "sort"),
+    # bitonic top-k: the buffer sorted the same way as the running set (max is then no top-k)
+    "buffer sorted descending": ("tl.sort(vb, descending=False)", "tl.sort(vb, descending=True)",
+                                 "sort"),
 }
 
 
 def _mutant_module(name: str, tmp_path: Path):
-    old, new = MUTANTS[name]
+    old, new, _ = MUTANTS[name]
     src = KERNELS.read_text()
     assert old in src, f"the planted bug {name!r} no longer matches the kernel source"
     path = tmp_path / f"_indexer_kernels_mut_{abs(hash(name))}.py"
@@ -295,6 +302,6 @@ def _mutant_module(name: str, tmp_path: Path):
 def test_planted_selection_bugs_fail(name, tmp_path, monkeypatch):
     mod = _mutant_module(name, tmp_path)
     monkeypatch.setattr(indexer, "_k", lambda: mod)
-    fn = indexer.make_indexer_topk(_tuning("indexer_topk", "rank"))
+    fn = indexer.make_indexer_topk(_tuning("indexer_topk", MUTANTS[name][2]))
     with pytest.raises(AssertionError):
         check_designed(fn, 6)

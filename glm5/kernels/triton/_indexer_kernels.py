@@ -184,11 +184,26 @@ def _indexer_span(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, T, S, Hi, Di,
 
 # --------------------------------------------------------------------------- selection
 @triton.jit
-def _merge(ws_ptr, rows, pid, T, TOPK, cnt, thr, need, t_mask,
-           BLOCK_T: tl.constexpr, CH: tl.constexpr, RANK_MERGE: tl.constexpr):
-    """Merge the rows ``need`` of the block: sort their ``cnt`` keys descending, keep the best
-    min(cnt, TOPK) at slots 0.., set ``thr`` to the TOPK-th key (unchanged while fewer).
-    Returns the new (cnt, thr)."""
+def _bitonic_desc(x, N: tl.constexpr, LOG_N: tl.constexpr):
+    """A bitonic sequence x [N] (N = 2^LOG_N) sorted descending: LOG_N half-cleaner stages on
+    its [2]*LOG_N hypercube (as tl.sort is built, so the compiler lays it out the same way):
+    stage i pairs elements N >> (i+1) apart, the partner read by an xor over that axis, the
+    larger kept at the lower position."""
+    h = tl.reshape(x, [2] * LOG_N)
+    for i in tl.static_range(LOG_N):
+        partner = h ^ tl.xor_sum(h, axis=i, keep_dims=True)
+        upper = tl.reshape(tl.arange(0, 2), [1] * i + [2] + [1] * (LOG_N - i - 1)) == 1
+        h = tl.where((h > partner) != upper, h, partner)
+    return tl.reshape(h, [N])
+
+
+@triton.jit
+def _merge(ws_ptr, rows, pid, T, TOPK, cnt, thr, merges, need, t_mask,
+           BLOCK_T: tl.constexpr, CH: tl.constexpr, LOG_CH: tl.constexpr,
+           RANK_MERGE: tl.constexpr):
+    """Merge the rows ``need`` of the block: their best min(cnt, CH) keys, descending, at
+    slots 0 .. CH-1 (the running set A; slots CH .. 2CH-1 are the buffer B), ``thr`` the
+    TOPK-th key (unchanged while fewer). Returns the new (cnt, thr)."""
     W: tl.constexpr = 2 * CH
     wcols = tl.arange(0, W)
     tl.debug_barrier()  # the appends of every thread are visible
@@ -205,7 +220,10 @@ def _merge(ws_ptr, rows, pid, T, TOPK, cnt, thr, need, t_mask,
         tl.debug_barrier()
         tl.store(rows[:, None] + rank, kv, mask=(need & t_mask)[:, None] & (rank < CH))
     else:
-        # per row that needs it: a bitonic sort of its filled slots (CH wide when they fit)
+        # per row that needs it: A is sorted once (on the row's first merge: until then the
+        # appends fill A, then B); when B holds keys, B sorted ascending against A descending
+        # gives, elementwise, the best CH of both as a bitonic sequence (bitonic top-k), which
+        # log2(CH) half-cleaners sort: about half the work of sorting all 2*CH keys.
         cols = tl.arange(0, CH)
         rid = tl.arange(0, BLOCK_T)
         for i in range(0, BLOCK_T):
@@ -213,24 +231,27 @@ def _merge(ws_ptr, rows, pid, T, TOPK, cnt, thr, need, t_mask,
             if tl.sum(tl.where(sel & need, 1, 0), axis=0) > 0:
                 c = tl.sum(tl.where(sel, cnt, 0), axis=0)
                 rp = ws_ptr + (pid * BLOCK_T + i).to(tl.int64) * W
-                if c <= CH:
-                    vh = tl.load(rp + cols, mask=cols < c, other=-9187343243497619456)
-                    tl.store(rp + cols, tl.sort(vh, descending=True))
-                else:
-                    vw = tl.load(rp + wcols, mask=wcols < c, other=-9187343243497619456)
-                    tl.store(rp + wcols, tl.sort(vw, descending=True), mask=wcols < CH)
+                va = tl.load(rp + cols, mask=cols < c, other=-9187343243497619456)
+                if tl.sum(tl.where(sel, merges, 0), axis=0) == 0:
+                    va = tl.sort(va, descending=True)
+                if c > CH:
+                    vb = tl.load(rp + CH + cols, mask=CH + cols < c,
+                                 other=-9187343243497619456)
+                    va = _bitonic_desc(tl.maximum(va, tl.sort(vb, descending=False)), CH,
+                                       LOG_CH)
+                tl.store(rp + cols, va)
     tl.debug_barrier()  # the merged rows are visible before the next appends or the decode
     full = need & t_mask & (cnt >= TOPK)
     last = tl.load(rows + (TOPK - 1), mask=full, other=-9187343243497619456)
     thr = tl.where(full, last, thr)
-    cnt = tl.where(need, tl.minimum(cnt, TOPK), cnt)
+    cnt = tl.where(need, tl.minimum(cnt, CH), cnt)
     return cnt, thr
 
 
 @triton.jit
 def _make_room(ws_ptr, rows, pid, T, TOPK, done, cnt, thr, merges, dirty, t_mask,
                BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CH: tl.constexpr,
-               RANK_MERGE: tl.constexpr):
+               LOG_CH: tl.constexpr, RANK_MERGE: tl.constexpr):
     """Start of a run of key tiles: merge the rows a full tile of keys could overflow (cnt >
     W - BLOCK_S); ``done`` ([BLOCK_T] mask, all set once the stream has ended): merge instead
     the rows with keys appended since their last merge (the final merge: one merge site, one
@@ -239,8 +260,8 @@ def _make_room(ws_ptr, rows, pid, T, TOPK, done, cnt, thr, merges, dirty, t_mask
     W: tl.constexpr = 2 * CH
     need = t_mask & ((done & dirty) | (~done & (cnt > W - BLOCK_S)))
     if tl.max(need.to(tl.int32), axis=0) > 0:
-        cnt, thr = _merge(ws_ptr, rows, pid, T, TOPK, cnt, thr, need, t_mask,
-                          BLOCK_T, CH, RANK_MERGE)
+        cnt, thr = _merge(ws_ptr, rows, pid, T, TOPK, cnt, thr, merges, need, t_mask,
+                          BLOCK_T, CH, LOG_CH, RANK_MERGE)
         merges += need.to(tl.int32)
         dirty = dirty & ~need
     m = tl.min(tl.where(t_mask, (W - cnt) // BLOCK_S, W // BLOCK_S), axis=0)
@@ -279,8 +300,9 @@ def indexer_topk_kernel(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc
                         sqt, sqh, sqd, sks, skd, swt, swh, sot, sok, N_TILES, NUM_PROGRAMS,
                         BLOCK_T: tl.constexpr, HP: tl.constexpr, BLOCK_S: tl.constexpr,
                         BLOCK_D: tl.constexpr, ONE_D: tl.constexpr, CH: tl.constexpr,
-                        RANK_MERGE: tl.constexpr, COUNT_MERGES: tl.constexpr,
-                        DOT_FP32: tl.constexpr, PERSISTENT: tl.constexpr):
+                        LOG_CH: tl.constexpr, RANK_MERGE: tl.constexpr,
+                        COUNT_MERGES: tl.constexpr, DOT_FP32: tl.constexpr,
+                        PERSISTENT: tl.constexpr):
     """One tile per block of BLOCK_T queries, streaming over the union of their key ranges in
     BLOCK_S key tiles; each tile's scores go straight into the threshold-filtered running
     selection (module docstring), only a [BLOCK_T, BLOCK_S] score tile is ever live. With
@@ -292,13 +314,13 @@ def indexer_topk_kernel(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc
         for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
             _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr,
                        T, S, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh, sot, sok,
-                       N_TILES - 1 - tile, BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D, CH,
+                       N_TILES - 1 - tile, BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D, CH, LOG_CH,
                        RANK_MERGE, COUNT_MERGES, DOT_FP32)
     else:
         _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr,
                    T, S, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh, sot, sok,
                    N_TILES - 1 - tl.program_id(0), BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D, CH,
-                   RANK_MERGE, COUNT_MERGES, DOT_FP32)
+                   LOG_CH, RANK_MERGE, COUNT_MERGES, DOT_FP32)
 
 
 @triton.jit
@@ -306,7 +328,8 @@ def _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr,
                T, S, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh, sot, sok, pid,
                BLOCK_T: tl.constexpr, HP: tl.constexpr, BLOCK_S: tl.constexpr,
                BLOCK_D: tl.constexpr, ONE_D: tl.constexpr, CH: tl.constexpr,
-               RANK_MERGE: tl.constexpr, COUNT_MERGES: tl.constexpr, DOT_FP32: tl.constexpr):
+               LOG_CH: tl.constexpr, RANK_MERGE: tl.constexpr, COUNT_MERGES: tl.constexpr,
+               DOT_FP32: tl.constexpr):
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < T
     t64 = t.to(tl.int64)
@@ -333,7 +356,7 @@ def _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr,
         done = (tl.zeros_like(cnt) + s0) >= hi
         cnt, thr, merges, dirty, m = _make_room(ws_ptr, rows, pid, T, TOPK, done, cnt, thr,
                                                 merges, dirty, t_mask, BLOCK_T, BLOCK_S, CH,
-                                                RANK_MERGE)
+                                                LOG_CH, RANK_MERGE)
         s1 = tl.minimum(hi, s0 + m * BLOCK_S)
         for j0 in range(s0, s1, BLOCK_S):
             s = j0 + sb
@@ -363,8 +386,9 @@ def paged_indexer_topk_kernel(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_p
                               N_TILES, NUM_PROGRAMS,
                               BLOCK_T: tl.constexpr, HP: tl.constexpr, BLOCK_S: tl.constexpr,
                               BLOCK_D: tl.constexpr, ONE_D: tl.constexpr, CH: tl.constexpr,
-                              RANK_MERGE: tl.constexpr, COUNT_MERGES: tl.constexpr,
-                              DOT_FP32: tl.constexpr, PERSISTENT: tl.constexpr):
+                              LOG_CH: tl.constexpr, RANK_MERGE: tl.constexpr,
+                              COUNT_MERGES: tl.constexpr, DOT_FP32: tl.constexpr,
+                              PERSISTENT: tl.constexpr):
     """indexer_topk_kernel through a block table: query t sees logical keys 0 .. kl[t] - 1 of
     sequence seq[t], key j at pool row bt[seq[t], j // PS] * PS + j % PS. One tile per block
     of BLOCK_T queries, last block first (a prefill chunk's last queries see the most keys);
@@ -374,12 +398,13 @@ def paged_indexer_topk_kernel(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_p
             _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr,
                              mc_ptr, T, PS, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh,
                              sbb, sbp, sot, sok, N_TILES - 1 - tile, BLOCK_T, HP, BLOCK_S,
-                             BLOCK_D, ONE_D, CH, RANK_MERGE, COUNT_MERGES, DOT_FP32)
+                             BLOCK_D, ONE_D, CH, LOG_CH, RANK_MERGE, COUNT_MERGES, DOT_FP32)
     else:
         _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr,
                          mc_ptr, T, PS, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh,
                          sbb, sbp, sot, sok, N_TILES - 1 - tl.program_id(0), BLOCK_T, HP,
-                         BLOCK_S, BLOCK_D, ONE_D, CH, RANK_MERGE, COUNT_MERGES, DOT_FP32)
+                         BLOCK_S, BLOCK_D, ONE_D, CH, LOG_CH, RANK_MERGE, COUNT_MERGES,
+                         DOT_FP32)
 
 
 @triton.jit
@@ -387,8 +412,8 @@ def _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_p
                      T, PS, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh, sbb, sbp, sot, sok,
                      pid, BLOCK_T: tl.constexpr, HP: tl.constexpr, BLOCK_S: tl.constexpr,
                      BLOCK_D: tl.constexpr, ONE_D: tl.constexpr, CH: tl.constexpr,
-                     RANK_MERGE: tl.constexpr, COUNT_MERGES: tl.constexpr,
-                     DOT_FP32: tl.constexpr):
+                     LOG_CH: tl.constexpr, RANK_MERGE: tl.constexpr,
+                     COUNT_MERGES: tl.constexpr, DOT_FP32: tl.constexpr):
     """The block's queries may belong to several sequences (a decode batch: one each). A
     [BLOCK_S] tile of keys is one sequence's, so the block makes one pass per distinct sequence
     among its queries (smallest id first), streaming that sequence's keys through its table row
@@ -424,7 +449,7 @@ def _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_p
             done = (tl.zeros_like(cnt) + s0) >= hi
             cnt, thr, merges, dirty, m = _make_room(ws_ptr, rows, pid, T, TOPK, done, cnt,
                                                     thr, merges, dirty, t_mask, BLOCK_T,
-                                                    BLOCK_S, CH, RANK_MERGE)
+                                                    BLOCK_S, CH, LOG_CH, RANK_MERGE)
             s1 = tl.minimum(hi, s0 + m * BLOCK_S)
             for j0 in range(s0, s1, BLOCK_S):
                 s = j0 + sb

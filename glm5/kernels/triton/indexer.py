@@ -52,8 +52,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                           "num_warps": 8, "num_stages": 2, "S_TILES": 8, "PROGRAMS": 2048},
     # MERGE: "sort" (bitonic tl.sort per query row), "rank" (rank-by-comparison of a block
     # of rows, O((2*CH)^2): fast under the interpreter), "auto" = rank interpreted, else sort.
-    # MAX_TOPK bounds the in-register bitonic sort (2*next_pow2(topk) int64 keys per query);
-    # WS_BYTES bounds the workspace (queries are launched in groups that fit).
+    # MAX_TOPK bounds the in-register bitonic sorts (CH = max(next_pow2(topk), 2*BLOCK_S)
+    # int64 keys per query, a 2*CH workspace row); WS_BYTES bounds the workspace (queries are
+    # launched in groups that fit).
     "indexer_topk": {"BLOCK_M": 256, "MAX_BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128,
                      "num_warps": 8, "num_stages": 2, "MERGE": "auto", "MAX_TOPK": 4096,
                      "WS_BYTES": 1 << 28},
@@ -159,7 +160,8 @@ def make_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
                 qs, k, ws_, k_start[t0:t1], k_end[t0:t1], ws, o, mc, n, S, Hi, Di, topk,
                 qs.stride(0), qs.stride(1), qs.stride(2), k.stride(0), k.stride(1),
                 ws_.stride(0), ws_.stride(1), o.stride(0), o.stride(1),
-                CH=ch, RANK_MERGE=rank, COUNT_MERGES=merge_counts is not None,
+                CH=ch, LOG_CH=ch.bit_length() - 1, RANK_MERGE=rank,
+                COUNT_MERGES=merge_counts is not None,
                 DOT_FP32=dot_fp32(q.dtype, k.dtype), **c, **launch_opts(p))
         return out
 
@@ -171,7 +173,9 @@ def _merge_plan(p: dict[str, Any], topk: int, Hi: int, Di: int,
     """(tiles, CH, rows per launch, rank merge) of a top-k launch."""
     c = _tiles(p, Hi, Di)
     bt = c["BLOCK_T"]
-    ch = max(next_pow2(topk), c["BLOCK_S"], 16)
+    # CH >= 2 * BLOCK_S: after a merge keeps CH keys, a row's buffer still takes CH - BLOCK_S
+    # >= CH / 2 appended keys before the next merge
+    ch = max(next_pow2(topk), 2 * c["BLOCK_S"], 16)
     # group queries so the workspace (8 bytes x 2*CH per query) stays within WS_BYTES
     per = max(bt, (int(p.get("WS_BYTES", 1 << 28)) // (16 * ch)) // bt * bt)
     merge = str(p.get("MERGE", "auto"))
@@ -213,7 +217,8 @@ def make_paged_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
                 int(page_size), Hi, Di, topk, qs.stride(0), qs.stride(1), qs.stride(2),
                 k.stride(0), k.stride(1), ws_.stride(0), ws_.stride(1), block_table.stride(0),
                 block_table.stride(1), o.stride(0), o.stride(1),
-                CH=ch, RANK_MERGE=rank, COUNT_MERGES=merge_counts is not None,
+                CH=ch, LOG_CH=ch.bit_length() - 1, RANK_MERGE=rank,
+                COUNT_MERGES=merge_counts is not None,
                 DOT_FP32=dot_fp32(q.dtype, k.dtype), **c, **launch_opts(p))
         return out
 
