@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Compute-bound scenarios whose kernels do not reach wgmma yet (issue 16). Strict: a scenario
 # that starts passing fails here until it is taken off the list.
-NOT_WGMMA_YET = {"lightning_indexer", "indexer_topk"}
+NOT_WGMMA_YET: set[str] = set()
 
 
 def _env() -> dict[str, str]:

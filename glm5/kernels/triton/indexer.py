@@ -1,17 +1,23 @@
 """Triton Lightning Indexer: `lightning_indexer` (scores) and `indexer_topk` (fused selection).
 
-lightning_indexer: one program per [BLOCK_T queries x BLOCK_S keys] tile; per head a tl.dot over
-Di (fp32 accumulation), ReLU, times w[t,h], summed over heads; -inf outside [k_start, k_end).
-Tiles outside every query's range skip the dots.
+Scores (all three ops): the rows of one tensor-core dot are (query, head) pairs, as DeepGEMM's
+mqa_logits lays them out: a block of BLOCK_T queries x HP = next_pow2(Hi) heads (padded rows
+masked) times a [Di, BLOCK_S] key tile, then ReLU, times w[t, h] per row, summed over the heads
+of each query. At GLM-5's Hi = 32 the dot is [256, 128] x [128, 64] (BLOCK_M = 256): a
+warpgroup MMA (wgmma) on Hopper, where a [16, Di] dot per head lowered to mma.sync; the query
+tile is loaded once per program and stays in shared memory.
 
-indexer_topk (served whole): one program per block of BLOCK_T queries streams over the union
-of their key ranges in chunks of CH = max(next_pow2(topk), BLOCK_S, 16) columns, computing
-[BLOCK_T, BLOCK_S] score tiles with tl.dot and keeping a running top-CH per query in a global
-workspace row [T, 2*CH] of int64 order keys (score desc, index asc packed in one int64, see
-_indexer_kernels). After each chunk a bitonic tl.sort of the row keeps the best CH; at the end
-the first topk keys decode to int32 indices, -1 for empty slots. Everything on the device is
-Triton; the host only allocates the workspace and splits very large T into launches so the
-workspace stays bounded. No [T, S] score matrix is ever formed.
+lightning_indexer: one program per [BLOCK_T queries x SPAN keys] (SPAN a run of BLOCK_S tiles);
+key tiles outside every query's range are written -inf without a dot.
+
+indexer_topk (served whole): one program per block of BLOCK_T queries streams over the union of
+their key ranges in BLOCK_S tiles and keeps a threshold-filtered running top-k per query (see
+_indexer_kernels): only keys above the query's current TOPK-th best order key are appended to
+its workspace row of 2*CH int64 keys (CH = next_pow2(topk)); a row is merged (bitonic tl.sort,
+best TOPK kept, threshold raised) only when a key tile could overflow it, and once at the end.
+Runs of key tiles between merges contain no merge, so their loads pipeline. The first topk keys
+decode to int32 indices, -1 for empty slots. No [T, S] score matrix is ever formed; the host
+only allocates the workspace and splits very large T into launches so it stays bounded.
 
 paged_indexer_topk (served whole): indexer_topk's streaming top-k with the key rows read through
 the block table (the pool row of logical key j of sequence b is computed per key tile from
@@ -19,6 +25,10 @@ block_table[b, j // page_size]). A block of queries makes one pass per distinct 
 them, so prefill chunks (one sequence) stream once and a decode batch (one query per sequence)
 needs no host-side regrouping; order keys hold the logical position (ties to the smaller one)
 and the final decode maps them to pool rows. No host sync: the table is read on the device.
+
+Both top-k launchers take an optional keyword ``merge_counts`` (an int32 [T] tensor, for tests
+and diagnostics; the op's dispatcher never passes it) that receives each query's number of
+merges.
 """
 
 from __future__ import annotations
@@ -31,17 +41,28 @@ from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, dot_fp32, in
                                         launch, launch_opts, next_pow2)
 
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "lightning_indexer": {"BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128, "num_warps": 4,
-                          "num_stages": 2},
+    # BLOCK_M: rows of the score dot = (query, head) pairs; a block holds BLOCK_T = BLOCK_M //
+    # next_pow2(Hi) queries (8 for GLM-5's 32 heads: M = 256, one query's heads per warp at 8
+    # warps, so the head sum stays in the warp), at most MAX_BLOCK_T, unless the entry sets
+    # BLOCK_T itself. A lightning_indexer program computes SPAN = BLOCK_S * min(S_TILES,
+    # tiles / PROGRAMS) keys of its query block (the query tile read once), at least one tile:
+    # long rows reuse the query tile over S_TILES key tiles, short ones still spread over
+    # about PROGRAMS programs.
+    "lightning_indexer": {"BLOCK_M": 256, "MAX_BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128,
+                          "num_warps": 8, "num_stages": 2, "S_TILES": 8, "PROGRAMS": 2048},
     # MERGE: "sort" (bitonic tl.sort per query row), "rank" (rank-by-comparison of a block
     # of rows, O((2*CH)^2): fast under the interpreter), "auto" = rank interpreted, else sort.
-    # MAX_TOPK bounds the in-register bitonic sort (2*next_pow2(topk) int64 keys per query);
-    # WS_BYTES bounds the workspace (queries are launched in groups that fit).
-    "indexer_topk": {"BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128, "num_warps": 8,
-                     "num_stages": 1, "MERGE": "auto", "MAX_TOPK": 4096, "WS_BYTES": 1 << 28},
-    # as indexer_topk (same merge and workspace rules); keys are read through the block table
-    "paged_indexer_topk": {"BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128, "num_warps": 8,
-                           "num_stages": 1, "MERGE": "auto", "MAX_TOPK": 4096,
+    # MAX_TOPK bounds the in-register bitonic sorts (CH = max(next_pow2(topk), 2*BLOCK_S)
+    # int64 keys per query, a 2*CH workspace row); WS_BYTES bounds the workspace (queries are
+    # launched in groups that fit).
+    "indexer_topk": {"BLOCK_M": 256, "MAX_BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128,
+                     "num_warps": 8, "num_stages": 2, "MERGE": "auto", "MAX_TOPK": 4096,
+                     "WS_BYTES": 1 << 28},
+    # as indexer_topk (same merge and workspace rules); keys are read through the block table.
+    # M = 128: the page gather's extra state spills at 256 rows, and decode blocks hold one
+    # query per sequence anyway.
+    "paged_indexer_topk": {"BLOCK_M": 128, "MAX_BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128,
+                           "num_warps": 8, "num_stages": 2, "MERGE": "auto", "MAX_TOPK": 4096,
                            "WS_BYTES": 1 << 28},
 }
 
@@ -52,11 +73,20 @@ def _k():
     return _indexer_kernels
 
 
-def _tiles(p: dict[str, Any], Di: int) -> tuple[int, int, int]:
-    bt = max(16, next_pow2(int(p.get("BLOCK_T", 16))))
+def _tiles(p: dict[str, Any], Hi: int, Di: int) -> dict[str, Any]:
+    """The constexpr tiles of a launch: BLOCK_T queries x HP padded heads (the dot's M, at
+    least 16), BLOCK_S keys, BLOCK_D dims, and ONE_D (Di fits one BLOCK_D: the query tile is
+    loaded once per program)."""
+    hp = next_pow2(Hi)
+    if "BLOCK_T" in p:
+        bt = next_pow2(int(p["BLOCK_T"]))
+    else:
+        bt = max(1, next_pow2(int(p.get("BLOCK_M", 128))) // hp)
+        bt = min(bt, next_pow2(int(p.get("MAX_BLOCK_T", 16))))
+    bt = max(bt, next_pow2(cdiv(16, hp)))  # tl.dot needs M >= 16
     bs = max(16, next_pow2(int(p.get("BLOCK_S", 64))))
     bd = max(16, min(next_pow2(int(p.get("BLOCK_D", 128))), next_pow2(Di)))
-    return bt, bs, bd
+    return {"BLOCK_T": bt, "HP": hp, "BLOCK_S": bs, "BLOCK_D": bd, "ONE_D": Di <= bd}
 
 
 def make_lightning_indexer(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
@@ -68,15 +98,16 @@ def make_lightning_indexer(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         out = torch.empty((T, S), dtype=torch.float32, device=q.device)
         if T == 0 or S == 0:
             return out
-        bt, bs, bd = _tiles(p, Di)
-        grid = (cdiv(T, bt), cdiv(S, bs))
+        c = _tiles(p, Hi, Di)
+        n_t, n_s = cdiv(T, c["BLOCK_T"]), cdiv(S, c["BLOCK_S"])
+        per = max(1, min(int(p.get("S_TILES", 8)), (n_t * n_s) // int(p.get("PROGRAMS", 2048))))
+        span = per * c["BLOCK_S"]
         launch(
-            _k().lightning_indexer_kernel, grid, p, "lightning_indexer",
+            _k().lightning_indexer_kernel, (n_t, cdiv(S, span)), p, "lightning_indexer",
             q, k, w, k_start, k_end, out, T, S, Hi, Di,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-            w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-            BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd, DOT_FP32=dot_fp32(q.dtype, k.dtype),
-            **launch_opts(p))
+            w.stride(0), w.stride(1), out.stride(0), out.stride(1), span,
+            DOT_FP32=dot_fp32(q.dtype, k.dtype), **c, **launch_opts(p))
         return out
 
     return lightning_indexer
@@ -85,43 +116,66 @@ def make_lightning_indexer(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
 MAX_TENSOR_NUMEL = 1 << 20  # triton.language.TRITON_MAX_TENSOR_NUMEL
 
 
+def _check_counts(op: str, merge_counts: torch.Tensor | None, T: int,
+                  device: torch.device) -> None:
+    if merge_counts is None:
+        return
+    if (merge_counts.dtype != torch.int32 or tuple(merge_counts.shape) != (T,)
+            or not merge_counts.is_contiguous() or merge_counts.device != device):
+        raise ValueError(f"glm5 triton {op}: argument 'merge_counts' expected a contiguous "
+                         f"int32 tensor of shape ({T},) on {device}, got "
+                         f"{merge_counts.dtype} {tuple(merge_counts.shape)} on "
+                         f"{merge_counts.device}")
+
+
 def make_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
-    def indexer_topk(q, k, w, k_start, k_end, topk):
-        check_device("indexer_topk", q=q, k=k, w=w, k_start=k_start, k_end=k_end)
+    def indexer_topk(q, k, w, k_start, k_end, topk, *,
+                     merge_counts: torch.Tensor | None = None):
+        """The op; ``merge_counts`` (tests, diagnostics: an int32 [T] tensor) receives each
+        query's number of selection merges (overflow merges plus the final one)."""
+        check_device("indexer_topk", q=q, k=k, w=w, k_start=k_start, k_end=k_end,
+                     merge_counts=merge_counts)
         k_start, k_end = k_start.contiguous(), k_end.contiguous()
         T, Hi, Di = q.shape
         S = k.shape[0]
         topk = int(topk)
+        _check_counts("indexer_topk", merge_counts, T, q.device)
         out = torch.empty((T, topk), dtype=torch.int32, device=q.device)
         if T == 0:
             return out
         if S == 0:
+            if merge_counts is not None:
+                merge_counts.zero_()
             return out.fill_(-1)
-        bt, bs, bd, ch, rows, rank = _merge_plan(p, topk, Di, T)
+        c, ch, rows, rank = _merge_plan(p, topk, Hi, Di, T)
         ws = torch.empty((rows, 2 * ch), dtype=torch.int64, device=q.device)
         kern = _k().indexer_topk_kernel
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             n = t1 - t0
             qs, ws_, o = q[t0:t1], w[t0:t1], out[t0:t1]
+            mc = ws if merge_counts is None else merge_counts[t0:t1]
             launch(
-                kern, (cdiv(n, bt),), p, "indexer_topk",
-                qs, k, ws_, k_start[t0:t1], k_end[t0:t1], ws, o, n, S, Hi, Di, topk,
+                kern, (cdiv(n, c["BLOCK_T"]),), p, "indexer_topk",
+                qs, k, ws_, k_start[t0:t1], k_end[t0:t1], ws, o, mc, n, S, Hi, Di, topk,
                 qs.stride(0), qs.stride(1), qs.stride(2), k.stride(0), k.stride(1),
                 ws_.stride(0), ws_.stride(1), o.stride(0), o.stride(1),
-                BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd, CH=ch, RANK_MERGE=rank,
-                DOT_FP32=dot_fp32(q.dtype, k.dtype),
-                **launch_opts(p))
+                CH=ch, LOG_CH=ch.bit_length() - 1, RANK_MERGE=rank,
+                COUNT_MERGES=merge_counts is not None,
+                DOT_FP32=dot_fp32(q.dtype, k.dtype), **c, **launch_opts(p))
         return out
 
     return indexer_topk
 
 
-def _merge_plan(p: dict[str, Any], topk: int, Di: int, T: int) -> tuple[int, int, int, int,
-                                                                        int, bool]:
-    """(BLOCK_T, BLOCK_S, BLOCK_D, CH, rows per launch, rank merge) of a top-k launch."""
-    bt, bs, bd = _tiles(p, Di)
-    ch = max(next_pow2(topk), bs, 16)
+def _merge_plan(p: dict[str, Any], topk: int, Hi: int, Di: int,
+                T: int) -> tuple[dict[str, Any], int, int, bool]:
+    """(tiles, CH, rows per launch, rank merge) of a top-k launch."""
+    c = _tiles(p, Hi, Di)
+    bt = c["BLOCK_T"]
+    # CH >= 2 * BLOCK_S: after a merge keeps CH keys, a row's buffer still takes CH - BLOCK_S
+    # >= CH / 2 appended keys before the next merge
+    ch = max(next_pow2(topk), 2 * c["BLOCK_S"], 16)
     # group queries so the workspace (8 bytes x 2*CH per query) stays within WS_BYTES
     per = max(bt, (int(p.get("WS_BYTES", 1 << 28)) // (16 * ch)) // bt * bt)
     merge = str(p.get("MERGE", "auto"))
@@ -129,36 +183,43 @@ def _merge_plan(p: dict[str, Any], topk: int, Di: int, T: int) -> tuple[int, int
     # Triton's largest tensor (the bitonic sort takes over beyond, e.g. topk = 2048).
     fits = bt * (2 * ch) ** 2 <= MAX_TENSOR_NUMEL
     rank = fits and (merge == "rank" or (merge == "auto" and interpreted()))
-    return bt, bs, bd, ch, min(T, per), rank
+    return c, ch, min(T, per), rank
 
 
 def make_paged_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
-    def paged_indexer_topk(q, k, w, block_table, seq, k_len, page_size, topk):
+    def paged_indexer_topk(q, k, w, block_table, seq, k_len, page_size, topk, *,
+                           merge_counts: torch.Tensor | None = None):
+        """The op; ``merge_counts`` as for indexer_topk."""
         check_device("paged_indexer_topk", q=q, k=k, w=w, block_table=block_table, seq=seq,
-                     k_len=k_len)
+                     k_len=k_len, merge_counts=merge_counts)
         seq, k_len = seq.contiguous(), k_len.contiguous()
         T, Hi, Di = q.shape
         topk = int(topk)
+        _check_counts("paged_indexer_topk", merge_counts, T, q.device)
         out = torch.empty((T, topk), dtype=torch.int32, device=q.device)
         if T == 0:
             return out
         if k.shape[0] == 0 or block_table.shape[1] == 0:  # no page: no query sees a key
+            if merge_counts is not None:
+                merge_counts.zero_()
             return out.fill_(-1)
-        bt, bs, bd, ch, rows, rank = _merge_plan(p, topk, Di, T)
+        c, ch, rows, rank = _merge_plan(p, topk, Hi, Di, T)
         ws = torch.empty((rows, 2 * ch), dtype=torch.int64, device=q.device)
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             n = t1 - t0
             qs, ws_, o = q[t0:t1], w[t0:t1], out[t0:t1]
+            mc = ws if merge_counts is None else merge_counts[t0:t1]
             launch(
-                _k().paged_indexer_topk_kernel, (cdiv(n, bt),), p, "paged_indexer_topk",
-                qs, k, ws_, block_table, seq[t0:t1], k_len[t0:t1], ws, o, n, int(page_size),
-                Hi, Di, topk, qs.stride(0), qs.stride(1), qs.stride(2), k.stride(0),
-                k.stride(1), ws_.stride(0), ws_.stride(1), block_table.stride(0),
+                _k().paged_indexer_topk_kernel, (cdiv(n, c["BLOCK_T"]),), p,
+                "paged_indexer_topk",
+                qs, k, ws_, block_table, seq[t0:t1], k_len[t0:t1], ws, o, mc, n,
+                int(page_size), Hi, Di, topk, qs.stride(0), qs.stride(1), qs.stride(2),
+                k.stride(0), k.stride(1), ws_.stride(0), ws_.stride(1), block_table.stride(0),
                 block_table.stride(1), o.stride(0), o.stride(1),
-                BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd, CH=ch, RANK_MERGE=rank,
-                DOT_FP32=dot_fp32(q.dtype, k.dtype),
-                **launch_opts(p))
+                CH=ch, LOG_CH=ch.bit_length() - 1, RANK_MERGE=rank,
+                COUNT_MERGES=merge_counts is not None,
+                DOT_FP32=dot_fp32(q.dtype, k.dtype), **c, **launch_opts(p))
         return out
 
     return paged_indexer_topk

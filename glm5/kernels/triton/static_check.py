@@ -219,6 +219,13 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
         ks, ke = _ranges(64, 4096)
         ops["indexer_topk"](_bf(64, HI, DI), _bf(4096, DI), torch.zeros(64, HI), ks, ke, TOPK)
 
+    def paged_topk(ops):  # a prefill chunk of one sequence through 64-row pages
+        T, S, ps = 64, 4096, 64
+        ops["paged_indexer_topk"](_bf(T, HI, DI), _bf(S, DI), torch.zeros(T, HI),
+                                  torch.arange(S // ps, dtype=torch.int32)[None],
+                                  torch.zeros(T, dtype=torch.int32),
+                                  torch.arange(S - T + 1, S + 1, dtype=torch.int32), ps, TOPK)
+
     def sparse_prefill(ops):
         k = _bf(4096, 1, DQK)
         ops["sparse_attention"](_bf(64, H, DQK), k, k[..., :DV],
@@ -271,6 +278,7 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
         return run
 
     out = {"lightning_indexer": (True, lightning), "indexer_topk": (True, topk),
+           "paged_indexer_topk": (True, paged_topk),
            "sparse_attention prefill": (True, sparse_prefill),
            "sparse_attention decode": (False, sparse_decode),
            "attention MHA 256": (True, attention_mha(256)),
