@@ -9,9 +9,10 @@ pairs, as DeepGEMM's mqa_logits lays them out: row r = t * HP + h of a block of 
 with the Hi heads padded to HP = next_pow2(Hi) (padded rows are masked: q = 0, w = 0). One
 [BLOCK_T*HP, Di] x [Di, BLOCK_S] dot per key tile (M = 256 for GLM-5's Hi = 32 at BLOCK_T = 8:
 warpgroup-sized wgmma, where a [BLOCK_T, Di] dot per head was 16 rows of mma.sync), then ReLU,
-times w[t, h] per row, and the [BLOCK_T, HP, BLOCK_S] view summed over heads (with 8 warps each
-warp's 32 accumulator rows are one query's heads, so the sum needs no shared memory). The query
-tile is loaded once per program when Di fits one BLOCK_D (ONE_D) and reused for every key tile.
+times w[t, h] per row, and the [BLOCK_T, HP, BLOCK_S] view summed over heads (at 8 warps a
+query's 32 accumulator rows lie in two warps, 16 each: register adds, lane shuffles and one
+two-warp exchange). The query tile is loaded once per program when Di fits one BLOCK_D (ONE_D)
+and reused for every key tile.
 
 Order keys: a score s (fp32) at key index j becomes one int64 whose signed order is (s desc,
 j asc): the high 32 bits are the float's bits made order-preserving as a signed int32 (-0.0 is
