@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -502,8 +503,18 @@ def _explicit_and_adopted(directory: str) -> dict:
                               init_method=f"file://{directory}/explicit", timeout_s=20)
     out = {"explicit": (ctx.rank, ctx.world_size, ctx.backend, ctx.timeout_s),
            "sum1": gd.all_reduce(torch.tensor([rank + 1.0]), ctx.world).item()}
+    lay = ctx.new_groups(tp=2)
+    pg = weakref.ref(ctx.world.pg)
     gd.destroy()
     out["destroyed"] = not dist.is_initialized()
+    # destroy lets go of the group at once (one kept until interpreter exit can abort a clean
+    # run), and a collective on the destroyed context still raises instead of being the identity
+    out["released"] = (pg() is None, lay.tp.pg is None, ctx.distributed)
+    try:
+        gd.all_reduce(torch.ones(1), lay.tp)
+        out["after"] = "no error"
+    except RuntimeError as e:
+        out["after"] = str(e)
     dist.init_process_group("gloo", init_method=f"file://{directory}/own", rank=rank,
                             world_size=2)
     ctx = gd.init_distributed(timeout_s=20)
@@ -522,4 +533,6 @@ def test_explicit_init_and_an_adopted_process_group(tmp_path):
                                    init=False))
     for r, o in enumerate(outs):
         assert o == {"explicit": (r, 2, "gloo", 20.0), "sum1": 3.0, "destroyed": True,
+                     "released": (True, True, False),
+                     "after": "glm5.dist.DistContext.all_reduce: the context was destroyed",
                      "adopted": (r, 2, "gloo"), "sum2": 3.0, "kept": True}

@@ -124,10 +124,12 @@ def collective_impl(name: str, device_type: str) -> tuple[str, Callable[..., tor
 def _trivial(group: Any, where: str) -> Group | None:
     """The Group to communicate over, or None when the call is the identity."""
     g = as_group(group, where)
-    if g is None or g.size == 1 or g.pg is None:
+    if g is None or g.size == 1:
         return None
-    if g.ctx is not None:
+    if g.ctx is not None:  # before the pg test: a destroyed context has released its groups
         g.ctx._check_alive(where.rsplit(".", 1)[-1])
+    if g.pg is None:
+        return None
     return g
 
 

@@ -278,6 +278,13 @@ class DistContext:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+        # Drop every reference to the process groups now: a gloo group that outlives this call
+        # is freed at interpreter exit, where its worker threads can abort the process
+        # ("terminate called without an active exception") after a clean run.
+        for lay in self._layouts.values():
+            for g in (lay.tp, lay.ep, lay.dp):
+                g.pg = None
+        self.world.pg = None
         self._groups.clear()
         self._layouts.clear()
         if _current is self:
