@@ -51,9 +51,50 @@ REV = 2
 VL = 16  # lanes (AVX-512: 16 fp32 / int32)
 MB = 4  # activation rows per weight-vector unpack (fewer rows than MB: a 1-row build)
 DTYPES = (torch.float32, torch.bfloat16)
-# Rows up to which the TVM GEMV is used; above, `gemm_torch` (the crossover of w8a16 and w8a8
-# lies between 256 and 512 rows at K=N=4096; grouped schemes keep TVM: docs/performance.md).
-ROWS_TVM = {"w8a16": 384, "w8a8": 384, "w4a8": 2**31, "w6a12": 2**31}
+# The path per CPU tier (`cpu_tier`), scheme and row count M: the first (max rows, path) entry
+# with M <= max rows (None: any) wins. Paths: "vnni" the VNNI GEMV (`quant_vnni`, MB = 1 row
+# at M = 1, else 4-row blocks), "amx" the AMX tile GEMM (`quant_amx`), "tvm" the portable GEMV
+# of this module, "torch:gemm" `gemm_torch`. Crossovers measured side by side with
+# bench/cpu_quant_linear.py at K = N = 4096 (docs/performance.md, "CPU quantized linears");
+# "portable" is what any other host runs (the measurements of the AVX2 host before).
+PATHS: dict[str, dict[str, tuple[tuple[int | None, str], ...]]] = {
+    "amx": {"w8a16": ((4, "vnni"), (None, "amx")),
+            "w8a8": ((2, "vnni"), (None, "amx")),
+            "w4a8": ((2, "vnni"), (None, "amx")),
+            "w6a12": ((4, "vnni"), (None, "amx"))},
+    "vnni": {"w8a16": ((384, "vnni"), (None, "torch:gemm")),
+             "w8a8": ((384, "vnni"), (None, "torch:gemm")),
+             "w4a8": ((None, "vnni"),),
+             "w6a12": ((None, "vnni"),)},
+    "portable": {"w8a16": ((384, "tvm"), (None, "torch:gemm")),
+                 "w8a8": ((384, "tvm"), (None, "torch:gemm")),
+                 "w4a8": ((None, "tvm"),),
+                 "w6a12": ((None, "tvm"),)},
+}
+LABELS = {"tvm": "tvm", "vnni": "tvm:vnni", "amx": "tvm:amx", "torch:gemm": "torch:gemm"}
+_tier: list[str] = []
+
+
+def cpu_tier() -> str:
+    """The CPU's tier for `PATHS`, from its features read at run time (once): "amx" (AMX-INT8
+    and AMX-BF16 usable, and AVX-512 VNNI), "vnni" (AVX-512 VNNI, BW, VBMI), else
+    "portable"."""
+    if not _tier:
+        from glm5.kernels.tvm.quant_amx import amx_available
+        from glm5.kernels.tvm.quant_vnni import vnni_available
+
+        vnni = vnni_available()[0]
+        _tier.append("amx" if vnni and amx_available()[0] else "vnni" if vnni else "portable")
+    return _tier[0]
+
+
+def path(scheme: str, M: int, tier: str | None = None) -> str:
+    """The path `quant_linear` takes for ``M`` rows of ``scheme`` on ``tier`` (default: this
+    CPU's), from `PATHS`."""
+    for rows, p in PATHS[tier or cpu_tier()][scheme]:
+        if rows is None or M <= rows:
+            return p
+    raise AssertionError(f"glm5 quant_linear: PATHS[{tier!r}][{scheme!r}] has no catch-all")
 
 # (bytes per unit, values per unit) of each weight width
 _UNIT = {8: (1, 1), 4: (1, 2), 6: (3, 4)}
@@ -267,6 +308,22 @@ def gemm_torch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     return sx[:, None] * (isum.to(f32) * w_scale.to(f32)[None])
 
 
+def _run(p: str, context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
+         w_scale: torch.Tensor, scheme: str) -> torch.Tensor:
+    """Path ``p`` of `PATHS` on a non-empty product: fp32 ``[M, N]`` without bias."""
+    if p == "vnni":
+        from glm5.kernels.tvm.quant_vnni import gemv_vnni
+
+        return gemv_vnni(context, x, w_packed, w_scale, scheme, 1 if x.shape[0] == 1 else MB)
+    if p == "amx":
+        from glm5.kernels.tvm.quant_amx import gemm_amx
+
+        return gemm_amx(context, x, w_packed, w_scale, scheme)
+    if p == "tvm":
+        return gemv(context, x, w_packed, w_scale, scheme)
+    return gemm_torch(x, w_packed, w_scale, scheme)
+
+
 def quant_linear(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
                  w_scale: torch.Tensor, scheme: str, bias: torch.Tensor | None = None
                  ) -> torch.Tensor:
@@ -276,10 +333,8 @@ def quant_linear(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Te
     N = w_packed.shape[0]
     if M == 0 or N == 0 or K == 0:
         y = torch.zeros(M, N, dtype=torch.float32)
-    elif M <= ROWS_TVM[scheme]:
-        y = gemv(context, x, w_packed, w_scale, scheme)
     else:
-        y = gemm_torch(x, w_packed, w_scale, scheme)
+        y = _run(path(scheme, M), context, x, w_packed, w_scale, scheme)
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype)
