@@ -22,14 +22,14 @@ for every scheme at these group sizes; w8a8 is one group of K, K·127² < 2^31 i
 the supports check) and then
 ``y = s_x[m] · Σ_g s_w[n, g] · float(isum_g)`` in fp32.
 
-The kernel is a GEMV with 4-row register blocks: it wins where the op is memory-bound
-(decode, few rows) and up to a few hundred rows. Above ``ROWS_TVM[scheme]`` rows the torch path (`gemm_torch`) runs: w8a16 dequantizes to
-fp32 and calls one sgemm, w8a8 runs exact fp32 sgemms over K-chunks of codes. torch's integer
-CPU kernels (``aten._weight_int8pack_mm``, ``torch._int_mm``) are slower than the TVM GEMV at
-4..64 rows and are not used; the grouped schemes keep the TVM kernel at every
-row count (their torch path pays a full unpack per call). The numbers are in
-docs/performance.md, "quant_linear". Only M, N and K are runtime values: one build per
-(scheme, row block).
+The kernel is a GEMV with 4-row register blocks, written for any LLVM target ("portable").
+Which path serves a call is chosen per CPU tier (`cpu_tier`: AMX, AVX-512 VNNI or neither,
+read from the CPU at run time), scheme and row count from the table `PATHS`: the VNNI GEMV of
+`quant_vnni` (few rows), the AMX tile GEMM of `quant_amx` (more rows), this module's GEMV, or
+`gemm_torch` (w8a16: dequantize to fp32 and one sgemm; w8a8: exact fp32 sgemms over K-chunks
+of codes). The crossovers are measured by bench/cpu_quant_linear.py (--paths) and listed in
+docs/performance.md, "CPU quantized linears". Only M, N and K are runtime values: one build
+per (scheme, row block).
 """
 
 from __future__ import annotations

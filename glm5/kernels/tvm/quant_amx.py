@@ -1,34 +1,37 @@
 """`quant_linear` on AMX tiles (Intel AMX-INT8 / AMX-BF16, detected at run time).
 
 One TensorIR kernel per (weight width, tile op, activation planes) computes
-``Yᵀ = W · Xᵀ`` in 16 x 16 output tiles:
+``Yᵀ = W · Xᵀ`` in 16 x 16 output tiles (``tdpbssd`` int8 x int8 -> int32 for the activation
+schemes, ``tdpbf16ps`` bf16 x bf16 -> fp32 for w8a16):
 
 * the **A** operand is 16 weight rows x one 64-byte chunk of K, unpacked from the canonical
-  packed layout into a per-task scratch (the rows of one n-block, once per call and n-block,
-  then reused by every row block of x): int8 codes for the int8 op (``tdpbssd``), bf16 for
-  w8a16 (``tdpbf16ps``; an int8 code is exact in bf16). Within each chunk the unpacked order
-  of K is the packing's natural one: int4 low nibbles then high nibbles, int6 value j of
-  16 units after value j-1 (a byte shuffle, ``vpermb`` on AVX-512 VBMI); x is permuted the
-  same way on the host, so no weight ever needs a transpose;
-* the **B** operand is x in AMX's pair/quad-interleaved ("VNNI") layout, built on the host:
-  ``xb[P, Mt, NC, 16, 64 bytes]``, 16 rows of x per tile;
-* activation schemes accumulate one group (128 codes, two chunks; w8a8: all of K) in int32
-  tiles — exact: the op's integer group sums — then ``acc += s_w[n, g] · float(isum)`` in
-  fp32 and ``y = s_x[m] · acc``. w6a12's 12-bit codes go in as two int8 planes,
+  packed layout into the task's slot of a per-thread scratch (up to ``SCRATCH`` bytes of rows,
+  once per call, then used by every row block of x): int8 codes, or bf16 for w8a16 (an int8
+  code is exact in bf16). int4 is unpacked as each chunk's low nibbles then its high nibbles
+  (even k, then odd k); int6 in natural order by one byte permute and one multishift per 64
+  codes (`quant_vnni.int6_fields`). x is permuted the same way, so no weight is ever
+  transposed. w8a8 tiles of whole rows and chunks are loaded from the packed weight itself;
+* the **B** operand is x in AMX's quad / pair interleaved layout, ``xb[P, Mt, NC, 16, 64
+  bytes]`` (16 rows of x per tile), made by one TVM pass (`build_prep`): the activation
+  schemes' per-token codes are the reference quantizer's, bit for bit;
+* activation schemes accumulate one scale group (128 codes, two chunks; w8a8: all of K) in
+  int32 tiles — exact: the op's integer group sums — then ``acc += s_w[n, g] · float(isum)``
+  in fp32 (software pipelined: while the tile unit multiplies group g, the vector units scale
+  group g-1) and ``y = s_x[m] · acc``. w6a12's 12-bit codes go in as two int8 planes,
   ``q = 16·(q >> 4) + (q & 15)``, combined exactly in int32 before the scale;
 * w8a16 multiplies exact bf16 products into fp32 tiles: a bf16 x is one plane; an fp32 x is
-  split into three bf16 planes ``x = hi + mid + lo`` (exact), each accumulated in its own
-  tile and added smallest first — an fp32 GEMM's rounding, not bf16's. Rows of x are scaled by
-  a power of two first (undone in ``s_x``: exact) so that AMX's flush of bf16 denormals only
-  touches values 2^-100 below their row's largest.
+  split into three bf16 planes ``x = hi + mid + lo`` (exact), hi accumulated in its own tile
+  and added last — an fp32 GEMM's rounding, not bf16's (three times the tile work of a bf16
+  GEMM). Rows of x are scaled by a power of two first (undone in ``s_x``: exact) so that the
+  tile unit's flush of bf16 denormals only touches values 2^-100 below their row's largest.
 
-Tiles per step (8 AMX tile registers): ``NT·MT·P`` accumulators + ``NT`` A + ``MT·P`` B.
-M, N, K are runtime values: one build per (scheme, op, planes).
+Each thread runs its contiguous share of the tasks (``nsub`` n-blocks of 32 rows x a share of
+the row blocks of x) in its own scratch slot; the 16 x 16 accumulator tiles leave through an
+in-register transpose. M, N, K are runtime values: one build per (weight width, op, planes).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
@@ -87,9 +90,6 @@ def kpermutation(bits: int, Kp: int) -> torch.Tensor:
     if bits != 4:
         return k
     return c * CHUNK + torch.where(i < 32, 2 * i, 2 * (i - 32) + 1)
-
-
-_DBG = set(os.environ.get("QDBG", "").split(","))
 
 
 def _layout(op: str, P: int) -> tuple[int, int, int]:
@@ -167,7 +167,7 @@ def build(bits: int, op: str, P: int, grouped: bool) -> Any:
     @T.macro
     def post(acc: Any, cb: Any, SWT: Any, g: Any, n0: Any) -> None:
         """acc += s_w[n, g] · (the accumulator tiles of group g, planes combined)."""
-        for t in T.unroll(NT if "nopost" not in _DBG else 0):
+        for t in T.unroll(NT):
             for mi in T.unroll(MT):
                 for a in T.unroll(16):
                     for ll in T.vectorized(16):
@@ -211,7 +211,7 @@ def build(bits: int, op: str, P: int, grouped: bool) -> Any:
                 # w8a8 tiles of whole rows and chunks load from the weight itself; else the task's
                 # weight rows are unpacked first (rows past N: zeros)
                 direct = T.And(bits == 8 and I8, T.And(K % CK == 0, (sb + 1) * NB * nsub <= N))
-                for r in range(T.Select(direct, 0, NB * nsub) if "nounpack" not in _DBG else 0):
+                for r in range(T.Select(direct, 0, NB * nsub)):
                     n = sb * NB * nsub + r
                     if n < N:
                         full = T.max((Pk - (lbytes - cbytes)) // cbytes, 0)
@@ -281,7 +281,7 @@ def build(bits: int, op: str, P: int, grouped: bool) -> Any:
                                 amx("tilestored64", T.int8(ci), T.address_of(cb[ci, 0, 0]),
                                     T.int64(64))
                         post(acc, cb, SWT, ngroups - 1, (sb * nsub + q) * NB)
-                        for t in T.unroll(NT if "noout" not in _DBG else 0):
+                        for t in T.unroll(NT):
                             for mi in T.unroll(MT):
                                 if T.And((mb * MT + mi) * 16 + 16 <= M,
                                          (sb * nsub + q) * NB + t * 16 + 16 <= N):
@@ -499,7 +499,8 @@ def activations(context: Callable[[], Any], x: torch.Tensor, scheme: str
 
 def gemm_amx(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
              w_scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """The AMX path: fp32 ``[M, N]`` without bias (M, N, K > 0)."""
+    """The AMX path: x [M, K] fp32 / bf16, canonical packed weight [N, P] with its scales ->
+    fp32 ``[M, N]`` without bias (M, N, K > 0; raises where the CPU has no usable AMX)."""
     sc = SCHEMES[scheme]
     op, P = _op_planes(scheme, x.dtype)
     M, K = x.shape
@@ -521,8 +522,8 @@ def gemm_amx(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor
     swt = tirlib.scratch("swt", (G, nsb * nsub * 16 * NT), torch.float32)
     swt[:, N:] = 0
     swt[:, :N] = w_scale.reshape(N, G).T
-    scr = tirlib.scratch("unpacked", (threads, 16 * NT * nsub, row_bytes // xb.element_size()),
-                  xb.dtype)
+    scr = tirlib.scratch("unpacked", (threads, 16 * NT * nsub,
+                                       row_bytes // xb.element_size()), xb.dtype)
     y = tirlib.fresh((M, N), torch.float32)
     _fn(context, sc.weight_bits, op, P, sc.grouped)(
         xb, w_packed, swt, sx, y, scr, M, K, gch, nsub, msplit)
