@@ -86,10 +86,10 @@ def test_vnni_gemv_matches_oracle(ctx, scheme):
 # tasks (N = 32: one n-block); several n-blocks per task (N = 640); w8a8 loading whole tiles
 # from the weight (K % 64 == 0) and from the scratch (K % 64 != 0); int6 rows whose last
 # 64-byte load would leave the row (K = 1000), or shorter than one load (K = 7); one row;
-# nine row tiles
+# nine row tiles; a last row tile one row short of whole (M = 47)
 AMX_SHAPES = ((3, 331, 37), (17, 200, 50), (16, 64, 16), (32, 128, 64), (70, 256, 32),
               (20, 128, 640), (33, 130, 70), (40, 1000, 33), (1, 4096, 48), (15, 7, 5),
-              (130, 96, 40))
+              (130, 96, 40), (47, 64, 48))
 
 
 @needs_amx
