@@ -82,6 +82,19 @@ def test_vnni_gemv_matches_oracle(ctx, scheme):
                 _check(got, vals, f"vnni mb={mb} M={M} K={K} N={N} {dtype}")
 
 
+@needs_vnni
+def test_vnni_gemv_row_chunks(ctx, monkeypatch):
+    """Many rows: x goes through the GEMV in chunks that stay in L2 (here one 4-row block
+    each, and chunks of 8 with a short last one): every chunk's rows are right."""
+    for xchunk in (1, 8 * 4096):  # bytes: one block per chunk; 8 rows of K = 4096 bytes
+        monkeypatch.setattr(quant_vnni, "XCHUNK", xchunk)
+        for scheme in SCHEMES:
+            vals = _case(22, 4096 if xchunk > 1 else 200, 19, scheme, F32, seed=5)
+            got = quant_vnni.gemv_vnni(lambda: ctx, vals["x"], vals["w_packed"],
+                                       vals["w_scale"], scheme, 4)
+            _check(got, vals, f"vnni chunks of {xchunk} bytes {scheme}")
+
+
 # (M, K, N): partial tiles; whole 16 x 16 tiles (the transposed store); rows split between
 # tasks (N = 32: one n-block); several n-blocks per task (N = 640); w8a8 loading whole tiles
 # from the weight (K % 64 == 0) and from the scratch (K % 64 != 0); int6 rows whose last

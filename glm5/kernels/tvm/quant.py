@@ -59,11 +59,11 @@ DTYPES = (torch.float32, torch.bfloat16)
 # "portable" is what any other host runs (the measurements of the AVX2 host before).
 PATHS: dict[str, dict[str, tuple[tuple[int | None, str], ...]]] = {
     "amx": {"w8a16": ((4, "vnni"), (None, "amx")),
-            "w8a8": ((2, "vnni"), (None, "amx")),
-            "w4a8": ((2, "vnni"), (None, "amx")),
-            "w6a12": ((4, "vnni"), (None, "amx"))},
+            "w8a8": ((1, "vnni"), (None, "amx")),
+            "w4a8": ((1, "vnni"), (None, "amx")),
+            "w6a12": ((2, "vnni"), (None, "amx"))},
     "vnni": {"w8a16": ((384, "vnni"), (None, "torch:gemm")),
-             "w8a8": ((384, "vnni"), (None, "torch:gemm")),
+             "w8a8": ((None, "vnni"),),
              "w4a8": ((None, "vnni"),),
              "w6a12": ((None, "vnni"),)},
     "portable": {"w8a16": ((384, "tvm"), (None, "torch:gemm")),

@@ -127,7 +127,7 @@ def build(scheme: str, MB: int) -> Any:
 
     @T.prim_func
     def qgemv(x_h: T.handle, c_h: T.handle, w_h: T.handle, s_h: T.handle, sx_h: T.handle,
-              y_h: T.handle, K: T.int32):
+              y_h: T.handle, K: T.int32, mrows: T.int32):
         T.func_attr({"global_symbol": "qgemv", "tirx.noalias": True})
         Mp = T.int32()
         Kv = T.int32()
@@ -142,58 +142,61 @@ def build(scheme: str, MB: int) -> Any:
         Y = T.match_buffer(y_h, (Mp, N), "float32")
         nvec = Kv // VV
         full = T.min(nvec, (Pk - (CB - BV)) // BV)  # vectors whose 64-byte load is in the row
-        for nn in T.parallel((N + NR - 1) // NR):
-            tail = T.alloc_buffer((NR, CB), "uint8", scope="local")
-            iacc = T.alloc_buffer((NR, P, MB, 16), "int32", scope="local")
-            facc = T.alloc_buffer((NR, MB, 16), "float32", scope="local")
-            red = T.alloc_buffer((1,), "float32", scope="local")
-            for mb in range(Mp // MB):
-                for r in T.unroll(NR):
-                    for mi in T.unroll(MB):
-                        facc[r, mi, T.ramp(0, 1, 16)] = T.broadcast(T.float32(0), 16)
-                for g in range(G):
+        # rows of x in chunks of `mrows` (a multiple of MB) that stay in L2 while every
+        # weight row passes: x is read once per chunk, not once per weight row
+        for mc in range((Mp + mrows - 1) // mrows):
+            for nn in T.parallel((N + NR - 1) // NR):
+                tail = T.alloc_buffer((NR, CB), "uint8", scope="local")
+                iacc = T.alloc_buffer((NR, P, MB, 16), "int32", scope="local")
+                facc = T.alloc_buffer((NR, MB, 16), "float32", scope="local")
+                red = T.alloc_buffer((1,), "float32", scope="local")
+                for mb in range(mc * mrows // MB, T.min(mc * mrows + mrows, Mp) // MB):
                     for r in T.unroll(NR):
-                        for p in T.unroll(P):
+                        for mi in T.unroll(MB):
+                            facc[r, mi, T.ramp(0, 1, 16)] = T.broadcast(T.float32(0), 16)
+                    for g in range(G):
+                        for r in T.unroll(NR):
+                            for p in T.unroll(P):
+                                for mi in T.unroll(MB):
+                                    iacc[r, p, mi, T.ramp(0, 1, 16)] = i32(0)
+                        for v in range(vlo(g), vhi(g, nvec)):
+                            if v < full:
+                                for r in T.unroll(NR):
+                                    for p in T.unroll(P):
+                                        for mi in T.unroll(MB):
+                                            iacc[r, p, mi, T.ramp(0, 1, 16)] = _chain(
+                                                dp, iacc[r, p, mi, T.ramp(0, 1, 16)],
+                                                wvecs(T.reinterpret("uint8x64", W[T.min(
+                                                    nn * NR + r, N - 1), T.ramp(v * BV, 1, CB)])),
+                                                [xvec(X, p, mb * MB + mi, v, j) for j in range(nf)])
+                            else:  # the last bytes of the row, zero padded
+                                for r in T.unroll(NR):
+                                    for i in range(CB):
+                                        tail[r, i] = T.if_then_else(
+                                            v * BV + i < Pk,
+                                            T.reinterpret("uint8", W[T.min(nn * NR + r, N - 1),
+                                                                     T.min(v * BV + i, Pk - 1)]),
+                                            T.uint8(0))
+                                    for p in T.unroll(P):
+                                        for mi in T.unroll(MB):
+                                            iacc[r, p, mi, T.ramp(0, 1, 16)] = _chain(
+                                                dp, iacc[r, p, mi, T.ramp(0, 1, 16)],
+                                                wvecs(tail[r, T.ramp(0, 1, CB)]),
+                                                [xvec(X, p, mb * MB + mi, v, j) for j in range(nf)])
+                        for r in T.unroll(NR):
                             for mi in T.unroll(MB):
-                                iacc[r, p, mi, T.ramp(0, 1, 16)] = i32(0)
-                    for v in range(vlo(g), vhi(g, nvec)):
-                        if v < full:
-                            for r in T.unroll(NR):
-                                for p in T.unroll(P):
-                                    for mi in T.unroll(MB):
-                                        iacc[r, p, mi, T.ramp(0, 1, 16)] = _chain(
-                                            dp, iacc[r, p, mi, T.ramp(0, 1, 16)],
-                                            wvecs(T.reinterpret("uint8x64", W[T.min(
-                                                nn * NR + r, N - 1), T.ramp(v * BV, 1, CB)])),
-                                            [xvec(X, p, mb * MB + mi, v, j) for j in range(nf)])
-                        else:  # the last bytes of the row, zero padded
-                            for r in T.unroll(NR):
-                                for i in range(CB):
-                                    tail[r, i] = T.if_then_else(
-                                        v * BV + i < Pk,
-                                        T.reinterpret("uint8", W[T.min(nn * NR + r, N - 1),
-                                                                 T.min(v * BV + i, Pk - 1)]),
-                                        T.uint8(0))
-                                for p in T.unroll(P):
-                                    for mi in T.unroll(MB):
-                                        iacc[r, p, mi, T.ramp(0, 1, 16)] = _chain(
-                                            dp, iacc[r, p, mi, T.ramp(0, 1, 16)],
-                                            wvecs(tail[r, T.ramp(0, 1, CB)]),
-                                            [xvec(X, p, mb * MB + mi, v, j) for j in range(nf)])
+                                facc[r, mi, T.ramp(0, 1, 16)] = facc[r, mi, T.ramp(0, 1, 16)] + (
+                                    T.broadcast(SW[T.min(nn * NR + r, N - 1), g], 16) * T.Cast(
+                                        "float32x16", _combine(
+                                            [iacc[r, p, mi, T.ramp(0, 1, 16)] for p in range(P)])
+                                        - CORR[mb * MB + mi, g, T.ramp(0, 1, 16)]))
                     for r in T.unroll(NR):
-                        for mi in T.unroll(MB):
-                            facc[r, mi, T.ramp(0, 1, 16)] = facc[r, mi, T.ramp(0, 1, 16)] + (
-                                T.broadcast(SW[T.min(nn * NR + r, N - 1), g], 16) * T.Cast(
-                                    "float32x16", _combine(
-                                        [iacc[r, p, mi, T.ramp(0, 1, 16)] for p in range(P)])
-                                    - CORR[mb * MB + mi, g, T.ramp(0, 1, 16)]))
-                for r in T.unroll(NR):
-                    if nn * NR + r < N:
-                        for mi in T.unroll(MB):
-                            red[0] = T.float32(0)
-                            for ll in T.unroll(16):
-                                red[0] = red[0] + facc[r, mi, ll]
-                            Y[mb * MB + mi, nn * NR + r] = SX[mb * MB + mi] * red[0]
+                        if nn * NR + r < N:
+                            for mi in T.unroll(MB):
+                                red[0] = T.float32(0)
+                                for ll in T.unroll(16):
+                                    red[0] = red[0] + facc[r, mi, ll]
+                                Y[mb * MB + mi, nn * NR + r] = SX[mb * MB + mi] * red[0]
 
     return qgemv
 
@@ -231,7 +234,8 @@ def _build_fp(T: Any, MB: int, NR: int) -> Any:
     """w8a16: fp32 FMA GEMV; NR weight rows share each x vector, 2 chains of 16 lanes each."""
 
     @T.prim_func
-    def qgemv(x_h: T.handle, w_h: T.handle, s_h: T.handle, y_h: T.handle, K: T.int32):
+    def qgemv(x_h: T.handle, w_h: T.handle, s_h: T.handle, y_h: T.handle, K: T.int32,
+              mrows: T.int32):
         T.func_attr({"global_symbol": "qgemv", "tirx.noalias": True})
         Mp = T.int32()
         Kv = T.int32()
@@ -240,34 +244,37 @@ def _build_fp(T: Any, MB: int, NR: int) -> Any:
         W = T.match_buffer(w_h, (N, K), "int8")
         SW = T.match_buffer(s_h, (N,), "float32")
         Y = T.match_buffer(y_h, (Mp, N), "float32")
-        for nn in T.parallel((N + NR - 1) // NR):
-            facc = T.alloc_buffer((NR, MB, 2, 16), "float32", scope="local")
-            red = T.alloc_buffer((1,), "float32", scope="local")
-            for mb in range(Mp // MB):
-                for r in T.unroll(NR):
-                    for mi in T.unroll(MB):
-                        for j in T.unroll(2):
-                            facc[r, mi, j, T.ramp(0, 1, 16)] = T.broadcast(T.float32(0), 16)
-                for c in range(K // 32):
-                    for j in T.unroll(2):
-                        for r in T.unroll(NR):
-                            for mi in T.unroll(MB):
-                                facc[r, mi, j, T.ramp(0, 1, 16)] = facc[
-                                    r, mi, j, T.ramp(0, 1, 16)] + X[
-                                        mb * MB + mi, T.ramp(c * 32 + 16 * j, 1, 16)] * T.Cast(
-                                    "float32x16", W[T.min(nn * NR + r, N - 1),
-                                                    T.ramp(c * 32 + 16 * j, 1, 16)])
-                for r in T.unroll(NR):
-                    if nn * NR + r < N:
+        # rows of x in chunks of `mrows` (a multiple of MB) that stay in L2 while every
+        # weight row passes: x is read once per chunk, not once per weight row
+        for mc in range((Mp + mrows - 1) // mrows):
+            for nn in T.parallel((N + NR - 1) // NR):
+                facc = T.alloc_buffer((NR, MB, 2, 16), "float32", scope="local")
+                red = T.alloc_buffer((1,), "float32", scope="local")
+                for mb in range(mc * mrows // MB, T.min(mc * mrows + mrows, Mp) // MB):
+                    for r in T.unroll(NR):
                         for mi in T.unroll(MB):
-                            red[0] = T.float32(0)
-                            for k in range(K // 32 * 32, K):
-                                red[0] = red[0] + X[mb * MB + mi, k] * T.Cast(
-                                    "float32", W[nn * NR + r, k])
                             for j in T.unroll(2):
-                                for ll in T.unroll(16):
-                                    red[0] = red[0] + facc[r, mi, j, ll]
-                            Y[mb * MB + mi, nn * NR + r] = SW[nn * NR + r] * red[0]
+                                facc[r, mi, j, T.ramp(0, 1, 16)] = T.broadcast(T.float32(0), 16)
+                    for c in range(K // 32):
+                        for j in T.unroll(2):
+                            for r in T.unroll(NR):
+                                for mi in T.unroll(MB):
+                                    facc[r, mi, j, T.ramp(0, 1, 16)] = facc[
+                                        r, mi, j, T.ramp(0, 1, 16)] + X[
+                                            mb * MB + mi, T.ramp(c * 32 + 16 * j, 1, 16)] * T.Cast(
+                                        "float32x16", W[T.min(nn * NR + r, N - 1),
+                                                        T.ramp(c * 32 + 16 * j, 1, 16)])
+                    for r in T.unroll(NR):
+                        if nn * NR + r < N:
+                            for mi in T.unroll(MB):
+                                red[0] = T.float32(0)
+                                for k in range(K // 32 * 32, K):
+                                    red[0] = red[0] + X[mb * MB + mi, k] * T.Cast(
+                                        "float32", W[nn * NR + r, k])
+                                for j in T.unroll(2):
+                                    for ll in T.unroll(16):
+                                        red[0] = red[0] + facc[r, mi, j, ll]
+                                Y[mb * MB + mi, nn * NR + r] = SW[nn * NR + r] * red[0]
 
     return qgemv
 
@@ -362,6 +369,14 @@ def _prep_fn(context: Callable[[], Any], scheme: str, dt: str) -> Callable:
         "quant_linear_vnni_prep", key, lambda: build_prep(scheme, dt), "prep"))
 
 
+XCHUNK = 2**19  # bytes of x kept in L2 while the weight streams past (`mrows`)
+
+
+def _mrows(Mp: int, row_bytes: int, mb: int) -> int:
+    """Rows of x per chunk: a multiple of mb, at most XCHUNK bytes (at least mb rows)."""
+    return min(Mp, max(mb, XCHUNK // max(row_bytes, 1) // mb * mb))
+
+
 def gemv_vnni(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
               w_scale: torch.Tensor, scheme: str, mb: int) -> torch.Tensor:
     """The VNNI GEMV path: fp32 ``[M, N]`` without bias (M, N, K > 0), ``mb`` rows of x per
@@ -375,7 +390,8 @@ def gemv_vnni(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tenso
         xf = tirlib.scratch("xf", (Mp, K), torch.float32)
         xf[:M] = x
         xf[M:] = 0
-        _fn(context, scheme, mb)(xf, w_packed, w_scale.to(torch.float32).contiguous(), y, K)
+        _fn(context, scheme, mb)(xf, w_packed, w_scale.to(torch.float32).contiguous(), y, K,
+                                 _mrows(Mp, 4 * K, mb))
         return y[:M]
     VV = _vals_per_vec(sc.weight_bits)
     Kv = -(-K // VV) * VV
@@ -387,5 +403,5 @@ def gemv_vnni(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tenso
     dt = "bfloat16" if x.dtype == torch.bfloat16 else "float32"
     _prep_fn(context, scheme, dt)(bits(x.contiguous()), xq, corr, sx, M, K)
     _fn(context, scheme, mb)(xq, corr, w_packed, w_scale.to(torch.float32).reshape(N, G)
-                             .contiguous(), sx, y, K)
+                             .contiguous(), sx, y, K, _mrows(Mp, P * Kv, mb))
     return y[:M]
