@@ -2,7 +2,8 @@
 
     python bench/cpu_quant_linear.py [--ms 1,8,64,512] [--k 4096] [--n 4096]
                                      [--schemes w8a16,w8a8,w4a8,w6a12] [--dtypes float32]
-                                     [--rounds 5] [--out bench/results/cpu_quant_linear.json]
+                                     [--rounds 5] [--threads N] [--paths]
+                                     [--out bench/results/cpu_quant_linear.json]
 
 For every M: torch's dense paths on a weight of the same shape — fp32 `F.linear`, bf16
 `F.linear` (oneDNN: AMX / AVX-512 BF16 where the CPU has them) and `torch._int_mm` (int8 x
@@ -15,7 +16,14 @@ after a warm-up that builds or loads the TVM kernels); the table gives the least
 Columns: ms of glm5; ``x fp32`` = fp32 F.linear ms / glm5 ms (> 1: glm5 faster);
 ``x best`` = the fastest dense path's ms / glm5 ms; for M = 1, GB/s of the packed weight
 (codes + scales) read per call. The CPU model and the features torch can use are printed
-first and written to the JSON.
+first and written to the JSON, with the load average before and after (the machine may be
+shared: under load, a 2-thread parallel region waits for its slower thread, so compare
+ratios from one run, or use ``--threads 1``).
+
+``--paths`` also times every path `glm5.kernels.tvm.quant.PATHS` can take on this CPU's tier
+(VNNI GEMV, AMX GEMM, portable GEMV, torch), called directly, next to the one the table
+chooses: the data the table's crossovers come from. The default run takes well under a
+minute once the kernels are built (the first run builds them: a few seconds each).
 """
 
 from __future__ import annotations
@@ -167,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--dtypes", default="float32", help="x dtypes: float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads for torch and TVM (default: the CPUs this process may use)")
     ap.add_argument("--paths", action="store_true",
                     help="also time every path this CPU has (vnni, amx, tvm, torch:gemm) called "
                          "directly: the data `quant.PATHS` is chosen from")
@@ -174,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.getLogger("glm5").setLevel(logging.ERROR)
     os.environ.setdefault("GLM5_STRICT", "1")
+    if a.threads is not None:  # before TVM's runtime starts its pool
+        if a.threads < 1:
+            ap.error(f"--threads: expected a positive count, got {a.threads}")
+        os.environ["TVM_NUM_THREADS"] = str(a.threads)
+        torch.set_num_threads(a.threads)
     ms = [int(v) for v in a.ms.split(",")]
     schemes = a.schemes.split(",")
     bad = [s for s in schemes if s not in SCHEMES]
@@ -185,12 +200,15 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--dtypes: expected float32 or bfloat16, got {d!r}")
         dtypes.append(getattr(torch, d))
     feats = cpu_features()
+    load0 = os.getloadavg()
     print(f"CPU: {cpu_model()}; features: {', '.join(feats['flags'])}; torch ISA "
           f"{feats['torch_isa']}, {feats['threads']} threads, AMX {feats['amx']}, "
           f"AVX-512 BF16 {feats['avx512_bf16']}, VNNI {feats['vnni']}", flush=True)
     t0 = time.perf_counter()
     res = run(ms, a.k, a.n, schemes, dtypes, a.rounds, a.paths)
     res.update({"cpu": cpu_model(), "features": feats, "torch": torch.__version__,
+                "threads": torch.get_num_threads(), "loadavg_before_after": [load0[0],
+                                                                            os.getloadavg()[0]],
                 "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
                 "seconds": time.perf_counter() - t0, "date": time.strftime("%Y-%m-%d %H:%M")})
     print(f"tier: {res['tier']}")
@@ -198,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     if res["paths"]:
         print()
         print(path_table(res["paths"]))
-    print(f"({res['seconds']:.1f} s)")
+    print(f"({res['seconds']:.1f} s; {res['threads']} threads; load average "
+          f"{load0[0]:.1f} before, {os.getloadavg()[0]:.1f} after)")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=1))
