@@ -102,10 +102,16 @@ def _interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, fl
 def run(ms: list[int], K: int, N: int, schemes: list[str], dtypes: list[torch.dtype],
         rounds: int, paths: bool, budget: float = 3.0) -> dict[str, Any]:
     import glm5
+
+    with glm5.use_backend("cpu"):
+        return _run_all(ms, K, N, schemes, dtypes, rounds, paths, budget)
+
+
+def _run_all(ms: list[int], K: int, N: int, schemes: list[str], dtypes: list[torch.dtype],
+             rounds: int, paths: bool, budget: float) -> dict[str, Any]:
     from glm5.backends.cpu import context
     from glm5.kernels.tvm import quant
 
-    glm5.use_backend("cpu")
     tier = quant.cpu_tier()
     g = torch.Generator().manual_seed(0)
     rows, path_rows = [], []

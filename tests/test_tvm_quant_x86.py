@@ -12,8 +12,11 @@ the instructions (tests skip otherwise); the path table is checked on every tier
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,6 +249,21 @@ def test_kernels_write_inside_their_buffers(ctx, monkeypatch):
         assert (raw[:GUARD] == FILL).all() and (raw[GUARD + nbytes:] == FILL).all(), shape
 
 
+def test_scratch_buffers_are_reused_up_to_a_size(monkeypatch):
+    """Per-thread scratch is reused across calls (no fresh pages each call), but a buffer above
+    SCRATCH_KEEP bytes is allocated per call and not kept."""
+    from glm5.kernels.tvm import tirlib
+
+    a = tirlib.scratch("t_small", (4, 8), torch.int32)
+    b = tirlib.scratch("t_small", (2, 8), torch.int32)
+    assert a.data_ptr() == b.data_ptr() and b.shape == (2, 8)
+    monkeypatch.setattr(tirlib, "SCRATCH_KEEP", 64)
+    c = tirlib.scratch("t_big", (32,), torch.int32)  # 128 bytes
+    d = tirlib.scratch("t_big", (32,), torch.int32)
+    assert c.data_ptr() != d.data_ptr()
+    assert ("t_big", torch.int32) not in tirlib._local.bufs
+
+
 # --------------------------------------------------------------------------- the path table
 def test_path_table_boundaries():
     """`quant.path` picks, for every tier and scheme, the entry of `PATHS` whose row bound is
@@ -356,3 +374,29 @@ def test_choosing_a_path_imports_no_tvm():
             "assert 'tvm' not in sys.modules, 'tvm imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_bench_script_writes_its_table(tmp_path, monkeypatch):
+    """bench/cpu_quant_linear.py at a tiny shape: one row per (M, scheme, x dtype) naming the
+    path `PATHS` chooses, the dense timings and ratios, GB/s at M = 1; --paths adds a row per
+    (M, scheme, dtype) with every path of this CPU's tier timed."""
+    monkeypatch.setenv("GLM5_STRICT", "1")
+    spec = importlib.util.spec_from_file_location(
+        "cpu_quant_linear_bench", Path(__file__).parents[1] / "bench" / "cpu_quant_linear.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    assert bench.main(["--ms", "1,3", "--k", "64", "--n", "32", "--rounds", "1", "--budget",
+                       "0", "--dtypes", "float32,bfloat16", "--paths", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    tier = quant.cpu_tier()
+    assert d["tier"] == tier and d["features"]["flags"] and d["cpu"]
+    assert {(r["M"], r["scheme"], r["dtype"]) for r in d["rows"]} == {
+        (M, s, dt) for M in (1, 3) for s in SCHEMES for dt in ("float32", "bfloat16")}
+    for r in d["rows"]:
+        assert r["path"] == quant.LABELS[quant.path(r["scheme"], r["M"], tier)], r
+        assert r["ms"] > 0 and set(r["dense_ms"]) >= {"fp32", "bf16"}
+        assert r["x_fp32"] == pytest.approx(r["dense_ms"]["fp32"] / r["ms"])
+        assert (r["gbps"] is not None) == (r["M"] == 1)
+    assert len(d["paths"]) == len(d["rows"])
+    assert all(set(p["ms"]) == set(bench._paths(tier)) for p in d["paths"])

@@ -55,8 +55,9 @@ DTYPES = (torch.float32, torch.bfloat16)
 # with M <= max rows (None: any) wins. Paths: "vnni" the VNNI GEMV (`quant_vnni`, MB = 1 row
 # at M = 1, else 4-row blocks), "amx" the AMX tile GEMM (`quant_amx`), "tvm" the portable GEMV
 # of this module, "torch:gemm" `gemm_torch`. Crossovers measured side by side with
-# bench/cpu_quant_linear.py at K = N = 4096 (docs/performance.md, "CPU quantized linears");
-# "portable" is what any other host runs (the measurements of the AVX2 host before).
+# bench/cpu_quant_linear.py at K = N = 4096 (docs/performance.md, "CPU quantized linears"; the
+# "vnni" row on the AMX host with AMX left out); "portable" is what any other host runs (the
+# earlier measurements of an AVX2 host).
 PATHS: dict[str, dict[str, tuple[tuple[int | None, str], ...]]] = {
     "amx": {"w8a16": ((4, "vnni"), (None, "amx")),
             "w8a8": ((1, "vnni"), (None, "amx")),
@@ -321,7 +322,9 @@ def _run(p: str, context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Te
         return gemm_amx(context, x, w_packed, w_scale, scheme)
     if p == "tvm":
         return gemv(context, x, w_packed, w_scale, scheme)
-    return gemm_torch(x, w_packed, w_scale, scheme)
+    if p == "torch:gemm":
+        return gemm_torch(x, w_packed, w_scale, scheme)
+    raise ValueError(f"glm5 quant_linear: path expected one of {sorted(LABELS)}, got {p!r}")
 
 
 def quant_linear(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,

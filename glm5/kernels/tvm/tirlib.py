@@ -72,21 +72,28 @@ def cached(ctx: Any, key: tuple, get: Callable[[], Callable[..., Any]]) -> Calla
 _local = threading.local()
 
 
+SCRATCH_KEEP = 32 * 2**20  # bytes: larger scratch buffers are allocated per call, not kept
+
+
 def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A per-thread buffer reused across calls (contents undefined) for a kernel's inputs and
     scratch: a fresh allocation of a few MiB is a fresh ``mmap`` whose pages fault on first
-    touch, every call."""
-    bufs = _local.__dict__.setdefault("bufs", {})
+    touch, every call. Buffers above ``SCRATCH_KEEP`` bytes are not kept (a long prefill
+    must not pin its activations' memory; its own run time dwarfs the page faults)."""
     n = 1
     for d in shape:
         n *= d
-    b = bufs.get((name, dtype))
-    if b is None or b.numel() < n:
-        with torch.inference_mode(False):  # an inference tensor could not be written outside
+    with torch.inference_mode(False):  # an inference tensor could not be written outside
+        if n * dtype.itemsize > SCRATCH_KEEP:
+            return torch.empty(shape, dtype=dtype)
+        bufs = _local.__dict__.setdefault("bufs", {})
+        b = bufs.get((name, dtype))
+        if b is None or b.numel() < n:
             b = bufs[(name, dtype)] = torch.empty(n, dtype=dtype)
     return b[:n].view(shape)
 
 
 def fresh(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A new tensor a kernel writes its result into (the caller keeps it)."""
+    """A new tensor a kernel writes its result into (the caller keeps it). One place, so that
+    a test can hand out buffers with guard bytes around them."""
     return torch.empty(shape, dtype=dtype)
