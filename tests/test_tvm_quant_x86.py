@@ -343,6 +343,48 @@ def test_every_path_passes_parity(backend, monkeypatch, p):
     assert rows and all(r.status == "pass" for r in rows), format_table(rows)
 
 
+@pytest.mark.parametrize("p", _paths_here())
+def test_every_path_takes_strided_inputs(ctx, monkeypatch, p):
+    """x (every other column), the packed weight and the scales (rows with gaps) as strided
+    views: the same result as from contiguous copies."""
+    g = torch.Generator().manual_seed(8)
+    for scheme in SCHEMES:
+        for M in (1, 5, 33):
+            vals = _case(M, 200, 40, scheme, F32, seed=M)
+            wp, ws = vals["w_packed"], vals["w_scale"]
+            x_s = torch.randn(M, 400, generator=g)[:, ::2]
+            x_s.copy_(vals["x"])
+            wp_s = torch.zeros(40, wp.shape[1] + 9, dtype=wp.dtype)[:, 5:5 + wp.shape[1]]
+            wp_s.copy_(wp)
+            ws_s = torch.zeros(*ws.shape[:-1], ws.shape[-1] + 3)[..., 1:1 + ws.shape[-1]] \
+                if ws.dim() == 2 else torch.zeros(80)[::2]
+            ws_s.copy_(ws)
+            assert not (x_s.is_contiguous() or wp_s.is_contiguous() or ws_s.is_contiguous())
+            got = quant._run(p, lambda: ctx, x_s, wp_s, ws_s, scheme)
+            want = quant._run(p, lambda: ctx, vals["x"], wp, ws, scheme)
+            assert torch.equal(got, want), (scheme, M)
+
+
+def test_kernels_decline_what_int32_indexing_cannot_reach():
+    """A call whose x (in any layout of any path: up to three planes of 16-row, 128-code
+    padding) or y has 2^31 elements or more is declined (the op then passes to the next
+    candidate), not silently wrapped around. Shapes only: the tensors are expanded views."""
+    sup = [s for op, _, _, s in quant.kernels(lambda: None) if op == "quant_linear"][0]
+
+    def x(M, K):
+        return torch.empty(1, 1).expand(M, K)
+
+    wp, ws = quantize_weight(torch.randn(16, 64), "w4a8")
+    assert sup(x(4, 64), wp, ws, "w4a8") and sup(x(2**20, 64), wp, ws, "w4a8")
+    wp1, ws1 = quantize_weight(torch.randn(1, 64), "w4a8")
+    wide = (wp1.expand(2**20, wp1.shape[1]), ws1.expand(2**20, ws1.shape[1]))
+    assert not sup(x(2**11, 64), *wide, "w4a8")  # y: 2^31 elements
+    assert sup(x(2**11 - 1, 64), *wide, "w4a8")
+    wk, sk = quantize_weight(torch.randn(2, 2**10), "w4a8")
+    assert sup(x(2**19, 2**10), wk, sk, "w4a8")  # 3 planes: 1.6e9
+    assert not sup(x(2**20, 2**10), wk, sk, "w4a8")  # 3.2e9
+
+
 def test_new_kernels_build_once_and_load_from_disk(ctx, tmp_path):
     """New M, N, K reuse the built VNNI / AMX kernels (all three are runtime values); a fresh
     context on the same cache directory loads them instead of compiling."""

@@ -404,9 +404,17 @@ def _int32_exact(scheme: str, K: int) -> bool:
     return n * sc.act_qmax * sc.weight_qmax < 2**31
 
 
+def _int32_indexed(M: int, K: int, N: int) -> bool:
+    """Every buffer of every path indexes with int32: x and its laid-out copies (up to three
+    planes, rows padded to 16, K to 128), y [M, N]."""
+    return 3 * (-(-M // 16) * 16) * (-(-K // 128) * 128) < 2**31 and M * N < 2**31
+
+
 def _ql_supports(x, w_packed, w_scale, scheme, bias=None) -> bool:
     return (x.dtype in DTYPES and scheme in SCHEMES and _cpu(x, w_packed, w_scale, bias)
-            and x.dim() == 2 and _int32_exact(scheme, x.shape[1]) and w_packed.numel() < 2**31)
+            and x.dim() == 2 and _int32_exact(scheme, x.shape[1]) and w_packed.numel() < 2**31
+            and w_packed.dim() == 2
+            and _int32_indexed(x.shape[0], x.shape[1], w_packed.shape[0]))
 
 
 def _meq_supports(x, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, scheme) -> bool:

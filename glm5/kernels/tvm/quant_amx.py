@@ -224,7 +224,8 @@ def build(bits: int, op: str, P: int, grouped: bool) -> Any:
                                     SCR[th, r, c * CK + i] = T.Cast("int8", (T.Cast(
                                         "int32", W[n, c * 32 + i] & T.uint8(15)) ^ 8) - 8)
                                     SCR[th, r, c * CK + 32 + i] = T.Cast("int8", (T.Cast(
-                                        "int32", T.shift_right(W[n, c * 32 + i], T.uint8(4))) ^ 8) - 8)
+                                        "int32", T.shift_right(W[n, c * 32 + i], T.uint8(4)))
+                                        ^ 8) - 8)
                             else:  # 64-byte loads while they stay in the row
                                 SCR[th, r, T.ramp(c * CK, 1, CK)] = T.reinterpret("int8x64", (
                                     int6_fields(T, W[n, T.ramp(c * 48, 1, 64)]) ^ u8(32)) - u8(32))
@@ -246,7 +247,7 @@ def build(bits: int, op: str, P: int, grouped: bool) -> Any:
                     cfg[16 + 2 * t] = T.uint8(64)
                     cfg[48 + t] = T.uint8(16)
                 amx("ldtilecfg", T.address_of(cfg[0]))
-                # loop bounds bound once: a division inside the chunk loop costs as much as a tile op
+                # loop bounds bound once: a division in the chunk loop costs as much as a tile op
                 m_lo = ms * mblk // msplit
                 m_hi = (ms + 1) * mblk // msplit
                 for mb in range(m_lo, m_hi):
@@ -289,10 +290,12 @@ def build(bits: int, op: str, P: int, grouped: bool) -> Any:
                                     for i in T.unroll(8):
                                         tr[0, row(i, 8), T.ramp(0, 1, 16)] = T.Shuffle(
                                             [acc[t, mi, row(i, 8), T.ramp(0, 1, 16)],
-                                             acc[t, mi, row(i, 8) + 8, T.ramp(0, 1, 16)]], lo_idx[8])
+                                             acc[t, mi, row(i, 8) + 8, T.ramp(0, 1, 16)]],
+                                            lo_idx[8])
                                         tr[0, row(i, 8) + 8, T.ramp(0, 1, 16)] = T.Shuffle(
                                             [acc[t, mi, row(i, 8), T.ramp(0, 1, 16)],
-                                             acc[t, mi, row(i, 8) + 8, T.ramp(0, 1, 16)]], hi_idx[8])
+                                             acc[t, mi, row(i, 8) + 8, T.ramp(0, 1, 16)]],
+                                            hi_idx[8])
                                     for i in T.unroll(8):
                                         tr[1, row(i, 4), T.ramp(0, 1, 16)] = T.Shuffle(
                                             [tr[0, row(i, 4), T.ramp(0, 1, 16)],
@@ -526,7 +529,7 @@ def gemm_amx(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor
                                        row_bytes // xb.element_size()), xb.dtype)
     y = tirlib.fresh((M, N), torch.float32)
     _fn(context, sc.weight_bits, op, P, sc.grouped)(
-        xb, w_packed, swt, sx, y, scr, M, K, gch, nsub, msplit)
+        xb, w_packed.contiguous(), swt, sx, y, scr, M, K, gch, nsub, msplit)
     return y
 
 

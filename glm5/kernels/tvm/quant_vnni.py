@@ -390,7 +390,8 @@ def gemv_vnni(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tenso
         xf = tirlib.scratch("xf", (Mp, K), torch.float32)
         xf[:M] = x
         xf[M:] = 0
-        _fn(context, scheme, mb)(xf, w_packed, w_scale.to(torch.float32).contiguous(), y, K,
+        _fn(context, scheme, mb)(xf, w_packed.contiguous(), w_scale.to(torch.float32).contiguous(),
+                                 y, K,
                                  _mrows(Mp, 4 * K, mb))
         return y[:M]
     VV = _vals_per_vec(sc.weight_bits)
@@ -402,6 +403,7 @@ def gemv_vnni(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tenso
     sx = tirlib.scratch("sx", (Mp,), torch.float32)
     dt = "bfloat16" if x.dtype == torch.bfloat16 else "float32"
     _prep_fn(context, scheme, dt)(bits(x.contiguous()), xq, corr, sx, M, K)
-    _fn(context, scheme, mb)(xq, corr, w_packed, w_scale.to(torch.float32).reshape(N, G)
-                             .contiguous(), sx, y, K, _mrows(Mp, P * Kv, mb))
+    sw = w_scale.to(torch.float32).reshape(N, G).contiguous()
+    _fn(context, scheme, mb)(xq, corr, w_packed.contiguous(), sw, sx, y, K,
+                             _mrows(Mp, P * Kv, mb))
     return y[:M]
