@@ -86,6 +86,19 @@ def test_vnni_gemv_matches_oracle(ctx, scheme):
 
 
 @needs_vnni
+def test_vnni_byte_operand_types_fall_back(tmp_path, monkeypatch):
+    """LLVM releases disagree on vpdpbusd's operand types: with the wrong form first, the
+    build falls back to the other one and the result is right."""
+    monkeypatch.setattr(quant_vnni, "BYTE_OPERANDS", tuple(reversed(quant_vnni.BYTE_OPERANDS)))
+    c = TVMContext(cache_dir=tmp_path)
+    vals = _case(3, 200, 20, "w4a8", F32)
+    got = quant_vnni.gemv_vnni(lambda: c, vals["x"], vals["w_packed"], vals["w_scale"], "w4a8", 4)
+    _check(got, vals, "vnni, second operand form")
+    assert [b["key"]["bytes"] for b in c.builds if b["op"] == "quant_linear_vnni"] == [
+        quant_vnni.BYTE_OPERANDS[1]]
+
+
+@needs_vnni
 def test_vnni_gemv_row_chunks(ctx, monkeypatch):
     """Many rows: x goes through the GEMV in chunks that stay in L2 (here one 4-row block
     each, and chunks of 8 with a short last one): every chunk's rows are right."""

@@ -69,16 +69,17 @@ def _x_permutation(bits: int, Kv: int) -> torch.Tensor:
     return c * 128 + torch.where(i < 64, 2 * i, 2 * (i - 64) + 1)
 
 
-def _llvm_major() -> int:
-    from tvm.target import codegen
+# vpdpbusd's byte operands: <64 x i8> in recent LLVM (TVM 0.27 ships LLVM 22), <16 x i32> in
+# older releases; the first that LLVM's verifier accepts is used (`_fn`)
+BYTE_OPERANDS = ("int8x64", "int32x16")
 
-    return int(codegen.llvm_version_major())
 
-
-def build(scheme: str, MB: int) -> Any:
+def build(scheme: str, MB: int, bdt: str = BYTE_OPERANDS[0]) -> Any:
     """``qgemv(xq[P, Mp, Kv] int8, corr[Mp, G, 16] int32, w[N, Pk], sw[N, G], sx[Mp],
-    y[Mp, N], K)`` for the activation schemes; ``qgemv(x[Mp, Kv] fp32, w[N, K], sw[N, 1],
-    y[Mp, N], K)`` for w8a16. Kv: K padded to whole weight vectors (x zero there)."""
+    y[Mp, N], K, mrows)`` for the activation schemes; ``qgemv(x[Mp, K] fp32, w[N, K], sw[N],
+    y[Mp, N], K, mrows)`` for w8a16. Kv: K padded to whole weight vectors (x zero there);
+    mrows: rows of x per L2-sized chunk (a multiple of MB); bdt: the type vpdpbusd's byte
+    operands are passed as (`BYTE_OPERANDS`)."""
     from tvm.script import tirx as T
 
     sc = SCHEMES[scheme]
@@ -92,8 +93,6 @@ def build(scheme: str, MB: int) -> Any:
     BV = _bytes_per_vec(wb)
     # vectors per scale group (int4: one; int6: two; int8: all of K, one group)
     gvec = GROUP // VV if sc.grouped else 0
-    # LLVM >= 20 takes vpdpbusd's byte operands as <64 x i8>, older ones as <16 x i32>
-    bdt = "int8x64" if _llvm_major() >= 20 else "int32x16"
     def dp(acc: Any, u: Any, x: Any) -> Any:
         return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc,
                                        T.reinterpret(bdt, u), T.reinterpret(bdt, x))
@@ -356,10 +355,25 @@ def build_prep(scheme: str, dt: str) -> Any:
 
 def _fn(context: Callable[[], Any], scheme: str, mb: int) -> Callable:
     ctx = context()
-    key = {"scheme": scheme, "mb": mb, "rev": REV}
-    return cached(ctx, ("quant_linear_vnni", scheme, mb), lambda: ctx.kernel(
-        "quant_linear_vnni", key, lambda: build(scheme, mb), "qgemv",
-        mattr=("+avx512vnni", "+avx512bw", "+avx512vbmi")))
+
+    def get() -> Callable:
+        if SCHEMES[scheme].act_bits is None:  # w8a16: no vpdpbusd
+            return _kernel(ctx, scheme, mb, BYTE_OPERANDS[0])
+        for i, bdt in enumerate(BYTE_OPERANDS):
+            try:
+                return _kernel(ctx, scheme, mb, bdt)
+            except Exception as e:  # LLVM's verifier: the intrinsic's operand types differ
+                if i + 1 == len(BYTE_OPERANDS) or "does not match" not in str(e):
+                    raise
+        raise AssertionError("unreachable")
+
+    return cached(ctx, ("quant_linear_vnni", scheme, mb), get)
+
+
+def _kernel(ctx: Any, scheme: str, mb: int, bdt: str) -> Callable:
+    key = {"scheme": scheme, "mb": mb, "bytes": bdt, "rev": REV}
+    return ctx.kernel("quant_linear_vnni", key, lambda: build(scheme, mb, bdt), "qgemv",
+                      mattr=("+avx512vnni", "+avx512bw", "+avx512vbmi"))
 
 
 def _prep_fn(context: Callable[[], Any], scheme: str, dt: str) -> Callable:
