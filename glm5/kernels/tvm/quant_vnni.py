@@ -6,20 +6,24 @@ summed four at a time into 16 int32 lanes). Its first factor is unsigned, so the
 in *biased*: ``w + 128`` (int8: the byte XOR 0x80), ``w + 8`` (an int4 nibble XOR 8),
 ``w + 32`` (an int6 field XOR 32); x goes in as signed int8 codes (w6a12's 12-bit codes as
 two planes, ``q = 16·(q >> 4) + (q & 15)``). The bias is taken back out per lane:
-``corr[m, g, lane] = bias · Σ x`` over the codes that lane saw, computed with x on the host
-side of the kernel. Lanes are then exact integer partial sums of the op's group sums;
+``corr[m, g, lane] = bias · Σ x`` over the codes that lane saw, computed with x's codes by the
+preparing pass (`build_prep`: the reference quantizer's codes, bit for bit). Lanes are then
+exact integer partial sums of the op's group sums;
 ``acc += s_w[n, g] · float(lanes)`` in fp32, a horizontal sum per output, ``y = s_x[m] · acc``.
 
 Per 64-byte load: int8 64 codes; int4 128 codes (low nibbles = even k, high = odd k: x is
 laid out per 128 codes as its even then its odd codes); int6 16 units of 3 bytes, spread to
 one 32-bit lane each by one byte permute (``vpermb``), the four 6-bit fields moved to the
-lane's four bytes. A row's last partial chunk is copied to a zeroed local buffer first (x is
-zero there, so the padding adds nothing).
+lane's four bytes by one multishift (`int6_fields`). A row's last partial chunk is copied to a
+zeroed local buffer first (x is zero there, so the padding adds nothing).
 
-w8a16 (float activations): ``y = s_w[n] · Σ x · w_q`` in fp32 (int8 widened in registers,
-4 independent FMA chains per row), the scale factored out as in the portable kernel.
+w8a16 (float activations): ``y = s_w[n] · Σ x · w_q`` in fp32 (int8 widened in registers, two
+FMA chains per row and x row), the scale factored out as in the portable kernel.
 
-``MB`` rows of x share each weight vector (1 or 4). Only M, N, K are runtime values.
+Each step takes ``8 / MB`` weight rows against ``MB`` rows of x (1 or 4): every loaded x vector
+serves all of them, and the accumulators stay in registers. Rows of x go in chunks of at most
+``XCHUNK`` bytes, so x stays in L2 while the weight streams past. Only M, N, K are runtime
+values.
 """
 
 from __future__ import annotations
