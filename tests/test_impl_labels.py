@@ -84,7 +84,7 @@ def test_builtin_backends_label_their_kernels():
     cpu = reg.get("cpu").kernels
     assert cpu["rms_norm"].impl == "tvm" and cpu["sparse_attention"].impl == "tvm"
     assert cpu["moe_experts"].impl == "tvm|torch:per-expert"
-    assert cpu["quant_linear"].impl == "tvm|torch:gemm"
+    assert cpu["quant_linear"].impl == "tvm|tvm:vnni|tvm:amx|torch:gemm"
     asc = reg.get("ascend").kernels
     assert asc["sparse_attention"].impl == "torch_npu.npu_sparse_flash_attention|triton"
     assert asc["indexer_topk"].impl == "torch_npu.npu_lightning_indexer|triton"
@@ -314,14 +314,16 @@ def test_cpu_quant_linear_reports_the_path_it_takes(monkeypatch):
     gemv_calls = _spy(monkeypatch, quant, "gemv",
                       result=lambda ctx, x, wp, ws, scheme: torch.zeros(x.shape[0], wp.shape[0]))
     packed, scale = quantize_weight(torch.randn(16, 64), "w8a16")
+    tier = quant.cpu_tier()
     for M in (1, 4, 9):
-        for rows in (0, 4, 2**20):
-            monkeypatch.setitem(quant.ROWS_TVM, "w8a16", rows)
+        for rows in (0, 4, 2**20):  # the table of this CPU's tier, with a crossover at `rows`
+            monkeypatch.setitem(quant.PATHS[tier], "w8a16", ((rows, "tvm"), (None, "torch:gemm")))
             torch_calls.clear()
             gemv_calls.clear()
             _, labels = run_recorded(entry, (torch.randn(M, 64), packed, scale, "w8a16", None))
             assert bool(torch_calls) != bool(gemv_calls)
             assert labels == ["torch:gemm" if torch_calls else "tvm"], (M, rows)
+            assert bool(gemv_calls) == (M <= rows)
 
 
 def test_plugin_api_exports():

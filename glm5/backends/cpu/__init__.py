@@ -6,9 +6,10 @@ target) and declares which ops and dtypes it serves: every op the model calls on
 rope, silu_mul, the DSA indexer and selection, attention, MoE routing and experts, quantized
 linears), so a model run makes no reference fallback. Three kernels choose per call between
 their TVM pipeline and a torch path (`moe_experts` above ``moe.ROWS_TVM`` routed rows,
-`quant_linear` above ``quant.ROWS_TVM[scheme]`` rows, `topk_indices` below ``topk.RADIX_MIN``
-scores a row); they are registered with a wrapper that reports the path taken
-(`glm5.backends.api.report_impl`): "tvm", "torch:per-expert", "torch:gemm" or "torch:topk".
+`quant_linear` per CPU tier, scheme and row count from ``quant.PATHS``, `topk_indices` below
+``topk.RADIX_MIN`` scores a row); they are registered with a wrapper that reports the path
+taken (`glm5.backends.api.report_impl`): "tvm", "tvm:vnni", "tvm:amx", "torch:per-expert",
+"torch:gemm" or "torch:topk".
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _quant_linear_path(x, w_packed, w_scale, scheme, bias=None) -> str | None:
     M, K = x.shape
     if M == 0 or K == 0 or w_packed.shape[0] == 0:
         return None
-    return "tvm" if M <= quant.ROWS_TVM[scheme] else "torch:gemm"
+    return quant.LABELS[quant.path(scheme, M)]
 
 
 def _topk_path(scores, k) -> str | None:
@@ -97,7 +98,7 @@ def _topk_path(scores, k) -> str | None:
 # op -> (the path it takes per call, its static label)
 _CHOOSERS: dict[str, tuple[Callable[..., str | None], str]] = {
     "moe_experts": (_moe_path, "tvm|torch:per-expert"),
-    "quant_linear": (_quant_linear_path, "tvm|torch:gemm"),
+    "quant_linear": (_quant_linear_path, "tvm|tvm:vnni|tvm:amx|torch:gemm"),
     "topk_indices": (_topk_path, "tvm|torch:topk"),
 }
 

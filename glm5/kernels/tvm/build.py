@@ -130,12 +130,17 @@ class TVMContext:
         return target, version
 
     def kernel(self, op: str, key: dict[str, Any], build: Callable[[], Any],
-               symbol: str) -> Callable[..., Any]:
-        """The compiled function ``symbol`` of the PrimFunc/IRModule that ``build()`` returns."""
+               symbol: str, mattr: tuple[str, ...] = ()) -> Callable[..., Any]:
+        """The compiled function ``symbol`` of the PrimFunc/IRModule that ``build()`` returns.
+        ``mattr``: LLVM target features added to the host's (e.g. ``"+amx-int8"``) for a
+        kernel whose caller has checked at run time that this CPU has them."""
         with self._lock:
             target, version = self._key_strings()
-            ident = json.dumps({"op": op, "key": key, "target": target, "tvm": version,
-                                "source": _source_hash(build)}, sort_keys=True, default=str)
+            ident = {"op": op, "key": key, "target": target, "tvm": version,
+                     "source": _source_hash(build)}
+            if mattr:
+                ident["mattr"] = list(mattr)
+            ident = json.dumps(ident, sort_keys=True, default=str)
             h = hashlib.sha256(ident.encode()).hexdigest()[:20]
             if h in self._mem:
                 return self._mem[h][symbol]
@@ -147,7 +152,12 @@ class TVMContext:
             else:
                 import tvm
 
-                ex = tvm.compile(build(), target=self.host_target())
+                tgt = self.host_target()
+                if mattr:
+                    d = dict(tgt.export())
+                    d["mattr"] = list(d.get("mattr", ())) + list(mattr)
+                    tgt = tvm.target.Target(d)
+                ex = tvm.compile(build(), target=tgt)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
                 os.close(fd)

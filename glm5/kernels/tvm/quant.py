@@ -22,14 +22,14 @@ for every scheme at these group sizes; w8a8 is one group of K, K·127² < 2^31 i
 the supports check) and then
 ``y = s_x[m] · Σ_g s_w[n, g] · float(isum_g)`` in fp32.
 
-The kernel is a GEMV with 4-row register blocks: it wins where the op is memory-bound
-(decode, few rows) and up to a few hundred rows. Above ``ROWS_TVM[scheme]`` rows the torch path (`gemm_torch`) runs: w8a16 dequantizes to
-fp32 and calls one sgemm, w8a8 runs exact fp32 sgemms over K-chunks of codes. torch's integer
-CPU kernels (``aten._weight_int8pack_mm``, ``torch._int_mm``) are slower than the TVM GEMV at
-4..64 rows and are not used; the grouped schemes keep the TVM kernel at every
-row count (their torch path pays a full unpack per call). The numbers are in
-docs/performance.md, "quant_linear". Only M, N and K are runtime values: one build per
-(scheme, row block).
+The kernel is a GEMV with 4-row register blocks, written for any LLVM target ("portable").
+Which path serves a call is chosen per CPU tier (`cpu_tier`: AMX, AVX-512 VNNI or neither,
+read from the CPU at run time), scheme and row count from the table `PATHS`: the VNNI GEMV of
+`quant_vnni` (few rows), the AMX tile GEMM of `quant_amx` (more rows), this module's GEMV, or
+`gemm_torch` (w8a16: dequantize to fp32 and one sgemm; w8a8: exact fp32 sgemms over K-chunks
+of codes). The crossovers are measured by bench/cpu_quant_linear.py (--paths) and listed in
+docs/performance.md, "CPU quantized linears". Only M, N and K are runtime values: one build
+per (scheme, row block).
 """
 
 from __future__ import annotations
@@ -51,9 +51,51 @@ REV = 2
 VL = 16  # lanes (AVX-512: 16 fp32 / int32)
 MB = 4  # activation rows per weight-vector unpack (fewer rows than MB: a 1-row build)
 DTYPES = (torch.float32, torch.bfloat16)
-# Rows up to which the TVM GEMV is used; above, `gemm_torch` (the crossover of w8a16 and w8a8
-# lies between 256 and 512 rows at K=N=4096; grouped schemes keep TVM: docs/performance.md).
-ROWS_TVM = {"w8a16": 384, "w8a8": 384, "w4a8": 2**31, "w6a12": 2**31}
+# The path per CPU tier (`cpu_tier`), scheme and row count M: the first (max rows, path) entry
+# with M <= max rows (None: any) wins. Paths: "vnni" the VNNI GEMV (`quant_vnni`, MB = 1 row
+# at M = 1, else 4-row blocks), "amx" the AMX tile GEMM (`quant_amx`), "tvm" the portable GEMV
+# of this module, "torch:gemm" `gemm_torch`. Crossovers measured side by side with
+# bench/cpu_quant_linear.py at K = N = 4096 (docs/performance.md, "CPU quantized linears"; the
+# "vnni" row on the AMX host with AMX left out); "portable" is what any other host runs (the
+# earlier measurements of an AVX2 host).
+PATHS: dict[str, dict[str, tuple[tuple[int | None, str], ...]]] = {
+    "amx": {"w8a16": ((4, "vnni"), (None, "amx")),
+            "w8a8": ((1, "vnni"), (None, "amx")),
+            "w4a8": ((1, "vnni"), (None, "amx")),
+            "w6a12": ((2, "vnni"), (None, "amx"))},
+    "vnni": {"w8a16": ((384, "vnni"), (None, "torch:gemm")),
+             "w8a8": ((None, "vnni"),),
+             "w4a8": ((None, "vnni"),),
+             "w6a12": ((None, "vnni"),)},
+    "portable": {"w8a16": ((384, "tvm"), (None, "torch:gemm")),
+                 "w8a8": ((384, "tvm"), (None, "torch:gemm")),
+                 "w4a8": ((None, "tvm"),),
+                 "w6a12": ((None, "tvm"),)},
+}
+LABELS = {"tvm": "tvm", "vnni": "tvm:vnni", "amx": "tvm:amx", "torch:gemm": "torch:gemm"}
+_tier: list[str] = []
+
+
+def cpu_tier() -> str:
+    """The CPU's tier for `PATHS`, from its features read at run time (once): "amx" (AMX-INT8
+    and AMX-BF16 usable, and AVX-512 VNNI), "vnni" (AVX-512 VNNI, BW, VBMI), else
+    "portable"."""
+    if not _tier:
+        from glm5.kernels.tvm.quant_amx import amx_available
+        from glm5.kernels.tvm.quant_vnni import vnni_available
+
+        vnni = vnni_available()[0]
+        _tier.append("amx" if vnni and amx_available()[0] else "vnni" if vnni else "portable")
+    return _tier[0]
+
+
+def path(scheme: str, M: int, tier: str | None = None) -> str:
+    """The path `quant_linear` takes for ``M`` rows of ``scheme`` on ``tier`` (default: this
+    CPU's), from `PATHS`."""
+    for rows, p in PATHS[tier or cpu_tier()][scheme]:
+        if rows is None or M <= rows:
+            return p
+    raise AssertionError(f"glm5 quant_linear: PATHS[{tier!r}][{scheme!r}] has no catch-all")
 
 # (bytes per unit, values per unit) of each weight width
 _UNIT = {8: (1, 1), 4: (1, 2), 6: (3, 4)}
@@ -267,6 +309,24 @@ def gemm_torch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     return sx[:, None] * (isum.to(f32) * w_scale.to(f32)[None])
 
 
+def _run(p: str, context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
+         w_scale: torch.Tensor, scheme: str) -> torch.Tensor:
+    """Path ``p`` of `PATHS` on a non-empty product: fp32 ``[M, N]`` without bias."""
+    if p == "vnni":
+        from glm5.kernels.tvm.quant_vnni import gemv_vnni
+
+        return gemv_vnni(context, x, w_packed, w_scale, scheme, 1 if x.shape[0] == 1 else MB)
+    if p == "amx":
+        from glm5.kernels.tvm.quant_amx import gemm_amx
+
+        return gemm_amx(context, x, w_packed, w_scale, scheme)
+    if p == "tvm":
+        return gemv(context, x, w_packed, w_scale, scheme)
+    if p == "torch:gemm":
+        return gemm_torch(x, w_packed, w_scale, scheme)
+    raise ValueError(f"glm5 quant_linear: path expected one of {sorted(LABELS)}, got {p!r}")
+
+
 def quant_linear(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
                  w_scale: torch.Tensor, scheme: str, bias: torch.Tensor | None = None
                  ) -> torch.Tensor:
@@ -276,10 +336,8 @@ def quant_linear(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Te
     N = w_packed.shape[0]
     if M == 0 or N == 0 or K == 0:
         y = torch.zeros(M, N, dtype=torch.float32)
-    elif M <= ROWS_TVM[scheme]:
-        y = gemv(context, x, w_packed, w_scale, scheme)
     else:
-        y = gemm_torch(x, w_packed, w_scale, scheme)
+        y = _run(path(scheme, M), context, x, w_packed, w_scale, scheme)
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype)
@@ -346,9 +404,17 @@ def _int32_exact(scheme: str, K: int) -> bool:
     return n * sc.act_qmax * sc.weight_qmax < 2**31
 
 
+def _int32_indexed(M: int, K: int, N: int) -> bool:
+    """Every buffer of every path indexes with int32: x and its laid-out copies (up to three
+    planes, rows padded to 16, K to 128), y [M, N]."""
+    return 3 * (-(-M // 16) * 16) * (-(-K // 128) * 128) < 2**31 and M * N < 2**31
+
+
 def _ql_supports(x, w_packed, w_scale, scheme, bias=None) -> bool:
     return (x.dtype in DTYPES and scheme in SCHEMES and _cpu(x, w_packed, w_scale, bias)
-            and x.dim() == 2 and _int32_exact(scheme, x.shape[1]) and w_packed.numel() < 2**31)
+            and x.dim() == 2 and _int32_exact(scheme, x.shape[1]) and w_packed.numel() < 2**31
+            and w_packed.dim() == 2
+            and _int32_indexed(x.shape[0], x.shape[1], w_packed.shape[0]))
 
 
 def _meq_supports(x, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, scheme) -> bool:

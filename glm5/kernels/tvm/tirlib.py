@@ -4,6 +4,7 @@ per-context memo of compiled kernels."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import torch
@@ -66,3 +67,33 @@ def cached(ctx: Any, key: tuple, get: Callable[[], Callable[..., Any]]) -> Calla
     if fn is None:
         fn = fns[key] = get()
     return fn
+
+
+_local = threading.local()
+
+
+SCRATCH_KEEP = 32 * 2**20  # bytes: larger scratch buffers are allocated per call, not kept
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A per-thread buffer reused across calls (contents undefined) for a kernel's inputs and
+    scratch: a fresh allocation of a few MiB is a fresh ``mmap`` whose pages fault on first
+    touch, every call. Buffers above ``SCRATCH_KEEP`` bytes are not kept (a long prefill
+    must not pin its activations' memory; its own run time dwarfs the page faults)."""
+    n = 1
+    for d in shape:
+        n *= d
+    with torch.inference_mode(False):  # an inference tensor could not be written outside
+        if n * dtype.itemsize > SCRATCH_KEEP:
+            return torch.empty(shape, dtype=dtype)
+        bufs = _local.__dict__.setdefault("bufs", {})
+        b = bufs.get((name, dtype))
+        if b is None or b.numel() < n:
+            b = bufs[(name, dtype)] = torch.empty(n, dtype=dtype)
+    return b[:n].view(shape)
+
+
+def fresh(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor a kernel writes its result into (the caller keeps it). One place, so that
+    a test can hand out buffers with guard bytes around them."""
+    return torch.empty(shape, dtype=dtype)

@@ -1,0 +1,457 @@
+"""cpu `quant_linear` beyond the portable GEMV: the AVX-512 VNNI GEMV (`quant_vnni`), the AMX
+tile GEMM (`quant_amx`), their activation preparation, and the per-CPU-tier path table
+(`quant.PATHS`), against the float64 oracle and the kit's tolerance for the op.
+
+Shapes cross every boundary of the kernels: K not a multiple of a weight vector (64 bytes),
+of a tile chunk (64 int8 / 32 bf16 codes) or of a scale group (128); N not a multiple of the
+GEMV's 8-row steps or of the 32-row n-blocks; M around the 4-row blocks, the 16-row tiles
+and the 32-row tile pairs; AMX tasks with several n-blocks, with rows split between tasks,
+and w8a8 tiles loaded straight from the weight. The kernels run only where this CPU has
+the instructions (tests skip otherwise); the path table is checked on every tier.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("tvm")
+
+import glm5  # noqa: E402
+from glm5.backends.api import run_recorded  # noqa: E402
+from glm5.ir.quant_formats import SCHEMES, quantize_per_token_ref, quantize_weight  # noqa: E402
+from glm5.kernels.tvm import quant, quant_amx, quant_vnni  # noqa: E402
+from glm5.kernels.tvm.build import TVMContext  # noqa: E402
+from glm5.testing.compare import assert_matches  # noqa: E402
+from glm5.testing.parity import format_table, run_parity  # noqa: E402
+
+VNNI = quant_vnni.vnni_available()[0]
+AMX = VNNI and quant_amx.amx_available()[0]
+needs_vnni = pytest.mark.skipif(not VNNI, reason=quant_vnni.vnni_available()[1])
+needs_amx = pytest.mark.skipif(not AMX, reason=quant_amx.amx_available()[1])
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    return TVMContext(cache_dir=tmp_path_factory.mktemp("tvm_quant_x86"))
+
+
+def _case(M: int, K: int, N: int, scheme: str, dtype: torch.dtype, seed: int = 0,
+          halves: bool = False) -> dict:
+    """Values of one quant_linear call; ``halves``: a row whose quotients x / s_x are exact
+    halves (ties of the activation quantizer, which must round to even like the oracle)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * 3
+    x[0, 0] = 40.0  # a large value: that row's codes reach ±qmax
+    if halves and SCHEMES[scheme].act_bits is not None:
+        qmax = SCHEMES[scheme].act_qmax
+        s = 0.25  # a power of two: x / s exact
+        row = (torch.randint(-qmax, qmax - 1, (K,), generator=g) + 0.5) * s
+        row[0] = qmax * s  # amax = qmax·s: the scale is exactly s
+        x[-1] = row
+    wp, ws = quantize_weight(torch.randn(N, K, generator=g) * K ** -0.5, scheme)
+    return {"x": x.to(dtype), "w_packed": wp, "w_scale": ws, "scheme": scheme, "bias": None}
+
+
+def _check(got: torch.Tensor, vals: dict, what: str) -> None:
+    """A path's fp32 [M, N] judged as the op's output: rounded once to x's dtype."""
+    assert got.dtype == torch.float32 and got.shape == (vals["x"].shape[0],
+                                                        vals["w_packed"].shape[0]), what
+    assert_matches("quant_linear", got.to(vals["x"].dtype), vals, what=what)
+
+
+# K: below one vector, not a multiple of 64 / 128 / 48 bytes, exact multiples; N: around the
+# GEMV's 8-row steps
+GEMV_SHAPES = ((1, 7, 3), (1, 331, 37), (1, 256, 8), (3, 200, 50), (4, 129, 17),
+               (5, 1000, 9), (9, 130, 70), (2, 4096, 16))
+
+
+@needs_vnni
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_vnni_gemv_matches_oracle(ctx, scheme):
+    for dtype in (F32, BF16):
+        for i, (M, K, N) in enumerate(GEMV_SHAPES):
+            vals = _case(M, K, N, scheme, dtype, seed=i, halves=M > 1)
+            for mb in (1, 4):
+                got = quant_vnni.gemv_vnni(lambda: ctx, vals["x"], vals["w_packed"],
+                                           vals["w_scale"], scheme, mb)
+                _check(got, vals, f"vnni mb={mb} M={M} K={K} N={N} {dtype}")
+
+
+@needs_vnni
+def test_vnni_byte_operand_types_fall_back(tmp_path, monkeypatch):
+    """LLVM releases disagree on vpdpbusd's operand types: with the wrong form first, the
+    build falls back to the other one and the result is right."""
+    monkeypatch.setattr(quant_vnni, "BYTE_OPERANDS", tuple(reversed(quant_vnni.BYTE_OPERANDS)))
+    c = TVMContext(cache_dir=tmp_path)
+    vals = _case(3, 200, 20, "w4a8", F32)
+    got = quant_vnni.gemv_vnni(lambda: c, vals["x"], vals["w_packed"], vals["w_scale"], "w4a8", 4)
+    _check(got, vals, "vnni, second operand form")
+    assert [b["key"]["bytes"] for b in c.builds if b["op"] == "quant_linear_vnni"] == [
+        quant_vnni.BYTE_OPERANDS[1]]
+
+
+@needs_vnni
+def test_vnni_gemv_row_chunks(ctx, monkeypatch):
+    """Many rows: x goes through the GEMV in chunks that stay in L2 (here one 4-row block
+    each, and chunks of 8 with a short last one): every chunk's rows are right."""
+    for xchunk in (1, 8 * 4096):  # bytes: one block per chunk; 8 rows of K = 4096 bytes
+        monkeypatch.setattr(quant_vnni, "XCHUNK", xchunk)
+        for scheme in SCHEMES:
+            vals = _case(22, 4096 if xchunk > 1 else 200, 19, scheme, F32, seed=5)
+            got = quant_vnni.gemv_vnni(lambda: ctx, vals["x"], vals["w_packed"],
+                                       vals["w_scale"], scheme, 4)
+            _check(got, vals, f"vnni chunks of {xchunk} bytes {scheme}")
+
+
+# (M, K, N): partial tiles; whole 16 x 16 tiles (the transposed store); rows split between
+# tasks (N = 32: one n-block); several n-blocks per task (N = 640); w8a8 loading whole tiles
+# from the weight (K % 64 == 0) and from the scratch (K % 64 != 0); int6 rows whose last
+# 64-byte load would leave the row (K = 1000), or shorter than one load (K = 7); one row;
+# nine row tiles; a last row tile one row short of whole (M = 47)
+AMX_SHAPES = ((3, 331, 37), (17, 200, 50), (16, 64, 16), (32, 128, 64), (70, 256, 32),
+              (20, 128, 640), (33, 130, 70), (40, 1000, 33), (1, 4096, 48), (15, 7, 5),
+              (130, 96, 40), (47, 64, 48))
+
+
+@needs_amx
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_amx_gemm_matches_oracle(ctx, scheme):
+    for dtype in (F32, BF16):
+        for i, (M, K, N) in enumerate(AMX_SHAPES):
+            vals = _case(M, K, N, scheme, dtype, seed=i, halves=M > 1)
+            got = quant_amx.gemm_amx(lambda: ctx, vals["x"], vals["w_packed"],
+                                     vals["w_scale"], scheme)
+            _check(got, vals, f"amx M={M} K={K} N={N} {dtype}")
+
+
+def _amx_codes(xb: torch.Tensor, M: int, K: int, bits: int) -> torch.Tensor:
+    """Undo `quant_amx.activations`' tile layout: int32 codes [M, K] (planes combined)."""
+    P, Mt, NC = xb.shape[0], xb.shape[1], xb.shape[2]
+    q = (xb.view(P, Mt, NC, 16, 16, 4).permute(0, 1, 4, 2, 3, 5).reshape(P, Mt * 16, NC * 64)
+         .to(torch.int32))
+    q = q[0] * 16 + q[1] if P == 2 else q[0]
+    out = torch.empty_like(q)
+    out[:, quant_amx.kpermutation(bits, NC * 64)] = q
+    assert not out[M:].any() and not out[:, K:].any()  # the padding is zero
+    return out[:M, :K]
+
+
+@needs_amx
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8", "w6a12"])
+def test_amx_activation_codes_are_the_oracles(ctx, scheme):
+    """The TVM quantizer gives quantize_per_token_ref's codes and scales bit for bit (ties
+    included), in the tile layout the weight's unpacking expects."""
+    sc = SCHEMES[scheme]
+    for dtype in (F32, BF16):
+        for M, K in ((3, 331), (17, 64), (33, 1000)):
+            x = _case(M, K, 1, scheme, dtype, seed=K, halves=True)["x"]
+            xb, sx = quant_amx.activations(lambda: ctx, x, scheme)
+            want_q, want_s = quantize_per_token_ref(x, sc.act_bits)
+            assert torch.equal(_amx_codes(xb, M, K, sc.weight_bits), want_q.to(torch.int32))
+            assert torch.equal(sx[:M], want_s) and torch.equal(sx[M:], torch.ones(len(sx) - M))
+
+
+@needs_amx
+def test_amx_bf16_planes_are_exact(ctx):
+    """w8a16's activation: rows scaled by 2^e, then hi + mid + lo == x·2^e exactly (fp32 x),
+    one plane equal to x·2^e (bf16 x); sx = 2^-e undoes the scaling exactly."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 70, generator=g)
+    x[1] *= 1e-30
+    x[2] *= 1e30
+    x[3] = 0.0
+    x[4, :3] = torch.tensor([3.3e38, -1e-38, 1.0])
+    x[5] = torch.randn(70, generator=g) * torch.logspace(-20, 20, 70)
+    for dtype in (F32, BF16):
+        xd = x.to(dtype)
+        xb, sx = quant_amx.activations(lambda: ctx, xd, "w8a16")
+        P, Mt, NC = xb.shape[:3]
+        planes = (xb.view(torch.bfloat16).view(P, Mt, NC, 16, 16, 2).permute(0, 1, 4, 2, 3, 5)
+                  .reshape(P, Mt * 16, NC * 32).to(torch.float64))[:, :6, :70]
+        assert P == (3 if dtype == F32 else 1)
+        scaled = xd.to(torch.float64) / sx[:6, None].to(torch.float64)
+        # exact down to 2^-100 of the row's largest (then fp32 underflow: an error below
+        # 2^-100 of it, which the tile unit would flush anyway)
+        big = scaled.abs() >= 2.0**-100
+        assert big.sum() > 250
+        assert torch.equal(planes.sum(0)[big], scaled[big]), dtype
+        assert ((planes.sum(0) - scaled)[~big].abs() <= 2.0**-100).all(), dtype
+        assert ((sx[:6].log2() % 1) == 0).all()  # powers of two
+        amax = scaled.abs().amax(1)
+        # [1, 2); a row reaching 2^127 is scaled by 2^-126 at most (2^-127 is not normal)
+        top = xd.to(torch.float64).abs().amax(1) >= 2.0**127
+        assert (((amax >= 1) & (amax < 2)) | (top & (amax >= 2) & (amax < 4))
+                | (amax == 0)).all(), amax
+
+
+@needs_vnni
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8", "w6a12"])
+def test_vnni_activation_codes_and_corrections(ctx, scheme):
+    """The GEMV's x layout holds the oracle's codes; corr[m, g, lane] is the weight bias times
+    the sum of the codes that lane multiplies in group g."""
+    sc = SCHEMES[scheme]
+    M, K = 3, 331
+    x = _case(M, K, 1, scheme, F32, seed=2, halves=True)["x"]
+    VV = quant_vnni._vals_per_vec(sc.weight_bits)
+    Kv = -(-K // VV) * VV
+    P = 2 if sc.act_bits == 12 else 1
+    G = -(-K // 128) if sc.grouped else 1
+    xq = torch.empty(P, M, Kv, dtype=torch.int8)
+    corr = torch.empty(M, G, 16, dtype=torch.int32)
+    sx = torch.empty(M)
+    quant_vnni._prep_fn(lambda: ctx, scheme, "float32")(x, xq, corr, sx, M, K)
+    want_q, want_s = quantize_per_token_ref(x, sc.act_bits)
+    q = xq[0].to(torch.int32) * 16 + xq[1].to(torch.int32) if P == 2 else xq[0].to(torch.int32)
+    nat = torch.empty_like(q)
+    nat[:, quant_vnni._x_permutation(sc.weight_bits, Kv)] = q
+    assert torch.equal(nat[:, :K], want_q.to(torch.int32)) and not nat[:, K:].any()
+    assert torch.equal(sx, want_s)
+    lane = (torch.arange(Kv) % 64) // 4  # lane of each x position
+    grp = (quant_vnni._x_permutation(sc.weight_bits, Kv) // 128 if sc.grouped
+           else torch.zeros(Kv, dtype=torch.long))
+    want = torch.zeros(M, G, 16, dtype=torch.int32)
+    want.index_put_((torch.arange(M)[:, None], grp[None], lane[None]), q, accumulate=True)
+    assert torch.equal(corr, quant_vnni.BIAS[sc.weight_bits] * want)
+
+
+def test_kernels_write_inside_their_buffers(ctx, monkeypatch):
+    """Every buffer the VNNI and AMX paths write (tiled x, scales, corrections, per-thread
+    scratch, the output) gets 4 KiB of guard bytes on both sides: after the boundary shapes
+    of every scheme ran, every guard byte is intact."""
+    from glm5.kernels.tvm import tirlib
+
+    GUARD, FILL = 4096, 0xA5
+    bufs = []
+
+    def guarded(shape, dtype, *_):
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty(0, dtype=dtype).element_size()
+        raw = torch.full((nbytes + 2 * GUARD,), FILL, dtype=torch.uint8)
+        bufs.append((raw, nbytes, shape))
+        return raw[GUARD:GUARD + nbytes].view(dtype).view(shape)
+
+    monkeypatch.setattr(tirlib, "scratch", lambda name, shape, dtype: guarded(shape, dtype))
+    monkeypatch.setattr(tirlib, "fresh", guarded)
+    runs = []
+    if VNNI:
+        runs += [(lambda x, wp, ws, s, mb=mb: quant_vnni.gemv_vnni(lambda: ctx, x, wp, ws, s, mb),
+                  GEMV_SHAPES) for mb in (1, 4)]
+    if AMX:
+        runs += [(lambda x, wp, ws, s: quant_amx.gemm_amx(lambda: ctx, x, wp, ws, s),
+                  AMX_SHAPES)]
+    if not runs:
+        pytest.skip("no VNNI / AMX on this CPU")
+    for fn, shapes in runs:
+        for scheme in SCHEMES:
+            for dtype in (F32, BF16):
+                for i, (M, K, N) in enumerate(shapes):
+                    vals = _case(M, K, N, scheme, dtype, seed=i)
+                    fn(vals["x"], vals["w_packed"], vals["w_scale"], scheme)
+    assert bufs
+    for raw, nbytes, shape in bufs:
+        assert (raw[:GUARD] == FILL).all() and (raw[GUARD + nbytes:] == FILL).all(), shape
+
+
+def test_scratch_buffers_are_reused_up_to_a_size(monkeypatch):
+    """Per-thread scratch is reused across calls (no fresh pages each call), but a buffer above
+    SCRATCH_KEEP bytes is allocated per call and not kept."""
+    from glm5.kernels.tvm import tirlib
+
+    a = tirlib.scratch("t_small", (4, 8), torch.int32)
+    b = tirlib.scratch("t_small", (2, 8), torch.int32)
+    assert a.data_ptr() == b.data_ptr() and b.shape == (2, 8)
+    monkeypatch.setattr(tirlib, "SCRATCH_KEEP", 64)
+    c = tirlib.scratch("t_big", (32,), torch.int32)  # 128 bytes
+    d = tirlib.scratch("t_big", (32,), torch.int32)
+    assert c.data_ptr() != d.data_ptr()
+    assert ("t_big", torch.int32) not in tirlib._local.bufs
+
+
+# --------------------------------------------------------------------------- the path table
+def test_path_table_boundaries():
+    """`quant.path` picks, for every tier and scheme, the entry of `PATHS` whose row bound is
+    the first >= M: at each bound its own path, one row above it the next entry's."""
+    for tier, table in quant.PATHS.items():
+        assert set(table) == set(SCHEMES), tier
+        for scheme, entries in table.items():
+            assert entries[-1][0] is None, (tier, scheme)  # a catch-all last
+            bounds = [r for r, _ in entries[:-1]]
+            assert bounds == sorted(set(bounds)) and all(b >= 1 for b in bounds)
+            assert all(p in quant.LABELS for _, p in entries)
+            assert quant.path(scheme, 1, tier) == entries[0][1]
+            for (r, p), (_, nxt) in zip(entries, entries[1:]):
+                assert quant.path(scheme, r, tier) == p, (tier, scheme, r)
+                assert quant.path(scheme, r + 1, tier) == nxt, (tier, scheme, r + 1)
+            assert quant.path(scheme, 10**7, tier) == entries[-1][1]
+
+
+def test_cpu_tier_from_features(monkeypatch):
+    """amx needs AMX and VNNI; vnni needs VNNI; the tier is read once and kept."""
+    for amx, vnni, want in ((True, True, "amx"), (False, True, "vnni"), (True, False, "portable"),
+                            (False, False, "portable")):
+        monkeypatch.setattr(quant, "_tier", [])
+        monkeypatch.setattr(quant_amx, "amx_available", lambda a=amx: (a, "t"))
+        monkeypatch.setattr(quant_vnni, "vnni_available", lambda v=vnni: (v, "t"))
+        assert quant.cpu_tier() == want
+        monkeypatch.setattr(quant_vnni, "vnni_available", lambda: (not vnni, "t"))
+        assert quant.cpu_tier() == want  # cached
+
+
+@pytest.mark.parametrize("tier", list(quant.PATHS))
+def test_served_op_runs_and_reports_the_tables_path(monkeypatch, tier):
+    """The cpu backend's quant_linear runs the path `PATHS` names for (tier, scheme, M) and
+    reports its label; empty products run nothing."""
+    entry = glm5.get_registry().get("cpu").kernels["quant_linear"]
+    ran = []
+
+    def fake(p, context, x, wp, ws, scheme):
+        ran.append(p)
+        return torch.zeros(x.shape[0], wp.shape[0])
+
+    monkeypatch.setattr(quant, "_tier", [tier])
+    monkeypatch.setattr(quant, "_run", fake)
+    for scheme in SCHEMES:
+        wp, ws = quantize_weight(torch.randn(16, 64), scheme)
+        bounds = [r for r, _ in quant.PATHS[tier][scheme] if r is not None]
+        for M in sorted({1, 2, 3, *bounds, *(b + 1 for b in bounds), 600}):
+            ran.clear()
+            y, labels = run_recorded(entry, (torch.randn(M, 64), wp, ws, scheme, None))
+            want = quant.path(scheme, M, tier)
+            assert ran == [want] and labels == [quant.LABELS[want]], (scheme, M)
+            assert y.shape == (M, 16)
+        ran.clear()
+        _, labels = run_recorded(entry, (torch.randn(0, 64), wp, ws, scheme, None))
+        assert ran == [] and labels == [entry.impl]
+
+
+def _paths_here() -> list[str]:
+    return [p for p, ok in (("vnni", VNNI), ("amx", AMX), ("tvm", True), ("torch:gemm", True))
+            if ok]
+
+
+@pytest.fixture(scope="module")
+def backend(ctx):
+    b = glm5.Backend("cpu_quant_x86_test", vendor="t", device_type="cpu")
+    for op, fn, dtypes, supports in quant.kernels(lambda: ctx):
+        b.kernel(op, dtypes=dtypes, supports=supports)(fn)
+    return b
+
+
+@pytest.mark.parametrize("p", _paths_here())
+def test_every_path_passes_parity(backend, monkeypatch, p):
+    """quant_linear with every row count sent down one path: the kit's edge and tile cases
+    (fp32 and bf16, biases, activations with exact ties) all within the op's tolerance."""
+    monkeypatch.setitem(quant.PATHS, quant.cpu_tier(), {s: ((None, p),) for s in SCHEMES})
+    rows = run_parity(backend, ["quant_linear"], examples=4, seed=11, profile="smoke")
+    assert rows and all(r.status == "pass" for r in rows), format_table(rows)
+
+
+@pytest.mark.parametrize("p", _paths_here())
+def test_every_path_takes_strided_inputs(ctx, monkeypatch, p):
+    """x (every other column), the packed weight and the scales (rows with gaps) as strided
+    views: the same result as from contiguous copies."""
+    g = torch.Generator().manual_seed(8)
+    for scheme in SCHEMES:
+        for M in (1, 5, 33):
+            vals = _case(M, 200, 40, scheme, F32, seed=M)
+            wp, ws = vals["w_packed"], vals["w_scale"]
+            x_s = torch.randn(M, 400, generator=g)[:, ::2]
+            x_s.copy_(vals["x"])
+            wp_s = torch.zeros(40, wp.shape[1] + 9, dtype=wp.dtype)[:, 5:5 + wp.shape[1]]
+            wp_s.copy_(wp)
+            ws_s = torch.zeros(*ws.shape[:-1], ws.shape[-1] + 3)[..., 1:1 + ws.shape[-1]] \
+                if ws.dim() == 2 else torch.zeros(80)[::2]
+            ws_s.copy_(ws)
+            assert not (x_s.is_contiguous() or wp_s.is_contiguous() or ws_s.is_contiguous())
+            got = quant._run(p, lambda: ctx, x_s, wp_s, ws_s, scheme)
+            want = quant._run(p, lambda: ctx, vals["x"], wp, ws, scheme)
+            assert torch.equal(got, want), (scheme, M)
+
+
+def test_kernels_decline_what_int32_indexing_cannot_reach():
+    """A call whose x (in any layout of any path: up to three planes of 16-row, 128-code
+    padding) or y has 2^31 elements or more is declined (the op then passes to the next
+    candidate), not silently wrapped around. Shapes only: the tensors are expanded views."""
+    sup = [s for op, _, _, s in quant.kernels(lambda: None) if op == "quant_linear"][0]
+
+    def x(M, K):
+        return torch.empty(1, 1).expand(M, K)
+
+    wp, ws = quantize_weight(torch.randn(16, 64), "w4a8")
+    assert sup(x(4, 64), wp, ws, "w4a8") and sup(x(2**20, 64), wp, ws, "w4a8")
+    wp1, ws1 = quantize_weight(torch.randn(1, 64), "w4a8")
+    wide = (wp1.expand(2**20, wp1.shape[1]), ws1.expand(2**20, ws1.shape[1]))
+    assert not sup(x(2**11, 64), *wide, "w4a8")  # y: 2^31 elements
+    assert sup(x(2**11 - 1, 64), *wide, "w4a8")
+    wk, sk = quantize_weight(torch.randn(2, 2**10), "w4a8")
+    assert sup(x(2**19, 2**10), wk, sk, "w4a8")  # 3 planes: 1.6e9
+    assert not sup(x(2**20, 2**10), wk, sk, "w4a8")  # 3.2e9
+
+
+def test_new_kernels_build_once_and_load_from_disk(ctx, tmp_path):
+    """New M, N, K reuse the built VNNI / AMX kernels (all three are runtime values); a fresh
+    context on the same cache directory loads them instead of compiling."""
+    todo = [p for p in ("vnni", "amx") if p in _paths_here()]
+    if not todo:
+        pytest.skip("no VNNI / AMX on this CPU")
+    c1 = TVMContext(cache_dir=tmp_path)
+    g = torch.Generator().manual_seed(4)
+
+    def run(c, M, K, N):
+        wp, ws = quantize_weight(torch.randn(N, K, generator=g), "w4a8")
+        for p in todo:
+            quant._run(p, lambda: c, torch.randn(M, K, generator=g), wp, ws, "w4a8")
+
+    run(c1, 3, 200, 40)
+    built = [b["how"] for b in c1.builds]
+    assert built and set(built) == {"built"}
+    run(c1, 5, 300, 70)
+    run(c1, 2, 64, 9)
+    assert len(c1.builds) == len(built)
+    c2 = TVMContext(cache_dir=tmp_path)
+    run(c2, 3, 200, 40)
+    assert [b["how"] for b in c2.builds] == ["loaded"] * len(built)
+
+
+def test_choosing_a_path_imports_no_tvm():
+    """The path table and the CPU tier need no compiler: `import tvm` stays lazy."""
+    code = ("import sys, glm5.kernels.tvm.quant as q; q.path('w4a8', 1); q.path('w8a16', 999);"
+            "assert 'tvm' not in sys.modules, 'tvm imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_bench_script_writes_its_table(tmp_path, monkeypatch):
+    """bench/cpu_quant_linear.py at a tiny shape: one row per (M, scheme, x dtype) naming the
+    path `PATHS` chooses, the dense timings and ratios, GB/s at M = 1; --paths adds a row per
+    (M, scheme, dtype) with every path of this CPU's tier timed."""
+    monkeypatch.setenv("GLM5_STRICT", "1")
+    spec = importlib.util.spec_from_file_location(
+        "cpu_quant_linear_bench", Path(__file__).parents[1] / "bench" / "cpu_quant_linear.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    assert bench.main(["--ms", "1,3", "--k", "64", "--n", "32", "--rounds", "1", "--budget",
+                       "0", "--dtypes", "float32,bfloat16", "--paths", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    tier = quant.cpu_tier()
+    assert d["tier"] == tier and d["features"]["flags"] and d["cpu"]
+    assert {(r["M"], r["scheme"], r["dtype"]) for r in d["rows"]} == {
+        (M, s, dt) for M in (1, 3) for s in SCHEMES for dt in ("float32", "bfloat16")}
+    for r in d["rows"]:
+        assert r["path"] == quant.LABELS[quant.path(r["scheme"], r["M"], tier)], r
+        assert r["ms"] > 0 and set(r["dense_ms"]) >= {"fp32", "bf16"}
+        assert r["x_fp32"] == pytest.approx(r["dense_ms"]["fp32"] / r["ms"])
+        assert (r["gbps"] is not None) == (r["M"] == 1)
+    assert len(d["paths"]) == len(d["rows"])
+    assert all(set(p["ms"]) == set(bench._paths(tier)) for p in d["paths"])
