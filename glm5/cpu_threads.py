@@ -122,8 +122,8 @@ def _ancestors(path: str) -> list[str]:
         p = os.path.dirname(p)
 
 
-def cgroup_cpu_quota(root: str = CGROUP_ROOT,
-                     self_cgroup: str = SELF_CGROUP) -> tuple[float, str] | None:
+def cgroup_cpu_quota(root: str | None = None,
+                     self_cgroup: str | None = None) -> tuple[float, str] | None:
     """The tightest CPU quota over this process's cgroup and its ancestors, in CPUs, and the
     file that sets it; None where no quota applies (or cgroups cannot be read).
 
@@ -131,8 +131,9 @@ def cgroup_cpu_quota(root: str = CGROUP_ROOT,
     v1 (a line whose controllers include ``cpu``): ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``
     under the ``cpu`` hierarchy's mount (-1: none). Inside a container the mount often is the
     container's own cgroup while the listed path is the host's: the mount's top directory is
-    checked too."""
-    text = _read(self_cgroup)
+    checked too. ``root`` / ``self_cgroup`` default to `CGROUP_ROOT` / `SELF_CGROUP`."""
+    root = CGROUP_ROOT if root is None else root
+    text = _read(SELF_CGROUP if self_cgroup is None else self_cgroup)
     if not text:
         return None
     found: list[tuple[float, str]] = []
