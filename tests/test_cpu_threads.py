@@ -246,14 +246,16 @@ def test_import_glm5_first_makes_torchs_openmp_sleep():
 
 # ----------------------------------------------------------------------------- TVM placement
 @pytest.mark.slow  # a fresh Python running a TVM kernel
-def test_tvm_pool_keeps_the_process_affinity():
-    """TVM pinned its calling thread to CPU 0 even when the process may only run on another
-    CPU (and its workers to one core each); with TVM_BIND_THREADS=0 the mask stays the one the
-    process was given."""
+def test_tvm_pool_size_from_the_decision_and_the_process_affinity_kept():
+    """In a fresh process given one CPU and GLM5_CPU_THREADS=n (n: the machine's CPUs, at most
+    4; TVM caps its pool there, and its own default is half of them): TVM's pool and torch's
+    have n threads, and every thread stays on the one CPU. (TVM pinned its calling thread to
+    CPU 0 when its pool started, even where the process may only run on another CPU, and each
+    worker to one core; TVM_BIND_THREADS=0 leaves the mask the process was given.)"""
     pytest.importorskip("tvm")
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if len(cpus) < 2:
-        pytest.skip("needs 2 CPUs: one to run on, one TVM would move the thread to")
+    if len(cpus) < 2 or cpus[-1] == 0:
+        pytest.skip("needs 2 CPUs: one to run on, CPU 0 for TVM to move the thread to")
     code = textwrap.dedent(f"""
         import json, os
         os.sched_setaffinity(0, {{{cpus[-1]}}})
@@ -261,16 +263,20 @@ def test_tvm_pool_keeps_the_process_affinity():
         x = torch.randn(4, 64)
         with glm5.use_backend("cpu"):
             glm5.ops.rms_norm(x, torch.ones(64), 1e-6)
-        print(json.dumps({{"affinity": sorted(os.sched_getaffinity(0)),
-                          "threads": [sorted(os.sched_getaffinity(int(t)))
-                                      for t in os.listdir("/proc/self/task")]}}))
+        from glm5.kernels.tvm.sparse_attention import threads
+        print(json.dumps({{"tvm_threads": threads(), "torch_threads": torch.get_num_threads(),
+                          "affinity": [sorted(os.sched_getaffinity(int(t)))
+                                       for t in os.listdir("/proc/self/task")]}}))
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT),
                                                         os.environ.get("PYTHONPATH", "")]))
-    env.pop("TVM_BIND_THREADS", None)
+    for k in ("TVM_BIND_THREADS", "TVM_NUM_THREADS", "OMP_NUM_THREADS"):
+        env.pop(k, None)
+    n = min(os.cpu_count() or 1, 4)
+    env[cpu_threads.OVERRIDE] = str(n)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    assert r["affinity"] == [cpus[-1]]
-    assert all(t == [cpus[-1]] for t in r["threads"]), r
+    assert r["tvm_threads"] == n and r["torch_threads"] == n, r
+    assert all(a == [cpus[-1]] for a in r["affinity"]), r
