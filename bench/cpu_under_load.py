@@ -2,7 +2,7 @@
 other processes keep every core busy, side by side in one run.
 
     python bench/cpu_under_load.py [--length 4096] [--load N] [--rounds 2] [--repeat 2]
-                                   [--out bench/results/cpu_under_load.json]
+                                   [--baseline DIR] [--out bench/results/cpu_under_load.json]
 
 One 2-layer GLM-5-shaped model (the `small` preset cut to 2 layers: one dense, one MoE layer,
 random weights) is saved by transformers and loaded by two long-lived child processes, glm5 and
@@ -13,7 +13,8 @@ started and stopped by this script, each multiply 512x512 float32 matrices with 
 thread without pause). Idle and loaded phases alternate so that both see the same drift in the
 machine's other work. The fastest pass of each (model, phase) is reported (medians are in the
 JSON); slowdown = loaded / idle for each model, and the speed-up of glm5 over transformers in
-both phases.
+both phases. `--baseline DIR` adds a third child running glm5 from another source tree (e.g.
+`git archive <commit> glm5 | tar -x -C DIR`), so that before / after figures come from one run.
 
 Each child starts from the environment this script started with (the glm5 child sets its own
 thread and wait settings when it imports glm5, as any glm5 process does; the transformers child
@@ -96,15 +97,23 @@ while True:
 
 
 class Child:
-    """A model in its own process, answering "run" with the seconds of `repeat` passes."""
+    """A model in its own process, answering "run" with the seconds of `repeat` passes.
+    ``name``: its row; ``which``: "glm5" or "transformers"; ``source``: a glm5 source tree to
+    import instead of this one."""
 
-    def __init__(self, which: str, path: str, length: int, repeat: int, log: str) -> None:
-        self.which = which
+    def __init__(self, name: str, which: str, path: str, length: int, repeat: int, log: str,
+                 source: str | None = None) -> None:
+        self.which = name
         self.log_path = log
         self.log = open(log, "w")
+        env = dict(ENV0)
+        if source:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
         self.p = subprocess.Popen([sys.executable, "-c", CHILD, which, path, str(length),
                                    str(repeat)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=self.log, text=True, env=ENV0)
+                                  stderr=self.log, text=True, env=env,
+                                  cwd=os.path.dirname(log))  # not a source tree: `-c` imports
+                                                             # from the working directory first
         self.settings = self._reply()["settings"]
 
     def _reply(self) -> dict[str, Any]:
@@ -191,6 +200,8 @@ def main() -> None:
                          "this process may use)")
     ap.add_argument("--rounds", type=int, default=2, help="idle + loaded phase pairs")
     ap.add_argument("--repeat", type=int, default=2, help="forward passes per model per phase")
+    ap.add_argument("--baseline", default="",
+                    help="also run glm5 from this source tree (before / after in one run)")
     ap.add_argument("--out", default="", help="write the results as JSON here "
                                              "(e.g. bench/results/cpu_under_load.json)")
     a = ap.parse_args()
@@ -206,16 +217,25 @@ def main() -> None:
     cfg = dataclasses.replace(preset("small"), num_hidden_layers=2, mlp_layer_types=None,
                               indexer_types=None)
     started = time.perf_counter()
-    samples: dict[str, dict[str, list[float]]] = {"glm5": {"idle": [], "loaded": []},
-                                                  "transformers": {"idle": [], "loaded": []}}
+    import glm5
+
+    # the glm5 child imports the glm5 this script imports
+    kids = [("glm5", "glm5", os.path.dirname(os.path.dirname(os.path.abspath(glm5.__file__))))]
+    if a.baseline:
+        if not os.path.isdir(os.path.join(a.baseline, "glm5")):
+            ap.error(f"--baseline expected a source tree holding glm5/, got {a.baseline!r}")
+        kids.append(("glm5 baseline", "glm5", os.path.abspath(a.baseline)))
+    kids.append(("transformers", "transformers", None))
+    samples: dict[str, dict[str, list[float]]] = {k[0]: {"idle": [], "loaded": []}
+                                                  for k in kids}
     busy: list[float] = []
     with tempfile.TemporaryDirectory() as d:
         random_hf_model(cfg, 0, std=0.05).save_pretrained(d)
         children: list[Child] = []
         try:
-            for which in ("glm5", "transformers"):
-                children.append(Child(which, d, a.length, a.repeat,
-                                      os.path.join(d, f"{which}.log")))
+            for i, (name, which, source) in enumerate(kids):
+                children.append(Child(name, which, d, a.length, a.repeat,
+                                      os.path.join(d, f"child{i}.log"), source))
             for r in range(a.rounds):
                 for c in children:
                     samples[c.which]["idle"] += c.run()
@@ -238,7 +258,7 @@ def main() -> None:
                    "slowdown": loaded["best"] / idle["best"],
                    "slowdown_median": loaded["median"] / idle["median"]}
     g, h = rows["glm5"], rows["transformers"]
-    res = {"length": a.length, "layers": 2, "config": "small preset, 2 layers (dense + MoE)",
+    res = {"length": a.length, "baseline": os.path.abspath(a.baseline) if a.baseline else None, "layers": 2, "config": "small preset, 2 layers (dense + MoE)",
            "load_processes": a.load, "rounds": a.rounds, "repeat": a.repeat,
            "cpus": usable_cpus(), "load_cpus_busy": busy, "models": rows,
            "speedup_idle": h["idle"]["best"] / g["idle"]["best"],

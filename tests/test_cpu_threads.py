@@ -280,3 +280,20 @@ def test_tvm_pool_size_from_the_decision_and_the_process_affinity_kept():
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["tvm_threads"] == n and r["torch_threads"] == n, r
     assert all(a == [cpus[-1]] for a in r["affinity"]), r
+
+
+# ----------------------------------------------------------------------------- glm5 doctor
+def test_doctor_reports_the_decision_and_warns_on_a_bad_override(monkeypatch):
+    from glm5 import doctor
+
+    monkeypatch.setenv(cpu_threads.OVERRIDE, "3")
+    r = doctor.doctor_report([], [])
+    th = r["cpu"]["threads"]
+    assert (th["threads"], th["source"], th["error"]) == (3, "GLM5_CPU_THREADS", None)
+    text = doctor.format_report(r, lambda rows: "")
+    assert "cpu threads  3 (from GLM5_CPU_THREADS" in text and "OpenMP wait" in text
+    assert not [w for w in r["warnings"] if w["source"] == "cpu" and "GLM5_CPU" in w["message"]]
+    monkeypatch.setenv(cpu_threads.OVERRIDE, "lots")
+    r = doctor.doctor_report([], [])
+    assert "GLM5_CPU_THREADS" in r["cpu"]["threads"]["error"]
+    assert [w for w in r["warnings"] if w["source"] == "cpu" and "'lots'" in w["message"]]
