@@ -11,8 +11,9 @@ transformers `GlmMoeDsaForCausalLM` (eager attention), each warmed up on 512 tok
 batch 1, one after the other) and a loaded phase (the same, while `--load` background processes,
 started and stopped by this script, each multiply 512x512 float32 matrices with numpy on one
 thread without pause). Idle and loaded phases alternate so that both see the same drift in the
-machine's other work. The fastest pass of each (model, phase) is reported (medians are in the
-JSON); slowdown = loaded / idle for each model, and the speed-up of glm5 over transformers in
+machine's other work. The fastest pass of each (model, phase) is reported (medians in
+brackets), with the CPU time the child's threads used per pass (spinning threads show there);
+slowdown = loaded / idle for each model, and the speed-up of glm5 over transformers in
 both phases. `--baseline DIR` adds a third child running glm5 from another source tree (e.g.
 `git archive <commit> glm5 | tar -x -C DIR`), so that before / after figures come from one run.
 
@@ -77,11 +78,13 @@ print(json.dumps({"ready": True, "settings": settings}), flush=True)
 for line in sys.stdin:
     if line.strip() != "run":
         break
-    times = []
+    times, cpu = [], []
     with torch.inference_mode():
         for _ in range(repeat):
-            t = time.perf_counter(); run(ids); times.append(time.perf_counter() - t)
-    print(json.dumps({"times": times}), flush=True)
+            t, c = time.perf_counter(), time.process_time()
+            run(ids)
+            times.append(time.perf_counter() - t); cpu.append(time.process_time() - c)
+    print(json.dumps({"times": times, "cpu": cpu}), flush=True)
 """
 
 # One busy core: numpy on one BLAS thread, multiplying without pause.
@@ -127,10 +130,12 @@ class Child:
                                f"({self.p.returncode}): {' / '.join(tail)}")
         return json.loads(line)
 
-    def run(self) -> list[float]:
+    def run(self) -> tuple[list[float], list[float]]:
+        """Wall seconds and CPU seconds (all the child's threads) of each pass."""
         self.p.stdin.write("run\n")
         self.p.stdin.flush()
-        return self._reply()["times"]
+        r = self._reply()
+        return r["times"], r["cpu"]
 
     def close(self) -> None:
         if self.p.poll() is None:
@@ -165,7 +170,8 @@ class Load:
         self.procs = [subprocess.Popen([sys.executable, "-c", LOAD], env=env,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                       for _ in range(self.n)]
-        time.sleep(1.0)  # imports done, every process multiplying
+        if self.n:
+            time.sleep(1.0)  # imports done, every process multiplying
         self.t0 = time.perf_counter()
         self.c0 = sum(cpu_seconds(p.pid) for p in self.procs)
         return self
@@ -228,6 +234,7 @@ def main() -> None:
     kids.append(("transformers", "transformers", None))
     samples: dict[str, dict[str, list[float]]] = {k[0]: {"idle": [], "loaded": []}
                                                   for k in kids}
+    cpu_s: dict[str, dict[str, list[float]]] = {k[0]: {"idle": [], "loaded": []} for k in kids}
     busy: list[float] = []
     with tempfile.TemporaryDirectory() as d:
         random_hf_model(cfg, 0, std=0.05).save_pretrained(d)
@@ -237,11 +244,12 @@ def main() -> None:
                 children.append(Child(name, which, d, a.length, a.repeat,
                                       os.path.join(d, f"child{i}.log"), source))
             for r in range(a.rounds):
-                for c in children:
-                    samples[c.which]["idle"] += c.run()
-                with Load(a.load) as load:
-                    for c in children:
-                        samples[c.which]["loaded"] += c.run()
+                for phase in ("idle", "loaded"):
+                    with Load(a.load if phase == "loaded" else 0) as load:
+                        for c in children:
+                            wall, cpu = c.run()
+                            samples[c.which][phase] += wall
+                            cpu_s[c.which][phase] += cpu
                 busy.append(load.cores_busy)
                 print(f"round {r + 1}/{a.rounds}: " + "; ".join(
                     f"{w} idle {min(s['idle']):.2f} s, loaded {min(s['loaded']):.2f} s"
@@ -255,6 +263,7 @@ def main() -> None:
     for w, s in samples.items():
         idle, loaded = summary(s["idle"]), summary(s["loaded"])
         rows[w] = {"idle": idle, "loaded": loaded,
+                   "cpu_seconds": {ph: summary(v) for ph, v in cpu_s[w].items()},
                    "slowdown": loaded["best"] / idle["best"],
                    "slowdown_median": loaded["median"] / idle["median"]}
     g, h = rows["glm5"], rows["transformers"]
@@ -278,11 +287,14 @@ def table(res: dict[str, Any]) -> str:
            f"{res['load_processes']} busy processes on {res['cpus']} CPUs (they got "
            f"{', '.join(f'{b:.2f}' for b in res['load_cpus_busy'])} CPUs); best of "
            f"{res['rounds'] * res['repeat']} passes per cell (median in brackets)", "",
-           "| model | idle s | loaded s | slowdown |", "|---|---|---|---|"]
+           "| model | idle s | loaded s | slowdown | CPU s per pass, idle / loaded (median) |",
+           "|---|---|---|---|---|"]
     for w, r in res["models"].items():
+        c = r["cpu_seconds"]
         out.append(f"| {w} | {r['idle']['best']:.2f} ({r['idle']['median']:.2f}) | "
                    f"{r['loaded']['best']:.2f} ({r['loaded']['median']:.2f}) | "
-                   f"{r['slowdown']:.1f}x ({r['slowdown_median']:.1f}x) |")
+                   f"{r['slowdown']:.1f}x ({r['slowdown_median']:.1f}x) | "
+                   f"{c['idle']['median']:.2f} / {c['loaded']['median']:.2f} |")
     out += ["", f"glm5 speed-up over transformers: {res['speedup_idle']:.1f}x idle, "
                 f"{res['speedup_loaded']:.1f}x loaded; target (glm5 slows no more than "
                 f"transformers): {'met' if res['target_met'] else 'NOT met'}"]
