@@ -9,7 +9,8 @@ transformers there was how the two pools wait, not their size:
 * torch's libgomp workers spin ~300 000 iterations after every parallel region (its default
   when ``OMP_WAIT_POLICY`` is unset), taking a core from TVM's workers and from the other
   processes at every hand-over. ``OMP_WAIT_POLICY=PASSIVE`` (spin count 0) made the loaded
-  forward 3-4x faster and cost nothing idle. libgomp reads it once, when torch loads it, so
+  forward 2.8-4x faster and the idle one no slower (3-4x faster where other jobs already kept
+  the machine busy). libgomp reads it once, when torch loads it, so
   ``import glm5`` sets it (`quiet_openmp`) if no OpenMP runtime is loaded yet and the user did
   not choose a policy.
 * TVM pins each worker thread to one core (and the calling thread too, even to a core outside
@@ -18,9 +19,9 @@ transformers there was how the two pools wait, not their size:
   =0`` makes TVM's idle workers sleep.
 * Pool size: the CPUs this process may run on (affinity) capped by its cgroup's CPU quota
   (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``; a pool larger than the quota is throttled
-  every period), or ``GLM5_CPU_THREADS``. Shrinking the pools further while the machine is
-  loaded measured slower, not faster, once the pools sleep instead of spinning, so the load
-  average is not used.
+  every period), or ``GLM5_CPU_THREADS``. Smaller pools while the machine is loaded were not
+  consistently faster once the pools sleep instead of spinning, so the load average is not
+  used.
 
 This module imports only the standard library: `glm5/__init__` calls `quiet_openmp` before
 anything imports torch.
