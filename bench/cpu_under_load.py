@@ -267,7 +267,8 @@ def main() -> None:
                    "slowdown": loaded["best"] / idle["best"],
                    "slowdown_median": loaded["median"] / idle["median"]}
     g, h = rows["glm5"], rows["transformers"]
-    res = {"length": a.length, "baseline": os.path.abspath(a.baseline) if a.baseline else None, "layers": 2, "config": "small preset, 2 layers (dense + MoE)",
+    res = {"length": a.length, "layers": 2, "config": "small preset, 2 layers (dense + MoE)",
+           "baseline": os.path.abspath(a.baseline) if a.baseline else None,
            "load_processes": a.load, "rounds": a.rounds, "repeat": a.repeat,
            "cpus": usable_cpus(), "load_cpus_busy": busy, "models": rows,
            "speedup_idle": h["idle"]["best"] / g["idle"]["best"],
