@@ -11,6 +11,12 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+# Before anything imports torch: its OpenMP pool reads its wait policy once, when it loads, and
+# a spinning pool fights TVM's for the cores (glm5/cpu_threads.py).
+from glm5 import cpu_threads as _cpu_threads  # noqa: E402  (standard library only)
+
+_cpu_threads.quiet_openmp()
+
 _LAZY = {
     "ops": ("glm5.ops", None),
     "Backend": ("glm5.backends.api", "Backend"),

@@ -73,7 +73,26 @@ def cpu_info() -> dict[str, Any]:
         usable = os.cpu_count()
     feats = cpu_features()
     return {"model": cpu_model(), "architecture": platform.machine(), "cores": os.cpu_count(),
-            "usable_cores": usable, "torch_threads": feats["threads"], "features": feats}
+            "usable_cores": usable, "torch_threads": feats["threads"], "features": feats,
+            "threads": thread_info()}
+
+
+def thread_info() -> dict[str, Any]:
+    """The cpu backend's pool size (`glm5.cpu_threads.decide`: affinity, cgroup quota,
+    GLM5_CPU_THREADS) or the error a bad GLM5_CPU_THREADS gives, and torch's OpenMP wait
+    policy."""
+    from glm5 import cpu_threads
+
+    try:
+        d = cpu_threads.decide()
+        out: dict[str, Any] = {"threads": d.threads, "source": d.source, "affinity": d.affinity,
+                               "quota": d.quota, "quota_file": d.quota_file,
+                               "described": d.describe(), "error": None}
+    except cpu_threads.CPUThreadsError as e:
+        out = {"error": str(e)}
+    out["openmp"] = dict(cpu_threads.openmp_state())
+    out["openmp_warning"] = cpu_threads.spinning_warning()
+    return out
 
 
 def optional_deps() -> list[dict[str, Any]]:
@@ -163,8 +182,15 @@ def doctor_report(backends: Sequence[dict[str, Any]],
                              "message": f"plugin {p['name']} ({p['source']}) {p['status']}: "
                                         f"{p['message']}",
                              "fix": "see `glm5 backends --diagnose`"})
+    cpu = cpu_info()
+    th = cpu["threads"]
+    if th["error"]:
+        warnings.append({"source": "cpu", "message": th["error"],
+                         "fix": "set GLM5_CPU_THREADS to a positive integer, or unset it"})
+    if th["openmp_warning"]:
+        warnings.append({"source": "cpu", "message": th["openmp_warning"], "fix": None})
     return {
-        "python": python_info(), "torch": torch_info(), "cpu": cpu_info(),
+        "python": python_info(), "torch": torch_info(), "cpu": cpu,
         "backends": [{k: b[k] for k in ("name", "vendor", "device_type", "available", "reason",
                                         "priority", "source")} for b in backends],
         "plugins": [{k: p[k] for k in ("name", "source", "status", "message")}
@@ -199,6 +225,12 @@ def format_report(r: dict[str, Any], table: Any) -> str:
     kv("model", f"{c['model']} ({c['architecture']})")
     kv("cores", f"{c['cores']} ({c['usable_cores']} usable by this process); torch threads "
                 f"{c['torch_threads']}")
+    th = c["threads"]
+    kv("cpu threads", th["error"] or f"{th['described']}: torch's and TVM's pools "
+                      f"(GLM5_CPU_THREADS overrides)")
+    omp = th["openmp"]
+    kv("OpenMP wait", f"{omp['policy'] or 'default'} (by {omp['by']}): idle threads "
+                      f"{'SPIN' if omp['spinning'] else 'sleep'}")
     kv("flags", " ".join(f["flags"]) or "none of those torch's fast paths use")
     kv("torch ISA", f"{f['torch_isa']}; MKL {_yes(f['mkl'])}; oneDNN {_yes(f['onednn'])}, "
                     f"bf16 {_yes(f['onednn_bf16'])}; AMX {_yes(f['amx'])}; AVX-512 BF16 "

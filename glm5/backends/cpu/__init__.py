@@ -15,31 +15,31 @@ taken (`glm5.backends.api.report_impl`): "tvm", "tvm:vnni", "tvm:amx", "torch:pe
 from __future__ import annotations
 
 import importlib.util
-import os
+import logging
 from pathlib import Path
 from typing import Any, Callable
 
+from glm5 import cpu_threads
 from glm5.backends.api import API_VERSION, Backend, hookimpl, report_impl
 
 GLM5_API_VERSION = API_VERSION
 
 _ctx = None
+log = logging.getLogger("glm5.backends.cpu")
 
 
 def context():
     """The backend's TVM build context (cache dir from settings / GLM5_TVM_CACHE)."""
     global _ctx
     if _ctx is None:
-        # TVM sizes its pool as hardware_concurrency / 2 on x86 (assuming hyper-threads), which
-        # leaves half of the CPUs idle. Use every CPU unless the user said otherwise; this must
-        # happen before TVM's runtime starts.
-        os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))
-                                                     if hasattr(os, "sched_getaffinity")
-                                                     else os.cpu_count() or 1))
-        # TVM's idle workers spin after each kernel and take the cores from torch's own
-        # threads, which run the GEMMs between glm5's kernels: no spinning unless the user set
-        # it (measurements: docs/performance.md, "cpu backend: norms, MoE and quantized linears").
-        os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+        # Before TVM's runtime starts: its pool's size (TVM's own default is half the vCPUs on
+        # x86), no pinning, no spinning; torch's pool no wider than the CPUs this process gets
+        # (glm5/cpu_threads.py decides both; measurements: docs/performance.md, "CPU under
+        # load").
+        cpu_threads.apply()
+        warning = cpu_threads.spinning_warning()
+        if warning:
+            log.warning("cpu backend: %s", warning)
         from glm5.kernels.tvm.build import TVMContext, default_cache_dir
 
         cache = BACKEND.settings.get("compile_cache") or default_cache_dir()
