@@ -79,6 +79,9 @@ TINY: dict[str, list[tuple[str, Callable[[], Callable], Callable[[], Callable]]]
 
 WARPS = (4, 8)
 STAGES = (1, 2, 3, 4)
+# How far decode work is split across programs (sparse_attention's keys, token_logprobs'
+# vocabulary, the quant GEMV's K): halved and doubled like a tile.
+SPLIT_KEYS = ("TARGET_PROGRAMS", "GEMV_TARGET_PROGRAMS", "SPLIT_MIN_KEYS")
 
 
 def candidates(key: str, value: Any) -> list[Any]:
@@ -87,6 +90,8 @@ def candidates(key: str, value: Any) -> list[Any]:
         return [value] + [w for w in WARPS if w != value]
     if key.endswith("num_stages"):
         return [value] + [s for s in STAGES if s != value]
+    if key in SPLIT_KEYS and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return [value, value // 2, value * 2] if value > 1 else [value, 2]
     if "BLOCK" in key and isinstance(value, int) and not isinstance(value, bool) and \
             value >= 16 and value & (value - 1) == 0:
         return [value, value // 2, value * 2] if value >= 32 else [value, value * 2]

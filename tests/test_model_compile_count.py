@@ -81,8 +81,8 @@ def test_decode_compiles_each_kernel_once(spied):
     assert len(per_step) >= 20
     served = set().union(*per_step)
     # the model must really reach the DSA kernels through this backend
-    assert {"indexer_topk_kernel", "attention_kernel"} <= served or \
-        {"paged_indexer_topk_kernel", "attention_kernel"} <= served, served
+    assert {"indexer_topk_kernel", "sparse_attention_kernel"} <= served or \
+        {"paged_indexer_topk_kernel", "sparse_attention_kernel"} <= served, served
     seen: dict[str, set[str]] = defaultdict(set)
     for keys in per_step[:2]:  # prefill and the first decode step compile what decode needs
         for name, ks in keys.items():
@@ -117,5 +117,5 @@ def test_forward_compiles_each_kernel_once_across_lengths(spied):
         if not first:
             first = got
         new += [(L, name) for name, _ in sorted(got - first)]
-    assert {"indexer_topk_kernel", "attention_kernel"} <= {n for n, _ in first}, sorted(first)
+    assert {"indexer_topk_kernel", "sparse_attention_kernel"} <= {n for n, _ in first}, sorted(first)
     assert not new, f"(length, kernel) variants beyond those of length 9: {new}"

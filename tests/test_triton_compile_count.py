@@ -74,6 +74,22 @@ def _sparse(fn, L):
     fn(_r(L, 4, 32), k, k[..., :16], _i(L, 8, hi=L), 0.1)
 
 
+def _sparse_decode(fn, L):
+    """A decode batch of 1-3 queries over L selected keys: split-KV (the partials and their
+    merge) from 2 key blocks on, one pass below."""
+    T = 1 + L % 3
+    k = _r(L, 1, 32)
+    fn(_r(T, 4, 32), k, k[..., :16], _i(T, L, hi=L), 0.1)
+
+
+def _sparse_variant(L: int) -> str:
+    # fp32 partials (split) and the op's own out (one split) are two declared variants
+    from glm5.kernels.triton.sparse_attention import split_keys
+
+    p = {**registry.default_table()["sparse_attention"], **GPU_LIKE["sparse_attention"]}
+    return "split" if split_keys(p, 1 + L % 3, L, p["BLOCK_K"])[0] > 1 else "one"
+
+
 def _attention(fn, L):
     """Grouped heads (G = 2), T = L queries: the DECODE regime up to DECODE_MAX_T, then MHA."""
     ks, ke = _ranges(L, L)
@@ -153,6 +169,7 @@ SCENARIOS: list[tuple[str, Callable[..., Any], Callable[[int], Any]]] = [
     ("indexer_topk", _topk, lambda L: None),
     ("paged_indexer_topk", _paged, lambda L: None),
     ("sparse_attention", _sparse, lambda L: None),
+    ("sparse_attention", _sparse_decode, _sparse_variant),
     # decode (T <= DECODE_MAX_T) and prefill tiles are two declared variants for G < 16
     ("attention", _attention, _attention_variant),
     ("attention", _attention_decode, lambda L: None),
@@ -165,12 +182,13 @@ SCENARIOS: list[tuple[str, Callable[..., Any], Callable[[int], Any]]] = [
 ]
 
 # Tunings as the backends use them: one program per tile (cuda), and a persistent grid
-# (ascend); the vocabulary split as on a GPU (the interpreter alone would never split).
+# (ascend); the vocabulary and key splits as on a GPU (the interpreter alone would never split).
 POLICIES = {
     "tiles": {},
     "persistent": {"grid": "persistent", "programs": 8},
 }
-GPU_LIKE = {"token_logprobs": {"TARGET_PROGRAMS_INTERPRETED": 264}}
+GPU_LIKE = {"token_logprobs": {"TARGET_PROGRAMS_INTERPRETED": 264},
+            "sparse_attention": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 32}}
 
 
 def _ops(policy: str) -> dict[str, Callable[..., Any]]:

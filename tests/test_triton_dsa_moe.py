@@ -280,6 +280,51 @@ def test_sparse_attention_mqa_view_and_empty_row(dtype):
                    _cpu_vals({"q": q, "k": k, "v": v, "idx": idx, "scale": Dqk ** -0.5}))
 
 
+@pytest.mark.parametrize("split", [2, 3, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_split_kv(split, dtype):
+    """Split-KV: the selected keys cut into ranges whose partials are merged by their lse. 70
+    keys in 16-key blocks: 5 blocks, so 2 and 3 splits end on a short range and 5 gives one
+    block each; query 1 has no valid key in any split, query 2 none after its first 16 keys
+    (every later split is empty of valid keys: lse -inf partials), query 0 holes anywhere."""
+    base = {"BLOCK_K": 16, "BLOCK_D": 16, "BLOCK_DV": 16, "BLOCK_H_MAX": 16}
+    fn = _fn("sparse_attention", {"sparse_attention": {**base, "SPLIT_K": split}})
+    g = torch.Generator().manual_seed(5)
+    T, H, S, Dqk, Dv, K = 3, 20, 90, 36, 40, 70
+    q = torch.randn(T, H, Dqk, generator=g).to(dtype).to(DEV)
+    k = torch.randn(S, 1, Dqk, generator=g).to(dtype).to(DEV)
+    v = k[..., :Dv]
+    idx = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)])
+    idx[0, ::4] = -1
+    idx[1] = -1
+    idx[2, 16:] = -1
+    idx = idx.to(I32).to(DEV)
+    out, lse = fn(q, k, v, idx, Dqk ** -0.5)
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+    vals = _cpu_vals({"q": q, "k": k, "v": v, "idx": idx, "scale": Dqk ** -0.5})
+    assert_matches("sparse_attention", _cpu((out, lse)), vals)
+    one, one_lse = _fn("sparse_attention", {"sparse_attention": {**base, "SPLIT_K": 1}})(
+        q, k, v, idx, Dqk ** -0.5)
+    # the merge is a reordering of the same sums: far inside the op's tolerance of one pass
+    assert torch.allclose(lse, one_lse, atol=1e-5, rtol=0, equal_nan=True)
+    assert torch.allclose(out.float(), one.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                          rtol=0)
+
+
+def test_sparse_attention_split_rule():
+    from glm5.kernels.triton.sparse_attention import DEFAULTS, split_keys
+
+    p = {**DEFAULTS["sparse_attention"], "TARGET_PROGRAMS_INTERPRETED": 264}
+    # batch-1 decode, GLM-5: 2048 keys in 32-key blocks, one program per split; at least 128
+    # keys per split caps it at 16 splits
+    assert split_keys(p, 1, 2048, 32) == (16, 128)
+    assert split_keys(p, 64, 2048, 32) == (5, 416)  # batch 64: 5 x 64 programs, last short
+    assert split_keys(p, 4096, 2048, 32) == (1, 2048)  # prefill: enough programs already
+    assert split_keys(p, 1, 100, 32) == (1, 128)  # fewer keys than one split's minimum
+    assert split_keys({**p, "SPLIT_K": 3}, 4096, 2048, 32) == (3, 704)
+    assert split_keys({**p, "TARGET_PROGRAMS_INTERPRETED": 0}, 1, 2048, 32) == (1, 2048)
+
+
 def test_attention_gqa_ranges():
     fn = _fn("attention", {"attention": {"BLOCK_M": 16, "BLOCK_N": 16}})
     g = torch.Generator().manual_seed(3)

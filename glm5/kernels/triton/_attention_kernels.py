@@ -1,4 +1,5 @@
-"""@triton.jit kernel behind glm5.kernels.triton.sparse_attention: sparse_attention, attention.
+"""@triton.jit kernels behind glm5.kernels.triton.sparse_attention: the sparse attention tile
+kernel and the kernel merging its split-KV partials.
 
 Imported on the first kernel call only (Triton reads TRITON_INTERPRET when a @triton.jit function
 is defined).
@@ -11,50 +12,58 @@ import triton.language as tl
 
 from glm5.kernels.triton._common import dot as _dot, entry_kernel
 
+LN2 = tl.constexpr(0.6931471805599453)
 
-@entry_kernel("K")
-def attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
-                     G, Dqk, Dv, K, N_HB, qk_scale,
-                     sqt, sqh, sqd, sks, skh, skd, svs, svh, svd, sit, sik,
-                     sot, soh, sod, slt, slh, N_TILES, NUM_PROGRAMS, GRID_1, GRID_2,
-                     SPARSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_FP32: tl.constexpr,
-                     PERSISTENT: tl.constexpr):
-    """Tiles (T, Hk * N_HB, cdiv(Dv, BLOCK_DV)), see _attention_tile; PERSISTENT: program p
-    walks the tiles p, p + NUM_PROGRAMS, ... of that grid folded row-major."""
+
+@entry_kernel("K", "KPS", "sit", "sos", "sls")
+def sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, out_ptr, lse_ptr,
+                            G, Dqk, Dv, K, KPS, N_HB, N_DV, qk_scale,
+                            sqt, sqh, sqd, sks, skh, skd, svs, svh, svd, sit, sik,
+                            sos, sot, soh, sod, sls, slt, slh,
+                            N_TILES, NUM_PROGRAMS, GRID_1, GRID_2,
+                            BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                            DOT_FP32: tl.constexpr, PERSISTENT: tl.constexpr):
+    """Tiles (T, Hk * N_HB, N_DV * SPLIT), see _sparse_tile; PERSISTENT: program p walks the
+    tiles p, p + NUM_PROGRAMS, ... of that grid folded row-major."""
     if PERSISTENT:
         for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
-            _attention_tile(q_ptr, k_ptr, v_ptr, idx_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
-                            G, Dqk, Dv, K, N_HB, qk_scale,
-                            sqt, sqh, sqd, sks, skh, skd, svs, svh, svd, sit, sik,
-                            sot, soh, sod, slt, slh,
-                            (tile // GRID_2) // GRID_1, (tile // GRID_2) % GRID_1, tile % GRID_2,
-                            SPARSE, BLOCK_H, BLOCK_K, BLOCK_D, BLOCK_DV, DOT_FP32)
+            _sparse_tile(q_ptr, k_ptr, v_ptr, idx_ptr, out_ptr, lse_ptr,
+                         G, Dqk, Dv, K, KPS, N_HB, N_DV, qk_scale,
+                         sqt, sqh, sqd, sks, skh, skd, svs, svh, svd, sit, sik,
+                         sos, sot, soh, sod, sls, slt, slh,
+                         (tile // GRID_2) // GRID_1, (tile // GRID_2) % GRID_1, tile % GRID_2,
+                         BLOCK_H, BLOCK_K, BLOCK_D, BLOCK_DV, DOT_FP32)
     else:
-        _attention_tile(q_ptr, k_ptr, v_ptr, idx_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
-                        G, Dqk, Dv, K, N_HB, qk_scale,
-                        sqt, sqh, sqd, sks, skh, skd, svs, svh, svd, sit, sik,
-                        sot, soh, sod, slt, slh,
-                        tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                        SPARSE, BLOCK_H, BLOCK_K, BLOCK_D, BLOCK_DV, DOT_FP32)
+        _sparse_tile(q_ptr, k_ptr, v_ptr, idx_ptr, out_ptr, lse_ptr,
+                     G, Dqk, Dv, K, KPS, N_HB, N_DV, qk_scale,
+                     sqt, sqh, sqd, sks, skh, skd, svs, svh, svd, sit, sik,
+                     sos, sot, soh, sod, sls, slt, slh,
+                     tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                     BLOCK_H, BLOCK_K, BLOCK_D, BLOCK_DV, DOT_FP32)
 
 
 @triton.jit
-def _attention_tile(q_ptr, k_ptr, v_ptr, idx_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
-                    G, Dqk, Dv, K, N_HB, qk_scale,
-                    sqt, sqh, sqd, sks, skh, skd, svs, svh, svd, sit, sik,
-                    sot, soh, sod, slt, slh, pid_t, pid_h, pid_v,
-                    SPARSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One program per (query t, KV head j, block of BLOCK_H of its G query heads, block of Dv).
+def _sparse_tile(q_ptr, k_ptr, v_ptr, idx_ptr, out_ptr, lse_ptr,
+                 G, Dqk, Dv, K, KPS, N_HB, N_DV, qk_scale,
+                 sqt, sqh, sqd, sks, skh, skd, svs, svh, svd, sit, sik,
+                 sos, sot, soh, sod, sls, slt, slh, pid_t, pid_h, pid_2,
+                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One program per (query t, KV head j, block of BLOCK_H of its G query heads, block of Dv,
+    split s of the selected keys: idx[t, s * KPS : (s + 1) * KPS]).
 
-    Each key row (gathered by idx when SPARSE, else k_start <= s < k_end) is loaded once for all
-    the program's heads: [BLOCK_H, Dqk] x [Dqk, BLOCK_K] scores (Dqk in BLOCK_D chunks), online
-    softmax in base 2 (qk_scale = scale * log2 e), P in v's dtype times V [BLOCK_K, BLOCK_DV].
-    Rows with no valid key give out 0 and lse -inf."""
+    Each gathered key row is loaded once for all the program's heads: [BLOCK_H, Dqk] x
+    [Dqk, BLOCK_K] scores (Dqk in BLOCK_D chunks), online softmax in base 2 (qk_scale = scale *
+    log2 e), P in v's dtype times V [BLOCK_K, BLOCK_DV]. Writes the normalized out of its keys
+    and their lse (natural log) at split s (stride sos / sls: 0 when there is one split, then
+    these are the op's outputs). Rows with no valid key give out 0 and lse -inf."""
     t = tl.cast(pid_t, tl.int64)  # a Python int under the interpreter's persistent loop
     j = tl.cast(pid_h // N_HB, tl.int64)
     hb = pid_h % N_HB
+    pid_v = pid_2 % N_DV
+    split32 = pid_2 // N_DV
+    split = tl.cast(split32, tl.int64)
     hg = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = hg < G
     heads = (j * G + hg).to(tl.int64)
@@ -66,25 +75,16 @@ def _attention_tile(q_ptr, k_ptr, v_ptr, idx_ptr, ks_ptr, ke_ptr, out_ptr, lse_p
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    if SPARSE:
-        lo = 0
-        hi = K
-    else:
-        lo = tl.load(ks_ptr + t).to(tl.int32)
-        hi = tl.load(ke_ptr + t).to(tl.int32)
+    lo = split32 * KPS
+    hi = tl.minimum(lo + KPS, K)
     q_row = q_ptr + t * sqt + heads[:, None] * sqh
     k_head = k_ptr + j * skh
     v_head = v_ptr + j * svh
     for k0 in range(lo, hi, BLOCK_K):
         kk = k0 + kb
-        in_blk = kk < hi
-        if SPARSE:
-            rows = tl.load(idx_ptr + t * sit + kk * sik, mask=in_blk, other=-1).to(tl.int64)
-            valid = rows >= 0
-            rows = tl.where(valid, rows, 0)
-        else:
-            valid = in_blk
-            rows = kk.to(tl.int64)
+        rows = tl.load(idx_ptr + t * sit + kk * sik, mask=kk < hi, other=-1).to(tl.int64)
+        valid = rows >= 0
+        rows = tl.where(valid, rows, 0)
         s = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
         for d0 in range(0, Dqk, BLOCK_D):
             d = d0 + d_base
@@ -107,8 +107,55 @@ def _attention_tile(q_ptr, k_ptr, v_ptr, idx_ptr, ks_ptr, ke_ptr, out_ptr, lse_p
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
     out = tl.where(has[:, None], acc / l_safe[:, None], 0.0)
-    tl.store(out_ptr + t * sot + heads[:, None] * soh + dv[None, :] * sod,
+    tl.store(out_ptr + split * sos + t * sot + heads[:, None] * soh + dv[None, :] * sod,
              out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
-    lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(has, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
     first = (hg * 0 + pid_v) == 0  # only the first Dv block writes lse
-    tl.store(lse_ptr + t * slt + heads * slh, lse, mask=h_mask & first)
+    tl.store(lse_ptr + split * sls + t * slt + heads * slh, lse, mask=h_mask & first)
+
+
+@entry_kernel("T", "SPLIT")
+def sparse_attention_combine_kernel(po_ptr, pl_ptr, out_ptr, lse_ptr, T, H, Dv, SPLIT,
+                                    sot, soh, sod, slt, slh,
+                                    N_TILES, NUM_PROGRAMS, GRID_1,
+                                    BLOCK_DV: tl.constexpr, PERSISTENT: tl.constexpr):
+    """Merge the SPLIT partials of each (query t, head h), one tile each: partial outs
+    po [SPLIT, T, H, Dv] fp32 (each normalized over its keys) and lses pl [SPLIT, T, H] fp32,
+    both contiguous. out = sum_s e^(lse_s - M) out_s / sum_s e^(lse_s - M), lse = M + ln sum,
+    M = max_s lse_s; every lse_s -inf (no valid key): out 0, lse -inf."""
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _combine(po_ptr, pl_ptr, out_ptr, lse_ptr, T, H, Dv, SPLIT,
+                     sot, soh, sod, slt, slh, tile // GRID_1, tile % GRID_1, BLOCK_DV)
+    else:
+        _combine(po_ptr, pl_ptr, out_ptr, lse_ptr, T, H, Dv, SPLIT,
+                 sot, soh, sod, slt, slh, tl.program_id(0), tl.program_id(1), BLOCK_DV)
+
+
+@triton.jit
+def _combine(po_ptr, pl_ptr, out_ptr, lse_ptr, T, H, Dv, SPLIT,
+             sot, soh, sod, slt, slh, pid_t, pid_h, BLOCK_DV: tl.constexpr):
+    t = tl.cast(pid_t, tl.int64)
+    h = tl.cast(pid_h, tl.int64)
+    row = t * H + h  # (t, h) in a contiguous [T, H] plane
+    plane = tl.cast(T, tl.int64) * H
+    m = tl.load(pl_ptr + row)  # SPLIT >= 2: split 0 seeds both loops
+    for s in range(1, SPLIT):
+        m = tl.maximum(m, tl.load(pl_ptr + s * plane + row))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    wsum = tl.exp(tl.load(pl_ptr + row) - m_safe)
+    for s in range(1, SPLIT):
+        wsum += tl.exp(tl.load(pl_ptr + s * plane + row) - m_safe)
+    has = wsum > 0.0
+    inv = tl.where(has, 1.0 / tl.where(has, wsum, 1.0), 0.0)
+    for d0 in range(0, Dv, BLOCK_DV):
+        d = d0 + tl.arange(0, BLOCK_DV)
+        dm = d < Dv
+        acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+        for s in range(0, SPLIT):
+            w = tl.exp(tl.load(pl_ptr + s * plane + row) - m_safe)
+            acc += w * tl.load(po_ptr + (s * plane + row) * Dv + d, mask=dm, other=0.0)
+        tl.store(out_ptr + t * sot + h * soh + d * sod, (acc * inv).to(out_ptr.dtype.element_ty),
+                 mask=dm)
+    tl.store(lse_ptr + t * slt + h * slh,
+             tl.where(has, m_safe + tl.log(tl.where(has, wsum, 1.0)), float("-inf")))

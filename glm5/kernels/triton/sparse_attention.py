@@ -1,14 +1,22 @@
 """Triton sparse attention (DSA stage 2). Dense ranged `attention` is the flash kernel of
-glm5.kernels.triton.attention (the SPARSE=False path of this kernel is no longer launched).
+glm5.kernels.triton.attention.
 
-One program per (query t, KV head, block of its query heads, block of Dv): the program's query
-heads share each key row, so in the absorbed-MLA (MQA, Hk = 1) case every selected latent row is
-gathered once for up to BLOCK_H_MAX heads (all 64 of GLM-5 by default). sparse_attention
-gathers rows by idx inside the kernel (-1 anywhere = skipped); attention walks
-k_start <= s < k_end. Online softmax over BLOCK_K keys at a time, scores in fp32 (Dqk reduced
-in BLOCK_D chunks), P cast to v's dtype for the PV dot with fp32 accumulation, out in q's dtype,
-lse fp32 natural log; a query with no valid key gives out 0 and lse -inf. v may be a view of
-k's first Dv columns (strides are passed as they are).
+One program per (query t, KV head, block of its query heads, block of Dv, split of the selected
+keys): the program's query heads share each key row, so in the absorbed-MLA (MQA, Hk = 1) case
+every selected latent row is gathered once for up to BLOCK_H_MAX heads (all 64 of GLM-5 by
+default). Rows are gathered by idx inside the kernel (-1 anywhere = skipped). Online softmax over
+BLOCK_K keys at a time, scores in fp32 (Dqk reduced in BLOCK_D chunks), P cast to v's dtype for
+the PV dot with fp32 accumulation, out in q's dtype, lse fp32 natural log; a query with no valid
+key gives out 0 and lse -inf. v may be a view of k's first Dv columns (strides are passed as
+they are).
+
+Split-KV (decode): a prefill has thousands of query rows, enough programs for every SM, but a
+decode step has one per sequence (one program for the whole GPU at batch 1). When the grid is
+short of about TARGET_PROGRAMS programs the selected keys are cut into SPLIT ranges of whole
+BLOCK_K blocks (the token_logprobs rule, `launch.split_for_target`; each range at least
+SPLIT_MIN_KEYS keys, so the partials written stay small beside the rows read); each program
+writes its range's normalized out and lse in fp32 and ``sparse_attention_combine_kernel``
+merges them by their lse (docs/performance.md, "sparse_attention split-KV decode").
 """
 
 from __future__ import annotations
@@ -17,15 +25,25 @@ from typing import Any, Callable
 
 import torch
 
-from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, dot_fp32, launch,
-                                        launch_opts, next_pow2)
+from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, dot_fp32, interpreted,
+                                        launch, launch_opts, next_pow2, split_for_target)
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     # BLOCK_H_MAX: query heads per program (a power of two >= 16; fewer heads are masked);
     # BLOCK_DV: the widest slice of Dv one program accumulates (more -> more programs, each
     # recomputing the scores). 64 heads x 512 fp32 accumulators want num_warps = 8.
     "sparse_attention": {"BLOCK_H_MAX": 64, "BLOCK_K": 32, "BLOCK_D": 64, "BLOCK_DV": 512,
-                         "num_warps": 8, "num_stages": 2},
+                         "num_warps": 8, "num_stages": 2,
+                         # Split the keys until about this many programs run (2 per H100/H200
+                         # SM); 0 = never split. SPLIT_K (absent) forces a split count.
+                         "TARGET_PROGRAMS": 264,
+                         # The interpreter runs programs one after another: splitting only
+                         # adds work there.
+                         "TARGET_PROGRAMS_INTERPRETED": 0,
+                         # No split takes fewer keys: a split's partial out (BLOCK_H x Dv fp32,
+                         # 128 KiB for GLM-5) is about the bytes of 114 gathered 576-wide rows.
+                         "SPLIT_MIN_KEYS": 128,
+                         "COMBINE_BLOCK_DV": 512, "combine_num_warps": 4},
 }
 
 LOG2E = 1.4426950408889634
@@ -37,10 +55,29 @@ def _k():
     return _attention_kernels
 
 
-def _launch(p: dict[str, Any], q, k, v, idx, k_start, k_end, scale, sparse: bool):
+def split_keys(p: dict[str, Any], blocks: int, K: int, block_k: int) -> tuple[int, int]:
+    """(SPLIT, keys per split) for ``blocks`` programs per split over K selected keys in
+    BLOCK_K blocks under tuning p: SPLIT_K when given, else about TARGET_PROGRAMS programs
+    (TARGET_PROGRAMS_INTERPRETED under the interpreter) with at least SPLIT_MIN_KEYS keys per
+    split; no split is left empty. Keys per split is a whole number of BLOCK_K blocks."""
+    chunks = max(1, cdiv(K, block_k))
+    forced = p.get("SPLIT_K")
+    if forced is not None:
+        split, per = split_for_target(blocks, chunks, 0, int(forced))
+    else:
+        key = "TARGET_PROGRAMS_INTERPRETED" if interpreted() else "TARGET_PROGRAMS"
+        split, per = split_for_target(blocks, chunks, int(p.get(key, 0)))
+        most = max(1, chunks // max(1, cdiv(int(p.get("SPLIT_MIN_KEYS", 0)), block_k)))
+        if split > most:
+            split, per = split_for_target(blocks, chunks, 0, most)
+    return split, per * block_k
+
+
+def _launch(p: dict[str, Any], q, k, v, idx, scale):
     T, H, Dqk = q.shape
     S, Hk, _ = k.shape
     Dv = v.shape[-1]
+    K = idx.shape[1]
     out = torch.empty((T, H, Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if T == 0 or H == 0:
@@ -52,31 +89,37 @@ def _launch(p: dict[str, Any], q, k, v, idx, k_start, k_end, scale, sparse: bool
     bd = max(16, min(next_pow2(Dqk), next_pow2(int(p.get("BLOCK_D", 64)))))
     bdv = max(16, min(next_pow2(Dv_launch), next_pow2(int(p.get("BLOCK_DV", 512)))))
     n_hb = cdiv(G, bh)
-    if sparse:
-        K = idx.shape[1]
-        sit, sik = idx.stride(0), idx.stride(1)
-        ks = ke = idx  # unused
+    n_dv = cdiv(Dv_launch, bdv)
+    split, kps = split_keys(p, T * Hk * n_hb * n_dv, K, bk)
+    if split == 1:
+        po, pl = out, lse
+        sos = sls = 0
     else:
-        K = S
-        sit = sik = 0
-        idx = k_start  # unused
-        ks, ke = k_start.contiguous(), k_end.contiguous()
-    grid = (T, Hk * n_hb, cdiv(Dv_launch, bdv))
+        po = torch.empty((split, T, H, Dv), dtype=torch.float32, device=q.device)
+        pl = torch.empty((split, T, H), dtype=torch.float32, device=q.device)
+        sos, sls = T * H * Dv, T * H
+    so = (po.stride(-3), po.stride(-2), po.stride(-1))
     launch(
-        _k().attention_kernel, grid, p, "sparse_attention" if sparse else "attention",
-        q, k, v, idx, ks, ke, out, lse, G, Dqk, Dv, K, n_hb, float(scale) * LOG2E,
+        _k().sparse_attention_kernel, (T, Hk * n_hb, n_dv * split), p, "sparse_attention",
+        q, k, v, idx, po, pl, G, Dqk, Dv, K, kps, n_hb, n_dv, float(scale) * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), sit, sik,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        SPARSE=sparse, BLOCK_H=bh, BLOCK_K=bk, BLOCK_D=bd, BLOCK_DV=bdv,
+        v.stride(0), v.stride(1), v.stride(2), idx.stride(0), idx.stride(1),
+        sos, *so, sls, pl.stride(-2), pl.stride(-1),
+        BLOCK_H=bh, BLOCK_K=bk, BLOCK_D=bd, BLOCK_DV=bdv,
         DOT_FP32=dot_fp32(q.dtype, k.dtype, v.dtype), **launch_opts(p))
+    if split > 1:
+        cdv = max(16, min(next_pow2(Dv_launch), next_pow2(int(p.get("COMBINE_BLOCK_DV", 512)))))
+        launch(_k().sparse_attention_combine_kernel, (T, H), p, "sparse_attention",
+               po, pl, out, lse, T, H, Dv, split, out.stride(0), out.stride(1), out.stride(2),
+               lse.stride(0), lse.stride(1), BLOCK_DV=cdv,
+               **launch_opts(p, "combine_", num_warps=4))
     return out, lse
 
 
 def make_sparse_attention(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     def sparse_attention(q, k, v, idx, scale):
         check_device("sparse_attention", q=q, k=k, v=v, idx=idx)
-        return _launch(p, q, k, v, idx, None, None, scale, True)
+        return _launch(p, q, k, v, idx, scale)
 
     return sparse_attention
 
