@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Tile search for the cuda backend's tuning table on one GPU (issue 16): for each op below, a
 coordinate descent over its launch parameters (every power-of-two ``BLOCK_*`` tile of the op's
-entry as half / same / double, ``num_warps`` 4 / 8, ``num_stages`` 1-4), each candidate first
+entry as half / same / double, ``num_warps`` 4 / 8, ``num_stages`` 1-4, the split targets
+``TARGET_PROGRAMS`` / ``GEMV_TARGET_PROGRAMS`` / ``SPLIT_MIN_KEYS`` as half / same / double, and
+boolean path switches both ways, e.g. sparse_attention's ``RESIDENT_Q``), each candidate first
 judged by the conformance kit's float64 verdict (glm5.testing.compare.judge) at a small shape of
 the same regime, then timed at the GLM-5 shape of bench/gpu_suite.py. Regime-prefixed keys
 (``MHA_BLOCK_N``, ``decode_num_warps``) are searched like the plain ones. A candidate that fails to
@@ -90,6 +92,8 @@ def candidates(key: str, value: Any) -> list[Any]:
         return [value] + [w for w in WARPS if w != value]
     if key.endswith("num_stages"):
         return [value] + [s for s in STAGES if s != value]
+    if isinstance(value, bool):  # a path switch (sparse_attention's RESIDENT_Q, V_FROM_K)
+        return [value, not value]
     if key in SPLIT_KEYS and isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return [value, value // 2, value * 2] if value > 1 else [value, 2]
     if "BLOCK" in key and isinstance(value, int) and not isinstance(value, bool) and \

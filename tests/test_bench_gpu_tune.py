@@ -33,6 +33,7 @@ def test_candidates():
     assert gpu_tune.candidates("TARGET_PROGRAMS", 264) == [264, 132, 528]
     assert gpu_tune.candidates("SPLIT_MIN_KEYS", 128) == [128, 64, 256]
     assert gpu_tune.candidates("TARGET_PROGRAMS_INTERPRETED", 0) == [0]  # never searched
+    assert gpu_tune.candidates("RESIDENT_Q", False) == [False, True]
     assert set(gpu_tune.searchable({"BLOCK_K": 32, "MAX_TOPK": 7})) == {
         "BLOCK_K", "num_warps", "num_stages"}
     # regime-prefixed keys are searched, and no plain launch option pins every regime

@@ -257,27 +257,58 @@ def test_paged_passes_and_merges_exact(merge, ws):
 
 
 # --------------------------------------------------------------------------- sparse attention
+# Q resident on chip with the gathered K tile reused as V (v = k[..., :Dv], one Dv block),
+# resident with V gathered (Dv in blocks), Q re-read per tile in BLOCK_D chunks
+SPARSE_PATHS = {
+    "resident, V from K": ({"BLOCK_DV": 512, "RESIDENT_Q": True}, True, True),
+    "resident": ({"BLOCK_DV": 16, "RESIDENT_Q": True}, True, False),
+    "chunked": ({"BLOCK_DV": 16}, False, False),  # the default
+}
+
+
+@pytest.mark.parametrize("Dqk", [36, 32])  # Q as 32 + 16 (masked past 36), and 32 + none
+@pytest.mark.parametrize("path", sorted(SPARSE_PATHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sparse_attention_mqa_view_and_empty_row(dtype):
+def test_sparse_attention_mqa_view_and_empty_row(dtype, path, Dqk, monkeypatch):
     # GLM-5-like absorbed MLA in miniature: Hk = 1, v = k[..., :Dv]; K crosses BLOCK_K blocks,
-    # heads cross BLOCK_H blocks, Dv crosses BLOCK_DV blocks
-    over = {"sparse_attention": {"BLOCK_K": 16, "BLOCK_D": 16, "BLOCK_DV": 16,
-                                 "BLOCK_H_MAX": 16}}
+    # heads cross BLOCK_H blocks, Dv crosses BLOCK_DV blocks (except V from K)
+    from glm5.kernels.triton import sparse_attention as sa
+
+    tiles, resident, v_from_k = SPARSE_PATHS[path]
+    over = {"sparse_attention": {"BLOCK_K": 16, "BLOCK_D": 16, "BLOCK_H_MAX": 16, **tiles}}
     fn = _fn("sparse_attention", over)
+    seen = []
+    real = sa.launch
+    monkeypatch.setattr(sa, "launch", lambda *a, **kw: (seen.append(kw), real(*a, **kw))[1])
     g = torch.Generator().manual_seed(2)
-    T, H, S, Dqk, Dv, K = 3, 20, 50, 36, 24, 40
-    q = torch.randn(T, H, Dqk, generator=g).to(dtype).to(DEV)
-    k = torch.randn(S, 1, Dqk, generator=g).to(dtype).to(DEV)
+    T, H, S, Dv, K = 3, 20, 50, 24, 40
+    # q and k are views of wider rows whose extra columns are NaN: a load past Dqk poisons
+    # the result
+    q = torch.full((T, H, Dqk + 16), float("nan")).to(dtype)
+    q[..., :Dqk] = torch.randn(T, H, Dqk, generator=g).to(dtype)
+    q = q.to(DEV)[..., :Dqk]
+    k = torch.full((S, 1, Dqk + 16), float("nan")).to(dtype)
+    k[..., :Dqk] = torch.randn(S, 1, Dqk, generator=g).to(dtype)
+    k = k.to(DEV)[..., :Dqk]
     v = k[..., :Dv]
     idx = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)])
     idx[0, ::3] = -1  # holes anywhere
     idx[1] = -1  # a query with no valid key
     idx = idx.to(I32).to(DEV)
     out, lse = fn(q, k, v, idx, Dqk ** -0.5)
+    assert (seen[0]["RESIDENT"], seen[0]["V_FROM_K"]) == (resident, v_from_k)
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
     assert_matches("sparse_attention", _cpu((out, lse)),
                    _cpu_vals({"q": q, "k": k, "v": v, "idx": idx, "scale": Dqk ** -0.5}))
+    if v_from_k:  # a v that is not k's view (a copy, or other columns) gathers V
+        for v2 in (v.clone(), k[..., 4:4 + Dv]):
+            seen.clear()
+            out2, _ = fn(q, k, v2, idx, Dqk ** -0.5)
+            assert not seen[0]["V_FROM_K"]
+            assert_matches("sparse_attention", _cpu((out2, lse)),
+                           _cpu_vals({"q": q, "k": k, "v": v2, "idx": idx,
+                                      "scale": Dqk ** -0.5}))
 
 
 @pytest.mark.parametrize("split", [2, 3, 5])

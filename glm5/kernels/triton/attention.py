@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, dot_fp32, launch,
-                                        launch_opts, next_pow2)
+                                        launch_opts, next_pow2, split_head_dim)
 
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_DV")
 
@@ -100,9 +100,7 @@ def tiles(p: dict[str, Any], T: int, G: int, Dqk: int, Dv: int,
     reg = regime(p, T, G, fp32)
     bm, bn, bdv = (_param(p, reg, n) for n in TILE_KEYS)
     bg = min(next_pow2(G), bm)
-    # Q split into a power-of-two head and a tail, both >= 16 wide (tl.dot's minimum K)
-    da = max(16, 1 << (max(Dqk, 1).bit_length() - 1))
-    db = 0 if Dqk <= da else max(16, next_pow2(Dqk - da))
+    da, db = split_head_dim(Dqk)
     bdv = min(bdv, max(16, next_pow2(Dv)))
     opts = launch_opts(p, **launch_opts(p, prefix=reg + "_"))  # unprefixed pins win
     return {"BLOCK_T": bm // bg, "BLOCK_G": bg, "BLOCK_N": bn, "BLOCK_DA": da, "BLOCK_DB": db,

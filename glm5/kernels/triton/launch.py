@@ -57,6 +57,15 @@ def split_for_target(blocks: int, chunks: int, target: int,
     return cdiv(chunks, per), per
 
 
+def split_head_dim(d: int) -> tuple[int, int]:
+    """(BLOCK_DA, BLOCK_DB): a head dim held on chip as a power-of-two head [.., BLOCK_DA] and a
+    tail [.., BLOCK_DB] (0: none), both >= 16 wide (tl.dot's minimum K); Dqk = 576 = 512 + 64,
+    256 = 256 + 0, 36 = 32 + 16 (masked past d)."""
+    da = max(16, 1 << (max(d, 1).bit_length() - 1))
+    db = 0 if d <= da else max(16, next_pow2(d - da))
+    return da, db
+
+
 def interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

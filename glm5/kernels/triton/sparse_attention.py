@@ -26,7 +26,8 @@ from typing import Any, Callable
 import torch
 
 from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, dot_fp32, interpreted,
-                                        launch, launch_opts, next_pow2, split_for_target)
+                                        launch, launch_opts, next_pow2, split_for_target,
+                                        split_head_dim)
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     # BLOCK_H_MAX: query heads per program (a power of two >= 16; fewer heads are masked);
@@ -34,6 +35,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # recomputing the scores). 64 heads x 512 fp32 accumulators want num_warps = 8.
     "sparse_attention": {"BLOCK_H_MAX": 64, "BLOCK_K": 32, "BLOCK_D": 64, "BLOCK_DV": 512,
                          "num_warps": 8, "num_stages": 2,
+                         # RESIDENT_Q: Q held on chip for the whole key walk (never for fp32
+                         # inputs on a device), V_FROM_K: with it, the gathered K tile reused as
+                         # V when v = k[..., :Dv]. Off by default: at these tiles Triton keeps
+                         # the resident Q in registers and spills (sm_90 static check: 255
+                         # registers, 96 B; 217 and none at BLOCK_DV 256, which recomputes the
+                         # scores per Dv half); bench/gpu_tune.py tries both on a GPU.
+                         "RESIDENT_Q": False, "V_FROM_K": True,
                          # Split the keys until about this many programs run (2 per H100/H200
                          # SM); 0 = never split. SPLIT_K (absent) forces a split count.
                          "TARGET_PROGRAMS": 264,
@@ -89,6 +97,16 @@ def _launch(p: dict[str, Any], q, k, v, idx, scale):
     bd = max(16, min(next_pow2(Dqk), next_pow2(int(p.get("BLOCK_D", 64)))))
     bdv = max(16, min(next_pow2(Dv_launch), next_pow2(int(p.get("BLOCK_DV", 512)))))
     n_hb = cdiv(G, bh)
+    # an fp32 Q on a device would not fit beside the accumulator
+    resident = bool(p.get("RESIDENT_Q", False)) and (interpreted() or q.dtype != torch.float32)
+    da, db = split_head_dim(Dqk)
+    # v = k[..., :Dv] (absorbed MLA): the PV dot reuses the gathered K tile when one Dv block
+    # of BLOCK_DA columns covers Dv
+    v_from_k = bool(resident) and bool(p.get("V_FROM_K", True)) and Dv <= da and bdv >= da and v.dtype == k.dtype and \
+        v.data_ptr() == k.data_ptr() and v.shape[:2] == k.shape[:2] and \
+        (v.stride(0), v.stride(1), v.stride(2)) == (k.stride(0), k.stride(1), k.stride(2))
+    if v_from_k:
+        bdv = da
     n_dv = cdiv(Dv_launch, bdv)
     split, kps = split_keys(p, T * Hk * n_hb * n_dv, K, bk)
     if split == 1:
@@ -105,7 +123,8 @@ def _launch(p: dict[str, Any], q, k, v, idx, scale):
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), idx.stride(0), idx.stride(1),
         sos, *so, sls, pl.stride(-2), pl.stride(-1),
-        BLOCK_H=bh, BLOCK_K=bk, BLOCK_D=bd, BLOCK_DV=bdv,
+        BLOCK_H=bh, BLOCK_K=bk, BLOCK_D=bd, BLOCK_DV=bdv, RESIDENT=resident,
+        BLOCK_DA=da, BLOCK_DB=db, V_FROM_K=v_from_k,
         DOT_FP32=dot_fp32(q.dtype, k.dtype, v.dtype), **launch_opts(p))
     if split > 1:
         cdv = max(16, min(next_pow2(Dv_launch), next_pow2(int(p.get("COMBINE_BLOCK_DV", 512)))))
