@@ -84,7 +84,7 @@ def _sparse_decode(fn, L):
 
 def _sparse_variant(L: int) -> str:
     # fp32 partials (split) and the op's own out (one split) are two declared variants
-    from glm5.kernels.triton.sparse_attention import split_keys
+    from glm5.kernels.triton.splitkv import split_keys
 
     p = {**registry.default_table()["sparse_attention"], **GPU_LIKE["sparse_attention"]}
     return "split" if split_keys(p, 1 + L % 3, L, p["BLOCK_K"])[0] > 1 else "one"
@@ -101,18 +101,33 @@ def _attention_decode(fn, L):
     fn(_r(1 + L % 3, 4, 16), _r(L, 2, 16), _r(L, 2, 16), ks, ke, 0.1)
 
 
-def _attention_mqa(fn, L):
+def _attention_mqa(decode: bool) -> Callable[..., Any]:
     """Absorbed-MLA layout (Hk = 1, G = 16, v a view of k): the MQA regime at every T."""
-    for T in (L, 1 + L % 3):
+    def call(fn, L):
+        T = 1 + L % 3 if decode else L
         ks, ke = _ranges(T, L)
         k = _r(L, 1, 48)
         fn(_r(T, 16, 48), k, k[..., :32], ks, ke, 0.1)
 
+    return call
 
-def _attention_variant(L: int) -> str:
-    from glm5.kernels.triton.attention import DEFAULTS
 
-    return "decode" if L <= DEFAULTS["attention"]["DECODE_MAX_T"] else "prefill"
+def _attention_variant(T: Callable[[int], int], H: int, Hk: int, Dqk: int, Dv: int
+                       ) -> Callable[[int], Any]:
+    """(regime, split-KV or not) at length L: T(L) queries over L keys. The split variant
+    writes fp32 partials (another out dtype): a declared variant of its own."""
+    from glm5.kernels.triton import attention as A
+    from glm5.kernels.triton.splitkv import split_keys
+
+    def variant(L: int) -> Any:
+        p = {**registry.default_table()["attention"], **GPU_LIKE["attention"]}
+        t, G = T(L), H // Hk
+        c = A.tiles(p, t, G, Dqk, Dv)
+        blocks = math.ceil(t / c["BLOCK_T"]) * Hk * math.ceil(G / c["BLOCK_G"]) * \
+            math.ceil(Dv / c["BLOCK_DV"])
+        return A.regime(p, t, G), split_keys(p, blocks, L, c["BLOCK_N"])[0] > 1
+
+    return variant
 
 
 def _mla(absorb: bool) -> Callable[..., Any]:
@@ -171,9 +186,11 @@ SCENARIOS: list[tuple[str, Callable[..., Any], Callable[[int], Any]]] = [
     ("sparse_attention", _sparse, lambda L: None),
     ("sparse_attention", _sparse_decode, _sparse_variant),
     # decode (T <= DECODE_MAX_T) and prefill tiles are two declared variants for G < 16
-    ("attention", _attention, _attention_variant),
-    ("attention", _attention_decode, lambda L: None),
-    ("attention", _attention_mqa, lambda L: None),
+    ("attention", _attention, _attention_variant(lambda L: L, 4, 2, 16, 16)),
+    ("attention", _attention_decode, _attention_variant(lambda L: 1 + L % 3, 4, 2, 16, 16)),
+    ("attention", _attention_mqa(False), _attention_variant(lambda L: L, 16, 1, 48, 32)),
+    ("attention", _attention_mqa(True), _attention_variant(lambda L: 1 + L % 3, 16, 1, 48,
+                                                           32)),
     *[("mla_prolog", _mla(absorb), lambda L: None) for absorb in (True, False)],
     ("moe_experts", _moe, _moe_variant),  # decode and prefill tiles: two variants
     # decode (M <= GEMV_M: the GEMV) and prefill (the GEMM) are two declared variants
@@ -188,7 +205,8 @@ POLICIES = {
     "persistent": {"grid": "persistent", "programs": 8},
 }
 GPU_LIKE = {"token_logprobs": {"TARGET_PROGRAMS_INTERPRETED": 264},
-            "sparse_attention": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 32}}
+            "sparse_attention": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 32},
+            "attention": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 32}}
 
 
 def _ops(policy: str) -> dict[str, Callable[..., Any]]:
@@ -248,10 +266,17 @@ def test_variants_that_should_differ_do():
     for kern in ("moe_gemm13_kernel", "moe_gemm2_kernel"):
         dec, pre = keys[(kern, "decode")], keys[(kern, "prefill")]
         assert len(dec) == len(pre) == 1 and dec != pre
-    keys = _sweep("attention", _attention, _attention_variant, "tiles")
-    dec = keys[("flash_attention_kernel", "decode")]
-    pre = keys[("flash_attention_kernel", "prefill")]
-    assert len(dec) == len(pre) == 1 and dec != pre
+    # attention: the DECODE and MHA tiles, each with its own out (one split) and with fp32
+    # partials (split-KV): four variants that all compile apart
+    flash: dict[Any, set[str]] = defaultdict(set)
+    for call, T in ((_attention, lambda L: L), (_attention_decode, lambda L: 1 + L % 3)):
+        keys = _sweep("attention", call, _attention_variant(T, 4, 2, 16, 16), "tiles")
+        for (name, label), k in keys.items():
+            if name == "flash_attention_kernel":
+                flash[label] |= k
+    assert set(flash) == {("DECODE", False), ("DECODE", True), ("MHA", False), ("MHA", True)}
+    assert all(len(k) == 1 for k in flash.values())
+    assert len({next(iter(k)) for k in flash.values()}) == 4
 
 
 # ---------------------------------------------------------------- planted bugs: the check fails

@@ -343,7 +343,8 @@ def test_sparse_attention_split_kv(split, dtype):
 
 
 def test_sparse_attention_split_rule():
-    from glm5.kernels.triton.sparse_attention import DEFAULTS, split_keys
+    from glm5.kernels.triton.sparse_attention import DEFAULTS
+    from glm5.kernels.triton.splitkv import split_keys
 
     p = {**DEFAULTS["sparse_attention"], "TARGET_PROGRAMS_INTERPRETED": 264}
     # batch-1 decode, GLM-5: 2048 keys in 32-key blocks, one program per split; at least 128

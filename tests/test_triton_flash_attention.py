@@ -87,6 +87,39 @@ def test_attention_matches_reference(name, dtype):
     assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
 
 
+@pytest.mark.parametrize("split", [2, 5])
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_split_kv(name, split, dtype):
+    """Split-KV: each program block's union of ranges cut into `split` tile-aligned windows,
+    every row's range clipped to its window, the partials merged by their lse. 5 windows of
+    16-key tiles leave windows no row of a block reaches (lse -inf partials) and rows whose
+    whole range lies in one window."""
+    over, T, S, H, Hk, Dqk, Dv, (ks, ke), view, reg = CASES[name]
+    vals = _case(T, S, H, Hk, Dqk, Dv, ks, ke, dtype, view)
+    out, lse = _run(_fn({**over, "SPLIT_K": split}), vals)
+    assert_matches("attention", (out, lse), vals)
+    empty = vals["k_start"] == vals["k_end"]
+    assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
+    one, one_lse = _run(_fn({**over, "SPLIT_K": 1}), vals)
+    # the merge reorders the same sums: far inside the op's tolerance of one pass
+    assert torch.allclose(lse, one_lse, atol=1e-5, rtol=0, equal_nan=True)
+    assert torch.allclose(out.float(), one.float(), rtol=0,
+                          atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_attention_split_rule():
+    """Decode at GLM-5 shapes splits; a prefill does not (the rule of glm5.kernels.triton.
+    splitkv, reached through attention's tiles)."""
+    from glm5.kernels.triton.splitkv import split_keys
+
+    d = {**A.DEFAULTS["attention"], "TARGET_PROGRAMS_INTERPRETED": 264}
+    c = A.tiles(d, 1, 64, 576, 512)  # absorbed MLA, batch 1: 1 x 1 x 2 Dv halves
+    assert split_keys(d, 1 * 1 * 2, 2048, c["BLOCK_N"]) == (16, 128)
+    c = A.tiles(d, 4096, 1, 256, 256)  # MHA prefill: 32 query blocks x 64 heads
+    assert split_keys(d, 32 * 64, 4096, c["BLOCK_N"])[0] == 1
+
+
 def _holes_case(ks, ke, S, seed=0, BN=16):
     """Ranges leaving whole BLOCK_N tiles that no row sees; those tiles' v rows are NaN (any
     read of them would reach out as 0 * NaN), the oracle gets zeros there instead."""
@@ -102,8 +135,9 @@ def _holes_case(ks, ke, S, seed=0, BN=16):
     return vals, oracle
 
 
+@pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("layout", ["packed", "scattered"])
-def test_attention_never_reads_keys_no_row_sees(layout):
+def test_attention_never_reads_keys_no_row_sees(layout, split):
     if layout == "packed":
         # one 32-row block holding two sequences' queries: [0, 10 + t) then [200, 205 + t)
         ks = [0] * 10 + [200] * 12
@@ -114,7 +148,7 @@ def test_attention_never_reads_keys_no_row_sees(layout):
         ke = [330, 41, 5, 170, 90, 47, 260]
     S = 336
     vals, oracle = _holes_case(ks, ke, S)
-    out, lse = _run(_fn({"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_DV": 16}), vals)
+    out, lse = _run(_fn({"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_DV": 16, "SPLIT_K": split}), vals)
     assert torch.isfinite(out).all()
     assert_matches("attention", (out, lse), oracle)
 

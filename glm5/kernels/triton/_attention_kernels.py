@@ -1,5 +1,5 @@
-"""@triton.jit kernels behind glm5.kernels.triton.sparse_attention: the sparse attention tile
-kernel and the kernel merging its split-KV partials.
+"""@triton.jit kernel behind glm5.kernels.triton.sparse_attention (its split-KV partials are
+merged by glm5.kernels.triton._splitkv_kernels).
 
 Imported on the first kernel call only (Triton reads TRITON_INTERPRET when a @triton.jit function
 is defined).
@@ -145,50 +145,3 @@ def _sparse_tile(q_ptr, k_ptr, v_ptr, idx_ptr, out_ptr, lse_ptr,
     lse = tl.where(has, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
     first = (hg * 0 + pid_v) == 0  # only the first Dv block writes lse
     tl.store(lse_ptr + split * sls + t * slt + heads * slh, lse, mask=h_mask & first)
-
-
-@entry_kernel("T", "SPLIT")
-def sparse_attention_combine_kernel(po_ptr, pl_ptr, out_ptr, lse_ptr, T, H, Dv, SPLIT,
-                                    sot, soh, sod, slt, slh,
-                                    N_TILES, NUM_PROGRAMS, GRID_1,
-                                    BLOCK_DV: tl.constexpr, PERSISTENT: tl.constexpr):
-    """Merge the SPLIT partials of each (query t, head h), one tile each: partial outs
-    po [SPLIT, T, H, Dv] fp32 (each normalized over its keys) and lses pl [SPLIT, T, H] fp32,
-    both contiguous. out = sum_s e^(lse_s - M) out_s / sum_s e^(lse_s - M), lse = M + ln sum,
-    M = max_s lse_s; every lse_s -inf (no valid key): out 0, lse -inf."""
-    if PERSISTENT:
-        for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
-            _combine(po_ptr, pl_ptr, out_ptr, lse_ptr, T, H, Dv, SPLIT,
-                     sot, soh, sod, slt, slh, tile // GRID_1, tile % GRID_1, BLOCK_DV)
-    else:
-        _combine(po_ptr, pl_ptr, out_ptr, lse_ptr, T, H, Dv, SPLIT,
-                 sot, soh, sod, slt, slh, tl.program_id(0), tl.program_id(1), BLOCK_DV)
-
-
-@triton.jit
-def _combine(po_ptr, pl_ptr, out_ptr, lse_ptr, T, H, Dv, SPLIT,
-             sot, soh, sod, slt, slh, pid_t, pid_h, BLOCK_DV: tl.constexpr):
-    t = tl.cast(pid_t, tl.int64)
-    h = tl.cast(pid_h, tl.int64)
-    row = t * H + h  # (t, h) in a contiguous [T, H] plane
-    plane = tl.cast(T, tl.int64) * H
-    m = tl.load(pl_ptr + row)  # SPLIT >= 2: split 0 seeds both loops
-    for s in range(1, SPLIT):
-        m = tl.maximum(m, tl.load(pl_ptr + s * plane + row))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    wsum = tl.exp(tl.load(pl_ptr + row) - m_safe)
-    for s in range(1, SPLIT):
-        wsum += tl.exp(tl.load(pl_ptr + s * plane + row) - m_safe)
-    has = wsum > 0.0
-    inv = tl.where(has, 1.0 / tl.where(has, wsum, 1.0), 0.0)
-    for d0 in range(0, Dv, BLOCK_DV):
-        d = d0 + tl.arange(0, BLOCK_DV)
-        dm = d < Dv
-        acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-        for s in range(0, SPLIT):
-            w = tl.exp(tl.load(pl_ptr + s * plane + row) - m_safe)
-            acc += w * tl.load(po_ptr + (s * plane + row) * Dv + d, mask=dm, other=0.0)
-        tl.store(out_ptr + t * sot + h * soh + d * sod, (acc * inv).to(out_ptr.dtype.element_ty),
-                 mask=dm)
-    tl.store(lse_ptr + t * slt + h * slh,
-             tl.where(has, m_safe + tl.log(tl.where(has, wsum, 1.0)), float("-inf")))

@@ -14,48 +14,56 @@ from glm5.kernels.triton._common import dot as _dot, entry_kernel
 _BIG = tl.constexpr(2147483647)  # above any key index: the neutral element of a min
 
 
-@entry_kernel("T", "N_TB")
+@entry_kernel("T", "N_TB", "SPLIT", "sos", "sls")
 def flash_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
-                           T, N_TB, G, N_GB, qk_scale,
+                           T, N_TB, G, N_GB, N_DV, SPLIT, qk_scale,
                            sqt, sqh, sqd, sks, skh, skd, svs, svh, svd,
-                           sot, soh, sod, slt, slh, N_TILES, NUM_PROGRAMS, GRID_1, GRID_2,
+                           sos, sot, soh, sod, sls, slt, slh,
+                           N_TILES, NUM_PROGRAMS, GRID_1, GRID_2,
                            Dqk: tl.constexpr, Dv: tl.constexpr, BLOCK_T: tl.constexpr,
                            BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
                            BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
-                           DOT_FP32: tl.constexpr, PERSISTENT: tl.constexpr):
-    """Tiles (N_TB = cdiv(T, BLOCK_T), Hk * N_GB, cdiv(Dv, BLOCK_DV)), see _flash_tile;
+                           SPLIT_KV: tl.constexpr, DOT_FP32: tl.constexpr,
+                           PERSISTENT: tl.constexpr):
+    """Tiles (N_TB = cdiv(T, BLOCK_T), Hk * N_GB, N_DV * SPLIT), see _flash_tile;
     PERSISTENT: program p walks the tiles p, p + NUM_PROGRAMS, ... of that grid folded
     row-major."""
     if PERSISTENT:
         for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
             _flash_tile(q_ptr, k_ptr, v_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
-                        T, G, N_GB, qk_scale, sqt, sqh, sqd, sks, skh, skd, svs, svh, svd,
-                        sot, soh, sod, slt, slh,
+                        T, G, N_GB, N_DV, SPLIT, qk_scale,
+                        sqt, sqh, sqd, sks, skh, skd, svs, svh, svd,
+                        sos, sot, soh, sod, sls, slt, slh,
                         (tile // GRID_2) // GRID_1, (tile // GRID_2) % GRID_1, tile % GRID_2,
                         Dqk, Dv, BLOCK_T, BLOCK_G, BLOCK_N, BLOCK_DA, BLOCK_DB, BLOCK_DV,
-                        EVEN_DV, DOT_FP32)
+                        EVEN_DV, SPLIT_KV, DOT_FP32)
     else:
         # Query blocks in reverse: under causal ranges the last blocks see the most keys, and
         # starting them first shortens the tail of the launch.
         _flash_tile(q_ptr, k_ptr, v_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
-                    T, G, N_GB, qk_scale, sqt, sqh, sqd, sks, skh, skd, svs, svh, svd,
-                    sot, soh, sod, slt, slh,
+                    T, G, N_GB, N_DV, SPLIT, qk_scale,
+                    sqt, sqh, sqd, sks, skh, skd, svs, svh, svd,
+                    sos, sot, soh, sod, sls, slt, slh,
                     N_TB - 1 - tl.program_id(0), tl.program_id(1), tl.program_id(2),
                     Dqk, Dv, BLOCK_T, BLOCK_G, BLOCK_N, BLOCK_DA, BLOCK_DB, BLOCK_DV,
-                    EVEN_DV, DOT_FP32)
+                    EVEN_DV, SPLIT_KV, DOT_FP32)
 
 
 @triton.jit
 def _flash_tile(q_ptr, k_ptr, v_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
-                T, G, N_GB, qk_scale, sqt, sqh, sqd, sks, skh, skd, svs, svh, svd,
-                sot, soh, sod, slt, slh, pid_t, pid_h, pid_v,
+                T, G, N_GB, N_DV, SPLIT, qk_scale,
+                sqt, sqh, sqd, sks, skh, skd, svs, svh, svd,
+                sos, sot, soh, sod, sls, slt, slh, pid_t, pid_h, pid_2,
                 Dqk: tl.constexpr, Dv: tl.constexpr, BLOCK_T: tl.constexpr,
                 BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr,
                 BLOCK_DB: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
-                DOT_FP32: tl.constexpr):
+                SPLIT_KV: tl.constexpr, DOT_FP32: tl.constexpr):
     """One program: BLOCK_M = BLOCK_T x BLOCK_G rows, the (query, head) pairs of BLOCK_T
-    consecutive queries and BLOCK_G heads of KV head j's group, times one BLOCK_DV slice of Dv.
+    consecutive queries and BLOCK_G heads of KV head j's group, times one BLOCK_DV slice of Dv
+    (and, SPLIT_KV, one of SPLIT equal BLOCK_N-aligned windows of the union of the rows' ranges:
+    each row's range is clipped to the window, and the program writes the window's normalized
+    out and lse at split stride sos / sls for glm5.kernels.triton.splitkv to merge).
 
     Each K/V tile of BLOCK_N keys is loaded once for all BLOCK_M rows. Keys are walked on
     BLOCK_N-aligned tiles: first the interior [b, c), the whole tiles every row sees (max k_start
@@ -67,6 +75,8 @@ def _flash_tile(q_ptr, k_ptr, v_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
     256 = 256 + 0). Online softmax in base 2 (qk_scale = scale * log2 e), fp32 accumulators, P
     in v's dtype for the PV dot. A row with no key gives out 0 and lse -inf."""
     BLOCK_M: tl.constexpr = BLOCK_T * BLOCK_G
+    pid_v = pid_2 % N_DV
+    split = tl.cast(pid_2 // N_DV, tl.int64)
     j = tl.cast(pid_h // N_GB, tl.int64)  # a Python int under the interpreter's persistent loop
     gb = pid_h % N_GB
     r = tl.arange(0, BLOCK_M)
@@ -78,6 +88,18 @@ def _flash_tile(q_ptr, k_ptr, v_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
 
     ks = tl.load(ks_ptr + t64, mask=row_ok, other=0)
     ke = tl.load(ke_ptr + t64, mask=row_ok, other=0)
+    if SPLIT_KV:
+        # this program's window: split `split` of SPLIT equal tile-aligned pieces of the union
+        # of the rows' ranges (the same union for every split of the block)
+        live0 = ks < ke
+        any0 = tl.max(live0.to(tl.int32), axis=0) > 0
+        base = tl.where(any0, tl.min(tl.where(live0, ks, _BIG), axis=0), 0)
+        base = (base // BLOCK_N) * BLOCK_N
+        top = tl.max(tl.where(live0, ke, 0), axis=0)
+        per = (((top - base + SPLIT - 1) // SPLIT + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        w_lo = base + split.to(tl.int32) * per
+        ks = tl.maximum(ks, w_lo)
+        ke = tl.minimum(ke, w_lo + per)
     live = ks < ke
     any_live = tl.max(live.to(tl.int32), axis=0) > 0
     lo = tl.where(any_live, tl.min(tl.where(live, ks, _BIG), axis=0), 0)
@@ -142,7 +164,8 @@ def _flash_tile(q_ptr, k_ptr, v_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
     has = live & (l_i > 0.0)
     l_safe = tl.where(has, l_i, 1.0)
     out = tl.where(has[:, None], acc / l_safe[:, None], 0.0)
-    o_ptrs = out_ptr + t64[:, None] * sot + heads[:, None] * soh + dv[None, :] * sod
+    o_ptrs = (out_ptr + split * sos) + t64[:, None] * sot + heads[:, None] * soh + \
+        dv[None, :] * sod
     if EVEN_DV:
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
@@ -150,7 +173,7 @@ def _flash_tile(q_ptr, k_ptr, v_ptr, ks_ptr, ke_ptr, out_ptr, lse_ptr,
                  mask=row_ok[:, None] & (dv[None, :] < Dv))
     lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     first = (r * 0 + pid_v) == 0  # only the first Dv block writes lse
-    tl.store(lse_ptr + t64 * slt + heads * slh, lse, mask=row_ok & first)
+    tl.store(lse_ptr + split * sls + t64 * slt + heads * slh, lse, mask=row_ok & first)
 
 
 @triton.jit

@@ -25,6 +25,11 @@ query in one program as decode wants. Keys: ``<REGIME>_<name>`` sets a parameter
 unprefixed ``<name>`` in a backend's entry pins it for every regime (e.g. ascend's
 ``BLOCK_DV: 128``, cambricon's ``num_warps: 1``). The regime depends on T only through the
 DECODE threshold: two compiled variants per head layout, never one per length.
+
+Split-KV (glm5.kernels.triton.splitkv): when the grid is short of about TARGET_PROGRAMS programs
+(decode), each program block's union of key ranges is cut into SPLIT equal tile-aligned windows,
+every row's range is clipped to its window, and the windows' fp32 partials are merged by their
+lse. The partial-writing kernel is one more compiled variant per regime.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 
+from glm5.kernels.triton import splitkv
 from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, dot_fp32, launch,
                                         launch_opts, next_pow2, split_head_dim)
 
@@ -60,6 +66,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # spills); correctness and the parity suite, not speed
         "FP32_BLOCK_M": 16, "FP32_BLOCK_N": 16, "FP32_BLOCK_DV": 128,
         "FP32_num_warps": 4, "FP32_num_stages": 2,
+        # split-KV for grids short of TARGET_PROGRAMS programs (decode; glm5.kernels.triton.
+        # splitkv): at most S / SPLIT_MIN_KEYS ranges
+        **splitkv.DEFAULTS,
     },
 }
 
@@ -124,15 +133,20 @@ def make_attention(p: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, torch
         c = tiles(p, T, G, Dqk, Dv, torch.float32 in (q.dtype, k.dtype, v.dtype))
         n_tb = cdiv(T, c["BLOCK_T"])
         n_gb = cdiv(G, c["BLOCK_G"])
-        grid = (n_tb, Hk * n_gb, cdiv(max(Dv, 1), c["BLOCK_DV"]))  # Dv = 0: lse still needed
+        n_dv = cdiv(max(Dv, 1), c["BLOCK_DV"])  # Dv = 0: lse still needed
+        # few query blocks (decode): the keys (at most S per row) split across programs
+        split, _ = splitkv.split_keys(p, n_tb * Hk * n_gb * n_dv, k.shape[0], c["BLOCK_N"])
+        po, pl, sos, sls = splitkv.partials(split, out, lse)
         launch(
-            _k().flash_attention_kernel, grid, p, "attention",
-            q, k, v, k_start.contiguous(), k_end.contiguous(), out, lse,
-            T, n_tb, G, n_gb, float(scale) * LOG2E,
+            _k().flash_attention_kernel, (n_tb, Hk * n_gb, n_dv * split), p, "attention",
+            q, k, v, k_start.contiguous(), k_end.contiguous(), po, pl,
+            T, n_tb, G, n_gb, n_dv, split, float(scale) * LOG2E,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            Dqk=Dqk, Dv=Dv, DOT_FP32=dot_fp32(q.dtype, k.dtype, v.dtype), **c)
+            sos, po.stride(-3), po.stride(-2), po.stride(-1), sls, pl.stride(-2),
+            pl.stride(-1), Dqk=Dqk, Dv=Dv, SPLIT_KV=split > 1,
+            DOT_FP32=dot_fp32(q.dtype, k.dtype, v.dtype), **c)
+        splitkv.merge(p, "attention", po, pl, out, lse)
         return out, lse
 
     return attention

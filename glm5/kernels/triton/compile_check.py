@@ -30,7 +30,7 @@ from typing import Any, Iterator
 # The modules holding the @triton.jit kernels; their public jit names are the entry kernels.
 KERNEL_MODULES: tuple[str, ...] = ("_attention_kernels", "_flash_kernels", "_indexer_kernels",
                                    "_logprobs_kernels", "_moe_kernels", "_norm_kernels",
-                                   "_prolog_kernels", "_quant_kernels")
+                                   "_prolog_kernels", "_quant_kernels", "_splitkv_kernels")
 
 # (backend name, arch, warp size) of the target whose specialization rules are applied.
 DEFAULT_TARGET: tuple[str, int, int] = ("cuda", 90, 32)

@@ -13,10 +13,9 @@ they are).
 Split-KV (decode): a prefill has thousands of query rows, enough programs for every SM, but a
 decode step has one per sequence (one program for the whole GPU at batch 1). When the grid is
 short of about TARGET_PROGRAMS programs the selected keys are cut into SPLIT ranges of whole
-BLOCK_K blocks (the token_logprobs rule, `launch.split_for_target`; each range at least
-SPLIT_MIN_KEYS keys, so the partials written stay small beside the rows read); each program
-writes its range's normalized out and lse in fp32 and ``sparse_attention_combine_kernel``
-merges them by their lse (docs/performance.md, "sparse_attention split-KV decode").
+BLOCK_K blocks, each program writes its range's normalized out and lse in fp32, and the
+partials are merged by their lse (glm5.kernels.triton.splitkv; docs/performance.md,
+"Split-KV decode").
 """
 
 from __future__ import annotations
@@ -25,9 +24,9 @@ from typing import Any, Callable
 
 import torch
 
+from glm5.kernels.triton import splitkv
 from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, dot_fp32, interpreted,
-                                        launch, launch_opts, next_pow2, split_for_target,
-                                        split_head_dim)
+                                        launch, launch_opts, next_pow2, split_head_dim)
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     # BLOCK_H_MAX: query heads per program (a power of two >= 16; fewer heads are masked);
@@ -42,16 +41,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                          # registers, 96 B; 217 and none at BLOCK_DV 256, which recomputes the
                          # scores per Dv half); bench/gpu_tune.py tries both on a GPU.
                          "RESIDENT_Q": False, "V_FROM_K": True,
-                         # Split the keys until about this many programs run (2 per H100/H200
-                         # SM); 0 = never split. SPLIT_K (absent) forces a split count.
-                         "TARGET_PROGRAMS": 264,
-                         # The interpreter runs programs one after another: splitting only
-                         # adds work there.
-                         "TARGET_PROGRAMS_INTERPRETED": 0,
-                         # No split takes fewer keys: a split's partial out (BLOCK_H x Dv fp32,
-                         # 128 KiB for GLM-5) is about the bytes of 114 gathered 576-wide rows.
-                         "SPLIT_MIN_KEYS": 128,
-                         "COMBINE_BLOCK_DV": 512, "combine_num_warps": 4},
+                         **splitkv.DEFAULTS},
 }
 
 LOG2E = 1.4426950408889634
@@ -61,24 +51,6 @@ def _k():
     from glm5.kernels.triton import _attention_kernels
 
     return _attention_kernels
-
-
-def split_keys(p: dict[str, Any], blocks: int, K: int, block_k: int) -> tuple[int, int]:
-    """(SPLIT, keys per split) for ``blocks`` programs per split over K selected keys in
-    BLOCK_K blocks under tuning p: SPLIT_K when given, else about TARGET_PROGRAMS programs
-    (TARGET_PROGRAMS_INTERPRETED under the interpreter) with at least SPLIT_MIN_KEYS keys per
-    split; no split is left empty. Keys per split is a whole number of BLOCK_K blocks."""
-    chunks = max(1, cdiv(K, block_k))
-    forced = p.get("SPLIT_K")
-    if forced is not None:
-        split, per = split_for_target(blocks, chunks, 0, int(forced))
-    else:
-        key = "TARGET_PROGRAMS_INTERPRETED" if interpreted() else "TARGET_PROGRAMS"
-        split, per = split_for_target(blocks, chunks, int(p.get(key, 0)))
-        most = max(1, chunks // max(1, cdiv(int(p.get("SPLIT_MIN_KEYS", 0)), block_k)))
-        if split > most:
-            split, per = split_for_target(blocks, chunks, 0, most)
-    return split, per * block_k
 
 
 def _launch(p: dict[str, Any], q, k, v, idx, scale):
@@ -102,20 +74,14 @@ def _launch(p: dict[str, Any], q, k, v, idx, scale):
     da, db = split_head_dim(Dqk)
     # v = k[..., :Dv] (absorbed MLA): the PV dot reuses the gathered K tile when one Dv block
     # of BLOCK_DA columns covers Dv
-    v_from_k = bool(resident) and bool(p.get("V_FROM_K", True)) and Dv <= da and bdv >= da and v.dtype == k.dtype and \
-        v.data_ptr() == k.data_ptr() and v.shape[:2] == k.shape[:2] and \
-        (v.stride(0), v.stride(1), v.stride(2)) == (k.stride(0), k.stride(1), k.stride(2))
+    v_from_k = (resident and bool(p.get("V_FROM_K", True)) and Dv <= da and bdv >= da
+                and v.dtype == k.dtype and v.data_ptr() == k.data_ptr()
+                and v.shape[:2] == k.shape[:2] and v.stride() == k.stride())
     if v_from_k:
         bdv = da
     n_dv = cdiv(Dv_launch, bdv)
-    split, kps = split_keys(p, T * Hk * n_hb * n_dv, K, bk)
-    if split == 1:
-        po, pl = out, lse
-        sos = sls = 0
-    else:
-        po = torch.empty((split, T, H, Dv), dtype=torch.float32, device=q.device)
-        pl = torch.empty((split, T, H), dtype=torch.float32, device=q.device)
-        sos, sls = T * H * Dv, T * H
+    split, kps = splitkv.split_keys(p, T * Hk * n_hb * n_dv, K, bk)
+    po, pl, sos, sls = splitkv.partials(split, out, lse)
     so = (po.stride(-3), po.stride(-2), po.stride(-1))
     launch(
         _k().sparse_attention_kernel, (T, Hk * n_hb, n_dv * split), p, "sparse_attention",
@@ -126,12 +92,7 @@ def _launch(p: dict[str, Any], q, k, v, idx, scale):
         BLOCK_H=bh, BLOCK_K=bk, BLOCK_D=bd, BLOCK_DV=bdv, RESIDENT=resident,
         BLOCK_DA=da, BLOCK_DB=db, V_FROM_K=v_from_k,
         DOT_FP32=dot_fp32(q.dtype, k.dtype, v.dtype), **launch_opts(p))
-    if split > 1:
-        cdv = max(16, min(next_pow2(Dv_launch), next_pow2(int(p.get("COMBINE_BLOCK_DV", 512)))))
-        launch(_k().sparse_attention_combine_kernel, (T, H), p, "sparse_attention",
-               po, pl, out, lse, T, H, Dv, split, out.stride(0), out.stride(1), out.stride(2),
-               lse.stride(0), lse.stride(1), BLOCK_DV=cdv,
-               **launch_opts(p, "combine_", num_warps=4))
+    splitkv.merge(p, "sparse_attention", po, pl, out, lse)
     return out, lse
 
 

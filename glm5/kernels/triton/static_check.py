@@ -226,32 +226,35 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
                                   torch.zeros(T, dtype=torch.int32),
                                   torch.arange(S - T + 1, S + 1, dtype=torch.int32), ps, TOPK)
 
-    def sparse_prefill(ops):
+    def sparse_prefill(ops):  # enough queries that the keys are not split (decode's split-KV)
         k = _bf(4096, 1, DQK)
-        ops["sparse_attention"](_bf(64, H, DQK), k, k[..., :DV],
-                                torch.zeros(64, TOPK, dtype=torch.int32), 0.1)
+        ops["sparse_attention"](_bf(512, H, DQK), k, k[..., :DV],
+                                torch.zeros(512, TOPK, dtype=torch.int32), 0.1)
 
     def sparse_decode(ops):
         k = _bf(4096, 1, DQK)
         ops["sparse_attention"](_bf(2, H, DQK), k, k[..., :DV],
                                 torch.zeros(2, TOPK, dtype=torch.int32), 0.1)
 
-    def attention_mha(T: int):
+    def attention_mha(T: int, S: int):
         # GLM-5's non-absorbed MLA prefill: k = [k_nope 192 | k_pe 64] per head, v the last
         # 256 columns of the up-projected kv rows [S, H, 192 + 256] (a strided view)
         def run(ops):
-            ks, ke = _ranges(T, 256)
-            kvx = _bf(256, MHA_H, MHA_DN + MHA_D)
-            ops["attention"](_bf(T, MHA_H, MHA_D), _bf(256, MHA_H, MHA_D), kvx[..., MHA_DN:],
+            ks, ke = _ranges(T, S)
+            kvx = _bf(S, MHA_H, MHA_DN + MHA_D)
+            ops["attention"](_bf(T, MHA_H, MHA_D), _bf(S, MHA_H, MHA_D), kvx[..., MHA_DN:],
                              ks, ke, 0.1)
 
         return run
 
-    def attention_mqa(ops):
+    def attention_mqa(T: int, S: int):
         # absorbed MLA over a sequence shorter than index_topk (dense, not DSA)
-        ks, ke = _ranges(64, 1024)
-        k = _bf(1024, 1, DQK)
-        ops["attention"](_bf(64, H, DQK), k, k[..., :DV], ks, ke, 0.1)
+        def run(ops):
+            ks, ke = _ranges(T, S)
+            k = _bf(S, 1, DQK)
+            ops["attention"](_bf(T, H, DQK), k, k[..., :DV], ks, ke, 0.1)
+
+        return run
 
     def attention_fp32(ops):
         # the parity suite's fp32 rows on a GPU (CUDA-core dots): they must fit and launch
@@ -281,9 +284,11 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
            "paged_indexer_topk": (True, paged_topk),
            "sparse_attention prefill": (True, sparse_prefill),
            "sparse_attention decode": (False, sparse_decode),
-           "attention MHA 256": (True, attention_mha(256)),
-           "attention MHA 256 decode": (False, attention_mha(2)),
-           "attention MQA 576/512": (True, attention_mqa),
+           # prefills big enough not to split their keys; decodes split them (split-KV)
+           "attention MHA 256": (True, attention_mha(1024, 1024)),
+           "attention MHA 256 decode": (False, attention_mha(2, 256)),
+           "attention MQA 576/512": (True, attention_mqa(512, 1024)),
+           "attention MQA 576/512 decode": (False, attention_mqa(1, 2048)),
            "attention fp32": (False, attention_fp32),
            # prefill: 256 rows per expert, wgmma tiles; decode (T k <= 16 E): 16-row tiles,
            # bound by reading each routed expert's weights once
