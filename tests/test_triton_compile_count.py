@@ -52,21 +52,41 @@ def _lightning(fn, L):
         fn(_r(T, 2, 16), _r(S, 16), _r(T, 2, dtype=torch.float32), ks, ke)
 
 
-def _topk(fn, L):
-    for T, S in ((L, L), (1 + L % 3, L)):
-        ks, ke = _ranges(T, S)
-        fn(_r(T, 2, 16), _r(S, 16), _r(T, 2, dtype=torch.float32), ks, ke, 4)
+def _topk(decode: bool) -> Callable[..., Any]:
+    def call(fn, L):
+        T = 1 + L % 3 if decode else L
+        ks, ke = _ranges(T, L)
+        fn(_r(T, 2, 16), _r(L, 16), _r(T, 2, dtype=torch.float32), ks, ke, 4)
+
+    return call
 
 
-def _paged(fn, L):
+def _paged(decode: bool) -> Callable[..., Any]:
     ps = 4
-    pages = math.ceil(L / ps)
-    for B in (L, 1 + L % 3):  # a prefill chunk / a decode batch over sequences of L keys
+
+    def call(fn, L):  # a prefill chunk / a decode batch over sequences of L keys
+        B = 1 + L % 3 if decode else L
         pool = _r(64 * ps, 16)
-        table = _i(B, pages, hi=64)
+        table = _i(B, math.ceil(L / ps), hi=64)
         fn(_r(B, 2, 16), pool, _r(B, 2, dtype=torch.float32), table,
            torch.arange(B, device=DEV, dtype=torch.int32) % B,
            torch.full((B,), L, device=DEV, dtype=torch.int32), ps, 4)
+
+    return call
+
+
+def _topk_variant(op: str, decode: bool, ps: int = 1) -> Callable[[int], Any]:
+    """Split top-k or not at length L (the split kernel stores order keys: its own variant,
+    and the merge kernel runs only then)."""
+    from glm5.kernels.triton import indexer
+
+    def variant(L: int) -> bool:
+        p = {**registry.default_table()[op], **GPU_LIKE[op]}
+        T = 1 + L % 3 if decode else L
+        keys = math.ceil(L / ps) * ps
+        return indexer._merge_plan(p, 4, 2, 16, T, keys, True)[4] > 1
+
+    return variant
 
 
 def _sparse(fn, L):
@@ -181,8 +201,9 @@ SCENARIOS: list[tuple[str, Callable[..., Any], Callable[[int], Any]]] = [
     ("rope", lambda fn, L: fn(_r(L, 4, 16), _r(L, 8), _r(L, 8), True), lambda L: None),
     ("silu_mul", lambda fn, L: fn(_r(L, 64)), lambda L: None),
     ("lightning_indexer", _lightning, lambda L: None),
-    ("indexer_topk", _topk, lambda L: None),
-    ("paged_indexer_topk", _paged, lambda L: None),
+    *[("indexer_topk", _topk(d), _topk_variant("indexer_topk", d)) for d in (False, True)],
+    *[("paged_indexer_topk", _paged(d), _topk_variant("paged_indexer_topk", d, 4))
+      for d in (False, True)],
     ("sparse_attention", _sparse, lambda L: None),
     ("sparse_attention", _sparse_decode, _sparse_variant),
     # decode (T <= DECODE_MAX_T) and prefill tiles are two declared variants for G < 16
@@ -206,7 +227,9 @@ POLICIES = {
 }
 GPU_LIKE = {"token_logprobs": {"TARGET_PROGRAMS_INTERPRETED": 264},
             "sparse_attention": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 32},
-            "attention": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 32}}
+            "attention": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 32},
+            "indexer_topk": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 64},
+            "paged_indexer_topk": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 64}}
 
 
 def _ops(policy: str) -> dict[str, Callable[..., Any]]:

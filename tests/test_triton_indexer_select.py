@@ -305,3 +305,42 @@ def test_planted_selection_bugs_fail(name, tmp_path, monkeypatch):
     fn = indexer.make_indexer_topk(_tuning("indexer_topk", MUTANTS[name][2]))
     with pytest.raises(AssertionError):
         check_designed(fn, 6)
+
+
+# --------------------------------------------------------------------------- split top-k
+@pytest.mark.parametrize("split", [2, 3, 7])
+def test_split_topk_exact(split):
+    """Split top-k (decode): each query block's keys cut into `split` 16-key-aligned windows,
+    each window's best topk order keys merged by a second kernel: exactly the reference,
+    ties included (7 windows of the 100 keys: some rows' ranges miss most windows, empty
+    rows stay all -1). With merge_counts the launch does not split (the counts describe one
+    selection)."""
+    fn = indexer.make_indexer_topk(_tuning("indexer_topk", "rank", SPLIT_K=split))
+    q, k, w, ks, ke = designed_case()
+    for topk in (6, 32):
+        got = fn(q.to(DEV), k.to(DEV), w.to(DEV), ks.to(DEV), ke.to(DEV), topk).cpu()
+        want = indexer_topk_ref(q.double(), k.double(), w.double(), ks, ke, topk)
+        assert torch.equal(got, want), (split, topk, got, want)
+    check_designed(fn, 6)  # merge_counts given: one split, the model's merges
+
+
+@pytest.mark.parametrize("split", [2, 5])
+def test_split_paged_topk_exact(split):
+    fn = indexer.make_paged_indexer_topk(_tuning("paged_indexer_topk", "rank", SPLIT_K=split))
+    v = paged_case()
+    op = glm5.get_op("paged_indexer_topk")
+    dev = {n: x.to(DEV) if isinstance(x, torch.Tensor) else x for n, x in v.items()}
+    got = fn(*paged_util.args(dev)).cpu()
+    assert torch.equal(got, op.reference(*paged_util.args(v))), got
+
+
+def test_split_topk_rule():
+    """GLM-5 decode (topk 2048, Hi 32, Di 128): one query over 128K keys splits in 16 windows
+    of 8K keys; a 4K-token prefill (512 blocks of 8 queries) and short contexts do not."""
+    p = {**indexer.DEFAULTS["indexer_topk"], "TARGET_PROGRAMS_INTERPRETED": 264}
+    assert indexer._merge_plan(p, 2048, 32, 128, 1, 131072, True)[4] == 16
+    assert indexer._merge_plan(p, 2048, 32, 128, 1, 131072, False)[4] == 1  # merge counts
+    assert indexer._merge_plan(p, 2048, 32, 128, 4096, 4096, True)[4] == 1
+    assert indexer._merge_plan(p, 2048, 32, 128, 1, 8192, True)[4] == 1
+    pp = {**indexer.DEFAULTS["paged_indexer_topk"], "TARGET_PROGRAMS_INTERPRETED": 264}
+    assert indexer._merge_plan(pp, 2048, 32, 128, 32, 65536, True)[4] == 8

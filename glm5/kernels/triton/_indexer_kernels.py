@@ -295,42 +295,60 @@ def _decoded_keys(rows, cnt, TOPK, merges, t_mask, mc_ptr, t, CH: tl.constexpr,
 
 
 # --------------------------------------------------------------------------- indexer_topk
-@entry_kernel("T", "S")
-def indexer_topk_kernel(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr,
-                        T, S, Hi, Di, TOPK,
-                        sqt, sqh, sqd, sks, skd, swt, swh, sot, sok, N_TILES, NUM_PROGRAMS,
+@entry_kernel("T", "S", "SPLIT", "sws", "spk")
+def indexer_topk_kernel(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr, pk_ptr,
+                        T, S, Hi, Di, TOPK, SPLIT, sws, spk,
+                        sqt, sqh, sqd, sks, skd, swt, swh, sot, sok,
+                        N_TILES, NUM_PROGRAMS, GRID_1,
                         BLOCK_T: tl.constexpr, HP: tl.constexpr, BLOCK_S: tl.constexpr,
                         BLOCK_D: tl.constexpr, ONE_D: tl.constexpr, CH: tl.constexpr,
                         LOG_CH: tl.constexpr, RANK_MERGE: tl.constexpr,
-                        COUNT_MERGES: tl.constexpr, DOT_FP32: tl.constexpr,
-                        PERSISTENT: tl.constexpr):
-    """One tile per block of BLOCK_T queries, streaming over the union of their key ranges in
-    BLOCK_S key tiles; each tile's scores go straight into the threshold-filtered running
-    selection (module docstring), only a [BLOCK_T, BLOCK_S] score tile is ever live. With
-    COUNT_MERGES each query's number of merges is written to mc_ptr[t]. Blocks are taken last
-    first: in a causal prefill the last queries see the most keys, and starting the longest
-    work first shortens the tail. PERSISTENT: program p walks blocks p, p + NUM_PROGRAMS, ...
-    of that order."""
+                        COUNT_MERGES: tl.constexpr, SPLIT_OUT: tl.constexpr,
+                        DOT_FP32: tl.constexpr, PERSISTENT: tl.constexpr):
+    """Tiles (block of BLOCK_T queries, split): each streams over (its window of) the union of
+    its queries' key ranges in BLOCK_S key tiles; each tile's scores go straight into the
+    threshold-filtered running selection (module docstring), only a [BLOCK_T, BLOCK_S] score
+    tile is ever live. With COUNT_MERGES each query's number of merges is written to mc_ptr[t].
+    SPLIT_OUT (split top-k, decode): the union is cut into SPLIT tile-aligned windows, one per
+    program, each keeping its own workspace (split stride sws) and writing its best TOPK order
+    keys to pk_ptr [SPLIT, T, TOPK] (split stride spk) for indexer_topk_merge_kernel. Blocks are
+    taken last first: in a causal prefill the last queries see the most keys, and starting the
+    longest work first shortens the tail. PERSISTENT: program p walks tiles p, p +
+    NUM_PROGRAMS, ... of that order."""
+    n_tb = N_TILES // GRID_1
     if PERSISTENT:
         for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
-            _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr,
-                       T, S, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh, sot, sok,
-                       N_TILES - 1 - tile, BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D, CH, LOG_CH,
-                       RANK_MERGE, COUNT_MERGES, DOT_FP32)
+            _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr, pk_ptr,
+                       T, S, Hi, Di, TOPK, SPLIT, sws, spk,
+                       sqt, sqh, sqd, sks, skd, swt, swh, sot, sok,
+                       n_tb - 1 - tile // GRID_1, tile % GRID_1, BLOCK_T, HP, BLOCK_S,
+                       BLOCK_D, ONE_D, CH, LOG_CH, RANK_MERGE, COUNT_MERGES, SPLIT_OUT,
+                       DOT_FP32)
     else:
-        _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr,
-                   T, S, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh, sot, sok,
-                   N_TILES - 1 - tl.program_id(0), BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D, CH,
-                   LOG_CH, RANK_MERGE, COUNT_MERGES, DOT_FP32)
+        _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr, pk_ptr,
+                   T, S, Hi, Di, TOPK, SPLIT, sws, spk,
+                   sqt, sqh, sqd, sks, skd, swt, swh, sot, sok,
+                   n_tb - 1 - tl.program_id(0), tl.program_id(1), BLOCK_T, HP, BLOCK_S,
+                   BLOCK_D, ONE_D, CH, LOG_CH, RANK_MERGE, COUNT_MERGES, SPLIT_OUT, DOT_FP32)
 
 
 @triton.jit
-def _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr,
-               T, S, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh, sot, sok, pid,
+def _window(lo, hi, split, SPLIT, BLOCK_S: tl.constexpr):
+    """[lo, hi) cut to window ``split`` of SPLIT equal BLOCK_S-aligned pieces of it."""
+    base = (lo // BLOCK_S) * BLOCK_S
+    per = (((hi - base + SPLIT - 1) // SPLIT + BLOCK_S - 1) // BLOCK_S) * BLOCK_S
+    w_lo = base + split * per
+    return tl.maximum(lo, w_lo), tl.minimum(hi, w_lo + per)
+
+
+@triton.jit
+def _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr, pk_ptr,
+               T, S, Hi, Di, TOPK, SPLIT, sws, spk,
+               sqt, sqh, sqd, sks, skd, swt, swh, sot, sok, pid, split,
                BLOCK_T: tl.constexpr, HP: tl.constexpr, BLOCK_S: tl.constexpr,
                BLOCK_D: tl.constexpr, ONE_D: tl.constexpr, CH: tl.constexpr,
                LOG_CH: tl.constexpr, RANK_MERGE: tl.constexpr, COUNT_MERGES: tl.constexpr,
-               DOT_FP32: tl.constexpr):
+               SPLIT_OUT: tl.constexpr, DOT_FP32: tl.constexpr):
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < T
     t64 = t.to(tl.int64)
@@ -339,6 +357,9 @@ def _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr,
     nonempty = ks < ke
     lo = tl.min(tl.where(nonempty & t_mask, ks, S), axis=0)
     hi = tl.max(tl.where(nonempty & t_mask, ke, 0), axis=0)
+    if SPLIT_OUT:
+        lo, hi = _window(lo, hi, split, SPLIT, BLOCK_S)
+        ws_ptr += tl.cast(split, tl.int64) * sws  # this split's own workspace rows
     rows = ws_ptr + t64 * (2 * CH)
     qoff, r_mask, wr = _row_setup(q_ptr, w_ptr, pid, T, Hi, sqt, sqh, swt, swh, BLOCK_T, HP)
     qv = tl.zeros([BLOCK_T * HP, BLOCK_D], dtype=q_ptr.dtype.element_ty)
@@ -371,7 +392,24 @@ def _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr,
         go = (s1 < hi) | (tl.max(dirty.to(tl.int32), axis=0) > 0)
         s0 = s1
     key = _decoded_keys(rows, cnt, TOPK, merges, t_mask, mc_ptr, t, CH, COUNT_MERGES)
-    # decode the first TOPK keys: index, or -1 for an empty slot / a -inf score
+    if SPLIT_OUT:
+        _store_keys(key, pk_ptr, split, spk, t64, t_mask, TOPK, CH)
+    else:
+        _store_indices(key, out_ptr, t64, t_mask, sot, sok, TOPK, CH)
+
+
+@triton.jit
+def _store_keys(key, pk_ptr, split, spk, t64, t_mask, TOPK, CH: tl.constexpr):
+    """A split's best TOPK order keys per query into pk [SPLIT, T, TOPK] (SENT past its
+    count)."""
+    cols = tl.arange(0, CH)
+    tl.store(pk_ptr + tl.cast(split, tl.int64) * spk + t64[:, None] * TOPK + cols[None, :], key,
+             mask=t_mask[:, None] & (cols[None, :] < TOPK))
+
+
+@triton.jit
+def _store_indices(key, out_ptr, t64, t_mask, sot, sok, TOPK, CH: tl.constexpr):
+    """The first TOPK keys decoded: the index, or -1 for an empty slot / a -inf score."""
     cols = tl.arange(0, CH)
     ok = (key >> 32) > -2139095041
     idx = tl.where(ok, 4294967295 - (key & 4294967295), -1).to(tl.int32)
@@ -379,42 +417,65 @@ def _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr,
              mask=t_mask[:, None] & (cols[None, :] < TOPK))
 
 
+@triton.jit
+def _store_pool_rows(key, out_ptr, bt_ptr, sq, t64, t_mask, PS, sbb, sbp, sot, sok, TOPK,
+                     CH: tl.constexpr):
+    """The first TOPK keys (logical positions of sequence sq[t]) decoded to pool rows through
+    the block table, or -1 for an empty slot."""
+    cols = tl.arange(0, CH)
+    ok = (key >> 32) > -2139095041
+    j = tl.where(ok, 4294967295 - (key & 4294967295), 0)
+    page = tl.load(bt_ptr + sq.to(tl.int64)[:, None] * sbb + (j // PS) * sbp,
+                   mask=ok & t_mask[:, None], other=0)
+    idx = tl.where(ok, page.to(tl.int64) * PS + j % PS, -1).to(tl.int32)
+    tl.store(out_ptr + t64[:, None] * sot + cols[None, :] * sok, idx,
+             mask=t_mask[:, None] & (cols[None, :] < TOPK))
+
+
 # --------------------------------------------------------------------------- paged_indexer_topk
-@entry_kernel("T", "sbb")
+@entry_kernel("T", "sbb", "SPLIT", "sws", "spk")
 def paged_indexer_topk_kernel(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr,
-                              mc_ptr, T, PS, Hi, Di, TOPK,
+                              mc_ptr, pk_ptr, T, PS, Hi, Di, TOPK, SPLIT, sws, spk,
                               sqt, sqh, sqd, sks, skd, swt, swh, sbb, sbp, sot, sok,
-                              N_TILES, NUM_PROGRAMS,
+                              N_TILES, NUM_PROGRAMS, GRID_1,
                               BLOCK_T: tl.constexpr, HP: tl.constexpr, BLOCK_S: tl.constexpr,
                               BLOCK_D: tl.constexpr, ONE_D: tl.constexpr, CH: tl.constexpr,
                               LOG_CH: tl.constexpr, RANK_MERGE: tl.constexpr,
-                              COUNT_MERGES: tl.constexpr, DOT_FP32: tl.constexpr,
-                              PERSISTENT: tl.constexpr):
+                              COUNT_MERGES: tl.constexpr, SPLIT_OUT: tl.constexpr,
+                              DOT_FP32: tl.constexpr, PERSISTENT: tl.constexpr):
     """indexer_topk_kernel through a block table: query t sees logical keys 0 .. kl[t] - 1 of
-    sequence seq[t], key j at pool row bt[seq[t], j // PS] * PS + j % PS. One tile per block
-    of BLOCK_T queries, last block first (a prefill chunk's last queries see the most keys);
-    PERSISTENT: program p walks blocks p, p + NUM_PROGRAMS, ... of that order."""
+    sequence seq[t], key j at pool row bt[seq[t], j // PS] * PS + j % PS. Tiles (block of
+    BLOCK_T queries, split), last block first (a prefill chunk's last queries see the most
+    keys); SPLIT_OUT as in indexer_topk_kernel (each pass over a sequence's keys cut into
+    SPLIT windows); PERSISTENT: program p walks tiles p, p + NUM_PROGRAMS, ... of that
+    order."""
+    n_tb = N_TILES // GRID_1
     if PERSISTENT:
         for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
             _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr,
-                             mc_ptr, T, PS, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh,
-                             sbb, sbp, sot, sok, N_TILES - 1 - tile, BLOCK_T, HP, BLOCK_S,
-                             BLOCK_D, ONE_D, CH, LOG_CH, RANK_MERGE, COUNT_MERGES, DOT_FP32)
+                             mc_ptr, pk_ptr, T, PS, Hi, Di, TOPK, SPLIT, sws, spk,
+                             sqt, sqh, sqd, sks, skd, swt, swh, sbb, sbp, sot, sok,
+                             n_tb - 1 - tile // GRID_1, tile % GRID_1, BLOCK_T, HP, BLOCK_S,
+                             BLOCK_D, ONE_D, CH, LOG_CH, RANK_MERGE, COUNT_MERGES, SPLIT_OUT,
+                             DOT_FP32)
     else:
         _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr,
-                         mc_ptr, T, PS, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh,
-                         sbb, sbp, sot, sok, N_TILES - 1 - tl.program_id(0), BLOCK_T, HP,
-                         BLOCK_S, BLOCK_D, ONE_D, CH, LOG_CH, RANK_MERGE, COUNT_MERGES,
+                         mc_ptr, pk_ptr, T, PS, Hi, Di, TOPK, SPLIT, sws, spk,
+                         sqt, sqh, sqd, sks, skd, swt, swh, sbb, sbp, sot, sok,
+                         n_tb - 1 - tl.program_id(0), tl.program_id(1), BLOCK_T, HP, BLOCK_S,
+                         BLOCK_D, ONE_D, CH, LOG_CH, RANK_MERGE, COUNT_MERGES, SPLIT_OUT,
                          DOT_FP32)
 
 
 @triton.jit
 def _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr, mc_ptr,
-                     T, PS, Hi, Di, TOPK, sqt, sqh, sqd, sks, skd, swt, swh, sbb, sbp, sot, sok,
-                     pid, BLOCK_T: tl.constexpr, HP: tl.constexpr, BLOCK_S: tl.constexpr,
+                     pk_ptr, T, PS, Hi, Di, TOPK, SPLIT, sws, spk,
+                     sqt, sqh, sqd, sks, skd, swt, swh, sbb, sbp, sot, sok, pid, split,
+                     BLOCK_T: tl.constexpr, HP: tl.constexpr, BLOCK_S: tl.constexpr,
                      BLOCK_D: tl.constexpr, ONE_D: tl.constexpr, CH: tl.constexpr,
                      LOG_CH: tl.constexpr, RANK_MERGE: tl.constexpr,
-                     COUNT_MERGES: tl.constexpr, DOT_FP32: tl.constexpr):
+                     COUNT_MERGES: tl.constexpr, SPLIT_OUT: tl.constexpr,
+                     DOT_FP32: tl.constexpr):
     """The block's queries may belong to several sequences (a decode batch: one each). A
     [BLOCK_S] tile of keys is one sequence's, so the block makes one pass per distinct sequence
     among its queries (smallest id first), streaming that sequence's keys through its table row
@@ -426,6 +487,8 @@ def _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_p
     t64 = t.to(tl.int64)
     sq = tl.load(seq_ptr + t, mask=t_mask, other=0).to(tl.int32)
     kl = tl.load(kl_ptr + t, mask=t_mask, other=0).to(tl.int32)
+    if SPLIT_OUT:
+        ws_ptr += tl.cast(split, tl.int64) * sws  # this split's own workspace rows
     rows = ws_ptr + t64 * (2 * CH)
     qoff, r_mask, wr = _row_setup(q_ptr, w_ptr, pid, T, Hi, sqt, sqh, swt, swh, BLOCK_T, HP)
     qv = tl.zeros([BLOCK_T * HP, BLOCK_D], dtype=q_ptr.dtype.element_ty)
@@ -445,7 +508,9 @@ def _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_p
         brow = bt_ptr + b.to(tl.int64) * sbb
         # runs of key tiles between merges, then the final merge of the pass's queries
         s0 = hi * 0
-        go = hi > 0
+        if SPLIT_OUT:
+            s0, hi = _window(s0, hi, split, SPLIT, BLOCK_S)
+        go = s0 < hi
         while go:
             done = (tl.zeros_like(cnt) + s0) >= hi
             cnt, thr, merges, dirty, m = _make_room(ws_ptr, rows, pid, T, TOPK, done, cnt,
@@ -468,12 +533,73 @@ def _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_p
         todo = todo & ~act
         left = tl.sum(todo.to(tl.int32), axis=0)
     key = _decoded_keys(rows, cnt, TOPK, merges, t_mask, mc_ptr, t, CH, COUNT_MERGES)
-    # decode the first TOPK keys: logical index -> pool row, or -1 for an empty slot
-    cols = tl.arange(0, CH)
-    ok = (key >> 32) > -2139095041
-    j = tl.where(ok, 4294967295 - (key & 4294967295), 0)
-    page = tl.load(bt_ptr + sq.to(tl.int64)[:, None] * sbb + (j // PS) * sbp,
-                   mask=ok & t_mask[:, None], other=0)
-    idx = tl.where(ok, page.to(tl.int64) * PS + j % PS, -1).to(tl.int32)
-    tl.store(out_ptr + t64[:, None] * sot + cols[None, :] * sok, idx,
-             mask=t_mask[:, None] & (cols[None, :] < TOPK))
+    if SPLIT_OUT:
+        _store_keys(key, pk_ptr, split, spk, t64, t_mask, TOPK, CH)
+    else:
+        _store_pool_rows(key, out_ptr, bt_ptr, sq, t64, t_mask, PS, sbb, sbp, sot, sok, TOPK,
+                         CH)
+
+
+# --------------------------------------------------------------------------- split top-k merge
+@entry_kernel("T", "SPLIT", "spk", "sbb")
+def indexer_topk_merge_kernel(pk_ptr, ws_ptr, out_ptr, mc_ptr, bt_ptr, seq_ptr, T, TOPK, SPLIT,
+                              spk, PS, sbb, sbp, sot, sok, N_TILES, NUM_PROGRAMS,
+                              BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CH: tl.constexpr,
+                              LOG_CH: tl.constexpr, RANK_MERGE: tl.constexpr,
+                              COUNT_MERGES: tl.constexpr, PAGED: tl.constexpr,
+                              PERSISTENT: tl.constexpr):
+    """The split top-k's merge, one tile per block of BLOCK_T queries: each query's SPLIT x TOPK
+    candidate order keys (pk [SPLIT, T, TOPK], SENT for empty slots; the windows are disjoint,
+    so the keys are distinct) stream through the same threshold-filtered selection as the key
+    tiles did, and the best TOPK decode to indices (PAGED: logical positions of sequence
+    seq[t] to pool rows through the block table)."""
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
+            _merge_tile(pk_ptr, ws_ptr, out_ptr, mc_ptr, bt_ptr, seq_ptr, T, TOPK, SPLIT, spk,
+                        PS, sbb, sbp, sot, sok, tile, BLOCK_T, BLOCK_S, CH, LOG_CH,
+                        RANK_MERGE, COUNT_MERGES, PAGED)
+    else:
+        _merge_tile(pk_ptr, ws_ptr, out_ptr, mc_ptr, bt_ptr, seq_ptr, T, TOPK, SPLIT, spk,
+                    PS, sbb, sbp, sot, sok, tl.program_id(0), BLOCK_T, BLOCK_S, CH, LOG_CH,
+                    RANK_MERGE, COUNT_MERGES, PAGED)
+
+
+@triton.jit
+def _merge_tile(pk_ptr, ws_ptr, out_ptr, mc_ptr, bt_ptr, seq_ptr, T, TOPK, SPLIT, spk,
+                PS, sbb, sbp, sot, sok, pid, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                CH: tl.constexpr, LOG_CH: tl.constexpr, RANK_MERGE: tl.constexpr,
+                COUNT_MERGES: tl.constexpr, PAGED: tl.constexpr):
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = t < T
+    t64 = t.to(tl.int64)
+    rows = ws_ptr + t64 * (2 * CH)
+    cnt = tl.zeros([BLOCK_T], dtype=tl.int32)
+    thr = tl.full([BLOCK_T], -9187343243497619456, tl.int64)
+    merges = tl.zeros([BLOCK_T], dtype=tl.int32)
+    dirty = cnt > 0
+    sb = tl.arange(0, BLOCK_S)
+    total = SPLIT * TOPK  # candidates per query: split j // TOPK, slot j % TOPK
+    s0 = T * 0
+    go = s0 < total
+    while go:
+        done = (tl.zeros_like(cnt) + s0) >= total
+        cnt, thr, merges, dirty, m = _make_room(ws_ptr, rows, pid, T, TOPK, done, cnt, thr,
+                                                merges, dirty, t_mask, BLOCK_T, BLOCK_S, CH,
+                                                LOG_CH, RANK_MERGE)
+        s1 = tl.minimum(total, s0 + m * BLOCK_S)
+        for j0 in range(s0, s1, BLOCK_S):
+            j = j0 + sb
+            off = (j // TOPK).to(tl.int64) * spk + (j % TOPK)
+            key = tl.load(pk_ptr + off[None, :] + t64[:, None] * TOPK,
+                          mask=t_mask[:, None] & (j < s1)[None, :],
+                          other=-9187343243497619456)
+            cnt, dirty = _append(rows, key, cnt, thr, dirty, t_mask)
+        go = (s1 < total) | (tl.max(dirty.to(tl.int32), axis=0) > 0)
+        s0 = s1
+    key = _decoded_keys(rows, cnt, TOPK, merges, t_mask, mc_ptr, t, CH, COUNT_MERGES)
+    if PAGED:
+        sq = tl.load(seq_ptr + t, mask=t_mask, other=0).to(tl.int32)
+        _store_pool_rows(key, out_ptr, bt_ptr, sq, t64, t_mask, PS, sbb, sbp, sot, sok, TOPK,
+                         CH)
+    else:
+        _store_indices(key, out_ptr, t64, t_mask, sot, sok, TOPK, CH)

@@ -26,9 +26,16 @@ them, so prefill chunks (one sequence) stream once and a decode batch (one query
 needs no host-side regrouping; order keys hold the logical position (ties to the smaller one)
 and the final decode maps them to pool rows. No host sync: the table is read on the device.
 
+Split top-k (both top-k ops, decode): when the query blocks are short of about TARGET_PROGRAMS
+programs, each block's keys (paged: each sequence pass) are cut into SPLIT windows of whole
+BLOCK_S tiles (glm5.kernels.triton.splitkv's rule, at least SPLIT_MIN_KEYS keys each); each
+(block, window) program selects over its window in its own workspace rows and stores its best
+topk order keys, and ``indexer_topk_merge_kernel`` selects the best topk of each query's
+SPLIT x topk candidates and decodes them. Exact: the windows are disjoint, the keys distinct.
+
 Both top-k launchers take an optional keyword ``merge_counts`` (an int32 [T] tensor, for tests
 and diagnostics; the op's dispatcher never passes it) that receives each query's number of
-merges.
+merges (given, the launch does not split).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from typing import Any, Callable
 
 import torch
 
+from glm5.kernels.triton import splitkv
 from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, dot_fp32, interpreted,
                                         launch, launch_opts, next_pow2)
 
@@ -54,15 +62,23 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # MAX_TOPK bounds the in-register bitonic sorts (CH = max(next_pow2(topk), 2*BLOCK_S)
     # int64 keys per query, a 2*CH workspace row); WS_BYTES bounds the workspace (queries are
     # launched in groups that fit).
+    # Split top-k (decode): blocks short of TARGET_PROGRAMS programs cut their keys into
+    # windows of at least SPLIT_MIN_KEYS (each window's best topk keys are merged after:
+    # 4 x topk 2048 keys scanned per 2048 merged), MERGE_BLOCK_T queries per merge program
+    # (sm_90: the paged merge's pool-row decode spills at 4 and 8, not at 2).
     "indexer_topk": {"BLOCK_M": 256, "MAX_BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128,
                      "num_warps": 8, "num_stages": 2, "MERGE": "auto", "MAX_TOPK": 4096,
-                     "WS_BYTES": 1 << 28},
+                     "WS_BYTES": 1 << 28, "TARGET_PROGRAMS": 264,
+                     "TARGET_PROGRAMS_INTERPRETED": 0, "SPLIT_MIN_KEYS": 8192,
+                     "MERGE_BLOCK_T": 2},
     # as indexer_topk (same merge and workspace rules); keys are read through the block table.
     # M = 128: the page gather's extra state spills at 256 rows, and decode blocks hold one
     # query per sequence anyway.
     "paged_indexer_topk": {"BLOCK_M": 128, "MAX_BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128,
                            "num_warps": 8, "num_stages": 2, "MERGE": "auto", "MAX_TOPK": 4096,
-                           "WS_BYTES": 1 << 28},
+                           "WS_BYTES": 1 << 28, "TARGET_PROGRAMS": 264,
+                           "TARGET_PROGRAMS_INTERPRETED": 0, "SPLIT_MIN_KEYS": 8192,
+                           "MERGE_BLOCK_T": 2},
 }
 
 
@@ -146,8 +162,8 @@ def make_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
             if merge_counts is not None:
                 merge_counts.zero_()
             return out.fill_(-1)
-        c, ch, rows, rank = _merge_plan(p, topk, Hi, Di, T)
-        ws = torch.empty((rows, 2 * ch), dtype=torch.int64, device=q.device)
+        c, ch, rows, rank, split = _merge_plan(p, topk, Hi, Di, T, S, merge_counts is None)
+        ws, pk = _buffers(split, rows, ch, topk, q.device)
         kern = _k().indexer_topk_kernel
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
@@ -155,34 +171,69 @@ def make_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
             qs, ws_, o = q[t0:t1], w[t0:t1], out[t0:t1]
             mc = ws if merge_counts is None else merge_counts[t0:t1]
             launch(
-                kern, (cdiv(n, c["BLOCK_T"]),), p, "indexer_topk",
-                qs, k, ws_, k_start[t0:t1], k_end[t0:t1], ws, o, mc, n, S, Hi, Di, topk,
+                kern, (cdiv(n, c["BLOCK_T"]), split), p, "indexer_topk",
+                qs, k, ws_, k_start[t0:t1], k_end[t0:t1], ws, o, mc, pk, n, S, Hi, Di, topk,
+                split, ws.stride(0), pk.stride(0),
                 qs.stride(0), qs.stride(1), qs.stride(2), k.stride(0), k.stride(1),
                 ws_.stride(0), ws_.stride(1), o.stride(0), o.stride(1),
                 CH=ch, LOG_CH=ch.bit_length() - 1, RANK_MERGE=rank,
-                COUNT_MERGES=merge_counts is not None,
+                COUNT_MERGES=merge_counts is not None, SPLIT_OUT=split > 1,
                 DOT_FP32=dot_fp32(q.dtype, k.dtype), **c, **launch_opts(p))
+            if split > 1:
+                _merge_splits(p, "indexer_topk", c, ch, rank, split, n, topk, ws, pk, o, mc,
+                              None)
         return out
 
     return indexer_topk
 
 
-def _merge_plan(p: dict[str, Any], topk: int, Hi: int, Di: int,
-                T: int) -> tuple[dict[str, Any], int, int, bool]:
-    """(tiles, CH, rows per launch, rank merge) of a top-k launch."""
+def _merge_plan(p: dict[str, Any], topk: int, Hi: int, Di: int, T: int, keys: int,
+                split_ok: bool) -> tuple[dict[str, Any], int, int, bool, int]:
+    """(tiles, CH, rows per launch, rank merge, SPLIT) of a top-k launch over at most ``keys``
+    keys per query. SPLIT > 1 (split top-k, ``split_ok``): too few query blocks for the GPU,
+    so each block's keys are cut into SPLIT windows (glm5.kernels.triton.splitkv's rule)."""
     c = _tiles(p, Hi, Di)
     bt = c["BLOCK_T"]
     # CH >= 2 * BLOCK_S: after a merge keeps CH keys, a row's buffer still takes CH - BLOCK_S
     # >= CH / 2 appended keys before the next merge
     ch = max(next_pow2(topk), 2 * c["BLOCK_S"], 16)
-    # group queries so the workspace (8 bytes x 2*CH per query) stays within WS_BYTES
+    # group queries so the workspace (8 bytes x 2*CH per query and split) stays within WS_BYTES
     per = max(bt, (int(p.get("WS_BYTES", 1 << 28)) // (16 * ch)) // bt * bt)
+    split = 1
+    if split_ok:
+        split, _ = splitkv.split_keys(p, cdiv(min(T, per), bt), keys, c["BLOCK_S"])
+        per = max(bt, (per // split) // bt * bt)
     merge = str(p.get("MERGE", "auto"))
     # The rank merge holds a [BLOCK_T, 2CH, 2CH] comparison tile: only while that fits in
     # Triton's largest tensor (the bitonic sort takes over beyond, e.g. topk = 2048).
     fits = bt * (2 * ch) ** 2 <= MAX_TENSOR_NUMEL
     rank = fits and (merge == "rank" or (merge == "auto" and interpreted()))
-    return c, ch, min(T, per), rank
+    return c, ch, min(T, per), rank, split
+
+
+def _buffers(split: int, rows: int, ch: int, topk: int, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(workspace [SPLIT, rows, 2CH], partial keys [SPLIT, rows, topk] or the workspace when
+    there is one split) of a top-k launch, int64."""
+    ws = torch.empty((split, rows, 2 * ch), dtype=torch.int64, device=device)
+    pk = ws if split == 1 else torch.empty((split, rows, topk), dtype=torch.int64, device=device)
+    return ws, pk
+
+
+def _merge_splits(p: dict[str, Any], op: str, c: dict[str, Any], ch: int, rank: bool,
+                  split: int, n: int, topk: int, ws: torch.Tensor, pk: torch.Tensor,
+                  o: torch.Tensor, mc: torch.Tensor, paged: tuple | None) -> None:
+    """Launch the split top-k's merge over n queries (``paged``: (block_table, seq,
+    page_size) to decode pool rows)."""
+    bt_, seq_, ps = paged if paged is not None else (ws, ws, 1)  # unread when not paged
+    sbb, sbp = (bt_.stride(0), bt_.stride(1)) if paged is not None else (0, 0)
+    bt = next_pow2(int(p.get("MERGE_BLOCK_T", c["BLOCK_T"])))
+    launch(_k().indexer_topk_merge_kernel, (cdiv(n, bt),), p, op,
+           pk, ws, o, mc, bt_, seq_, n, topk, split, pk.stride(0), int(ps), sbb, sbp,
+           o.stride(0), o.stride(1),
+           BLOCK_T=bt, BLOCK_S=c["BLOCK_S"], CH=ch, LOG_CH=ch.bit_length() - 1,
+           RANK_MERGE=rank, COUNT_MERGES=False, PAGED=paged is not None,
+           **launch_opts(p, "merge_", **launch_opts(p)))
 
 
 def make_paged_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
@@ -202,23 +253,28 @@ def make_paged_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
             if merge_counts is not None:
                 merge_counts.zero_()
             return out.fill_(-1)
-        c, ch, rows, rank = _merge_plan(p, topk, Hi, Di, T)
-        ws = torch.empty((rows, 2 * ch), dtype=torch.int64, device=q.device)
+        keys = block_table.shape[1] * int(page_size)  # no sequence has more
+        c, ch, rows, rank, split = _merge_plan(p, topk, Hi, Di, T, keys, merge_counts is None)
+        ws, pk = _buffers(split, rows, ch, topk, q.device)
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             n = t1 - t0
             qs, ws_, o = q[t0:t1], w[t0:t1], out[t0:t1]
             mc = ws if merge_counts is None else merge_counts[t0:t1]
             launch(
-                _k().paged_indexer_topk_kernel, (cdiv(n, c["BLOCK_T"]),), p,
+                _k().paged_indexer_topk_kernel, (cdiv(n, c["BLOCK_T"]), split), p,
                 "paged_indexer_topk",
-                qs, k, ws_, block_table, seq[t0:t1], k_len[t0:t1], ws, o, mc, n,
-                int(page_size), Hi, Di, topk, qs.stride(0), qs.stride(1), qs.stride(2),
+                qs, k, ws_, block_table, seq[t0:t1], k_len[t0:t1], ws, o, mc, pk, n,
+                int(page_size), Hi, Di, topk, split, ws.stride(0), pk.stride(0),
+                qs.stride(0), qs.stride(1), qs.stride(2),
                 k.stride(0), k.stride(1), ws_.stride(0), ws_.stride(1), block_table.stride(0),
                 block_table.stride(1), o.stride(0), o.stride(1),
                 CH=ch, LOG_CH=ch.bit_length() - 1, RANK_MERGE=rank,
-                COUNT_MERGES=merge_counts is not None,
+                COUNT_MERGES=merge_counts is not None, SPLIT_OUT=split > 1,
                 DOT_FP32=dot_fp32(q.dtype, k.dtype), **c, **launch_opts(p))
+            if split > 1:
+                _merge_splits(p, "paged_indexer_topk", c, ch, rank, split, n, topk, ws, pk, o,
+                              mc, (block_table, seq[t0:t1], page_size))
         return out
 
     return paged_indexer_topk

@@ -219,6 +219,17 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
         ks, ke = _ranges(64, 4096)
         ops["indexer_topk"](_bf(64, HI, DI), _bf(4096, DI), torch.zeros(64, HI), ks, ke, TOPK)
 
+    def topk_decode(ops):  # one query over 64K keys: split top-k
+        ks, ke = _ranges(1, 65536)
+        ops["indexer_topk"](_bf(1, HI, DI), _bf(65536, DI), torch.zeros(1, HI), ks, ke, TOPK)
+
+    def paged_topk_decode(ops):  # a decode batch of 4 sequences of 64K keys, 64-row pages
+        B, S, ps = 4, 65536, 64
+        table = torch.arange(B * (S // ps), dtype=torch.int32).reshape(B, S // ps)
+        ops["paged_indexer_topk"](_bf(B, HI, DI), _bf(B * S, DI), torch.zeros(B, HI), table,
+                                  torch.arange(B, dtype=torch.int32),
+                                  torch.full((B,), S, dtype=torch.int32), ps, TOPK)
+
     def paged_topk(ops):  # a prefill chunk of one sequence through 64-row pages
         T, S, ps = 64, 4096, 64
         ops["paged_indexer_topk"](_bf(T, HI, DI), _bf(S, DI), torch.zeros(T, HI),
@@ -282,6 +293,8 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
 
     out = {"lightning_indexer": (True, lightning), "indexer_topk": (True, topk),
            "paged_indexer_topk": (True, paged_topk),
+           "indexer_topk decode": (False, topk_decode),
+           "paged_indexer_topk decode": (False, paged_topk_decode),
            "sparse_attention prefill": (True, sparse_prefill),
            "sparse_attention decode": (False, sparse_decode),
            # prefills big enough not to split their keys; decodes split them (split-KV)
