@@ -386,7 +386,8 @@ def _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr, pk_
             score = _score_tile(q_ptr, qv, qoff, r_mask, wr, k_ptr, s.to(tl.int64) * sks,
                                 s_mask, Di, sqd, skd, BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D,
                                 DOT_FP32)
-            valid = (s[None, :] >= ks[:, None]) & (s[None, :] < ke[:, None])
+            # s < hi too: a split's window may end inside a row's range and inside the tile
+            valid = (s[None, :] >= ks[:, None]) & (s[None, :] < ke[:, None]) & s_mask[None, :]
             key = tl.where(valid, _order_key(score, s), -9187343243497619456)
             cnt, dirty = _append(rows, key, cnt, thr, dirty, t_mask)
         go = (s1 < hi) | (tl.max(dirty.to(tl.int32), axis=0) > 0)
@@ -525,7 +526,7 @@ def _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_p
                 score = _score_tile(q_ptr, qv, qoff, r_mask, wr, k_ptr, prow * sks, s_mask,
                                     Di, sqd, skd, BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D,
                                     DOT_FP32)
-                valid = act[:, None] & (s[None, :] < kl[:, None])
+                valid = act[:, None] & (s[None, :] < kl[:, None]) & s_mask[None, :]
                 key = tl.where(valid, _order_key(score, s), -9187343243497619456)
                 cnt, dirty = _append(rows, key, cnt, thr, dirty, t_mask)
             go = (s1 < hi) | (tl.max(dirty.to(tl.int32), axis=0) > 0)
