@@ -306,8 +306,12 @@ def bl_quant_linear(a: dict[str, Any]) -> tuple[str, Callable[[], Any]]:
 
 def bl_attention(a: dict[str, Any]) -> tuple[str, Callable[[], Any]]:
     q, k, v = (a[n].transpose(0, 1)[None] for n in ("q", "k", "v"))
-    return "torch sdpa (causal)", lambda: torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=a["scale"], enable_gqa=q.shape[1] != k.shape[1])
+    # the suite's ranges are the last T of S positions: one query sees every key (SDPA's
+    # is_causal aligns a short query block to the first keys instead)
+    causal = q.shape[2] > 1
+    return "torch sdpa" + (" (causal)" if causal else ""), \
+        lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=a["scale"], enable_gqa=q.shape[1] != k.shape[1])
 
 
 BF, F32, F16 = torch.bfloat16, torch.float32, torch.float16
@@ -328,15 +332,23 @@ SHAPES: dict[str, list[tuple[str, Callable, tuple, Callable | None]]] = {
     "topk_indices": [("T=8192 S=8192 k=2048", lambda dt: {
         "scores": rn(8192, 8192, dt=dt), "k": 2048}, (F32,), None)],
     "indexer_topk": [("T=S=8192 Hi=32 Di=128 topk=2048 causal",
-                      b_indexer(8192, 8192, 32, 128, 2048), (BF,), None)],
+                      b_indexer(8192, 8192, 32, 128, 2048), (BF,), None),
+                     # a decode step at 128K context: split top-k
+                     ("decode T=1 S=131072 Hi=32 Di=128 topk=2048",
+                      b_indexer(1, 131072, 32, 128, 2048), (BF,), None)],
     "sparse_attention": [
         ("decode T=64 S=8192 K=2048 H=64 MQA 576/512",
          b_sparse(64, 8192, 2048, 64, 1, 576, 512), (BF,), None),
+        ("decode T=1 S=8192 K=2048 H=64 MQA 576/512 (split-KV)",
+         b_sparse(1, 8192, 2048, 64, 1, 576, 512), (BF,), None),
         ("prefill T=4096 S=8192 K=2048 H=64 MQA 576/512",
          b_sparse(4096, 8192, 2048, 64, 1, 576, 512), (BF,), None),
     ],
     "attention": [("prefill T=S=4096 H=64 256/256 causal",
-                   b_attention(4096, 4096, 64, 64, 256, 256), (BF,), bl_attention)],
+                   b_attention(4096, 4096, 64, 64, 256, 256), (BF,), bl_attention),
+                  # absorbed MLA decode over a context shorter than index_topk: split-KV
+                  ("decode T=1 S=2048 H=64 MQA 576/512",
+                   b_attention(1, 2048, 64, 1, 576, 512), (BF,), bl_attention)],
     "mla_prolog": [("prefill T=4096 (no absorb)", b_mla(4096, False), (BF,), None),
                    ("decode T=64 (absorb)", b_mla(64, True), (BF,), None)],
     "moe_route": [("T=4096 E=256 k=8", lambda dt: {
