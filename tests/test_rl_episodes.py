@@ -400,3 +400,13 @@ def test_the_readme_environment_example_works(tok):
         assert t.reward == 1.0 and 0 in t.mask
     finally:
         base.ENVS.pop("capitals", None)
+
+
+def test_a_tool_env_without_check_answer_says_what_is_missing():
+    from glm5.rl.envs.tools import ToolEnv
+
+    class Bare(ToolEnv):
+        pass
+
+    with pytest.raises(NotImplementedError, match=r"Bare\.check_answer: .*must define"):
+        Bare().check_answer("42")

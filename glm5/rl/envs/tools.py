@@ -44,7 +44,11 @@ class ToolEnv:
         self.done = False
 
     def check_answer(self, answer: str) -> tuple[float, dict[str, Any]]:
-        raise NotImplementedError
+        """The reward for the agent's final ``answer`` and a dict of details; every tool
+        environment defines it."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.check_answer: a ToolEnv subclass must define "
+            "check_answer(answer) -> (reward, info)")
 
     def tool_specs(self) -> list[dict[str, Any]]:
         """The tools as OpenAI-style function declarations (for the chat template)."""
