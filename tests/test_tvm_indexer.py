@@ -164,6 +164,31 @@ def test_rows_without_keys_and_small_shapes(fns):
     _check_selection(idx, q, k, w, ks, ke, 16)
 
 
+@pytest.mark.parametrize("hb", [4, 8])
+def test_register_blocks_of_either_width(backend, monkeypatch, hb):
+    """Both head blockings (8 on AVX-512 hosts, 4 elsewhere; either runs on any x86 host) with
+    full blocks and a tail: Hi = 11 is one or two full blocks plus 3 heads."""
+    monkeypatch.setattr(ix, "heads_per_block", lambda: hb)
+    li_fn, topk_fn = backend.kernels["lightning_indexer"].fn, backend.kernels["indexer_topk"].fn
+    T, S, Hi, Di = 13, 200, 11, 8
+    q, k, w = _inputs(T, S, Hi, Di, seed=12)
+    ks, ke = _causal(T, S)
+    assert_matches("lightning_indexer", li_fn(q, k, w, ks, ke),
+                   {"q": q, "k": k, "w": w, "k_start": ks, "k_end": ke})
+    qi, ki, wi = _inputs(T, S, Hi, Di, seed=13, ints=True)
+    assert torch.equal(topk_fn(qi, ki, wi, ks, ke, 40), indexer_topk_ref(qi, ki, wi, ks, ke, 40))
+    _check_selection(topk_fn(q, k, w, ks, ke, 40), q, k, w, ks, ke, 40)
+
+
+def test_heads_per_block_follows_the_cpu(monkeypatch):
+    from glm5.kernels.tvm import tirlib
+
+    monkeypatch.setattr(tirlib, "_flags", [frozenset({"avx2", "fma", "avx512f"})])
+    assert ix.heads_per_block() == 8
+    monkeypatch.setattr(tirlib, "_flags", [frozenset({"avx2", "fma"})])
+    assert ix.heads_per_block() == 4
+
+
 def test_claims_and_declines(backend):
     e = backend.kernels["indexer_topk"]
     assert e.dtypes == frozenset({torch.float32, torch.bfloat16, torch.float16})

@@ -114,14 +114,9 @@ _FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx
 
 def cpu_flags() -> set[str]:
     """The instruction-set flags of this CPU (Linux /proc/cpuinfo), read at run time."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    from glm5.kernels.tvm.tirlib import cpu_flags as flags
+
+    return set(flags())
 
 
 def cpu_model() -> str:

@@ -57,7 +57,7 @@ import torch
 from glm5.kernels.tvm import select
 
 NS = 16  # keys per chunk (two AVX2 fp32 vectors)
-HB_MAX = 4  # heads per register block: HB x NS fp32 accumulators
+HB_MAX = 4  # heads per register block where the CPU is not known (heads_per_block)
 TILE_T = 64  # queries per block: the block's [TILE_T, kb + TILE_S] int64 keys (4 MiB) stay in
 # cache for the selection passes (256 made them 16 MiB and the T=1024, S=8192 call 1.4x slower)
 TILE_S = 8192  # keys per streamed tile (indexer_topk); a multiple of NS
@@ -68,14 +68,23 @@ INT64_MIN = -(2**63)
 
 
 # --------------------------------------------------------------------------- the TensorIR kernel
+def heads_per_block() -> int:
+    """HB: heads whose ``HB x NS`` fp32 dot products stay in vector registers. 8 with AVX-512
+    (8 zmm accumulators hide the FMA latency: the 4K causal GLM-5 indexer took 0.56 s instead
+    of 0.73 s here, one thread); 4 elsewhere (on AVX2 a 16-lane vector is two ymm registers,
+    so 4 heads already take 8 of the 16)."""
+    from glm5.kernels.tvm.tirlib import cpu_flags
+
+    return 8 if "avx512f" in cpu_flags() else HB_MAX
+
+
 @functools.lru_cache(maxsize=None)
-def _generic_score_tile(mode: str) -> Any:
-    """The kernel with Hi and Di as trailing scalar parameters, parsed once per mode;
+def _generic_score_tile(mode: str, HB: int = HB_MAX) -> Any:
+    """The kernel with Hi and Di as trailing scalar parameters, parsed once per (mode, HB);
     `build_score_tile` specialises them to constants (cheaper than parsing per variant)."""
     from tvm.script import tirx as T
 
     assert mode in ("scores", "keys")
-    HB = HB_MAX
     out_dtype = "float32" if mode == "scores" else "int64"
     keys = mode == "keys"
     NEG = float("-inf")
@@ -168,7 +177,7 @@ def _generic_score_tile(mode: str) -> Any:
     return score_tile
 
 
-def build_score_tile(Hi: int, Di: int, mode: str) -> Any:
+def build_score_tile(Hi: int, Di: int, mode: str, HB: int = HB_MAX) -> Any:
     """The PrimFunc ``score_tile(q, kp, w, ks, ke, out, t0, s0, ncols, coff, clear)`` for
     static Hi and Di.
 
@@ -178,7 +187,7 @@ def build_score_tile(Hi: int, Di: int, mode: str) -> Any:
     ``out[:, :coff]`` is set to INT64_MIN when ``clear`` (keys mode: an empty running top-k).
     ``kp`` is the packed key tensor ``[S_pad / NS, Di, NS]`` fp32.
     """
-    f = _generic_score_tile(mode)
+    f = _generic_score_tile(mode, HB)
     hi_var, di_var = f.params[-2], f.params[-1]
     return f.specialize({hi_var: Hi, di_var: Di})
 
@@ -207,23 +216,24 @@ def build_decode() -> Any:
     return decode
 
 
-def build_module(Hi: int, Di: int) -> Any:
+def build_module(Hi: int, Di: int, HB: int = HB_MAX) -> Any:
     """One module per variant, serving both ops: ``score_tile`` (fp32 scores), ``key_tile``
     (selection keys) and ``decode``."""
     import tvm
 
     return tvm.IRModule({
-        "score_tile": build_score_tile(Hi, Di, "scores"),
-        "key_tile": build_score_tile(Hi, Di, "keys").with_attr("global_symbol", "key_tile"),
+        "score_tile": build_score_tile(Hi, Di, "scores", HB),
+        "key_tile": build_score_tile(Hi, Di, "keys", HB).with_attr("global_symbol", "key_tile"),
         "decode": build_decode(),
     })
 
 
 def _kernels(context: Callable[[], Any], Hi: int, Di: int,
              *symbols: str) -> list[Callable[..., Any]]:
-    key = {"Hi": Hi, "Di": Di, "dtype": "float32", "ns": NS, "hb": HB_MAX, "rev": REV}
+    hb = heads_per_block()
+    key = {"Hi": Hi, "Di": Di, "dtype": "float32", "ns": NS, "hb": hb, "rev": REV}
     ctx = context()
-    return [ctx.kernel("indexer", key, lambda: build_module(Hi, Di), sym) for sym in symbols]
+    return [ctx.kernel("indexer", key, lambda: build_module(Hi, Di, hb), sym) for sym in symbols]
 
 
 # --------------------------------------------------------------------------- host-side helpers
