@@ -14,9 +14,10 @@ import logging
 import statistics
 import time
 
+import glm5  # before torch: it sets OMP_WAIT_POLICY for torch's pool
+
 import torch
 
-import glm5
 from glm5 import ops
 
 

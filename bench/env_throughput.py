@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import glm5  # noqa: F401,I001  (before torch: it sets OMP_WAIT_POLICY for torch's pool)
+
 import torch
 
 from glm5.rl.envs import base

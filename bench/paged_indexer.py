@@ -31,9 +31,10 @@ import statistics
 import time
 from typing import Any, Callable
 
+import glm5  # before torch: it sets OMP_WAIT_POLICY for torch's pool
+
 import torch
 
-import glm5
 from glm5 import ops
 from glm5.testing.compare import judge
 

@@ -22,6 +22,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import glm5  # noqa: F401,I001  (before torch: it sets OMP_WAIT_POLICY for torch's pool)
+
 import torch
 
 from glm5.rl.config import RLConfig

@@ -17,6 +17,8 @@ import copy
 import time
 import zlib
 
+import glm5  # noqa: F401,I001  (before torch: it sets OMP_WAIT_POLICY for torch's pool)
+
 import torch
 
 from glm5.core.config import PRESETS, preset

@@ -33,11 +33,10 @@ from pathlib import Path
 # torch uses every CPU for the matmul/copy roofline, so give TVM every CPU too (before import).
 os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count()))
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import glm5  # noqa: E402  (before torch: it sets OMP_WAIT_POLICY for torch's pool)
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import glm5  # noqa: E402
 from glm5.kernels.tvm.build import TVMContext, default_cache_dir  # noqa: E402
 
 # name, op, T, S, K (sparse) | range kind (dense), H, Hk, Dqk, Dv, absorbed-MLA v view, ref_T

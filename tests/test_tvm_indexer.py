@@ -47,6 +47,14 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(ix, "TILE_T", 8)
 
 
+@pytest.fixture(params=["packed", "in place"])
+def keys_read(request, monkeypatch):
+    """Both key sources: packed once per call (prefill) and read in place (decode), whatever
+    the call's shape (DIRECT_MAX_USES patched)."""
+    monkeypatch.setattr(ix, "DIRECT_MAX_USES", -1 if request.param == "packed" else 10**9)
+    return request.param
+
+
 def _inputs(T, S, Hi, Di, dtype=torch.float32, seed=0, ints=False):
     g = torch.Generator().manual_seed(seed)
     if ints:  # small integers: every score is exact in fp32, in any summation order
@@ -75,7 +83,7 @@ def _check_selection(idx, q, k, w, ks, ke, topk):
     return indexer_topk_ref(q, k, w, ks, ke, topk)
 
 
-def test_parity(backend):
+def test_parity(backend, keys_read):
     rows = run_parity(backend, ["lightning_indexer", "indexer_topk"], examples=10, seed=0)
     assert {(r.op, r.dtype) for r in rows} == {
         (op, dt) for op in ("lightning_indexer", "indexer_topk")
@@ -83,7 +91,7 @@ def test_parity(backend):
     assert all(r.status == "pass" and r.examples == 10 for r in rows), format_table(rows)
 
 
-def test_streams_many_tiles(fns, small_tiles):
+def test_streams_many_tiles(fns, small_tiles, keys_read):
     """S far beyond the tile (48 keys), top-k spanning tiles, query blocks of 8."""
     _, topk_fn = fns
     T, S, Hi, Di = 21, 700, 4, 16
@@ -98,7 +106,7 @@ def test_streams_many_tiles(fns, small_tiles):
         assert bool((idx[5] == -1).all())
 
 
-def test_scores_match_reference(fns, small_tiles):
+def test_scores_match_reference(fns, small_tiles, keys_read):
     li_fn, _ = fns
     T, S, Hi, Di = 19, 333, 5, 8  # Hi = 5: one register block of 4 heads plus a tail head
     q, k, w = _inputs(T, S, Hi, Di, torch.bfloat16, seed=2)
@@ -112,7 +120,7 @@ def test_scores_match_reference(fns, small_tiles):
     assert_matches("lightning_indexer", out, {"q": q, "k": k, "w": w, "k_start": ks, "k_end": ke})
 
 
-def test_exact_ties(fns, small_tiles):
+def test_exact_ties(fns, small_tiles, keys_read):
     """Many equal scores (integer inputs, duplicated keys, all-zero scores): indices must be
     exactly the reference's, ties to the smaller index, across tile boundaries."""
     _, topk_fn = fns
@@ -138,7 +146,7 @@ def test_exact_ties(fns, small_tiles):
     assert idx[1].tolist() == list(range(37, 137))
 
 
-def test_rows_without_keys_and_small_shapes(fns):
+def test_rows_without_keys_and_small_shapes(fns, keys_read):
     li_fn, topk_fn = fns
     Hi, Di = 4, 16
     # No query has a valid key: all −1 (and all −inf scores).
@@ -165,7 +173,7 @@ def test_rows_without_keys_and_small_shapes(fns):
 
 
 @pytest.mark.parametrize("hb", [4, 8])
-def test_register_blocks_of_either_width(backend, monkeypatch, hb):
+def test_register_blocks_of_either_width(backend, monkeypatch, hb, keys_read):
     """Both head blockings (8 on AVX-512 hosts, 4 elsewhere; either runs on any x86 host) with
     full blocks and a tail: Hi = 11 is one or two full blocks plus 3 heads."""
     monkeypatch.setattr(ix, "heads_per_block", lambda: hb)
@@ -189,6 +197,35 @@ def test_heads_per_block_follows_the_cpu(monkeypatch):
     assert ix.heads_per_block() == 4
 
 
+def test_decode_reads_keys_in_place_prefill_packs(ctx, monkeypatch):
+    """The key source follows the reads per key: a decode call (each key read once or a few
+    times) scores k in place, a prefill call packs it; both give the same indices."""
+    calls = []
+    real = ix._key_source
+    monkeypatch.setattr(ix, "_key_source", lambda k, rows, direct: calls.append(direct)
+                        or real(k, rows, direct))
+    assert ix.keys_direct(4 * 100, 100) and not ix.keys_direct(4 * 100 + 1, 100)
+    q, k, w = _inputs(40, 300, 4, 16, seed=20)
+    for T_, want in ((1, True), (4, True), (40, False)):
+        ks, ke = torch.zeros(T_, dtype=torch.int32), torch.full((T_,), 300, dtype=torch.int32)
+        calls.clear()
+        ix.indexer_topk(lambda: ctx, q[:T_], k, w[:T_], ks, ke, 32)
+        assert calls == [want], T_
+
+
+def test_in_place_keys_of_a_strided_view(fns, keys_read):
+    """k as a non-contiguous view (every other row of a bigger cache), S not a multiple of the
+    16-key chunk: the in-place read goes through a contiguous copy, the packed one gathers."""
+    li_fn, topk_fn = fns
+    q, k2, w = _inputs(3, 2 * 203, 4, 16, torch.bfloat16, seed=21)
+    k = k2[::2]
+    ks, ke = torch.tensor([0, 5, 190], dtype=torch.int32), torch.tensor([203, 100, 203],
+                                                                         dtype=torch.int32)
+    v = {"q": q, "k": k, "w": w, "k_start": ks, "k_end": ke}
+    assert_matches("lightning_indexer", li_fn(q, k, w, ks, ke), v)
+    _check_selection(topk_fn(q, k, w, ks, ke, 20), q, k, w, ks, ke, 20)
+
+
 def test_claims_and_declines(backend):
     e = backend.kernels["indexer_topk"]
     assert e.dtypes == frozenset({torch.float32, torch.bfloat16, torch.float16})
@@ -201,14 +238,15 @@ def test_claims_and_declines(backend):
 
 
 def test_builds_once(ctx, fns):
-    """Symbolic T and S: new lengths reuse the built kernel."""
+    """Symbolic T and S: new lengths reuse the built kernels (one per key source: packed for
+    prefill-like calls, in place for decode-like ones)."""
     _, topk_fn = fns
     n = len(ctx.builds)
-    for T, S in ((3, 17), (9, 60), (2, 5)):
+    for T, S in ((3, 17), (9, 60), (2, 5), (1, 33), (40, 41), (5, 300), (17, 18)):
         q, k, w = _inputs(T, S, 3, 8, seed=T)
         ks, ke = _causal(T, S)
         topk_fn(q, k, w, ks, ke, 4)
-    assert len(ctx.builds) - n <= 1  # at most the first (Hi=3, Di=8, fp32) variant
+    assert len(ctx.builds) - n <= 2  # at most the (Hi=3, Di=8, fp32) packed and in-place
 
 
 # --------------------------------------------------------------------------- paged_indexer_topk
@@ -216,7 +254,7 @@ def _paged_fn(backend):
     return backend.kernels["paged_indexer_topk"].fn
 
 
-def test_paged_parity(backend):
+def test_paged_parity(backend, keys_read):
     """The kit's paged cases (shuffled pools, shared prefixes, -1 pages, k_len mid-page and on
     page boundaries) through every tier of the default profile, in each dtype."""
     rows = run_parity(backend, ["paged_indexer_topk"], examples=10, seed=0)
@@ -225,7 +263,8 @@ def test_paged_parity(backend):
 
 
 @given(data=st.data(), integer=st.booleans(), dtype=st.sampled_from(list(ix.DTYPES)))
-def test_paged_is_indexer_topk_on_the_sequence_keys_mapped(backend, data, integer, dtype):
+def test_paged_is_indexer_topk_on_the_sequence_keys_mapped(backend, data, integer, dtype,
+                                                           keys_read):
     """Paged == this backend's indexer_topk over each query's logical keys, mapped to pool
     rows, exactly: a TVM score does not depend on where its key sits in the packed buffer, so
     even random inputs select and order identically (integer inputs add exact ties, which must
@@ -262,7 +301,7 @@ def _decode_batch(n_seq, lens, ps, Hi=4, Di=16, seed=0, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("batch_keys", [150, ix.PAGED_BATCH_KEYS])
-def test_paged_streams_many_tiles_and_blocks(backend, small_tiles, monkeypatch, batch_keys):
+def test_paged_streams_many_tiles_and_blocks(backend, small_tiles, monkeypatch, batch_keys, keys_read):
     """Tiles of 48 keys, blocks of 8 queries: a prefill chunk of 21 queries of one sequence
     (three blocks of one sequence, causal k_len crossing page and tile boundaries) and, in
     the same call, decode queries of other sequences interleaved with it; sequences packed

@@ -61,7 +61,7 @@ HB_MAX = 4  # heads per register block where the CPU is not known (heads_per_blo
 TILE_T = 64  # queries per block: the block's [TILE_T, kb + TILE_S] int64 keys (4 MiB) stay in
 # cache for the selection passes (256 made them 16 MiB and the T=1024, S=8192 call 1.4x slower)
 TILE_S = 8192  # keys per streamed tile (indexer_topk); a multiple of NS
-REV = 7  # bump when the kernel source changes (part of the on-disk cache key)
+REV = 8  # bump when the kernel source changes (part of the on-disk cache key)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # q/k dtypes served
 INT64_MIN = -(2**63)
@@ -78,28 +78,44 @@ def heads_per_block() -> int:
     return 8 if "avx512f" in cpu_flags() else HB_MAX
 
 
+def _kval(kp: Any, kc: Any, sb: Any, d: Any, j: Any, direct: bool) -> Any:
+    """Key element (dim ``d``, lane ``j``) of the chunk starting at key ``sb``: from the packed
+    keys, or (direct) from the work item's chunk transposed out of ``k``'s rows."""
+    return kc[d, j] if direct else kp[sb // NS, d, j]
+
+
 @functools.lru_cache(maxsize=None)
-def _generic_score_tile(mode: str, HB: int = HB_MAX) -> Any:
-    """The kernel with Hi and Di as trailing scalar parameters, parsed once per (mode, HB);
-    `build_score_tile` specialises them to constants (cheaper than parsing per variant)."""
+def _generic_score_tile(mode: str, HB: int = HB_MAX, direct: str | None = None) -> Any:
+    """The kernel with Hi and Di as trailing scalar parameters, parsed once per (mode, HB,
+    direct); `build_score_tile` specialises them to constants (cheaper than parsing per
+    variant). ``direct``: None reads the packed keys ``[NC, Di, NS]`` fp32; a dtype name reads
+    ``k`` [S, Di] itself (bf16 as its uint16 bits), each work item transposing its chunk of NS
+    keys into registers-sized scratch (decode: no packed copy of the cache per call)."""
     from tvm.script import tirx as T
+
+    from glm5.kernels.tvm.tirlib import storage, widen
 
     assert mode in ("scores", "keys")
     out_dtype = "float32" if mode == "scores" else "int64"
     keys = mode == "keys"
     NEG = float("-inf")
+    kst = storage(direct) if direct else "float32"
+    dk = direct is not None  # parse-time switch
 
     @T.prim_func
-    def score_tile(q_h: T.handle, kp_h: T.handle, w_h: T.handle, ks_h: T.handle,
-                   ke_h: T.handle, out_h: T.handle, t0: T.int32, s0: T.int32,
+    def score_tile(q_h: T.handle, kp_h: T.handle, rows_h: T.handle, w_h: T.handle,
+                   ks_h: T.handle, ke_h: T.handle, out_h: T.handle, t0: T.int32, s0: T.int32,
                    ncols: T.int32, coff: T.int32, clear: T.int32, Hi: T.int32, Di: T.int32):
         T.func_attr({"global_symbol": "score_tile", "tir.noalias": True})
         Tn = T.int32()
         NC = T.int32()
         Tb = T.int32()
         W = T.int32()
+        C = T.int32()
         q = T.match_buffer(q_h, (Tb, Hi, Di), "float32")  # the block's queries
-        kp = T.match_buffer(kp_h, (NC, Di, NS), "float32")
+        # packed: [NC chunks, Di, NS]; direct: k's NC rows, key s being row rows[s]
+        kp = T.match_buffer(kp_h, (NC, Di) if dk else (NC, Di, NS), kst)
+        rows = T.match_buffer(rows_h, (C,), "int64")  # direct only (packed: empty)
         w = T.match_buffer(w_h, (Tn, Hi), "float32")
         ks = T.match_buffer(ks_h, (Tn,), "int32")
         ke = T.match_buffer(ke_h, (Tn,), "int32")
@@ -107,6 +123,7 @@ def _generic_score_tile(mode: str, HB: int = HB_MAX) -> Any:
         for p in T.parallel(Tb * ((ncols + NS - 1) // NS)):
             acc = T.alloc_buffer((HB, NS), "float32", scope="global")
             sc = T.alloc_buffer((NS,), "float32", scope="global")
+            kc = T.alloc_buffer((Di if dk else 1, NS), "float32", scope="global")
             tt = T.bind(p // ((ncols + NS - 1) // NS))
             c = T.bind(p % ((ncols + NS - 1) // NS))
             t = T.bind(t0 + tt)
@@ -118,6 +135,11 @@ def _generic_score_tile(mode: str, HB: int = HB_MAX) -> Any:
                     for j in range(coff):
                         out[tt, j] = T.min_value("int64")
             if sb < hi and sb + NS > lo:
+                if dk:
+                    # keys past the last are read clamped (their scores are masked)
+                    for j in range(NS):
+                        for d in range(Di):
+                            kc[d, j] = widen(T, kp[rows[T.min(sb + j, C - 1)], d], direct)
                 for j in T.vectorized(NS):
                     sc[j] = T.float32(0)
                 # Full blocks of HB heads, then one block of the Hi % HB remaining heads: an
@@ -129,8 +151,8 @@ def _generic_score_tile(mode: str, HB: int = HB_MAX) -> Any:
                     for d in range(Di):
                         for i in T.unroll(HB):
                             for j in T.vectorized(NS):
-                                acc[i, j] = acc[i, j] + q[tt, hb * HB + i, d] * kp[
-                                    sb // NS, d, j]
+                                acc[i, j] = acc[i, j] + q[tt, hb * HB + i, d] * _kval(
+                                    kp, kc, sb, d, j, dk)
                     for i in T.unroll(HB):
                         for j in T.vectorized(NS):
                             # relu as a select that keeps NaN (like torch.relu)
@@ -143,8 +165,8 @@ def _generic_score_tile(mode: str, HB: int = HB_MAX) -> Any:
                     for d in range(Di):
                         for i in T.unroll(Hi % HB):
                             for j in T.vectorized(NS):
-                                acc[i, j] = acc[i, j] + q[tt, Hi // HB * HB + i, d] * kp[
-                                    sb // NS, d, j]
+                                acc[i, j] = acc[i, j] + q[tt, Hi // HB * HB + i, d] * _kval(
+                                    kp, kc, sb, d, j, dk)
                     for i in T.unroll(Hi % HB):
                         for j in T.vectorized(NS):
                             sc[j] = sc[j] + w[t, Hi // HB * HB + i] * T.if_then_else(
@@ -177,17 +199,20 @@ def _generic_score_tile(mode: str, HB: int = HB_MAX) -> Any:
     return score_tile
 
 
-def build_score_tile(Hi: int, Di: int, mode: str, HB: int = HB_MAX) -> Any:
-    """The PrimFunc ``score_tile(q, kp, w, ks, ke, out, t0, s0, ncols, coff, clear)`` for
+def build_score_tile(Hi: int, Di: int, mode: str, HB: int = HB_MAX,
+                     direct: str | None = None) -> Any:
+    """The PrimFunc ``score_tile(q, kp, rows, w, ks, ke, out, t0, s0, ncols, coff, clear)`` for
     static Hi and Di.
 
     ``q`` [Tb, Hi, Di] fp32 holds the block's queries, rows ``t0 .. t0 + Tb`` of
     ``w``/``ks``/``ke``; ``out`` has Tb rows; keys ``s0 .. s0 + ncols``
     (``s0`` a multiple of NS); the tile is written to ``out[:, coff : coff + ncols]``, and
     ``out[:, :coff]`` is set to INT64_MIN when ``clear`` (keys mode: an empty running top-k).
-    ``kp`` is the packed key tensor ``[S_pad / NS, Di, NS]`` fp32.
+    ``kp`` is the packed key tensor ``[S_pad / NS, Di, NS]`` fp32 (``rows`` empty); with
+    ``direct`` (a dtype name) it is a key pool [R, Di] of that dtype and key ``s`` is its row
+    ``rows[s]`` (int64 [S]).
     """
-    f = _generic_score_tile(mode, HB)
+    f = _generic_score_tile(mode, HB, direct)
     hi_var, di_var = f.params[-2], f.params[-1]
     return f.specialize({hi_var: Hi, di_var: Di})
 
@@ -216,24 +241,29 @@ def build_decode() -> Any:
     return decode
 
 
-def build_module(Hi: int, Di: int, HB: int = HB_MAX) -> Any:
+def build_module(Hi: int, Di: int, HB: int = HB_MAX, direct: str | None = None) -> Any:
     """One module per variant, serving both ops: ``score_tile`` (fp32 scores), ``key_tile``
-    (selection keys) and ``decode``."""
+    (selection keys) and ``decode``; ``direct``: the variant reading keys of that dtype in
+    place (`build_score_tile`)."""
     import tvm
 
     return tvm.IRModule({
-        "score_tile": build_score_tile(Hi, Di, "scores", HB),
-        "key_tile": build_score_tile(Hi, Di, "keys", HB).with_attr("global_symbol", "key_tile"),
+        "score_tile": build_score_tile(Hi, Di, "scores", HB, direct),
+        "key_tile": build_score_tile(Hi, Di, "keys", HB, direct).with_attr("global_symbol",
+                                                                           "key_tile"),
         "decode": build_decode(),
     })
 
 
-def _kernels(context: Callable[[], Any], Hi: int, Di: int,
-             *symbols: str) -> list[Callable[..., Any]]:
+def _kernels(context: Callable[[], Any], Hi: int, Di: int, *symbols: str,
+             direct: str | None = None) -> list[Callable[..., Any]]:
     hb = heads_per_block()
     key = {"Hi": Hi, "Di": Di, "dtype": "float32", "ns": NS, "hb": hb, "rev": REV}
+    if direct is not None:
+        key["direct"] = direct
     ctx = context()
-    return [ctx.kernel("indexer", key, lambda: build_module(Hi, Di, hb), sym) for sym in symbols]
+    return [ctx.kernel("indexer", key, lambda: build_module(Hi, Di, hb, direct), sym)
+            for sym in symbols]
 
 
 # --------------------------------------------------------------------------- host-side helpers
@@ -264,9 +294,36 @@ def pack_keys(k: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor
     return kp
 
 
+DIRECT_MAX_USES = 4  # a call whose queries read each key at most this often on average
+# (decode) scores k in place; more (prefill) packs it once and reuses the packed chunks
+_NO_ROWS = torch.empty(0, dtype=torch.int64)
+
+
+def keys_direct(uses: int, keys: int) -> bool:
+    """Whether a call reading ``keys`` keys ``uses`` times in all (the sum of its queries'
+    range lengths) scores them in place: packing costs a transposed fp32 copy of every key
+    (most of a decode call), reading in place a transpose per (query, chunk)."""
+    return uses <= DIRECT_MAX_USES * max(1, keys)
+
+
+def _key_source(k: torch.Tensor, rows: torch.Tensor | None, direct: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, str | None]:
+    """(kp, rows, direct dtype) for the kernels: k itself (as stored; bf16 as uint16 bits) with
+    the rows its keys are (all of k in order, or ``rows``), or the packed keys."""
+    from glm5.kernels.tvm.tirlib import bits
+
+    if direct:
+        n = k.shape[0] if rows is None else rows.numel()
+        r = torch.arange(n, dtype=torch.int64) if rows is None else rows.to(torch.int64)
+        return bits(k.contiguous()), r, str(k.dtype).split(".")[1]
+    return pack_keys(k, rows), _NO_ROWS, None
+
+
 def _prep(k, w, k_start, k_end):
-    return (pack_keys(k), w.to(torch.float32).contiguous(),
-            k_start.to(torch.int32).contiguous(), k_end.to(torch.int32).contiguous())
+    ks = k_start.to(torch.int32).contiguous()
+    ke = k_end.to(torch.int32).contiguous()
+    direct = keys_direct(int((ke.long() - ks.long()).clamp(min=0).sum()), k.shape[0])
+    return (*_key_source(k, None, direct), w.to(torch.float32).contiguous(), ks, ke)
 
 
 def _q_block(q: torch.Tensor, t0: int, tb: int) -> torch.Tensor:
@@ -291,11 +348,11 @@ def lightning_indexer(context: Callable[[], Any], q, k, w, k_start, k_end) -> to
     out = torch.empty(T_, S, dtype=torch.float32)
     if T_ == 0 or S == 0:
         return out
-    (fn,) = _kernels(context, Hi, Di, "score_tile")
-    kp, wc, ks, ke = _prep(k, w, k_start, k_end)
+    kp, kr, direct, wc, ks, ke = _prep(k, w, k_start, k_end)
+    (fn,) = _kernels(context, Hi, Di, "score_tile", direct=direct)
     for t0 in range(0, T_, TILE_T):
         rows = out[t0: t0 + TILE_T]  # contiguous row block
-        fn(_q_block(q, t0, rows.shape[0]), kp, wc, ks, ke, rows, t0, 0, S, 0, 0)
+        fn(_q_block(q, t0, rows.shape[0]), kp, kr, wc, ks, ke, rows, t0, 0, S, 0, 0)
     return out
 
 
@@ -322,23 +379,25 @@ def indexer_topk(context: Callable[[], Any], q, k, w, k_start, k_end, topk: int)
     idx = torch.full((T_, topk), -1, dtype=torch.int32)
     if T_ == 0 or S == 0:
         return idx
-    kp, wc, ks, ke = _prep(k, w, k_start, k_end)
+    kp, kr, direct, wc, ks, ke = _prep(k, w, k_start, k_end)
     tile_t = min(TILE_T, T_)
     blocks = [(b * tile_t, min(tile_t, T_ - b * tile_t), lo, hi)
               for b, (lo, hi) in enumerate(_block_ranges(ks, ke, tile_t))]
-    _stream_topk(context, q, kp, wc, ks, ke, topk, min(topk, S), blocks, idx)
+    _stream_topk(context, q, kp, kr, direct, wc, ks, ke, topk, min(topk, S), blocks, idx)
     return idx
 
 
-def _stream_topk(context: Callable[[], Any], q: torch.Tensor, kp: torch.Tensor, wc: torch.Tensor,
+def _stream_topk(context: Callable[[], Any], q: torch.Tensor, kp: torch.Tensor,
+                 kr: torch.Tensor, direct: str | None, wc: torch.Tensor,
                  ks: torch.Tensor, ke: torch.Tensor, topk: int, kmax: int,
                  blocks: list[tuple[int, int, int, int]], idx: torch.Tensor) -> None:
     """The streaming selection of ``indexer_topk`` over query blocks ``(t0, tb, lo, hi)``:
-    queries t0 .. t0 + tb (at most TILE_T) whose key ranges lie in [lo, hi) of the packed keys
-    ``kp``; writes their rows of ``idx`` (key indices into ``kp``, -1 tail). ``kmax``: no row
-    has more valid keys (bounds the scratch)."""
+    queries t0 .. t0 + tb (at most TILE_T) whose key ranges lie in [lo, hi) of the keys
+    (`_key_source`: packed ``kp``, or ``kp``'s rows ``kr`` read in place when ``direct``);
+    writes their rows of ``idx`` (key indices, -1 tail). ``kmax``: no row has more valid keys
+    (bounds the scratch)."""
     Hi, Di = q.shape[1], q.shape[2]
-    fn, decode = _kernels(context, Hi, Di, "key_tile", "decode")
+    fn, decode = _kernels(context, Hi, Di, "key_tile", "decode", direct=direct)
     tile_t = max((tb for _, tb, _, _ in blocks), default=1)
     tile_s = max(NS, TILE_S - TILE_S % NS)
     if kmax > select.MAX_KP:
@@ -364,7 +423,7 @@ def _stream_topk(context: Callable[[], Any], q: torch.Tensor, kp: torch.Tensor, 
             ncols = min(tile_s, hi - s0)
             last = i == len(tiles) - 1
             alone = i == 0 and ncols >= kb  # nothing selected yet: the tile alone
-            fn(qb, kp, wc, ks, ke, buf, t0, s0, ncols, kb, int(i == 0 and not alone))
+            fn(qb, kp, kr, wc, ks, ke, buf, t0, s0, ncols, kb, int(i == 0 and not alone))
             region = buf[:, kb: kb + ncols] if alone else buf[:, : kb + ncols]
             w_ = region.shape[1]
             pick(region, scratch[: tb * w_].view(tb, w_), best, kb, int(last))
@@ -432,7 +491,9 @@ def paged_indexer_topk(context: Callable[[], Any], q, k, w, block_table, seq, k_
             t += ns[gi]
         part = rows[base: base + keys]
         ks = (ks64 - base).to(torch.int32)
-        _stream_topk(context, qs, pack_keys(k, part), wc, ks, ks + kl.to(torch.int32), topk,
+        direct = keys_direct(int(kl[t0:t].sum()), keys)
+        _stream_topk(context, qs, *_key_source(k, part, direct), wc, ks, ks + kl.to(torch.int32),
+                     topk,
                      kmax, blocks, out)
         sel = out[t0:t]
         out[t0:t] = torch.where(sel >= 0, part[sel.long().clamp(min=0)], -1).to(torch.int32)
