@@ -12,13 +12,23 @@ over ``Di`` is needed), so a chunk of keys is loaded once and reused across all 
 the query; ReLU and the ``w``-weighted head sum are applied to the registers before the next
 block of heads — a ``[T, Hi, S]`` tensor never exists. Chunks outside a query's range are not
 computed (only written as −inf / "invalid"). The parallel loop runs over (query, chunk) pairs.
+HB is 8 on AVX-512 hosts (8 zmm accumulators hide the FMA latency) and 4 elsewhere
+(`heads_per_block`, from the CPU's flags at run time).
+
+Keys in place (decode). Packing costs a transposed fp32 copy of every key per call; a prefill
+call reuses each packed chunk for many queries, a decode call reads each key once or a few
+times, and there the copy was most of the call. So a call whose queries read each key at most
+DIRECT_MAX_USES times on average (`keys_direct`) runs the kernel's *direct* variant: each work
+item transposes its NS rows of ``k`` (in k's own dtype, bf16 widened by a shift; through the
+paged rows for ``paged_indexer_topk``) into an fp32 ``[Di, NS]`` scratch, then the same
+micro-kernel. The measured break-even is 5-6 reads per key (docs/performance.md).
 
 Sequence lengths are symbolic (``T``, ``S``, the tile bounds), so a new length never
 recompiles. The kernel computes in fp32: bf16/fp16 ``k`` is converted (exactly) when it is
 packed, and ``q`` one query block at a time on the host — converting inside the kernel costs
-four instructions per broadcast and halved its speed. So the variant key is (Hi, Di), compute
-dtype fp32; one module per variant (built once, cached on disk by `TVMContext`) serves both
-ops.
+four instructions per broadcast and halved its speed. So the variant key is (Hi, Di, HB), plus
+k's dtype for the direct variant, compute dtype fp32; one module per variant (built once,
+cached on disk by `TVMContext`) serves both ops.
 
 The kernel has two output modes:
 
@@ -35,8 +45,8 @@ top-k (``[TILE_T, kb + TILE_S]`` int64, ``kb = min(topk, union range)``), keeps 
 the two with the radix-select kernel of ``select.py`` (sorted at the last tile; ~3x faster than
 ``torch.topk`` on these rows), and a second small kernel decodes them
 into the int32 output rows (−1 for invalid; the tail past ``kb`` stays −1). Memory holds that
-scratch, a packed fp32 copy of ``k``, one fp32 query block (bf16/fp16 ``q``) and the
-``[T, topk]`` output — never ``[T, S]`` scores.
+scratch, a packed fp32 copy of ``k`` (not for decode calls), one fp32 query block (bf16/fp16
+``q``) and the ``[T, topk]`` output — never ``[T, S]`` scores.
 
 ``paged_indexer_topk`` (keys in a pool of pages, read through a block table) runs the same
 streaming selection: the keys each sequence's queries see are gathered through the table
@@ -45,6 +55,7 @@ after another in logical order, a batch of sequences of up to PAGED_BATCH_KEYS k
 (packed, then run while still in cache); queries are grouped by sequence and a query block never
 mixes sequences, so a decode batch of many sequences selects each query over its own sequence's
 keys only (a shared block would select over all of them). Compact indices map back to pool rows.
+A decode batch reads its keys in place through the same rows instead of gathering them.
 """
 
 from __future__ import annotations

@@ -1,12 +1,16 @@
-"""The cpu indexer's register blocking side by side: HB = 4 and HB = 8 heads per block
-(glm5/kernels/tvm/indexer.py `heads_per_block`; 8 is chosen on AVX-512 hosts).
+"""The cpu indexer's kernel variants side by side (glm5/kernels/tvm/indexer.py):
 
-    python bench/tvm_indexer_blocking.py [--rounds 3] [--json out.json]
+1. register blocking, HB = 4 and HB = 8 heads per block (`heads_per_block`: 8 on AVX-512
+   hosts): causal prefill T = S = 4096 in bf16 and fp32, one decode query over 65536 keys;
+2. key source, packed once per call vs read in place (`keys_direct`: in place up to
+   DIRECT_MAX_USES reads per key): T = 1 .. 32 queries each over all of S = 16384 keys (T
+   reads per key), bf16, `indexer_topk`.
 
-Shapes: GLM-5's indexer (Hi 32, Di 128, top-2048), causal prefill T = S = 4096 in bf16 and
-fp32, and one decode query over 65536 keys in bf16. Both blockings are built (disk cache) and
-timed alternately in this process with the cpu backend's thread settings; best of ``--rounds``
-per cell. GFLOP/s counts 2·Hi·Di per (query, key in its range).
+    python bench/tvm_indexer_variants.py [--rounds 3] [--json out.json]
+
+GLM-5's indexer (Hi 32, Di 128, top-2048). Both variants are built (disk cache) and timed
+alternately in this process with the cpu backend's thread settings; best of ``--rounds`` per
+cell. GFLOP/s counts 2·Hi·Di per (query, key in its range).
 """
 
 from __future__ import annotations
@@ -73,9 +77,38 @@ def main() -> None:
         print(f"| {r4['T']} | {r4['S']} | {r4['dtype']} | {r4['op']} | {r4['ms']:.1f} | "
               f"{r8['ms']:.1f} | {r4['ms'] / r8['ms']:.2f} | {r4['gflops']:.0f} / "
               f"{r8['gflops']:.0f} |")
+    direct = []
+    S = 16384
+    print("\n| T (reads per key) | packed ms | in place ms | packed / in place | chosen |")
+    print("|---|---|---|---|---|")
+    limit = ix.DIRECT_MAX_USES
+    for T in (1, 2, 4, 8, 16, 32):
+        g = torch.Generator().manual_seed(T)
+        q = torch.randn(T, HI, DI, generator=g).bfloat16()
+        k = torch.randn(S, DI, generator=g).bfloat16()
+        w = torch.randn(T, HI, generator=g) * HI ** -0.5
+        ks = torch.zeros(T, dtype=torch.int32)
+        ke = torch.full((T,), S, dtype=torch.int32)
+        best2: dict[str, float] = {}
+        try:
+            for _ in range(a.rounds):
+                for name, m in (("packed", -1), ("in place", 10**9)):
+                    ix.DIRECT_MAX_USES = m
+                    ix.indexer_topk(c, q, k, w, ks, ke, TOPK)
+                    t = time.perf_counter()
+                    ix.indexer_topk(c, q, k, w, ks, ke, TOPK)
+                    d = time.perf_counter() - t
+                    best2[name] = min(best2.get(name, d), d)
+        finally:
+            ix.DIRECT_MAX_USES = limit
+        chosen = "in place" if ix.keys_direct(T * S, S) else "packed"
+        direct.append({"T": T, "S": S, "packed_ms": best2["packed"] * 1e3,
+                       "in_place_ms": best2["in place"] * 1e3, "chosen": chosen})
+        print(f"| {T} | {best2['packed'] * 1e3:.2f} | {best2['in place'] * 1e3:.2f} | "
+              f"{best2['packed'] / best2['in place']:.2f} | {chosen} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"blocking": rows, "key_source": direct}, f, indent=1)
 
 
 if __name__ == "__main__":
