@@ -213,11 +213,13 @@ def test_decode_reads_keys_in_place_prefill_packs(ctx, monkeypatch):
         assert calls == [want], T_
 
 
-def test_in_place_keys_of_a_strided_view(fns, keys_read):
+@pytest.mark.parametrize("Di", [16, 40])
+def test_in_place_keys_of_a_strided_view(fns, keys_read, Di):
     """k as a non-contiguous view (every other row of a bigger cache), S not a multiple of the
-    16-key chunk: the in-place read goes through a contiguous copy, the packed one gathers."""
+    16-key chunk: the in-place read goes through a contiguous copy, the packed one gathers.
+    Di = 40: two 16 x 16 register transposes and 8 dims one by one."""
     li_fn, topk_fn = fns
-    q, k2, w = _inputs(3, 2 * 203, 4, 16, torch.bfloat16, seed=21)
+    q, k2, w = _inputs(3, 2 * 203, 4, Di, torch.bfloat16, seed=21)
     k = k2[::2]
     ks, ke = torch.tensor([0, 5, 190], dtype=torch.int32), torch.tensor([203, 100, 203],
                                                                          dtype=torch.int32)

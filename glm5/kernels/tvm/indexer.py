@@ -72,7 +72,7 @@ HB_MAX = 4  # heads per register block where the CPU is not known (heads_per_blo
 TILE_T = 64  # queries per block: the block's [TILE_T, kb + TILE_S] int64 keys (4 MiB) stay in
 # cache for the selection passes (256 made them 16 MiB and the T=1024, S=8192 call 1.4x slower)
 TILE_S = 8192  # keys per streamed tile (indexer_topk); a multiple of NS
-REV = 8  # bump when the kernel source changes (part of the on-disk cache key)
+REV = 9  # bump when the kernel source changes (part of the on-disk cache key)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # q/k dtypes served
 INT64_MIN = -(2**63)
@@ -87,6 +87,26 @@ def heads_per_block() -> int:
     from glm5.kernels.tvm.tirlib import cpu_flags
 
     return 8 if "avx512f" in cpu_flags() else HB_MAX
+
+
+def _widen16(T: Any, v: Any, dtype: str) -> Any:
+    """NS stored elements (a vector of ``dtype``'s storage) as fp32 lanes."""
+    if dtype == "bfloat16":
+        return T.reinterpret(f"float32x{NS}", T.shift_left(T.Cast(f"uint32x{NS}", v),
+                                                           T.broadcast(T.uint32(16), NS)))
+    return v if dtype == "float32" else T.Cast(f"float32x{NS}", v)
+
+
+def _butterfly(T: Any, tb: Any, src: int, i: Any, d: int) -> Any:
+    """Row ``i`` after the transpose stage that swaps bit ``d`` of the row and column index
+    of the NS x NS block ``tb[src]``: element (i, c) moves to (i ^ d, c ^ d) when those bits
+    differ. One two-source shuffle per row (``i`` unrolled, so the branch folds)."""
+    ramp = T.ramp(0, 1, NS)
+    lo = [c if c & d == 0 else NS + c - d for c in range(NS)]  # row i, bit d of i clear
+    hi = [c + d if c & d == 0 else NS + c for c in range(NS)]  # bit d of i set
+    mine, other = tb[src, i, ramp], tb[src, T.bitwise_xor(i, d), ramp]
+    return T.if_then_else(T.bitwise_and(i, d) == 0, T.Shuffle([mine, other], lo),
+                          T.Shuffle([other, mine], hi))
 
 
 def _kval(kp: Any, kc: Any, sb: Any, d: Any, j: Any, direct: bool) -> Any:
@@ -135,6 +155,7 @@ def _generic_score_tile(mode: str, HB: int = HB_MAX, direct: str | None = None) 
             acc = T.alloc_buffer((HB, NS), "float32", scope="global")
             sc = T.alloc_buffer((NS,), "float32", scope="global")
             kc = T.alloc_buffer((Di if dk else 1, NS), "float32", scope="global")
+            tb = T.alloc_buffer((2 if dk else 1, NS, NS), "float32", scope="local")
             tt = T.bind(p // ((ncols + NS - 1) // NS))
             c = T.bind(p % ((ncols + NS - 1) // NS))
             t = T.bind(t0 + tt)
@@ -147,9 +168,24 @@ def _generic_score_tile(mode: str, HB: int = HB_MAX, direct: str | None = None) 
                         out[tt, j] = T.min_value("int64")
             if sb < hi and sb + NS > lo:
                 if dk:
-                    # keys past the last are read clamped (their scores are masked)
+                    # keys past the last are read clamped (their scores are masked). Blocks of
+                    # NS dims: NS rows loaded as vectors, transposed in registers by four
+                    # butterfly stages (stage d swaps bit d of the row and column index); the
+                    # Di % NS last dims one by one.
+                    for db in range(Di // NS):
+                        for i in T.unroll(NS):
+                            tb[0, i, T.ramp(0, 1, NS)] = _widen16(T, kp[
+                                rows[T.min(sb + i, C - 1)], T.ramp(db * NS, 1, NS)], direct)
+                        for i in T.unroll(NS):
+                            tb[1, i, T.ramp(0, 1, NS)] = _butterfly(T, tb, 0, i, 8)
+                        for i in T.unroll(NS):
+                            tb[0, i, T.ramp(0, 1, NS)] = _butterfly(T, tb, 1, i, 4)
+                        for i in T.unroll(NS):
+                            tb[1, i, T.ramp(0, 1, NS)] = _butterfly(T, tb, 0, i, 2)
+                        for i in T.unroll(NS):
+                            kc[db * NS + i, T.ramp(0, 1, NS)] = _butterfly(T, tb, 1, i, 1)
                     for j in range(NS):
-                        for d in range(Di):
+                        for d in range(Di // NS * NS, Di):
                             kc[d, j] = widen(T, kp[rows[T.min(sb + j, C - 1)], d], direct)
                 for j in T.vectorized(NS):
                     sc[j] = T.float32(0)
