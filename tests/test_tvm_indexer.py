@@ -204,7 +204,8 @@ def test_decode_reads_keys_in_place_prefill_packs(ctx, monkeypatch):
     real = ix._key_source
     monkeypatch.setattr(ix, "_key_source", lambda k, rows, direct: calls.append(direct)
                         or real(k, rows, direct))
-    assert ix.keys_direct(4 * 100, 100) and not ix.keys_direct(4 * 100 + 1, 100)
+    n = ix.DIRECT_MAX_USES
+    assert ix.keys_direct(n * 100, 100) and not ix.keys_direct(n * 100 + 1, 100)
     q, k, w = _inputs(40, 300, 4, 16, seed=20)
     for T_, want in ((1, True), (4, True), (40, False)):
         ks, ke = torch.zeros(T_, dtype=torch.int32), torch.full((T_,), 300, dtype=torch.int32)

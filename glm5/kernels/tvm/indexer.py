@@ -19,9 +19,10 @@ Keys in place (decode). Packing costs a transposed fp32 copy of every key per ca
 call reuses each packed chunk for many queries, a decode call reads each key once or a few
 times, and there the copy was most of the call. So a call whose queries read each key at most
 DIRECT_MAX_USES times on average (`keys_direct`) runs the kernel's *direct* variant: each work
-item transposes its NS rows of ``k`` (in k's own dtype, bf16 widened by a shift; through the
-paged rows for ``paged_indexer_topk``) into an fp32 ``[Di, NS]`` scratch, then the same
-micro-kernel. The measured break-even is 5-6 reads per key (docs/performance.md).
+item transposes its NS rows of ``k`` (in k's own dtype, bf16 widened by a shift; 16 x 16
+blocks in registers; through the paged rows for ``paged_indexer_topk``) into an fp32
+``[Di, NS]`` scratch, then the same
+micro-kernel. The measured break-even is ~24 reads per key (docs/performance.md).
 
 Sequence lengths are symbolic (``T``, ``S``, the tile bounds), so a new length never
 recompiles. The kernel computes in fp32: bf16/fp16 ``k`` is converted (exactly) when it is
@@ -341,7 +342,7 @@ def pack_keys(k: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor
     return kp
 
 
-DIRECT_MAX_USES = 4  # a call whose queries read each key at most this often on average
+DIRECT_MAX_USES = 16  # a call whose queries read each key at most this often on average
 # (decode) scores k in place; more (prefill) packs it once and reuses the packed chunks
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
 
