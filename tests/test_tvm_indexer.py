@@ -189,12 +189,14 @@ def test_register_blocks_of_either_width(backend, monkeypatch, hb, keys_read):
 
 
 def test_heads_per_block_follows_the_cpu(monkeypatch):
-    from glm5.kernels.tvm import tirlib
+    from glm5 import host_cpu
 
-    monkeypatch.setattr(tirlib, "_flags", [frozenset({"avx2", "fma", "avx512f"})])
+    monkeypatch.setattr(host_cpu, "_flags", [frozenset({"avx2", "fma", "avx512f"})])
     assert ix.heads_per_block() == 8
-    monkeypatch.setattr(tirlib, "_flags", [frozenset({"avx2", "fma"})])
+    monkeypatch.setattr(host_cpu, "_flags", [frozenset({"avx2", "fma"})])
     assert ix.heads_per_block() == 4
+    monkeypatch.setattr(host_cpu, "_flags", [None])  # no /proc/cpuinfo
+    assert ix.heads_per_block() == 4 and host_cpu.missing("avx2") == "no /proc/cpuinfo"
 
 
 def test_decode_reads_keys_in_place_prefill_packs(ctx, monkeypatch):

@@ -114,9 +114,9 @@ _FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx
 
 def cpu_flags() -> set[str]:
     """The instruction-set flags of this CPU (Linux /proc/cpuinfo), read at run time."""
-    from glm5.kernels.tvm.tirlib import cpu_flags as flags
+    from glm5.host_cpu import cpu_flags as flags
 
-    return set(flags())
+    return set(flags() or ())
 
 
 def cpu_model() -> str:

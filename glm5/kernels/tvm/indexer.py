@@ -85,9 +85,9 @@ def heads_per_block() -> int:
     (8 zmm accumulators hide the FMA latency: the 4K causal GLM-5 indexer took 0.56 s instead
     of 0.73 s here, one thread); 4 elsewhere (on AVX2 a 16-lane vector is two ymm registers,
     so 4 heads already take 8 of the 16)."""
-    from glm5.kernels.tvm.tirlib import cpu_flags
+    from glm5.host_cpu import missing
 
-    return 8 if "avx512f" in cpu_flags() else HB_MAX
+    return 8 if missing("avx512f") is None else HB_MAX
 
 
 def _widen16(T: Any, v: Any, dtype: str) -> Any:

@@ -58,14 +58,11 @@ def amx_available() -> tuple[bool, str]:
 
 
 def _amx_check() -> tuple[bool, str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
-    except OSError:
-        return False, "no /proc/cpuinfo"
-    missing = [f for f in ("amx_tile", "amx_int8", "amx_bf16") if f not in flags]
-    if missing:
-        return False, f"CPU lacks {', '.join(missing)}"
+    from glm5.host_cpu import missing
+
+    why = missing("amx_tile", "amx_int8", "amx_bf16")
+    if why:
+        return False, why
     try:
         if not torch._C._cpu._init_amx():
             return False, "the OS refused the AMX tile state"

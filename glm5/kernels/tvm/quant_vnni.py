@@ -43,15 +43,10 @@ BIAS = {8: 128, 4: 8, 6: 32}
 
 def vnni_available() -> tuple[bool, str]:
     """(True, why) where the CPU has AVX-512 VNNI, BW and VBMI (/proc/cpuinfo flags)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
-    except OSError:
-        return False, "no /proc/cpuinfo"
-    missing = [f for f in ("avx512f", "avx512bw", "avx512_vnni", "avx512vbmi") if f not in flags]
-    if missing:
-        return False, f"CPU lacks {', '.join(missing)}"
-    return True, "AVX-512 VNNI"
+    from glm5.host_cpu import missing
+
+    why = missing("avx512f", "avx512bw", "avx512_vnni", "avx512vbmi")
+    return (False, why) if why else (True, "AVX-512 VNNI")
 
 
 def _vals_per_vec(bits: int) -> int:

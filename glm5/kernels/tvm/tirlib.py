@@ -98,22 +98,3 @@ def fresh(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     a test can hand out buffers with guard bytes around them."""
     return torch.empty(shape, dtype=dtype)
 
-
-_flags: list[frozenset[str]] = []
-
-
-def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags of this CPU (Linux /proc/cpuinfo, read once at run time;
-    empty elsewhere): kernels choose register blocking by them."""
-    if not _flags:
-        found: frozenset[str] = frozenset()
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("flags"):
-                        found = frozenset(line.split(":", 1)[1].split())
-                        break
-        except OSError:
-            pass
-        _flags.append(found)
-    return _flags[0]
