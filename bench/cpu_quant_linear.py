@@ -83,11 +83,15 @@ def _glm5(M: int, K: int, N: int, scheme: str, dtype: torch.dtype,
             (x, wp, ws))
 
 
-def _paths(tier: str) -> list[str]:
-    """The paths compared on ``tier`` (the AMX and VNNI kernels need the CPU's instructions;
-    on an AMX host the torch path, 10-100x slower than AMX at every M, is left out)."""
-    return {"amx": ["vnni", "amx", "tvm"], "vnni": ["vnni", "tvm", "torch:gemm"],
-            "portable": ["tvm", "torch:gemm"]}[tier]
+def _paths(tier: str, scheme: str) -> list[str]:
+    """The paths compared on ``tier`` for ``scheme`` (the AMX and VNNI kernels need the CPU's
+    instructions; on an AMX host the torch path, 10-100x slower than AMX at every M, is left
+    out; the VNNI GEMM serves the activation schemes)."""
+    from glm5.kernels.tvm.quant import serves
+
+    return [p for p in {"amx": ["vnni", "amx", "tvm"],
+                        "vnni": ["vnni", "vgemm", "tvm", "torch:gemm"],
+                        "portable": ["tvm", "torch:gemm"]}[tier] if serves(p, scheme)]
 
 
 def _interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
@@ -126,7 +130,7 @@ def _run_all(ms: list[int], K: int, N: int, schemes: list[str], dtypes: list[tor
                 name = f"{s}:{str(dt).removeprefix('torch.')}"
                 fns[name], info[name] = fn, (nbytes, label)
                 if paths:  # every path this CPU has, called directly
-                    for p in _paths(tier):
+                    for p in _paths(tier, s):
                         fns[f"path:{p}:{name}"] = (lambda p=p, a=args, s=s: quant._run(
                             p, context, a[0], a[1], a[2], s))
         with torch.inference_mode():
@@ -149,7 +153,7 @@ def _run_all(ms: list[int], K: int, N: int, schemes: list[str], dtypes: list[tor
                          "packed_bytes": nbytes,
                          "gbps": nbytes / (ms_ * 1e-3) / 1e9 if M == 1 else None})
             if paths:
-                per = {p: best[f"path:{p}:{name}"] * 1e3 for p in _paths(tier)}
+                per = {p: best[f"path:{p}:{name}"] * 1e3 for p in _paths(tier, s)}
                 path_rows.append({"M": M, "scheme": s, "dtype": dt, "ms": per,
                                   "fastest": min(per, key=per.get),
                                   "chosen": quant.path(s, M, tier)})
@@ -157,12 +161,12 @@ def _run_all(ms: list[int], K: int, N: int, schemes: list[str], dtypes: list[tor
 
 
 def path_table(prow: list[dict[str, Any]]) -> str:
-    names = list(prow[0]["ms"])
+    names = list(dict.fromkeys(p for r in prow for p in r["ms"]))  # every path, in order
     out = ["| scheme | x dtype | M | " + " | ".join(f"{p} ms" for p in names)
            + " | fastest | PATHS chooses |", "|" + "---|" * (len(names) + 5)]
     for r in prow:
         out.append(f"| {r['scheme']} | {r['dtype']} | {r['M']} | "
-                   + " | ".join(f"{r['ms'][p]:.3f}" for p in names)
+                   + " | ".join(f"{r['ms'][p]:.3f}" if p in r["ms"] else "-" for p in names)
                    + f" | {r['fastest']} | {r['chosen']} |")
     return "\n".join(out)
 

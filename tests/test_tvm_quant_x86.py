@@ -26,7 +26,7 @@ pytest.importorskip("tvm")
 import glm5  # noqa: E402
 from glm5.backends.api import run_recorded  # noqa: E402
 from glm5.ir.quant_formats import SCHEMES, quantize_per_token_ref, quantize_weight  # noqa: E402
-from glm5.kernels.tvm import quant, quant_amx, quant_vnni  # noqa: E402
+from glm5.kernels.tvm import quant, quant_amx, quant_vgemm, quant_vnni  # noqa: E402
 from glm5.kernels.tvm.build import TVMContext  # noqa: E402
 from glm5.testing.compare import assert_matches  # noqa: E402
 from glm5.testing.parity import format_table, run_parity  # noqa: E402
@@ -132,34 +132,89 @@ def test_amx_gemm_matches_oracle(ctx, scheme):
             _check(got, vals, f"amx M={M} K={K} N={N} {dtype}")
 
 
-def _amx_codes(xb: torch.Tensor, M: int, K: int, bits: int) -> torch.Tensor:
-    """Undo `quant_amx.activations`' tile layout: int32 codes [M, K] (planes combined)."""
+# (M, K, N): below one 16-row vector and one 48-row block, several blocks with a short last
+# one; N not a multiple of the 4 / 2-row register tiles or of the 16-row transposed stores,
+# N < 16 (only element stores); K inside one chunk, not a multiple of 64 / 128 / 48 bytes,
+# int6 rows whose last 64-byte load would leave the row (K = 1000), an odd K (int4 padding
+# nibble); w8a8 over many scale-free groups (K = 5000)
+VGEMM_SHAPES = ((1, 64, 16), (3, 331, 37), (17, 200, 50), (48, 128, 32), (49, 96, 33),
+                (70, 256, 5), (15, 7, 18), (40, 1000, 33), (130, 129, 70), (100, 5000, 24),
+                (64, 63, 64))
+
+
+@needs_vnni
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8", "w6a12"])
+def test_vgemm_matches_oracle(ctx, scheme):
+    for dtype in (F32, BF16):
+        for i, (M, K, N) in enumerate(VGEMM_SHAPES):
+            vals = _case(M, K, N, scheme, dtype, seed=i, halves=M > 1)
+            got = quant_vgemm.gemm_vnni(lambda: ctx, vals["x"], vals["w_packed"],
+                                        vals["w_scale"], scheme)
+            _check(got, vals, f"vgemm M={M} K={K} N={N} {dtype}")
+
+
+@needs_vnni
+def test_vgemm_tasks_split_rows_and_columns(ctx, monkeypatch):
+    """Small scratch slots (one or a few register tiles of weight rows per task, tasks that
+    end inside a 16-row store block) and few weight rows (row blocks of x split between
+    tasks): every output right, and equal to the one-task result bit for bit."""
+    for scheme in ("w8a8", "w4a8", "w6a12"):
+        vals = _case(150, 300, 45, scheme, F32, seed=3)
+        args = (vals["x"], vals["w_packed"], vals["w_scale"], scheme)
+        whole = quant_vgemm.gemm_vnni(lambda: ctx, *args)
+        _check(whole, vals, f"vgemm {scheme}")
+        for slot in (1, 3 * 5 * 64):  # bytes: one tile of rows per task; 5 groups x 3 rows
+            monkeypatch.setattr(quant_vgemm, "SCRATCH", slot)
+            assert torch.equal(quant_vgemm.gemm_vnni(lambda: ctx, *args), whole), (scheme, slot)
+        monkeypatch.undo()
+        small = _case(150, 300, 3, scheme, F32, seed=4)  # one task of rows: msplit > 1
+        _check(quant_vgemm.gemm_vnni(lambda: ctx, small["x"], small["w_packed"],
+                                     small["w_scale"], scheme), small, f"vgemm N=3 {scheme}")
+
+
+@needs_vnni
+def test_vgemm_refuses_w8a16(ctx):
+    vals = _case(4, 64, 8, "w8a16", F32)
+    with pytest.raises(ValueError, match="VNNI GEMM serves w8a8, w4a8 and w6a12"):
+        quant_vgemm.gemm_vnni(lambda: ctx, vals["x"], vals["w_packed"], vals["w_scale"],
+                              "w8a16")
+
+
+def _amx_codes(xb: torch.Tensor, M: int, K: int, bits: int, unsigned: bool = False
+               ) -> torch.Tensor:
+    """Undo `quant_amx.activations`' tile layout: int32 codes [M, K] (planes combined;
+    ``unsigned``: plane 0's bias of 128 taken off)."""
     P, Mt, NC = xb.shape[0], xb.shape[1], xb.shape[2]
     q = (xb.view(P, Mt, NC, 16, 16, 4).permute(0, 1, 4, 2, 3, 5).reshape(P, Mt * 16, NC * 64)
          .to(torch.int32))
+    if unsigned:
+        q[0] = q[0].view(torch.int32).bitwise_xor(-128)  # int8 byte XOR 0x80, sign-extended
     q = q[0] * 16 + q[1] if P == 2 else q[0]
     out = torch.empty_like(q)
     out[:, quant_amx.kpermutation(bits, NC * 64)] = q
-    assert not out[M:].any() and not out[:, K:].any()  # the padding is zero
+    assert not out[M:].any() and not out[:, K:].any()  # the padding is zero (code 0)
     return out[:M, :K]
 
 
-@needs_amx
 @pytest.mark.parametrize("scheme", ["w8a8", "w4a8", "w6a12"])
-def test_amx_activation_codes_are_the_oracles(ctx, scheme):
-    """The TVM quantizer gives quantize_per_token_ref's codes and scales bit for bit (ties
-    included), in the tile layout the weight's unpacking expects."""
+def test_tile_layout_activation_codes_are_the_oracles(ctx, scheme):
+    """The TVM quantizer (portable: no AMX needed) gives quantize_per_token_ref's codes and
+    scales bit for bit (ties included), in the tile layout the weight's unpacking expects;
+    the unsigned form (the VNNI GEMM's) is the same codes with plane 0 + 128, padding
+    included."""
     sc = SCHEMES[scheme]
-    for dtype in (F32, BF16):
-        for M, K in ((3, 331), (17, 64), (33, 1000)):
-            x = _case(M, K, 1, scheme, dtype, seed=K, halves=True)["x"]
-            xb, sx = quant_amx.activations(lambda: ctx, x, scheme)
-            want_q, want_s = quantize_per_token_ref(x, sc.act_bits)
-            assert torch.equal(_amx_codes(xb, M, K, sc.weight_bits), want_q.to(torch.int32))
-            assert torch.equal(sx[:M], want_s) and torch.equal(sx[M:], torch.ones(len(sx) - M))
+    for unsigned in (False, True):
+        for dtype in (F32, BF16):
+            for M, K in ((3, 331), (17, 64), (33, 1000)):
+                x = _case(M, K, 1, scheme, dtype, seed=K, halves=True)["x"]
+                xb, sx = quant_amx.activations(lambda: ctx, x, scheme, unsigned=unsigned)
+                want_q, want_s = quantize_per_token_ref(x, sc.act_bits)
+                got = _amx_codes(xb, M, K, sc.weight_bits, unsigned)
+                assert torch.equal(got, want_q.to(torch.int32)), (unsigned, dtype, M, K)
+                assert torch.equal(sx[:M], want_s)
+                assert torch.equal(sx[M:], torch.ones(len(sx) - M))
 
 
-@needs_amx
 def test_amx_bf16_planes_are_exact(ctx):
     """w8a16's activation: rows scaled by 2^e, then hi + mid + lo == x·2^e exactly (fp32 x),
     one plane equal to x·2^e (bf16 x); sx = 2^-e undoes the scaling exactly."""
@@ -246,6 +301,8 @@ def test_kernels_write_inside_their_buffers(ctx, monkeypatch):
     if VNNI:
         runs += [(lambda x, wp, ws, s, mb=mb: quant_vnni.gemv_vnni(lambda: ctx, x, wp, ws, s, mb),
                   GEMV_SHAPES) for mb in (1, 4)]
+        runs += [(lambda x, wp, ws, s: quant_vgemm.gemm_vnni(lambda: ctx, x, wp, ws, s)
+                  if quant.serves("vgemm", s) else None, VGEMM_SHAPES)]
     if AMX:
         runs += [(lambda x, wp, ws, s: quant_amx.gemm_amx(lambda: ctx, x, wp, ws, s),
                   AMX_SHAPES)]
@@ -335,8 +392,8 @@ def test_served_op_runs_and_reports_the_tables_path(monkeypatch, tier):
 
 
 def _paths_here() -> list[str]:
-    return [p for p, ok in (("vnni", VNNI), ("amx", AMX), ("tvm", True), ("torch:gemm", True))
-            if ok]
+    return [p for p, ok in (("vnni", VNNI), ("vgemm", VNNI), ("amx", AMX), ("tvm", True),
+                            ("torch:gemm", True)) if ok]
 
 
 @pytest.fixture(scope="module")
@@ -351,7 +408,8 @@ def backend(ctx):
 def test_every_path_passes_parity(backend, monkeypatch, p):
     """quant_linear with every row count sent down one path: the kit's edge and tile cases
     (fp32 and bf16, biases, activations with exact ties) all within the op's tolerance."""
-    monkeypatch.setitem(quant.PATHS, quant.cpu_tier(), {s: ((None, p),) for s in SCHEMES})
+    monkeypatch.setitem(quant.PATHS, quant.cpu_tier(), {
+        s: ((None, p if quant.serves(p, s) else "tvm"),) for s in SCHEMES})
     rows = run_parity(backend, ["quant_linear"], examples=4, seed=11, profile="smoke")
     assert rows and all(r.status == "pass" for r in rows), format_table(rows)
 
@@ -361,7 +419,7 @@ def test_every_path_takes_strided_inputs(ctx, monkeypatch, p):
     """x (every other column), the packed weight and the scales (rows with gaps) as strided
     views: the same result as from contiguous copies."""
     g = torch.Generator().manual_seed(8)
-    for scheme in SCHEMES:
+    for scheme in [s for s in SCHEMES if quant.serves(p, s)]:
         for M in (1, 5, 33):
             vals = _case(M, 200, 40, scheme, F32, seed=M)
             wp, ws = vals["w_packed"], vals["w_scale"]
@@ -401,7 +459,7 @@ def test_kernels_decline_what_int32_indexing_cannot_reach():
 def test_new_kernels_build_once_and_load_from_disk(ctx, tmp_path):
     """New M, N, K reuse the built VNNI / AMX kernels (all three are runtime values); a fresh
     context on the same cache directory loads them instead of compiling."""
-    todo = [p for p in ("vnni", "amx") if p in _paths_here()]
+    todo = [p for p in ("vnni", "vgemm", "amx") if p in _paths_here()]
     if not todo:
         pytest.skip("no VNNI / AMX on this CPU")
     c1 = TVMContext(cache_dir=tmp_path)
@@ -454,4 +512,4 @@ def test_bench_script_writes_its_table(tmp_path, monkeypatch):
         assert r["x_fp32"] == pytest.approx(r["dense_ms"]["fp32"] / r["ms"])
         assert (r["gbps"] is not None) == (r["M"] == 1)
     assert len(d["paths"]) == len(d["rows"])
-    assert all(set(p["ms"]) == set(bench._paths(tier)) for p in d["paths"])
+    assert all(set(p["ms"]) == set(bench._paths(tier, p["scheme"])) for p in d["paths"])

@@ -98,18 +98,6 @@ def _widen16(T: Any, v: Any, dtype: str) -> Any:
     return v if dtype == "float32" else T.Cast(f"float32x{NS}", v)
 
 
-def _butterfly(T: Any, tb: Any, src: int, i: Any, d: int) -> Any:
-    """Row ``i`` after the transpose stage that swaps bit ``d`` of the row and column index
-    of the NS x NS block ``tb[src]``: element (i, c) moves to (i ^ d, c ^ d) when those bits
-    differ. One two-source shuffle per row (``i`` unrolled, so the branch folds)."""
-    ramp = T.ramp(0, 1, NS)
-    lo = [c if c & d == 0 else NS + c - d for c in range(NS)]  # row i, bit d of i clear
-    hi = [c + d if c & d == 0 else NS + c for c in range(NS)]  # bit d of i set
-    mine, other = tb[src, i, ramp], tb[src, T.bitwise_xor(i, d), ramp]
-    return T.if_then_else(T.bitwise_and(i, d) == 0, T.Shuffle([mine, other], lo),
-                          T.Shuffle([other, mine], hi))
-
-
 def _kval(kp: Any, kc: Any, sb: Any, d: Any, j: Any, direct: bool) -> Any:
     """Key element (dim ``d``, lane ``j``) of the chunk starting at key ``sb``: from the packed
     keys, or (direct) from the work item's chunk transposed out of ``k``'s rows."""
@@ -125,7 +113,7 @@ def _generic_score_tile(mode: str, HB: int = HB_MAX, direct: str | None = None) 
     keys into registers-sized scratch (decode: no packed copy of the cache per call)."""
     from tvm.script import tirx as T
 
-    from glm5.kernels.tvm.tirlib import storage, widen
+    from glm5.kernels.tvm.tirlib import butterfly, storage, widen
 
     assert mode in ("scores", "keys")
     out_dtype = "float32" if mode == "scores" else "int64"
@@ -178,13 +166,13 @@ def _generic_score_tile(mode: str, HB: int = HB_MAX, direct: str | None = None) 
                             tb[0, i, T.ramp(0, 1, NS)] = _widen16(T, kp[
                                 rows[T.min(sb + i, C - 1)], T.ramp(db * NS, 1, NS)], direct)
                         for i in T.unroll(NS):
-                            tb[1, i, T.ramp(0, 1, NS)] = _butterfly(T, tb, 0, i, 8)
+                            tb[1, i, T.ramp(0, 1, NS)] = butterfly(T, tb, 0, i, 8)
                         for i in T.unroll(NS):
-                            tb[0, i, T.ramp(0, 1, NS)] = _butterfly(T, tb, 1, i, 4)
+                            tb[0, i, T.ramp(0, 1, NS)] = butterfly(T, tb, 1, i, 4)
                         for i in T.unroll(NS):
-                            tb[1, i, T.ramp(0, 1, NS)] = _butterfly(T, tb, 0, i, 2)
+                            tb[1, i, T.ramp(0, 1, NS)] = butterfly(T, tb, 0, i, 2)
                         for i in T.unroll(NS):
-                            kc[db * NS + i, T.ramp(0, 1, NS)] = _butterfly(T, tb, 1, i, 1)
+                            kc[db * NS + i, T.ramp(0, 1, NS)] = butterfly(T, tb, 1, i, 1)
                     for j in range(NS):
                         for d in range(Di // NS * NS, Di):
                             kc[d, j] = widen(T, kp[rows[T.min(sb + j, C - 1)], d], direct)

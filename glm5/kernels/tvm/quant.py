@@ -25,7 +25,8 @@ the supports check) and then
 The kernel is a GEMV with 4-row register blocks, written for any LLVM target ("portable").
 Which path serves a call is chosen per CPU tier (`cpu_tier`: AMX, AVX-512 VNNI or neither,
 read from the CPU at run time), scheme and row count from the table `PATHS`: the VNNI GEMV of
-`quant_vnni` (few rows), the AMX tile GEMM of `quant_amx` (more rows), this module's GEMV, or
+`quant_vnni` (few rows), the AMX tile GEMM of `quant_amx` (more rows), on VNNI without AMX the
+register-tiled GEMM of `quant_vgemm` (more rows, activation schemes), this module's GEMV, or
 `gemm_torch` (w8a16: dequantize to fp32 and one sgemm; w8a8: exact fp32 sgemms over K-chunks
 of codes). The crossovers are measured by bench/cpu_quant_linear.py (--paths) and listed in
 docs/performance.md, "CPU quantized linears". Only M, N and K are runtime values: one build
@@ -53,26 +54,28 @@ MB = 4  # activation rows per weight-vector unpack (fewer rows than MB: a 1-row 
 DTYPES = (torch.float32, torch.bfloat16)
 # The path per CPU tier (`cpu_tier`), scheme and row count M: the first (max rows, path) entry
 # with M <= max rows (None: any) wins. Paths: "vnni" the VNNI GEMV (`quant_vnni`, MB = 1 row
-# at M = 1, else 4-row blocks), "amx" the AMX tile GEMM (`quant_amx`), "tvm" the portable GEMV
+# at M = 1, else 4-row blocks), "vgemm" the VNNI register-tiled GEMM of the activation schemes
+# (`quant_vgemm`), "amx" the AMX tile GEMM (`quant_amx`), "tvm" the portable GEMV
 # of this module, "torch:gemm" `gemm_torch`. Crossovers measured side by side with
 # bench/cpu_quant_linear.py at K = N = 4096 (docs/performance.md, "CPU quantized linears"; the
-# "vnni" row on the AMX host with AMX left out); "portable" is what any other host runs (the
-# earlier measurements of an AVX2 host).
+# "vnni" row on an AVX-512 VNNI host without AMX, AMD Zen 5); "portable" is what any other host
+# runs (the earlier measurements of an AVX2 host).
 PATHS: dict[str, dict[str, tuple[tuple[int | None, str], ...]]] = {
     "amx": {"w8a16": ((4, "vnni"), (None, "amx")),
             "w8a8": ((1, "vnni"), (None, "amx")),
             "w4a8": ((1, "vnni"), (None, "amx")),
             "w6a12": ((2, "vnni"), (None, "amx"))},
     "vnni": {"w8a16": ((384, "vnni"), (None, "torch:gemm")),
-             "w8a8": ((None, "vnni"),),
-             "w4a8": ((None, "vnni"),),
-             "w6a12": ((None, "vnni"),)},
+             "w8a8": ((32, "vnni"), (None, "vgemm")),
+             "w4a8": ((24, "vnni"), (None, "vgemm")),
+             "w6a12": ((16, "vnni"), (None, "vgemm"))},
     "portable": {"w8a16": ((384, "tvm"), (None, "torch:gemm")),
                  "w8a8": ((384, "tvm"), (None, "torch:gemm")),
                  "w4a8": ((None, "tvm"),),
                  "w6a12": ((None, "tvm"),)},
 }
-LABELS = {"tvm": "tvm", "vnni": "tvm:vnni", "amx": "tvm:amx", "torch:gemm": "torch:gemm"}
+LABELS = {"tvm": "tvm", "vnni": "tvm:vnni", "vgemm": "tvm:vgemm", "amx": "tvm:amx",
+          "torch:gemm": "torch:gemm"}
 _tier: list[str] = []
 
 
@@ -87,6 +90,11 @@ def cpu_tier() -> str:
         vnni = vnni_available()[0]
         _tier.append("amx" if vnni and amx_available()[0] else "vnni" if vnni else "portable")
     return _tier[0]
+
+
+def serves(p: str, scheme: str) -> bool:
+    """Whether path ``p`` computes ``scheme`` (the VNNI GEMM: the activation schemes)."""
+    return p != "vgemm" or SCHEMES[scheme].act_bits is not None
 
 
 def path(scheme: str, M: int, tier: str | None = None) -> str:
@@ -316,6 +324,10 @@ def _run(p: str, context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Te
         from glm5.kernels.tvm.quant_vnni import gemv_vnni
 
         return gemv_vnni(context, x, w_packed, w_scale, scheme, 1 if x.shape[0] == 1 else MB)
+    if p == "vgemm":
+        from glm5.kernels.tvm.quant_vgemm import gemm_vnni
+
+        return gemm_vnni(context, x, w_packed, w_scale, scheme)
     if p == "amx":
         from glm5.kernels.tvm.quant_amx import gemm_amx
 

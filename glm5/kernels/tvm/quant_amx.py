@@ -358,10 +358,11 @@ def _fn(context: Callable[[], Any], bits: int, op: str, P: int, grouped: bool) -
         mattr=MATTR))
 
 
-def build_prep(scheme: str, P: int, dt: str) -> Any:
+def build_prep(scheme: str, P: int, dt: str, unsigned: bool = False) -> Any:
     """``prep(x[M, K], xb[P, Mt, NC, 16, 16] int32, sx[Mt·16], M, K)``: x in the tile layout
     (each int32 one (row, tile row) quad / pair of a chunk), zero padded (rows to Mt·16, K to
-    NC chunks); `activations` says what the planes and sx hold."""
+    NC chunks); `activations` says what the planes and sx hold. ``unsigned``: int8 plane 0
+    biased by 128 (its bytes XOR 0x80, padding included), for unsigned-by-signed products."""
     from tvm.script import tirx as T
 
     from glm5.kernels.tvm.tirlib import narrow, storage, widen
@@ -382,10 +383,15 @@ def build_prep(scheme: str, P: int, dt: str) -> Any:
                                      T.float32(-qmax)))
 
     def plane_i8(q: Any, p: Any) -> Any:
-        """Plane p (a loop variable) of a code: the code, or w6a12's q >> 4 and q & 15."""
+        """Plane p (a loop variable) of a code: the code, or w6a12's q >> 4 and q & 15
+        (``unsigned``: plane 0 + 128)."""
         if P == 1:
-            return T.Cast("int8", q)
-        return T.Cast("int8", T.Select(p == 0, T.shift_right(q, 4), q & 15))
+            v = T.Cast("int8", q)
+        else:
+            v = T.Cast("int8", T.Select(p == 0, T.shift_right(q, 4), q & 15))
+        return T.Select(p == 0, v ^ T.int8(-128), v) if unsigned else v
+
+    pad0 = T.int32(-0x7F7F7F80 if unsigned else 0)  # four padding bytes of plane 0
 
     def bf(v: Any) -> Any:
         return widen(T, narrow(T, v, "bfloat16"), "bfloat16")
@@ -450,7 +456,7 @@ def build_prep(scheme: str, P: int, dt: str) -> Any:
                                     qb[p, i] = T.if_then_else(
                                         c * CK + i < K, plane_i8(quant(xf(
                                             X, m, T.min(c * CK + i, K - 1)), st[0]), p),
-                                        T.int8(0))
+                                        plane_i8(T.int32(0), p))
                                 else:
                                     qb[p, i] = T.if_then_else(
                                         c * CK + i < K, plane_bf(xf(
@@ -464,27 +470,31 @@ def build_prep(scheme: str, P: int, dt: str) -> Any:
             else:
                 SX[m] = T.float32(1)
                 for p, c, r in T.grid(P, NC, 16):
-                    XB[p, m // 16, c, r, m % 16] = 0
+                    XB[p, m // 16, c, r, m % 16] = T.Select(p == 0, pad0, T.int32(0))
 
     return prep
 
 
-def _prep_fn(context: Callable[[], Any], scheme: str, P: int, dt: str) -> Callable:
+def _prep_fn(context: Callable[[], Any], scheme: str, P: int, dt: str,
+             unsigned: bool = False) -> Callable:
     ctx = context()
     key = {"scheme": scheme, "planes": P, "dtype": dt, "rev": REV}
-    return cached(ctx, ("quant_linear_amx_prep", scheme, P, dt), lambda: ctx.kernel(
-        "quant_linear_amx_prep", key, lambda: build_prep(scheme, P, dt), "prep"))
+    if unsigned:
+        key["unsigned"] = True
+    return cached(ctx, ("quant_linear_amx_prep", scheme, P, dt, unsigned), lambda: ctx.kernel(
+        "quant_linear_amx_prep", key, lambda: build_prep(scheme, P, dt, unsigned), "prep"))
 
 
-def activations(context: Callable[[], Any], x: torch.Tensor, scheme: str
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def activations(context: Callable[[], Any], x: torch.Tensor, scheme: str,
+                unsigned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (fp32 / bf16) -> (xb [P, Mt, NC, 16, 64 bytes] in the tile layout, sx [Mt·16]
     fp32), one TVM pass.
 
     Activation schemes: the reference's per-token codes (`quantize_per_token_ref`: the same
     fp32 quotient, rounded half to even), permuted like the unpacked weight, w6a12 as two int8
-    planes (q >> 4, q & 15); sx = their scales. w8a16: each row scaled by 2^e (max |x|·2^e in
-    [1, 2)), then bf16 planes (1 for bf16 x; hi, mid, lo for fp32 x: exact); sx = 2^-e."""
+    planes (q >> 4, q & 15); sx = their scales; ``unsigned``: plane 0 + 128 (`build_prep`).
+    w8a16: each row scaled by 2^e (max |x|·2^e in [1, 2)), then bf16 planes (1 for bf16 x;
+    hi, mid, lo for fp32 x: exact); sx = 2^-e."""
     op, P = _op_planes(scheme, x.dtype)
     M, K = x.shape
     Mt = -(-M // 16)
@@ -493,7 +503,7 @@ def activations(context: Callable[[], Any], x: torch.Tensor, scheme: str
     xb = tirlib.scratch("xb", (P, Mt, NC, 16, 16), torch.int32)
     sx = tirlib.scratch("sx", (Mt * 16,), torch.float32)
     dt = "bfloat16" if x.dtype == torch.bfloat16 else "float32"
-    _prep_fn(context, scheme, P, dt)(bits(x.contiguous()), xb, sx, M, K)
+    _prep_fn(context, scheme, P, dt, unsigned)(bits(x.contiguous()), xb, sx, M, K)
     return xb.view(torch.int8 if op == "i8" else torch.uint16).view(P, Mt, NC, 16, CK), sx
 
 

@@ -96,20 +96,11 @@ def build(scheme: str, MB: int, bdt: str = BYTE_OPERANDS[0]) -> Any:
         return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc,
                                        T.reinterpret(bdt, u), T.reinterpret(bdt, x))
 
-    def u8(v: Any) -> Any:
-        return T.broadcast(T.uint8(v), 64)
-
     def i32(v: Any) -> Any:
         return T.broadcast(T.int32(v), 16)
 
     def wvecs(v: Any) -> list[Any]:
-        """The biased unsigned factors (uint8x64 each) of one loaded weight vector ``v``
-        (uint8x64; int6: its first 48 bytes count)."""
-        if wb == 8:
-            return [v ^ u8(0x80)]
-        if wb == 4:
-            return [(v & u8(15)) ^ u8(8), T.shift_right(v, u8(4)) ^ u8(8)]
-        return [int6_fields(T, v) ^ u8(0x20)]
+        return biased(T, v, wb)
 
     # x vectors (int8x64) per weight factor j: int4's odd codes follow its even ones
     def xvec(X: Any, p: Any, m: Any, v: Any, j: int) -> Any:
@@ -197,6 +188,21 @@ def build(scheme: str, MB: int, bdt: str = BYTE_OPERANDS[0]) -> Any:
                                 Y[mb * MB + mi, nn * NR + r] = SX[mb * MB + mi] * red[0]
 
     return qgemv
+
+
+def biased(T: Any, v: Any, wb: int, lanes: int = 64) -> list[Any]:
+    """The biased unsigned factors (uint8 x ``lanes`` each) of a loaded vector ``v`` of packed
+    ``wb``-bit weights: int8 ``w + 128``; int4 its low nibbles (even k) then its high nibbles
+    (odd k), ``w + 8`` each; int6 (64 lanes, the first 48 bytes count) the fields of
+    `int6_fields`, ``w + 32``."""
+    def u8(c: int) -> Any:
+        return T.broadcast(T.uint8(c), lanes)
+
+    if wb == 8:
+        return [v ^ u8(0x80)]
+    if wb == 4:
+        return [(v & u8(15)) ^ u8(8), T.shift_right(v, u8(4)) ^ u8(8)]
+    return [int6_fields(T, v) ^ u8(0x20)]
 
 
 def int6_fields(T: Any, v: Any) -> Any:
@@ -352,19 +358,25 @@ def build_prep(scheme: str, dt: str) -> Any:
     return prep
 
 
+def first_operand_form(kernel: Callable[[str], Callable]) -> Callable:
+    """``kernel(bdt)`` built with the first of `BYTE_OPERANDS` that LLVM's verifier accepts
+    for vpdpbusd's byte operands."""
+    for i, bdt in enumerate(BYTE_OPERANDS):
+        try:
+            return kernel(bdt)
+        except Exception as e:  # LLVM's verifier: the intrinsic's operand types differ
+            if i + 1 == len(BYTE_OPERANDS) or "does not match" not in str(e):
+                raise
+    raise AssertionError("unreachable")
+
+
 def _fn(context: Callable[[], Any], scheme: str, mb: int) -> Callable:
     ctx = context()
 
     def get() -> Callable:
         if SCHEMES[scheme].act_bits is None:  # w8a16: no vpdpbusd
             return _kernel(ctx, scheme, mb, BYTE_OPERANDS[0])
-        for i, bdt in enumerate(BYTE_OPERANDS):
-            try:
-                return _kernel(ctx, scheme, mb, bdt)
-            except Exception as e:  # LLVM's verifier: the intrinsic's operand types differ
-                if i + 1 == len(BYTE_OPERANDS) or "does not match" not in str(e):
-                    raise
-        raise AssertionError("unreachable")
+        return first_operand_form(lambda bdt: _kernel(ctx, scheme, mb, bdt))
 
     return cached(ctx, ("quant_linear_vnni", scheme, mb), get)
 

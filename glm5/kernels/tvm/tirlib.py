@@ -54,6 +54,19 @@ def fexp(T: Any, x: Any) -> Any:
                                                  y * e)))
 
 
+def butterfly(T: Any, tb: Any, src: int, i: Any, d: int, n: int = 16) -> Any:
+    """Row ``i`` after the transpose stage that swaps bit ``d`` of the row and column index
+    of the n x n block ``tb[src]``: element (i, c) moves to (i ^ d, c ^ d) when those bits
+    differ. One two-source shuffle per row (``i`` unrolled, so the branch folds). Stages
+    d = n/2, ..., 2, 1 in turn transpose the block."""
+    ramp = T.ramp(0, 1, n)
+    lo = [c if c & d == 0 else n + c - d for c in range(n)]  # row i, bit d of i clear
+    hi = [c + d if c & d == 0 else n + c for c in range(n)]  # bit d of i set
+    mine, other = tb[src, i, ramp], tb[src, T.bitwise_xor(i, d), ramp]
+    return T.if_then_else(T.bitwise_and(i, d) == 0, T.Shuffle([mine, other], lo),
+                          T.Shuffle([other, mine], hi))
+
+
 def bits(x: torch.Tensor) -> torch.Tensor:
     """bf16 tensors go to a kernel as a uint16 view of the same memory (no copy)."""
     return x.view(torch.uint16) if x.dtype == torch.bfloat16 else x

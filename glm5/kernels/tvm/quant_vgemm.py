@@ -1,0 +1,295 @@
+"""`quant_linear` for many rows on AVX-512 VNNI CPUs without AMX (Zen 4 / Zen 5, Ice Lake):
+a register-blocked ``vpdpbusd`` GEMM for the activation schemes (w8a8, w4a8, w6a12).
+
+The VNNI GEMV (`quant_vnni`) reads each weight byte once but holds only one to four rows of x
+against a weight vector; with hundreds of rows it reloads x for every weight row and runs at
+a fraction of the dot-product units. This kernel computes ``Yᵀ = W · Xᵀ`` in register tiles of
+``NR`` weight rows x ``16·MV`` rows of x (`_tile`):
+
+* x is the AMX path's tile layout (`quant_amx.activations`: the reference quantizer's codes,
+  bit for bit; w6a12 as two int8 planes ``q = 16·(q >> 4) + (q & 15)``): one 64-byte vector
+  holds 4 consecutive codes of 16 rows, ``vpdpbusd``'s signed operand as it stands;
+* the weight rows of a task are unpacked once per call into a per-thread scratch (up to
+  ``SCRATCH`` bytes, L2-resident) as *biased* unsigned codes (``w + 128`` / ``w + 8`` /
+  ``w + 32``, `quant_vnni.biased`; int4 as each 64-code chunk's even then odd codes, like x);
+  the step broadcasts 4 codes of a weight row to all 16 lanes, so one instruction does 64
+  products of one weight row against 16 rows of x and nothing is transposed;
+* the bias is taken back out once per scale group and row of x: ``corr = bias · Σ x`` over
+  the group (computed in the kernel from the same codes, once per row block), so every
+  int32 lane is the op's exact integer group sum; then ``acc += s_w[n, g] · float(isum)`` and
+  ``y = s_x[m] · acc``. w8a8 (one scale per channel) adds the exact group sums in int32 —
+  groups of at most 16384 codes keep the biased lanes below 2^31 — and converts once, as the
+  reference does.
+
+Each parallel work item is one TVM worker with its own scratch slot, running its contiguous
+share of tasks (``nsub`` blocks of NR weight rows x a share of the row blocks of x). M, N and
+K are runtime values: one build per (weight width, planes, grouped).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from glm5.ir.quant_formats import GROUP, SCHEMES
+from glm5.kernels.tvm import tirlib
+from glm5.kernels.tvm.quant_amx import CHUNK, activations, tvm_threads
+from glm5.kernels.tvm.quant_vnni import BIAS, BYTE_OPERANDS, biased, first_operand_form
+from glm5.kernels.tvm.tirlib import cached
+
+REV = 1
+SCRATCH = 1310720  # bytes of unpacked weight rows per parallel task (L2-resident)
+QB = 16  # NR-row blocks whose running sums (QB·NR·MV vectors) stay in L1 across the groups
+GCH = GROUP // CHUNK  # chunks per scale group (w8a8: per exact int32 partial sum)
+MATTR = ("+avx512vnni", "+avx512bw", "+avx512vbmi")
+
+
+def _tile(P: int) -> tuple[int, int]:
+    """(NR weight rows, MV vectors of 16 rows of x) per register tile: NR·MV·P int32
+    accumulators + NR·MV fp32 sums + MV·P x vectors within the 32 zmm registers."""
+    return (4, 3) if P == 1 else (2, 3)
+
+
+def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
+    """``qgemm(xw[P, Mt, NC, 16, 16] int32, w[N, Pk], sw[N, G], sx[Mt·16], y[M, N],
+    scr[nth, NR·nsub, NC·16 + 16] int32, cs[nth, NG, MV, 16] int32, acc[nth, NR·nsub, MV, 16],
+    M, K, nsub, msplit)``: NG the groups of GCH chunks of K; xw = `activations`' tile layout
+    (4 codes of 16 rows per int32 vector)."""
+    from tvm.script import tirx as T
+
+    from glm5.kernels.tvm.quant import _unpack_tir
+    from glm5.kernels.tvm.tirlib import butterfly
+
+    NR, MV = _tile(P)
+    wdt = "int8" if bits == 8 else "uint8"
+    bias = BIAS[bits]
+    XBIAS = 128 * 16 ** (P - 1)  # x's plane 0 + 128, weighted 16^(P-1) in the combined sum
+    unit_b, unit_v = {8: (1, 1), 4: (1, 2), 6: (3, 4)}[bits]
+    cbytes = CHUNK * unit_b // unit_v  # packed bytes of one chunk
+    lbytes = CHUNK if bits == 6 else cbytes  # bytes its vector load reads
+
+    def dp(acc: Any, u: Any, x: Any) -> Any:
+        return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc,
+                                       T.reinterpret(bdt, u), T.reinterpret(bdt, x))
+
+    def v16(buf: Any, *idx: Any) -> Any:
+        return buf[(*idx, T.ramp(0, 1, 16))]
+
+    def signed(v: Any, lanes: int) -> list[Any]:
+        """Signed codes (as uint8 lanes: two's complement) of a loaded vector of packed weights."""
+        return [f - T.broadcast(T.uint8(bias), lanes) for f in biased(T, v, bits, lanes)]
+
+    def u8x64(v: Any) -> Any:
+        return T.reinterpret("uint8x64", v) if bits == 8 else v
+
+    def perm_k(c: Any, i: Any) -> Any:
+        """The K index held at position i of chunk c (`quant_amx.kpermutation`)."""
+        if bits != 4:
+            return c * CHUNK + i
+        return c * CHUNK + T.if_then_else(i < 32, 2 * i, 2 * (i - 32) + 1)
+
+    def combine(vs: list[Any]) -> Any:
+        v = vs[0]
+        for p in vs[1:]:
+            v = v * 16 + p
+        return v
+
+    @T.prim_func
+    def qgemm(x_h: T.handle, w_h: T.handle, s_h: T.handle, sx_h: T.handle, y_h: T.handle,
+              scr_h: T.handle, ws_h: T.handle, acc_h: T.handle, M: T.int32, K: T.int32,
+              nsub: T.int32, msplit: T.int32):
+        T.func_attr({"global_symbol": "qgemm", "tirx.noalias": True})
+        Mt = T.int32()
+        NC = T.int32()
+        N = T.int32()
+        Pk = T.int32()
+        G = T.int32()
+        nth = T.int32()
+        NG = T.int32()
+        X = T.match_buffer(x_h, (P, Mt, NC, 16, 16), "int32")
+        W = T.match_buffer(w_h, (N, Pk), wdt)
+        SW = T.match_buffer(s_h, (N, G), "float32")
+        SX = T.match_buffer(sx_h, (Mt * 16,), "float32")
+        Y = T.match_buffer(y_h, (M, N), "float32")
+        # the task's weight rows, group-major: one group of every row is one contiguous run
+        SCR = T.match_buffer(scr_h, (nth, NG, NR * nsub, GCH * 16), "int32")
+        # per task row and group: XBIAS · Σ w, the bias of x taken back out
+        WS = T.match_buffer(ws_h, (nth, NR * nsub, NG), "int32")
+        # per task row: the sums over the groups so far (w8a8: exact int32 bits)
+        NRP = T.int32()
+        ACC = T.match_buffer(acc_h, (nth, NRP, MV, 16), "float32")
+        nsb = (N + NR * nsub - 1) // (NR * nsub)
+        mblk = (Mt + MV - 1) // MV
+        ntask = nsb * msplit
+        ngroups = (NC + GCH - 1) // GCH
+        for th in T.parallel(nth):
+            t_lo = th * ntask // nth
+            t_hi = (th + 1) * ntask // nth
+            for task in range(t_lo, t_hi):
+                sb = task % nsb
+                ms = task // nsb
+                tail = T.alloc_buffer((CHUNK,), "uint8", scope="local")
+                iacc = T.alloc_buffer((NR, P, MV, 16), "int32", scope="local")
+                tb = T.alloc_buffer((2, 16, 16), "float32", scope="local")
+                red = T.alloc_buffer((16,), "int32", scope="local")
+                # the task's weight rows as signed codes (rows past N: zeros)
+                for r in range(NR * nsub):
+                    n = sb * NR * nsub + r
+                    full = T.min(T.max((Pk - (lbytes - cbytes)) // cbytes, 0), NC)
+                    for c in range(NC):
+                        if T.And(n < N, c < full):
+                            if bits == 4:
+                                SCR[th, c // GCH, r, T.ramp(c % GCH * 16, 1, 16)] = T.reinterpret(
+                                    "int32x16", T.Shuffle(signed(W[n, T.ramp(c * 32, 1, 32)],
+                                                                 32), list(range(64))))
+                            else:
+                                SCR[th, c // GCH, r, T.ramp(c % GCH * 16, 1, 16)] = T.reinterpret(
+                                    "int32x16", signed(u8x64(
+                                        W[n, T.ramp(c * cbytes, 1, lbytes)]), 64)[0])
+                        elif n < N:  # the last chunk: K ends inside it (zeros past K)
+                            for i in range(CHUNK):
+                                tail[i] = T.Cast("uint8", T.if_then_else(
+                                    perm_k(c, i) < K, _unpack_tir(
+                                        T, lambda b: W[n, T.min(b, Pk - 1)],
+                                        T.floordiv(perm_k(c, i), unit_v),
+                                        T.floormod(perm_k(c, i), unit_v), bits), 0))
+                            SCR[th, c // GCH, r, T.ramp(c % GCH * 16, 1, 16)] = T.reinterpret(
+                                "int32x16", tail[T.ramp(0, 1, CHUNK)])
+                        else:
+                            SCR[th, c // GCH, r, T.ramp(c % GCH * 16, 1, 16)] = T.broadcast(
+                                T.int32(0), 16)
+                    for g in range(ngroups):
+                        red[T.ramp(0, 1, 16)] = T.broadcast(T.int32(0), 16)
+                        for c in range(g * GCH, T.min(g * GCH + GCH, NC)):
+                            red[T.ramp(0, 1, 16)] = dp(
+                                red[T.ramp(0, 1, 16)], T.broadcast(T.int32(0x01010101), 16),
+                                SCR[th, c // GCH, r, T.ramp(c % GCH * 16, 1, 16)])
+                        WS[th, r, g] = 0
+                        for ll in T.unroll(16):
+                            WS[th, r, g] = WS[th, r, g] + red[ll]
+                        WS[th, r, g] = WS[th, r, g] * XBIAS
+                m_lo = ms * mblk // msplit
+                m_hi = (ms + 1) * mblk // msplit
+                for mb in range(m_lo, m_hi):
+                    # group-major: one group of this row block of x (L1-resident) meets every
+                    # weight row of the task; the sums so far wait in ACC
+                    for qo in range((nsub + QB - 1) // QB):
+                      for g in range(ngroups):
+                        for q in range(qo * QB, T.min(qo * QB + QB, nsub)):
+                            for i in T.unroll(NR):
+                                for p in T.unroll(P):
+                                    for mv in T.unroll(MV):
+                                        iacc[i, p, mv, T.ramp(0, 1, 16)] = T.broadcast(
+                                            T.int32(0), 16)
+                            for c in range(g * GCH, T.min(g * GCH + GCH, NC)):
+                                for r16 in T.unroll(16):
+                                    for i in T.unroll(NR):
+                                        for p in T.unroll(P):
+                                            for mv in T.unroll(MV):
+                                                iacc[i, p, mv, T.ramp(0, 1, 16)] = dp(
+                                                    v16(iacc, i, p, mv),
+                                                    v16(X, p, T.min(mb * MV + mv, Mt - 1), c,
+                                                        r16),
+                                                    T.broadcast(SCR[th, g, q * NR + i,
+                                                                    (c - g * GCH) * 16 + r16],
+                                                                16))
+                            for i in T.unroll(NR):
+                                for mv in T.unroll(MV):
+                                    isum = combine([v16(iacc, i, p, mv) for p in range(P)]) \
+                                        - T.broadcast(WS[th, q * NR + i, g], 16)
+                                    if grouped:
+                                        ACC[th, q * NR + i, mv, T.ramp(0, 1, 16)] = T.Select(
+                                            g > 0, v16(ACC, th, q * NR + i, mv),
+                                            T.broadcast(T.float32(0), 16)) + T.broadcast(
+                                                SW[T.min((sb * nsub + q) * NR + i, N - 1), g],
+                                                16) * T.Cast("float32x16", isum)
+                                    else:  # exact integer sums over all of K
+                                        ACC[th, q * NR + i, mv, T.ramp(0, 1, 16)] = T.reinterpret(
+                                            "float32x16", T.Select(g > 0, T.reinterpret(
+                                                "int32x16", v16(ACC, th, q * NR + i, mv)),
+                                                T.broadcast(T.int32(0), 16)) + isum)
+                    # 16 task rows x 16 rows of x at a time: scaled, transposed in registers,
+                    # stored as 16 contiguous outputs of each row of y
+                    for rb in range((NR * nsub + 15) // 16):
+                        n0 = sb * nsub * NR + rb * 16
+                        for mv in T.unroll(MV):
+                            m0 = (mb * MV + mv) * 16
+                            for a in T.unroll(16):
+                                if grouped:
+                                    tb[0, a, T.ramp(0, 1, 16)] = v16(ACC, th, rb * 16 + a, mv)
+                                else:
+                                    tb[0, a, T.ramp(0, 1, 16)] = T.broadcast(
+                                        SW[T.min(n0 + a, N - 1), 0], 16) * T.Cast(
+                                            "float32x16", T.reinterpret(
+                                                "int32x16", v16(ACC, th, rb * 16 + a, mv)))
+                                tb[0, a, T.ramp(0, 1, 16)] = v16(tb, 0, a) * SX[
+                                    T.ramp(T.min(mb * MV + mv, Mt - 1) * 16, 1, 16)]
+                            for a in T.unroll(16):
+                                tb[1, a, T.ramp(0, 1, 16)] = butterfly(T, tb, 0, a, 8)
+                            for a in T.unroll(16):
+                                tb[0, a, T.ramp(0, 1, 16)] = butterfly(T, tb, 1, a, 4)
+                            for a in T.unroll(16):
+                                tb[1, a, T.ramp(0, 1, 16)] = butterfly(T, tb, 0, a, 2)
+                            for a in T.unroll(16):
+                                tb[0, a, T.ramp(0, 1, 16)] = butterfly(T, tb, 1, a, 1)
+                            # row a of tb: row m0 + a of y, outputs n0 .. n0 + 15
+                            if T.And(rb * 16 + 16 <= NR * nsub, n0 + 16 <= N):
+                                for a in T.unroll(16):
+                                    if m0 + a < M:
+                                        Y[m0 + a, T.ramp(n0, 1, 16)] = v16(tb, 0, a)
+                            else:
+                                for a in range(16):
+                                    if m0 + a < M:
+                                        for j in range(16):
+                                            if T.And(rb * 16 + j < NR * nsub, n0 + j < N):
+                                                Y[m0 + a, n0 + j] = tb[0, a, j]
+
+    return qgemm
+
+
+def _fn(context: Callable[[], Any], bits: int, P: int, grouped: bool) -> Callable:
+    ctx = context()
+
+    def kernel(bdt: str) -> Callable:
+        key = {"bits": bits, "planes": P, "grouped": grouped, "bytes": bdt, "tile": _tile(P),
+               "rev": REV}
+        return ctx.kernel("quant_linear_vgemm", key, lambda: build(bits, P, grouped, bdt),
+                          "qgemm", mattr=MATTR)
+
+    return cached(ctx, ("quant_linear_vgemm", bits, P, grouped, _tile(P)),
+                  lambda: first_operand_form(kernel))
+
+
+def gemm_vnni(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
+              w_scale: torch.Tensor, scheme: str) -> torch.Tensor:
+    """The VNNI GEMM path for the activation schemes: x [M, K] fp32 / bf16, canonical packed
+    weight [N, P] with its scales -> fp32 ``[M, N]`` without bias (M, N, K > 0)."""
+    sc = SCHEMES[scheme]
+    if sc.act_bits is None:
+        raise ValueError(f"glm5 quant_linear: the VNNI GEMM serves w8a8, w4a8 and w6a12, "
+                         f"got scheme {scheme!r}")
+    P = 2 if sc.act_bits == 12 else 1
+    M, K = x.shape
+    N = w_packed.shape[0]
+    xb, sx = activations(context, x, scheme, unsigned=True)
+    _, Mt, NC, _, _ = xb.shape
+    NR, MV = _tile(P)
+    nblk = -(-N // NR)
+    mblk = -(-Mt // MV)
+    threads = tvm_threads()
+    NG = -(-NC // GCH)
+    nsub = max(1, min(SCRATCH // (NR * NG * GCH * CHUNK), nblk // (2 * threads)))
+    nsb = -(-nblk // nsub)
+    msplit = max(1, min(mblk, -(-threads // nsb)))
+    G = w_scale.numel() // N
+    sw = w_scale.to(torch.float32).reshape(N, G).contiguous()
+    scr = tirlib.scratch("vgemm_w", (threads, NG, NR * nsub, GCH * 16), torch.int32)
+    ws = tirlib.scratch("vgemm_wsum", (threads, NR * nsub, NG), torch.int32)
+    acc = tirlib.scratch("vgemm_acc", (threads, -(-NR * nsub // 16) * 16, MV, 16),
+                         torch.float32)
+    y = tirlib.fresh((M, N), torch.float32)
+    _fn(context, sc.weight_bits, P, sc.grouped)(
+        xb.view(torch.int32), w_packed.contiguous(), sw, sx, y, scr, ws, acc, M, K, nsub,
+        msplit)
+    return y
