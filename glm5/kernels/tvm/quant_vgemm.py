@@ -41,7 +41,12 @@ from glm5.kernels.tvm.tirlib import cached
 REV = 1
 SCRATCH = 1310720  # bytes of unpacked weight rows per parallel task (L2-resident)
 QB = 16  # NR-row blocks whose running sums (QB·NR·MV vectors) stay in L1 across the groups
-GCH = GROUP // CHUNK  # chunks per scale group (w8a8: per exact int32 partial sum)
+INT_CHUNKS = 8  # w8a8's chunks per exact int32 partial sum: 512 codes · 255 · 127 < 2^31
+
+
+def _gch(grouped: bool) -> int:
+    """Chunks of 64 codes per group: a scale group (128 codes), or w8a8's int32 partial sum."""
+    return GROUP // CHUNK if grouped else INT_CHUNKS
 MATTR = ("+avx512vnni", "+avx512bw", "+avx512vbmi")
 
 
@@ -54,7 +59,7 @@ def _tile(P: int) -> tuple[int, int]:
 def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
     """``qgemm(xw[P, Mt, NC, 16, 16] int32, w[N, Pk], sw[N, G], sx[Mt·16], y[M, N],
     scr[nth, NR·nsub, NC·16 + 16] int32, cs[nth, NG, MV, 16] int32, acc[nth, NR·nsub, MV, 16],
-    M, K, nsub, msplit)``: NG the groups of GCH chunks of K; xw = `activations`' tile layout
+    M, K, nsub, msplit)``: NG the groups of `_gch` chunks of K; xw = `activations`' tile layout
     (4 codes of 16 rows per int32 vector)."""
     from tvm.script import tirx as T
 
@@ -62,9 +67,9 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
     from glm5.kernels.tvm.tirlib import butterfly
 
     NR, MV = _tile(P)
+    gch = _gch(grouped)
     wdt = "int8" if bits == 8 else "uint8"
     bias = BIAS[bits]
-    XBIAS = 128 * 16 ** (P - 1)  # x's plane 0 + 128, weighted 16^(P-1) in the combined sum
     unit_b, unit_v = {8: (1, 1), 4: (1, 2), 6: (3, 4)}[bits]
     cbytes = CHUNK * unit_b // unit_v  # packed bytes of one chunk
     lbytes = CHUNK if bits == 6 else cbytes  # bytes its vector load reads
@@ -95,6 +100,22 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
             v = v * 16 + p
         return v
 
+    @T.macro
+    def _group_sum(ACC: Any, th: Any, r: Any, mv: Any, g: Any, isum: Any, sw: Any) -> None:
+        """ACC[th, r, mv] (+)= the exact group sums ``isum``: scaled in fp32 (grouped), or
+        added in int32 (w8a8: over all of K, its bits kept in the fp32 buffer)."""
+        if grouped:
+            if g == 0:
+                ACC[th, r, mv, T.ramp(0, 1, 16)] = sw * T.Cast("float32x16", isum)
+            else:
+                ACC[th, r, mv, T.ramp(0, 1, 16)] = v16(ACC, th, r, mv) + sw * T.Cast(
+                    "float32x16", isum)
+        elif g == 0:
+            ACC[th, r, mv, T.ramp(0, 1, 16)] = T.reinterpret("float32x16", isum)
+        else:
+            ACC[th, r, mv, T.ramp(0, 1, 16)] = T.reinterpret("float32x16", T.reinterpret(
+                "int32x16", v16(ACC, th, r, mv)) + isum)
+
     @T.prim_func
     def qgemm(x_h: T.handle, w_h: T.handle, s_h: T.handle, sx_h: T.handle, y_h: T.handle,
               scr_h: T.handle, ws_h: T.handle, acc_h: T.handle, M: T.int32, K: T.int32,
@@ -113,8 +134,8 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
         SX = T.match_buffer(sx_h, (Mt * 16,), "float32")
         Y = T.match_buffer(y_h, (M, N), "float32")
         # the task's weight rows, group-major: one group of every row is one contiguous run
-        SCR = T.match_buffer(scr_h, (nth, NG, NR * nsub, GCH * 16), "int32")
-        # per task row and group: XBIAS · Σ w, the bias of x taken back out
+        SCR = T.match_buffer(scr_h, (nth, NG, NR * nsub, gch * 16), "int32")
+        # per task row and group: 128 · Σ w, the bias of x's plane 0 taken back out
         WS = T.match_buffer(ws_h, (nth, NR * nsub, NG), "int32")
         # per task row: the sums over the groups so far (w8a8: exact int32 bits)
         NRP = T.int32()
@@ -122,7 +143,7 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
         nsb = (N + NR * nsub - 1) // (NR * nsub)
         mblk = (Mt + MV - 1) // MV
         ntask = nsb * msplit
-        ngroups = (NC + GCH - 1) // GCH
+        ngroups = (NC + gch - 1) // gch
         for th in T.parallel(nth):
             t_lo = th * ntask // nth
             t_hi = (th + 1) * ntask // nth
@@ -140,11 +161,11 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
                     for c in range(NC):
                         if T.And(n < N, c < full):
                             if bits == 4:
-                                SCR[th, c // GCH, r, T.ramp(c % GCH * 16, 1, 16)] = T.reinterpret(
+                                SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)] = T.reinterpret(
                                     "int32x16", T.Shuffle(signed(W[n, T.ramp(c * 32, 1, 32)],
                                                                  32), list(range(64))))
                             else:
-                                SCR[th, c // GCH, r, T.ramp(c % GCH * 16, 1, 16)] = T.reinterpret(
+                                SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)] = T.reinterpret(
                                     "int32x16", signed(u8x64(
                                         W[n, T.ramp(c * cbytes, 1, lbytes)]), 64)[0])
                         elif n < N:  # the last chunk: K ends inside it (zeros past K)
@@ -154,61 +175,52 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
                                         T, lambda b: W[n, T.min(b, Pk - 1)],
                                         T.floordiv(perm_k(c, i), unit_v),
                                         T.floormod(perm_k(c, i), unit_v), bits), 0))
-                            SCR[th, c // GCH, r, T.ramp(c % GCH * 16, 1, 16)] = T.reinterpret(
+                            SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)] = T.reinterpret(
                                 "int32x16", tail[T.ramp(0, 1, CHUNK)])
                         else:
-                            SCR[th, c // GCH, r, T.ramp(c % GCH * 16, 1, 16)] = T.broadcast(
+                            SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)] = T.broadcast(
                                 T.int32(0), 16)
                     for g in range(ngroups):
                         red[T.ramp(0, 1, 16)] = T.broadcast(T.int32(0), 16)
-                        for c in range(g * GCH, T.min(g * GCH + GCH, NC)):
+                        for c in range(g * gch, T.min(g * gch + gch, NC)):
                             red[T.ramp(0, 1, 16)] = dp(
                                 red[T.ramp(0, 1, 16)], T.broadcast(T.int32(0x01010101), 16),
-                                SCR[th, c // GCH, r, T.ramp(c % GCH * 16, 1, 16)])
-                        WS[th, r, g] = 0
-                        for ll in T.unroll(16):
-                            WS[th, r, g] = WS[th, r, g] + red[ll]
-                        WS[th, r, g] = WS[th, r, g] * XBIAS
+                                SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)])
+                        # lanes folded in halves, 16 -> 2
+                        red[T.ramp(0, 1, 8)] = red[T.ramp(0, 1, 8)] + red[T.ramp(8, 1, 8)]
+                        red[T.ramp(0, 1, 4)] = red[T.ramp(0, 1, 4)] + red[T.ramp(4, 1, 4)]
+                        red[T.ramp(0, 1, 2)] = red[T.ramp(0, 1, 2)] + red[T.ramp(2, 1, 2)]
+                        WS[th, r, g] = (red[0] + red[1]) * 128
                 m_lo = ms * mblk // msplit
                 m_hi = (ms + 1) * mblk // msplit
                 for mb in range(m_lo, m_hi):
                     # group-major: one group of this row block of x (L1-resident) meets every
                     # weight row of the task; the sums so far wait in ACC
                     for qo in range((nsub + QB - 1) // QB):
-                      for g in range(ngroups):
-                        for q in range(qo * QB, T.min(qo * QB + QB, nsub)):
-                            for i in T.unroll(NR):
-                                for p in T.unroll(P):
+                        for g in range(ngroups):
+                            for q in range(qo * QB, T.min(qo * QB + QB, nsub)):
+                                # plane 0 starts at -128 · Σ w: the bias of x taken out exactly
+                                for i in T.unroll(NR):
+                                    for p in T.unroll(P):
+                                        for mv in T.unroll(MV):
+                                            iacc[i, p, mv, T.ramp(0, 1, 16)] = T.broadcast(
+                                                T.Select(p == 0, -WS[th, q * NR + i, g], 0), 16)
+                                for c in range(g * gch, T.min(g * gch + gch, NC)):
+                                    for r16 in T.unroll(16):
+                                        for i in T.unroll(NR):
+                                            for p in T.unroll(P):
+                                                for mv in T.unroll(MV):
+                                                    iacc[i, p, mv, T.ramp(0, 1, 16)] = dp(
+                                                        v16(iacc, i, p, mv),
+                                                        v16(X, p, T.min(mb * MV + mv, Mt - 1),
+                                                            c, r16),
+                                                        T.broadcast(SCR[th, g, q * NR + i, (
+                                                            c - g * gch) * 16 + r16], 16))
+                                for i in T.unroll(NR):
                                     for mv in T.unroll(MV):
-                                        iacc[i, p, mv, T.ramp(0, 1, 16)] = T.broadcast(
-                                            T.int32(0), 16)
-                            for c in range(g * GCH, T.min(g * GCH + GCH, NC)):
-                                for r16 in T.unroll(16):
-                                    for i in T.unroll(NR):
-                                        for p in T.unroll(P):
-                                            for mv in T.unroll(MV):
-                                                iacc[i, p, mv, T.ramp(0, 1, 16)] = dp(
-                                                    v16(iacc, i, p, mv),
-                                                    v16(X, p, T.min(mb * MV + mv, Mt - 1), c,
-                                                        r16),
-                                                    T.broadcast(SCR[th, g, q * NR + i,
-                                                                    (c - g * GCH) * 16 + r16],
-                                                                16))
-                            for i in T.unroll(NR):
-                                for mv in T.unroll(MV):
-                                    isum = combine([v16(iacc, i, p, mv) for p in range(P)]) \
-                                        - T.broadcast(WS[th, q * NR + i, g], 16)
-                                    if grouped:
-                                        ACC[th, q * NR + i, mv, T.ramp(0, 1, 16)] = T.Select(
-                                            g > 0, v16(ACC, th, q * NR + i, mv),
-                                            T.broadcast(T.float32(0), 16)) + T.broadcast(
-                                                SW[T.min((sb * nsub + q) * NR + i, N - 1), g],
-                                                16) * T.Cast("float32x16", isum)
-                                    else:  # exact integer sums over all of K
-                                        ACC[th, q * NR + i, mv, T.ramp(0, 1, 16)] = T.reinterpret(
-                                            "float32x16", T.Select(g > 0, T.reinterpret(
-                                                "int32x16", v16(ACC, th, q * NR + i, mv)),
-                                                T.broadcast(T.int32(0), 16)) + isum)
+                                        _group_sum(ACC, th, q * NR + i, mv, g, combine(
+                                            [v16(iacc, i, p, mv) for p in range(P)]), T.broadcast(
+                                                SW[T.min((sb * nsub + q) * NR + i, N - 1), g], 16))
                     # 16 task rows x 16 rows of x at a time: scaled, transposed in registers,
                     # stored as 16 contiguous outputs of each row of y
                     for rb in range((NR * nsub + 15) // 16):
@@ -278,13 +290,14 @@ def gemm_vnni(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tenso
     nblk = -(-N // NR)
     mblk = -(-Mt // MV)
     threads = tvm_threads()
-    NG = -(-NC // GCH)
-    nsub = max(1, min(SCRATCH // (NR * NG * GCH * CHUNK), nblk // (2 * threads)))
+    gch = _gch(sc.grouped)
+    NG = -(-NC // gch)
+    nsub = max(1, min(SCRATCH // (NR * NG * gch * CHUNK), nblk // (2 * threads)))
     nsb = -(-nblk // nsub)
     msplit = max(1, min(mblk, -(-threads // nsb)))
     G = w_scale.numel() // N
     sw = w_scale.to(torch.float32).reshape(N, G).contiguous()
-    scr = tirlib.scratch("vgemm_w", (threads, NG, NR * nsub, GCH * 16), torch.int32)
+    scr = tirlib.scratch("vgemm_w", (threads, NG, NR * nsub, gch * 16), torch.int32)
     ws = tirlib.scratch("vgemm_wsum", (threads, NR * nsub, NG), torch.int32)
     acc = tirlib.scratch("vgemm_acc", (threads, -(-NR * nsub // 16) * 16, MV, 16),
                          torch.float32)
