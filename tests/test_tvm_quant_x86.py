@@ -173,6 +173,23 @@ def test_vgemm_tasks_split_rows_and_columns(ctx, monkeypatch):
 
 
 @needs_vnni
+def test_vgemm_w8a8_int32_sums_near_the_limit(ctx):
+    """w8a8 adds a whole row in int32 (one scale per channel): with K = 70000 codes of +127
+    against +127 (and -127) the sums, ±1.13e9, are exact, though the biased products alone
+    (x + 128) add up to 2.27e9."""
+    K, N = 70000, 16
+    x = torch.ones(2, K)
+    x[1] = -1.0
+    w = torch.ones(N, K)
+    w[1] = -1.0
+    wp, ws = quantize_weight(w, "w8a8")
+    vals = {"x": x, "w_packed": wp, "w_scale": ws, "scheme": "w8a8", "bias": None}
+    got = quant_vgemm.gemm_vnni(lambda: ctx, x, wp, ws, "w8a8")
+    _check(got, vals, "vgemm w8a8 K=70000")
+    assert got[0, 0].item() == pytest.approx(K, rel=1e-6)
+
+
+@needs_vnni
 def test_vgemm_refuses_w8a16(ctx):
     vals = _case(4, 64, 8, "w8a16", F32)
     with pytest.raises(ValueError, match="VNNI GEMM serves w8a8, w4a8 and w6a12"):

@@ -6,24 +6,31 @@ against a weight vector; with hundreds of rows it reloads x for every weight row
 a fraction of the dot-product units. This kernel computes ``Yᵀ = W · Xᵀ`` in register tiles of
 ``NR`` weight rows x ``16·MV`` rows of x (`_tile`):
 
-* x is the AMX path's tile layout (`quant_amx.activations`: the reference quantizer's codes,
-  bit for bit; w6a12 as two int8 planes ``q = 16·(q >> 4) + (q & 15)``): one 64-byte vector
-  holds 4 consecutive codes of 16 rows, ``vpdpbusd``'s signed operand as it stands;
+* x is the AMX path's tile layout in its *unsigned* form (`quant_amx.activations`: the
+  reference quantizer's codes, bit for bit, plane 0 + 128; w6a12 as two int8 planes
+  ``q = 16·(q >> 4) + (q & 15)``, the low one unsigned already): one 64-byte vector holds 4
+  consecutive codes of 16 rows, ``vpdpbusd``'s unsigned operand;
 * the weight rows of a task are unpacked once per call into a per-thread scratch (up to
-  ``SCRATCH`` bytes, L2-resident) as *biased* unsigned codes (``w + 128`` / ``w + 8`` /
-  ``w + 32``, `quant_vnni.biased`; int4 as each 64-code chunk's even then odd codes, like x);
-  the step broadcasts 4 codes of a weight row to all 16 lanes, so one instruction does 64
-  products of one weight row against 16 rows of x and nothing is transposed;
-* the bias is taken back out once per scale group and row of x: ``corr = bias · Σ x`` over
-  the group (computed in the kernel from the same codes, once per row block), so every
-  int32 lane is the op's exact integer group sum; then ``acc += s_w[n, g] · float(isum)`` and
-  ``y = s_x[m] · acc``. w8a8 (one scale per channel) adds the exact group sums in int32 —
-  groups of at most 16384 codes keep the biased lanes below 2^31 — and converts once, as the
-  reference does.
+  ``SCRATCH`` bytes, L2-resident) as signed int8 codes (int4 as each 64-code chunk's even
+  then odd codes, like x), group-major (one group of all the task's rows is one contiguous
+  run); the step broadcasts 4 codes of a weight row to all 16 lanes, so one instruction does
+  64 products of one weight row against 16 rows of x and no weight is transposed;
+* x's bias comes back out exactly: plane 0's accumulators start at ``-128 · Σ w`` over the
+  group (summed per weight row at unpacking), so every int32 lane is the op's exact integer
+  group sum; then ``acc += s_w[n, g] · float(isum)`` and ``y = s_x[m] · acc``. w8a8 (one scale
+  per channel) adds its sums in int32 over all of K and converts once, as the reference does
+  (the lanes wrap modulo 2^32 like the op's exact sum, which fits: no overflow is possible);
+* loops run group-major: one group of a 16·MV-row block of x stays in L1 while the weight
+  rows of the task pass (QB register tiles at a time), the running sums in a per-thread
+  buffer; outputs leave 16 x 16 at a time, transposed in registers (`tirlib.butterfly`),
+  as contiguous runs of y's rows.
+
+w8a16 is not served here: its bf16 products need ``vdpbf16ps``, whose bf16 vector operands
+TVM 0.27's lowering rewrites to fp32 (BF16ComputeLegalize) before LLVM sees them.
 
 Each parallel work item is one TVM worker with its own scratch slot, running its contiguous
 share of tasks (``nsub`` blocks of NR weight rows x a share of the row blocks of x). M, N and
-K are runtime values: one build per (weight width, planes, grouped).
+K are runtime values: one build per (weight width, planes, grouped, tile).
 """
 
 from __future__ import annotations
@@ -41,11 +48,13 @@ from glm5.kernels.tvm.tirlib import cached
 REV = 1
 SCRATCH = 1310720  # bytes of unpacked weight rows per parallel task (L2-resident)
 QB = 16  # NR-row blocks whose running sums (QB·NR·MV vectors) stay in L1 across the groups
-INT_CHUNKS = 8  # w8a8's chunks per exact int32 partial sum: 512 codes · 255 · 127 < 2^31
+# w8a8's chunks per pass over x (its int32 sums need no groups: vpdpbusd wraps, so the lanes
+# are exact modulo 2^32, hence exact, as the op's |Σ x·w| <= K·127² < 2^31 (supports check))
+INT_CHUNKS = 8
 
 
 def _gch(grouped: bool) -> int:
-    """Chunks of 64 codes per group: a scale group (128 codes), or w8a8's int32 partial sum."""
+    """Chunks of 64 codes per group: a scale group (128 codes), or w8a8's pass (INT_CHUNKS)."""
     return GROUP // CHUNK if grouped else INT_CHUNKS
 MATTR = ("+avx512vnni", "+avx512bw", "+avx512vbmi")
 
@@ -53,14 +62,15 @@ MATTR = ("+avx512vnni", "+avx512bw", "+avx512vbmi")
 def _tile(P: int) -> tuple[int, int]:
     """(NR weight rows, MV vectors of 16 rows of x) per register tile: NR·MV·P int32
     accumulators + NR·MV fp32 sums + MV·P x vectors within the 32 zmm registers."""
-    return (4, 3) if P == 1 else (2, 3)
+    return (4, 3) if P == 1 else (2, 3)  # measured best of 8 shapes each (docs/performance.md)
 
 
 def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
     """``qgemm(xw[P, Mt, NC, 16, 16] int32, w[N, Pk], sw[N, G], sx[Mt·16], y[M, N],
-    scr[nth, NR·nsub, NC·16 + 16] int32, cs[nth, NG, MV, 16] int32, acc[nth, NR·nsub, MV, 16],
-    M, K, nsub, msplit)``: NG the groups of `_gch` chunks of K; xw = `activations`' tile layout
-    (4 codes of 16 rows per int32 vector)."""
+    scr[nth, NG, NR·nsub, gch·16] int32, ws[nth, NR·nsub, NG] int32,
+    acc[nth, NRP, MV, 16] fp32, M, K, nsub, msplit)``: xw = `activations`' unsigned tile
+    layout (4 codes of 16 rows per int32), NG the groups of gch = `_gch` chunks of K, NRP the
+    task's weight rows rounded up to 16; scr, ws, acc: per-thread scratch."""
     from tvm.script import tirx as T
 
     from glm5.kernels.tvm.quant import _unpack_tir
