@@ -78,6 +78,23 @@ def test_quant_paths_agree_across_blocks(ctx, backend, scheme):
                        what="gemm_torch")
 
 
+def test_w8a16_torch_path_in_row_blocks(monkeypatch):
+    """The torch path widens w8a16's weight a block of rows at a time: blocks of 1, 3 (N = 37
+    leaves a short last one) and all rows: each within the op's tolerance, fp32 and bf16 x
+    (not bit-equal to each other: MKL's summation order depends on the block's width)."""
+    g = torch.Generator().manual_seed(5)
+    K, N = 200, 37
+    wp, ws = quantize_weight(torch.randn(N, K, generator=g) * K ** -0.5, "w8a16")
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(6, K, generator=g) * 3).to(dtype)
+        vals = {"x": x, "w_packed": wp, "w_scale": ws, "scheme": "w8a16", "bias": None}
+        for rows in (1, 3, N):
+            monkeypatch.setattr(quant, "W8A16_BLOCK", rows * K)
+            y = quant.gemm_torch(x, wp, ws, "w8a16")
+            assert y.dtype == torch.float32 and y.shape == (6, N)
+            assert_matches("quant_linear", y.to(dtype), vals, what=f"rows={rows}")
+
+
 def test_moe_torch_path_and_chunks(backend, monkeypatch):
     """Many routed rows take the torch composition; tiny scratch forces many token chunks."""
     monkeypatch.setattr(moe, "ROWS_TVM", 0)

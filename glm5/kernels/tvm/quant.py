@@ -27,7 +27,7 @@ Which path serves a call is chosen per CPU tier (`cpu_tier`: AMX, AVX-512 VNNI o
 read from the CPU at run time), scheme and row count from the table `PATHS`: the VNNI GEMV of
 `quant_vnni` (few rows), the AMX tile GEMM of `quant_amx` (more rows), on VNNI without AMX the
 register-tiled GEMM of `quant_vgemm` (more rows, activation schemes), this module's GEMV, or
-`gemm_torch` (w8a16: dequantize to fp32 and one sgemm; w8a8: exact fp32 sgemms over K-chunks
+`gemm_torch` (w8a16: sgemms over blocks of rows widened to fp32; w8a8: exact fp32 sgemms over K-chunks
 of codes). The crossovers are measured by bench/cpu_quant_linear.py (--paths) and listed in
 docs/performance.md, "CPU quantized linears". Only M, N and K are runtime values: one build
 per (scheme, row block).
@@ -46,6 +46,7 @@ from glm5.ir.quant_formats import (
     quantize_per_token_ref,
     unpack,
 )
+from glm5.kernels.tvm import tirlib
 from glm5.kernels.tvm.tirlib import cached
 
 REV = 2
@@ -65,7 +66,7 @@ PATHS: dict[str, dict[str, tuple[tuple[int | None, str], ...]]] = {
             "w8a8": ((1, "vnni"), (None, "amx")),
             "w4a8": ((1, "vnni"), (None, "amx")),
             "w6a12": ((2, "vnni"), (None, "amx"))},
-    "vnni": {"w8a16": ((384, "vnni"), (None, "torch:gemm")),
+    "vnni": {"w8a16": ((None, "vnni"),),
              "w8a8": ((32, "vnni"), (None, "vgemm")),
              "w4a8": ((24, "vnni"), (None, "vgemm")),
              "w6a12": ((16, "vnni"), (None, "vgemm"))},
@@ -290,7 +291,8 @@ def gemm_torch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                scheme: str) -> torch.Tensor:
     """The torch path (many rows: compute-bound): fp32 ``[M, N]`` without bias.
 
-    w8a16: the reference's dequantized fp32 weight and one sgemm. Activation schemes: the codes
+    w8a16: `_w8a16_blocks` (sgemms over blocks of weight rows widened to fp32, the scale
+    after the sum). Activation schemes: the codes
     as fp32 and one sgemm per K-chunk of `exact_chunk` (exact integer sums, see there), then
     the scale products of the reference: grouped ``Σ_g s_w[n, g] · isum_g``, per channel the
     exact chunk sums added in float64 before the single rounding to fp32."""
@@ -299,9 +301,9 @@ def gemm_torch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     sc = SCHEMES[scheme]
     K = x.shape[1]
     f32 = torch.float32
-    wq = unpack(w_packed, sc, K).to(f32)
     if sc.act_bits is None:
-        return F.linear(x.to(f32), wq * w_scale.to(f32)[:, None])
+        return _w8a16_blocks(x.to(f32), w_packed, w_scale.to(f32))
+    wq = unpack(w_packed, sc, K).to(f32)
     xq, sx = quantize_per_token_ref(x, sc.act_bits)
     xf = xq.to(f32)
     ch = exact_chunk(sc)
@@ -315,6 +317,28 @@ def gemm_torch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     for k0 in range(0, K, ch):
         isum += F.linear(xf[:, k0: k0 + ch], wq[:, k0: k0 + ch])
     return sx[:, None] * (isum.to(f32) * w_scale.to(f32)[None])
+
+
+W8A16_BLOCK = 2**20  # weight codes per block of `_w8a16_blocks` (a 4 MiB fp32 scratch)
+
+
+def _w8a16_blocks(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor
+                  ) -> torch.Tensor:
+    """w8a16 through MKL's sgemm, the weight widened to fp32 a block of rows at a time into a
+    reused scratch (a whole fp32 copy is 4x the packed bytes and, freshly allocated per call,
+    page-faults on every call): ``y[:, block] = (x @ w_q[block]ᵀ) · s_w[block]`` — the scale
+    factored out of the sum, as every cpu kernel of w8a16 does. fp32 [M, N]."""
+    M, K = x.shape
+    N = w_packed.shape[0]
+    rows = max(1, min(N, W8A16_BLOCK // max(K, 1)))
+    y = tirlib.fresh((M, N), torch.float32)
+    wf = tirlib.scratch("w8a16_rows", (rows, K), torch.float32)
+    for n0 in range(0, N, rows):
+        n1 = min(N, n0 + rows)
+        blk = wf[: n1 - n0]
+        blk.copy_(w_packed[n0:n1, :K])
+        y[:, n0:n1] = torch.mm(x, blk.T).mul_(w_scale.reshape(1, N)[:, n0:n1])
+    return y
 
 
 def _run(p: str, context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
