@@ -189,6 +189,31 @@ def test_vgemm_w8a8_int32_sums_near_the_limit(ctx):
     assert got[0, 0].item() == pytest.approx(K, rel=1e-6)
 
 
+def test_vgemm_task_split_balances_threads():
+    """Register tiles per task: within the scratch slot, at least one, and sized so that the
+    busiest thread (each runs a contiguous share of the tasks, as the kernel splits them)
+    gets at most one tile per task round more than an even share: 13 tasks of 80 tiles on 2
+    threads gave one thread 544 of 1024 tiles; 14 of 74 give it 518."""
+    def busiest(nblk: int, threads: int, n: int) -> int:
+        tasks = -(-nblk // n)
+        loads = []
+        for th in range(threads):
+            ks = range(th * tasks // threads, (th + 1) * tasks // threads)
+            loads.append(sum(min(n, nblk - k * n) for k in ks))
+        assert sum(loads) == nblk
+        return max(loads)
+
+    for nblk in (1, 3, 10, 37, 1024, 2048, 5000):
+        for threads in (1, 2, 3, 16):
+            for most in (1, 7, 80):
+                n = quant_vgemm._tasks(nblk, threads, most)
+                assert 1 <= n <= most, (nblk, threads, most, n)
+                rounds = -(-(-(-nblk // n)) // threads)
+                assert busiest(nblk, threads, n) <= -(-nblk // threads) + rounds, (
+                    nblk, threads, most, n)
+    assert busiest(1024, 2, quant_vgemm._tasks(1024, 2, 80)) == 518
+
+
 @needs_vnni
 def test_vgemm_refuses_w8a16(ctx):
     vals = _case(4, 64, 8, "w8a16", F32)

@@ -283,6 +283,16 @@ def _fn(context: Callable[[], Any], bits: int, P: int, grouped: bool) -> Callabl
                   lambda: first_operand_form(kernel))
 
 
+def _tasks(nblk: int, threads: int, most: int) -> int:
+    """Register tiles of weight rows per task: at most ``most`` (the scratch slot), at least
+    two tasks per thread where there are enough tiles, and the task count a multiple of the
+    thread count (each thread runs a contiguous share: 13 tasks on 2 threads would leave one
+    thread idle for a task's time)."""
+    per = max(1, min(most, nblk // (2 * threads)))
+    rounds = -(-nblk // (per * threads))  # tasks per thread
+    return max(1, -(-nblk // (rounds * threads)))
+
+
 def gemm_vnni(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
               w_scale: torch.Tensor, scheme: str) -> torch.Tensor:
     """The VNNI GEMM path for the activation schemes: x [M, K] fp32 / bf16, canonical packed
@@ -302,7 +312,7 @@ def gemm_vnni(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tenso
     threads = tvm_threads()
     gch = _gch(sc.grouped)
     NG = -(-NC // gch)
-    nsub = max(1, min(SCRATCH // (NR * NG * gch * CHUNK), nblk // (2 * threads)))
+    nsub = _tasks(nblk, threads, SCRATCH // (NR * NG * gch * CHUNK))
     nsb = -(-nblk // nsub)
     msplit = max(1, min(mblk, -(-threads // nsb)))
     G = w_scale.numel() // N
