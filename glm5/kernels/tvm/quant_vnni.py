@@ -111,8 +111,24 @@ def build(scheme: str, MB: int, bdt: str = BYTE_OPERANDS[0]) -> Any:
     def vlo(g: Any) -> Any:
         return g * gvec if gvec else 0
 
+    def whole(g: Any, full: Any) -> Any:
+        """Group g's vectors all inside the row (grouped schemes; w8a8 has one long group)."""
+        return vlo(g) + gvec <= full if gvec else T.bool(False)
+
     def vhi(g: Any, nvec: Any) -> Any:
         return T.min((g + 1) * gvec, nvec) if gvec else nvec
+
+    @T.macro
+    def _step(W: Any, X: Any, iacc: Any, nn: Any, mb: Any, v: Any, N: Any) -> None:
+        """Weight vector v of NR rows (whole, inside the row) against MB rows of x."""
+        for r in T.unroll(NR):
+            for p in T.unroll(P):
+                for mi in T.unroll(MB):
+                    iacc[r, p, mi, T.ramp(0, 1, 16)] = _chain(
+                        dp, iacc[r, p, mi, T.ramp(0, 1, 16)],
+                        wvecs(T.reinterpret("uint8x64", W[T.min(
+                            nn * NR + r, N - 1), T.ramp(v * BV, 1, CB)])),
+                        [xvec(X, p, mb * MB + mi, v, j) for j in range(nf)])
 
     @T.prim_func
     def qgemv(x_h: T.handle, c_h: T.handle, w_h: T.handle, s_h: T.handle, sx_h: T.handle,
@@ -148,30 +164,30 @@ def build(scheme: str, MB: int, bdt: str = BYTE_OPERANDS[0]) -> Any:
                             for p in T.unroll(P):
                                 for mi in T.unroll(MB):
                                     iacc[r, p, mi, T.ramp(0, 1, 16)] = i32(0)
-                        for v in range(vlo(g), vhi(g, nvec)):
-                            if v < full:
-                                for r in T.unroll(NR):
-                                    for p in T.unroll(P):
-                                        for mi in T.unroll(MB):
-                                            iacc[r, p, mi, T.ramp(0, 1, 16)] = _chain(
-                                                dp, iacc[r, p, mi, T.ramp(0, 1, 16)],
-                                                wvecs(T.reinterpret("uint8x64", W[T.min(
-                                                    nn * NR + r, N - 1), T.ramp(v * BV, 1, CB)])),
-                                                [xvec(X, p, mb * MB + mi, v, j) for j in range(nf)])
-                            else:  # the last bytes of the row, zero padded
-                                for r in T.unroll(NR):
-                                    for i in range(CB):
-                                        tail[r, i] = T.if_then_else(
-                                            v * BV + i < Pk,
-                                            T.reinterpret("uint8", W[T.min(nn * NR + r, N - 1),
-                                                                     T.min(v * BV + i, Pk - 1)]),
-                                            T.uint8(0))
-                                    for p in T.unroll(P):
-                                        for mi in T.unroll(MB):
-                                            iacc[r, p, mi, T.ramp(0, 1, 16)] = _chain(
-                                                dp, iacc[r, p, mi, T.ramp(0, 1, 16)],
-                                                wvecs(tail[r, T.ramp(0, 1, CB)]),
-                                                [xvec(X, p, mb * MB + mi, v, j) for j in range(nf)])
+                        if whole(g, full):
+                            # a whole group inside the row: its vectors unrolled
+                            for vv in T.unroll(max(gvec, 1)):
+                                _step(W, X, iacc, nn, mb, vlo(g) + vv, N)
+                        else:
+                            for v in range(vlo(g), vhi(g, nvec)):
+                                if v < full:
+                                    _step(W, X, iacc, nn, mb, v, N)
+                                else:  # the last bytes of the row, zero padded
+                                    for r in T.unroll(NR):
+                                        for i in range(CB):
+                                            tail[r, i] = T.if_then_else(
+                                                v * BV + i < Pk,
+                                                T.reinterpret("uint8", W[
+                                                    T.min(nn * NR + r, N - 1),
+                                                    T.min(v * BV + i, Pk - 1)]),
+                                                T.uint8(0))
+                                        for p in T.unroll(P):
+                                            for mi in T.unroll(MB):
+                                                iacc[r, p, mi, T.ramp(0, 1, 16)] = _chain(
+                                                    dp, iacc[r, p, mi, T.ramp(0, 1, 16)],
+                                                    wvecs(tail[r, T.ramp(0, 1, CB)]),
+                                                    [xvec(X, p, mb * MB + mi, v, j)
+                                                 for j in range(nf)])
                         for r in T.unroll(NR):
                             for mi in T.unroll(MB):
                                 facc[r, mi, T.ramp(0, 1, 16)] = facc[r, mi, T.ramp(0, 1, 16)] + (
