@@ -361,6 +361,61 @@ def test_kernels_write_inside_their_buffers(ctx, monkeypatch):
         assert (raw[:GUARD] == FILL).all() and (raw[GUARD + nbytes:] == FILL).all(), shape
 
 
+_OVERREAD = r"""
+import ctypes, mmap, sys
+import torch
+from glm5.ir.quant_formats import SCHEMES, quantize_weight
+from glm5.kernels.tvm import quant
+from glm5.kernels.tvm.build import TVMContext
+
+ctx = TVMContext(cache_dir=sys.argv[1])
+libc = ctypes.CDLL(None)
+PAGE = mmap.PAGESIZE
+keep = []
+
+
+def at_page_end(t):
+    # a copy of t whose last byte ends a page, the next page unreadable (PROT_NONE)
+    nbytes = t.numel() * t.element_size()
+    npages = -(-nbytes // PAGE) + 1
+    m = mmap.mmap(-1, npages * PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    assert libc.mprotect(ctypes.c_void_p(base + (npages - 1) * PAGE), PAGE, 0) == 0
+    off = (npages - 1) * PAGE - nbytes
+    out = torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=off)
+    out = out.view(t.dtype).view(t.shape)
+    out.copy_(t)
+    keep.append(m)
+    return out
+
+
+g = torch.Generator().manual_seed(0)
+for p in sys.argv[2].split(","):
+    for scheme in SCHEMES:
+        if not quant.serves(p, scheme):
+            continue
+        for M, K, N in ((1, 1000, 9), (5, 1000, 9), (70, 1000, 9), (3, 7, 5), (50, 129, 17)):
+            wp, ws = quantize_weight(torch.randn(N, K, generator=g), scheme)
+            x = torch.randn(M, K, generator=g)
+            want = quant._run(p, lambda: ctx, x, wp, ws, scheme)
+            got = quant._run(p, lambda: ctx, at_page_end(x), at_page_end(wp), at_page_end(ws),
+                             scheme)
+            assert torch.equal(got, want), (p, scheme, M, K, N)
+print("read inside")
+"""
+
+
+def test_kernels_read_inside_their_inputs(tmp_path):
+    """x, the packed weight and its scales each end at an unreadable page: every path of this
+    CPU reads none of them past their end (a read one byte over would kill the process: run in
+    a subprocess), and gives what it gives on ordinary tensors. Shapes: int6 rows whose last
+    64-byte load would leave the row (K = 1000), rows shorter than one load, odd K."""
+    paths = [p for p in _paths_here() if p != "torch:gemm"]
+    r = subprocess.run([sys.executable, "-c", _OVERREAD, str(tmp_path), ",".join(paths)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "read inside" in r.stdout, (r.returncode, r.stderr[-3000:])
+
+
 def test_scratch_buffers_are_reused_up_to_a_size(monkeypatch):
     """Per-thread scratch is reused across calls (no fresh pages each call), but a buffer above
     SCRATCH_KEEP bytes is allocated per call and not kept."""
