@@ -51,18 +51,20 @@ QB = 16  # NR-row blocks whose running sums (QB·NR·MV vectors) stay in L1 acro
 # w8a8's chunks per pass over x (its int32 sums need no groups: vpdpbusd wraps, so the lanes
 # are exact modulo 2^32, hence exact, as the op's |Σ x·w| <= K·127² < 2^31 (supports check))
 INT_CHUNKS = 8
+MATTR = ("+avx512vnni", "+avx512bw", "+avx512vbmi")
 
 
 def _gch(grouped: bool) -> int:
     """Chunks of 64 codes per group: a scale group (128 codes), or w8a8's pass (INT_CHUNKS)."""
     return GROUP // CHUNK if grouped else INT_CHUNKS
-MATTR = ("+avx512vnni", "+avx512bw", "+avx512vbmi")
 
 
 def _tile(P: int) -> tuple[int, int]:
     """(NR weight rows, MV vectors of 16 rows of x) per register tile: NR·MV·P int32
-    accumulators + NR·MV fp32 sums + MV·P x vectors within the 32 zmm registers."""
-    return (4, 3) if P == 1 else (2, 3)  # measured best of 8 shapes each (docs/performance.md)
+    accumulators, and the x vectors LLVM loads a few steps ahead, within the 32 zmm
+    registers. Measured against 6-9 other shapes each on Zen 5 (docs/performance.md): the
+    best, or within noise of it."""
+    return (4, 3) if P == 1 else (2, 3)
 
 
 def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
