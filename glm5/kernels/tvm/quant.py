@@ -382,10 +382,13 @@ def quant_linear(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Te
 def moe_experts_quant(context: Callable[[], Any], x, ids, weights, w13_packed, w13_scale,
                       w2_packed, w2_scale, scheme: str) -> torch.Tensor:
     """`moe_experts` with quantized experts: the routed rows sorted by expert (as
-    `moe.moe_experts`), each expert's run padded to whole blocks of MB rows, so ONE kernel call
-    per projection serves all experts (parallel over expert x output feature); TVM silu_mul;
-    the TVM j-ordered weighted combine. Roundings follow the reference: each projection's
-    output in x's dtype, silu_mul in fp32 rounded to x's dtype."""
+    `moe.moe_experts`). On a VNNI or AMX tier each expert's rows run quant_linear's path for
+    their count (`_moe_by_expert`: the VNNI GEMV for a few rows, the VNNI / AMX GEMM for
+    many); on the portable tier each expert's run is padded to whole blocks of MB rows, so ONE
+    portable GEMV call per projection serves all experts (parallel over expert x output
+    feature). TVM silu_mul; the TVM j-ordered weighted combine. Roundings follow the
+    reference: each projection's output in x's dtype, silu_mul in fp32 rounded to x's
+    dtype."""
     from glm5.kernels.tvm import moe
 
     sc = SCHEMES[scheme]
@@ -397,6 +400,13 @@ def moe_experts_quant(context: Callable[[], Any], x, ids, weights, w13_packed, w
         return y
     combine, silu = moe._fns(context, x.dtype)
     tok, pos, counts = moe.route_rows(ids, E)
+    if cpu_tier() != "portable" and tok.shape[0] and I:
+        # each expert's rows through quant_linear's own path for its row count (VNNI GEMV /
+        # GEMM, AMX): sorted rows, no padding; the combine reads them by slot
+        o = _moe_by_expert(context, x, tok, counts, w13_packed, w13_scale, w2_packed,
+                           w2_scale, scheme, silu)
+        combine(o, pos.contiguous(), weights.to(torch.float32).contiguous(), moe.bits(y))
+        return y
     cnt = torch.tensor(counts, dtype=torch.int64)
     nblk = (cnt + MB - 1) // MB
     blocks = torch.zeros(E + 1, dtype=torch.int64)
@@ -425,6 +435,32 @@ def moe_experts_quant(context: Callable[[], Any], x, ids, weights, w13_packed, w
     ppos = torch.cat((prow.to(torch.int32), pos.new_full((1,), -1)))[pos.long()]
     combine(o, ppos.contiguous(), weights.to(torch.float32).contiguous(), moe.bits(y))
     return y
+
+
+def _moe_by_expert(context: Callable[[], Any], x: torch.Tensor, tok: torch.Tensor,
+                   counts: list[int], w13_packed: torch.Tensor, w13_scale: torch.Tensor,
+                   w2_packed: torch.Tensor, w2_scale: torch.Tensor, scheme: str,
+                   silu: Callable) -> torch.Tensor:
+    """fp32 ``[R, D]``: the routed rows (sorted by expert, ``tok`` their tokens) through each
+    expert's gate/up projection, silu_mul and down projection, every projection on the path
+    `PATHS` names for that expert's row count and rounded to x's dtype like the op's
+    reference."""
+    f32 = torch.float32
+    I = w13_packed.shape[1] // 2
+    xs = x[tok]
+    o = torch.empty(tok.shape[0], x.shape[1], dtype=f32)
+    a = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        p = path(scheme, n)
+        h13 = _run(p, context, xs[a: a + n], w13_packed[e], w13_scale[e], scheme)
+        hs = torch.empty(n, I, dtype=f32)
+        silu(h13.to(x.dtype).to(f32), hs)
+        o[a: a + n] = _run(p, context, hs.to(x.dtype), w2_packed[e], w2_scale[e], scheme
+                           ).to(x.dtype)
+        a += n
+    return o
 
 
 def _cpu(*ts: Any) -> bool:
