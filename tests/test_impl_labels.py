@@ -84,7 +84,8 @@ def test_builtin_backends_label_their_kernels():
     cpu = reg.get("cpu").kernels
     assert cpu["rms_norm"].impl == "tvm" and cpu["sparse_attention"].impl == "tvm"
     assert cpu["moe_experts"].impl == "tvm|torch:per-expert"
-    assert cpu["quant_linear"].impl == "tvm|tvm:vnni|tvm:amx|torch:gemm"
+    assert cpu["quant_linear"].impl == "tvm|tvm:vnni|tvm:vgemm|tvm:amx|torch:gemm"
+    assert cpu["moe_experts_quant"].impl == "tvm|tvm:per-expert"
     asc = reg.get("ascend").kernels
     assert asc["sparse_attention"].impl == "torch_npu.npu_sparse_flash_attention|triton"
     assert asc["indexer_topk"].impl == "torch_npu.npu_lightning_indexer|triton"
@@ -324,6 +325,39 @@ def test_cpu_quant_linear_reports_the_path_it_takes(monkeypatch):
             assert bool(torch_calls) != bool(gemv_calls)
             assert labels == ["torch:gemm" if torch_calls else "tvm"], (M, rows)
             assert bool(gemv_calls) == (M <= rows)
+
+
+def test_cpu_moe_experts_quant_reports_the_path_it_takes(monkeypatch):
+    """Each expert on quant_linear's path on a VNNI / AMX tier ("tvm:per-expert"), one grouped
+    TVM GEMV on the portable tier ("tvm"), nothing for an empty call; the kernels are stubbed
+    (a tier this CPU lacks must not run its instructions)."""
+    from glm5.ir.quant_formats import quantize_weight
+    from glm5.kernels.tvm import quant
+
+    entry = glm5.get_registry().get("cpu").kernels["moe_experts_quant"]
+    E, D, I, k = 3, 64, 32, 2
+    wp13, ws13 = zip(*(quantize_weight(torch.randn(2 * I, D), "w4a8") for _ in range(E)))
+    wp2, ws2 = zip(*(quantize_weight(torch.randn(D, I), "w4a8") for _ in range(E)))
+    w = (torch.stack(wp13), torch.stack(ws13), torch.stack(wp2), torch.stack(ws2))
+    by_expert = _spy(monkeypatch, quant, "_moe_by_expert",
+                     result=lambda context, x, tok, *a: torch.zeros(tok.shape[0], x.shape[1]))
+    grouped = _spy(monkeypatch, quant, "_grouped",
+                   result=lambda context, xv, sx, w3, s3, blocks, scheme, mb: torch.zeros(
+                       xv.shape[0], w3.shape[1]))
+    for tier in ("portable", "vnni", "amx"):
+        monkeypatch.setattr(quant, "_tier", [tier])
+        for T in (0, 1, 5):
+            by_expert.clear()
+            grouped.clear()
+            ids = torch.randint(0, E, (T, k), dtype=I32)
+            _, labels = run_recorded(entry, (torch.randn(T, D), ids, torch.rand(T, k), *w,
+                                             "w4a8"))
+            if T == 0:
+                assert labels == [entry.impl] and not by_expert and not grouped
+            elif tier == "portable":
+                assert labels == ["tvm"] and grouped and not by_expert, (tier, T)
+            else:
+                assert labels == ["tvm:per-expert"] and by_expert and not grouped, (tier, T)
 
 
 def test_plugin_api_exports():

@@ -4,12 +4,12 @@ on a machine without accelerators. Registered through glm5's `glm5.backends` ent
 Kernel sources live in glm5/kernels/tvm; this module owns the build context (cache directory,
 target) and declares which ops and dtypes it serves: every op the model calls on CPU (norms,
 rope, silu_mul, the DSA indexer and selection, attention, MoE routing and experts, quantized
-linears), so a model run makes no reference fallback. Three kernels choose per call between
-their TVM pipeline and a torch path (`moe_experts` above ``moe.ROWS_TVM`` routed rows,
-`quant_linear` per CPU tier, scheme and row count from ``quant.PATHS``, `topk_indices` below
+linears), so a model run makes no reference fallback. Four kernels choose per call between
+paths (`moe_experts` above ``moe.ROWS_TVM`` routed rows, `quant_linear` per CPU tier, scheme
+and row count from ``quant.PATHS``, `moe_experts_quant` per CPU tier, `topk_indices` below
 ``topk.RADIX_MIN`` scores a row); they are registered with a wrapper that reports the path
-taken (`glm5.backends.api.report_impl`): "tvm", "tvm:vnni", "tvm:amx", "torch:per-expert",
-"torch:gemm" or "torch:topk".
+taken (`glm5.backends.api.report_impl`): "tvm", "tvm:vnni", "tvm:vgemm", "tvm:amx",
+"tvm:per-expert", "torch:per-expert", "torch:gemm" or "torch:topk".
 """
 
 from __future__ import annotations
@@ -86,6 +86,18 @@ def _quant_linear_path(x, w_packed, w_scale, scheme, bias=None) -> str | None:
     return quant.LABELS[quant.path(scheme, M)]
 
 
+def _moe_quant_path(x, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                    scheme) -> str | None:
+    """The path `glm5.kernels.tvm.quant.moe_experts_quant` takes (None: an empty call):
+    each expert on quant_linear's path on a VNNI / AMX tier, else one grouped TVM GEMV."""
+    from glm5.kernels.tvm import quant
+
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        return None
+    routed = w13_packed.shape[1] >= 2 and bool((ids >= 0).any())
+    return "tvm:per-expert" if routed and quant.cpu_tier() != "portable" else "tvm"
+
+
 def _topk_path(scores, k) -> str | None:
     """The selection `glm5.kernels.tvm.topk.topk_indices` uses (None: nothing to select)."""
     from glm5.kernels.tvm import topk
@@ -98,7 +110,8 @@ def _topk_path(scores, k) -> str | None:
 # op -> (the path it takes per call, its static label)
 _CHOOSERS: dict[str, tuple[Callable[..., str | None], str]] = {
     "moe_experts": (_moe_path, "tvm|torch:per-expert"),
-    "quant_linear": (_quant_linear_path, "tvm|tvm:vnni|tvm:amx|torch:gemm"),
+    "quant_linear": (_quant_linear_path, "tvm|tvm:vnni|tvm:vgemm|tvm:amx|torch:gemm"),
+    "moe_experts_quant": (_moe_quant_path, "tvm|tvm:per-expert"),
     "topk_indices": (_topk_path, "tvm|torch:topk"),
 }
 
