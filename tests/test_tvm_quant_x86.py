@@ -67,6 +67,16 @@ def _check(got: torch.Tensor, vals: dict, what: str) -> None:
     assert_matches("quant_linear", got.to(vals["x"].dtype), vals, what=what)
 
 
+def _sweep(fn, shapes: tuple, scheme: str, what: str) -> None:
+    """``fn(x, w_packed, w_scale)`` over ``shapes`` (fp32 and bf16 x, exact-tie rows where
+    M > 1), each result judged by `_check` (raises on a wrong dtype, shape or value)."""
+    for dtype in (F32, BF16):
+        for i, (M, K, N) in enumerate(shapes):
+            vals = _case(M, K, N, scheme, dtype, seed=i, halves=M > 1)
+            _check(fn(vals["x"], vals["w_packed"], vals["w_scale"]), vals,
+                   f"{what} M={M} K={K} N={N} {dtype}")
+
+
 # K: below one vector, not a multiple of 64 / 128 / 48 bytes, exact multiples; N: around the
 # GEMV's 8-row steps
 GEMV_SHAPES = ((1, 7, 3), (1, 331, 37), (1, 256, 8), (3, 200, 50), (4, 129, 17),
@@ -76,13 +86,9 @@ GEMV_SHAPES = ((1, 7, 3), (1, 331, 37), (1, 256, 8), (3, 200, 50), (4, 129, 17),
 @needs_vnni
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_vnni_gemv_matches_oracle(ctx, scheme):
-    for dtype in (F32, BF16):
-        for i, (M, K, N) in enumerate(GEMV_SHAPES):
-            vals = _case(M, K, N, scheme, dtype, seed=i, halves=M > 1)
-            for mb in (1, 4):
-                got = quant_vnni.gemv_vnni(lambda: ctx, vals["x"], vals["w_packed"],
-                                           vals["w_scale"], scheme, mb)
-                _check(got, vals, f"vnni mb={mb} M={M} K={K} N={N} {dtype}")
+    for mb in (1, 4):
+        _sweep(lambda x, wp, ws: quant_vnni.gemv_vnni(lambda: ctx, x, wp, ws, scheme, mb),
+               GEMV_SHAPES, scheme, f"vnni mb={mb}")
 
 
 @needs_vnni
@@ -124,12 +130,8 @@ AMX_SHAPES = ((3, 331, 37), (17, 200, 50), (16, 64, 16), (32, 128, 64), (70, 256
 @needs_amx
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_amx_gemm_matches_oracle(ctx, scheme):
-    for dtype in (F32, BF16):
-        for i, (M, K, N) in enumerate(AMX_SHAPES):
-            vals = _case(M, K, N, scheme, dtype, seed=i, halves=M > 1)
-            got = quant_amx.gemm_amx(lambda: ctx, vals["x"], vals["w_packed"],
-                                     vals["w_scale"], scheme)
-            _check(got, vals, f"amx M={M} K={K} N={N} {dtype}")
+    _sweep(lambda x, wp, ws: quant_amx.gemm_amx(lambda: ctx, x, wp, ws, scheme), AMX_SHAPES,
+           scheme, "amx")
 
 
 # (M, K, N): below one 16-row vector and one 48-row block, several blocks with a short last
@@ -145,12 +147,8 @@ VGEMM_SHAPES = ((1, 64, 16), (3, 331, 37), (17, 200, 50), (48, 128, 32), (49, 96
 @needs_vnni
 @pytest.mark.parametrize("scheme", ["w8a8", "w4a8", "w6a12"])
 def test_vgemm_matches_oracle(ctx, scheme):
-    for dtype in (F32, BF16):
-        for i, (M, K, N) in enumerate(VGEMM_SHAPES):
-            vals = _case(M, K, N, scheme, dtype, seed=i, halves=M > 1)
-            got = quant_vgemm.gemm_vnni(lambda: ctx, vals["x"], vals["w_packed"],
-                                        vals["w_scale"], scheme)
-            _check(got, vals, f"vgemm M={M} K={K} N={N} {dtype}")
+    _sweep(lambda x, wp, ws: quant_vgemm.gemm_vnni(lambda: ctx, x, wp, ws, scheme),
+           VGEMM_SHAPES, scheme, "vgemm")
 
 
 @needs_vnni
