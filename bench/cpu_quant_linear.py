@@ -83,15 +83,15 @@ def _glm5(M: int, K: int, N: int, scheme: str, dtype: torch.dtype,
             (x, wp, ws))
 
 
-def _paths(tier: str, scheme: str) -> list[str]:
-    """The paths compared on ``tier`` for ``scheme`` (the AMX and VNNI kernels need the CPU's
-    instructions; on an AMX host the torch path, 10-100x slower than AMX at every M, is left
-    out; the VNNI GEMM serves the activation schemes)."""
+def _paths(tier: str, scheme: str, dtype: torch.dtype | None = None) -> list[str]:
+    """The paths compared on ``tier`` for ``scheme`` and x of ``dtype`` (the AMX and VNNI
+    kernels need the CPU's instructions; on an AMX host the torch path, 10-100x slower than
+    AMX at every M, is left out; the VNNI GEMM serves what `quant.serves` says)."""
     from glm5.kernels.tvm.quant import serves
 
     return [p for p in {"amx": ["vnni", "amx", "tvm"],
                         "vnni": ["vnni", "vgemm", "tvm", "torch:gemm"],
-                        "portable": ["tvm", "torch:gemm"]}[tier] if serves(p, scheme)]
+                        "portable": ["tvm", "torch:gemm"]}[tier] if serves(p, scheme, dtype)]
 
 
 def _interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
@@ -130,7 +130,7 @@ def _run_all(ms: list[int], K: int, N: int, schemes: list[str], dtypes: list[tor
                 name = f"{s}:{str(dt).removeprefix('torch.')}"
                 fns[name], info[name] = fn, (nbytes, label)
                 if paths:  # every path this CPU has, called directly
-                    for p in _paths(tier, s):
+                    for p in _paths(tier, s, dt):
                         fns[f"path:{p}:{name}"] = (lambda p=p, a=args, s=s: quant._run(
                             p, context, a[0], a[1], a[2], s))
         with torch.inference_mode():
@@ -149,14 +149,16 @@ def _run_all(ms: list[int], K: int, N: int, schemes: list[str], dtypes: list[tor
             ms_ = best[name] * 1e3
             rows.append({"M": M, "K": K, "N": N, "scheme": s, "dtype": dt, "path": label,
                          "ms": ms_, "dense_ms": dense, "fastest_dense": fastest,
-                         "x_fp32": dense["fp32"] / ms_, "x_best": dense[fastest] / ms_,
+                         "x_fp32": dense["fp32"] / ms_, "x_bf16": dense["bf16"] / ms_,
+                         "x_best": dense[fastest] / ms_,
                          "packed_bytes": nbytes,
                          "gbps": nbytes / (ms_ * 1e-3) / 1e9 if M == 1 else None})
             if paths:
-                per = {p: best[f"path:{p}:{name}"] * 1e3 for p in _paths(tier, s)}
+                per = {p: best[f"path:{p}:{name}"] * 1e3
+                       for p in _paths(tier, s, getattr(torch, dt))}
                 path_rows.append({"M": M, "scheme": s, "dtype": dt, "ms": per,
                                   "fastest": min(per, key=per.get),
-                                  "chosen": quant.path(s, M, tier)})
+                                  "chosen": quant.path(s, M, tier, getattr(torch, dt))})
     return {"tier": tier, "rows": rows, "paths": path_rows}
 
 
@@ -173,13 +175,14 @@ def path_table(prow: list[dict[str, Any]]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     cols = ("scheme", "x dtype", "M", "path", "glm5 ms", "fp32 ms", "bf16 ms", "int8 ms",
-            "x fp32", "x best (fastest)", "GB/s packed")
+            "x fp32", "x bf16", "x best (fastest)", "GB/s packed")
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         d = r["dense_ms"]
         cells = [r["scheme"], r["dtype"], str(r["M"]), r["path"], f"{r['ms']:.3f}",
                  *(f"{d[k]:.3f}" if k in d else "-" for k in DENSE),
-                 f"{r['x_fp32']:.2f}", f"{r['x_best']:.2f} ({r['fastest_dense']})",
+                 f"{r['x_fp32']:.2f}", f"{r['x_bf16']:.2f}",
+                 f"{r['x_best']:.2f} ({r['fastest_dense']})",
                  f"{r['gbps']:.1f}" if r["gbps"] is not None else "-"]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)

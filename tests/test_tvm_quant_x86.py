@@ -33,7 +33,9 @@ from glm5.testing.parity import format_table, run_parity  # noqa: E402
 
 VNNI = quant_vnni.vnni_available()[0]
 AMX = VNNI and quant_amx.amx_available()[0]
+BF16_DP = VNNI and quant_vgemm.bf16_available()[0]
 needs_vnni = pytest.mark.skipif(not VNNI, reason=quant_vnni.vnni_available()[1])
+needs_bf16 = pytest.mark.skipif(not BF16_DP, reason=quant_vgemm.bf16_available()[1])
 needs_amx = pytest.mark.skipif(not AMX, reason=quant_amx.amx_available()[1])
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -156,8 +158,11 @@ def test_vgemm_tasks_split_rows_and_columns(ctx, monkeypatch):
     """Small scratch slots (one or a few register tiles of weight rows per task, tasks that
     end inside a 16-row store block) and few weight rows (row blocks of x split between
     tasks): every output right, and equal to the one-task result bit for bit."""
-    for scheme in ("w8a8", "w4a8", "w6a12"):
-        vals = _case(150, 300, 45, scheme, F32, seed=3)
+    for scheme, dtype in (("w8a8", F32), ("w4a8", F32), ("w6a12", F32), ("w8a16", BF16),
+                          ("w8a16", F32)):
+        if not quant.serves("vgemm", scheme):
+            continue
+        vals = _case(150, 300, 45, scheme, dtype, seed=3)
         args = (vals["x"], vals["w_packed"], vals["w_scale"], scheme)
         whole = quant_vgemm.gemm_vnni(lambda: ctx, *args)
         _check(whole, vals, f"vgemm {scheme}")
@@ -165,7 +170,7 @@ def test_vgemm_tasks_split_rows_and_columns(ctx, monkeypatch):
             monkeypatch.setattr(quant_vgemm, "SCRATCH", slot)
             assert torch.equal(quant_vgemm.gemm_vnni(lambda: ctx, *args), whole), (scheme, slot)
         monkeypatch.undo()
-        small = _case(150, 300, 3, scheme, F32, seed=4)  # one task of rows: msplit > 1
+        small = _case(150, 300, 3, scheme, dtype, seed=4)  # one task of rows: msplit > 1
         _check(quant_vgemm.gemm_vnni(lambda: ctx, small["x"], small["w_packed"],
                                      small["w_scale"], scheme), small, f"vgemm N=3 {scheme}")
 
@@ -212,12 +217,84 @@ def test_vgemm_task_split_balances_threads():
     assert busiest(1024, 2, quant_vgemm._tasks(1024, 2, 80)) == 518
 
 
-@needs_vnni
-def test_vgemm_refuses_w8a16(ctx):
-    vals = _case(4, 64, 8, "w8a16", F32)
-    with pytest.raises(ValueError, match="VNNI GEMM serves w8a8, w4a8 and w6a12"):
+@needs_bf16
+def test_vgemm_w8a16_matches_oracle(ctx):
+    """w8a16 on vdpbf16ps: bf16 x (one plane) and fp32 x (three planes) over the boundary
+    shapes, within the op's tolerance."""
+    _sweep(lambda x, wp, ws: quant_vgemm.gemm_vnni(lambda: ctx, x, wp, ws, "w8a16"),
+           VGEMM_SHAPES, "w8a16", "vgemm")
+
+
+@needs_bf16
+def test_vgemm_w8a16_is_exact_on_exact_products(ctx):
+    """Integer-valued x and weights whose every partial sum is an integer below 2^24: each
+    output is exact, so a dropped or repeated chunk, pair or plane shows as a wrong integer
+    (bf16 x: one plane; fp32 x of 10-bit integers: the hi and mid planes both carry bits)."""
+    g = torch.Generator().manual_seed(6)
+    for dtype, top in ((BF16, 256), (F32, 2**9)):
+        M, K, N = 70, 200, 37
+        x = torch.randint(-top, top, (M, K), generator=g).to(dtype)
+        w = torch.randint(-127, 128, (N, K), generator=g).float()
+        w[:, 0] = 127  # amax 127: the scale is exactly 1
+        wp, ws = quantize_weight(w, "w8a16")
+        assert torch.equal(ws, torch.ones(N))
+        got = quant_vgemm.gemm_vnni(lambda: ctx, x, wp, ws, "w8a16")
+        want = x.double() @ w.double().T
+        assert want.abs().max() < 2**24
+        assert torch.equal(got.double(), want), dtype
+
+
+def test_vgemm_w8a16_refused_without_bf16(ctx, monkeypatch):
+    """Where the CPU lacks AVX-512 BF16 the GEMM refuses w8a16 naming what is missing, and
+    the path table sends such calls to the VNNI GEMV (its fallback entry)."""
+    monkeypatch.setattr(quant_vgemm, "bf16_available", lambda: (False, "CPU lacks avx512_bf16"))
+    vals = _case(4, 64, 8, "w8a16", BF16)
+    with pytest.raises(RuntimeError, match="vdpbf16ps: CPU lacks avx512_bf16"):
         quant_vgemm.gemm_vnni(lambda: ctx, vals["x"], vals["w_packed"], vals["w_scale"],
                               "w8a16")
+    assert not quant.serves("vgemm", "w8a16") and quant.serves("vgemm", "w4a8")
+    assert quant.path("w8a16", 512, "vnni", BF16) == "vnni"
+
+
+def test_vgemm_serves_w8a16_on_bf16_x_only(monkeypatch):
+    """With AVX-512 BF16, w8a16 takes the GEMM for bf16 x above the GEMV's rows and the GEMV
+    for fp32 x at every M (its three planes measured slower)."""
+    monkeypatch.setattr(quant_vgemm, "bf16_available", lambda: (True, "t"))
+    assert quant.serves("vgemm", "w8a16", BF16) and not quant.serves("vgemm", "w8a16", F32)
+    bound = quant.PATHS["vnni"]["w8a16"][0][0]
+    assert quant.path("w8a16", bound, "vnni", BF16) == "vnni"
+    assert quant.path("w8a16", bound + 1, "vnni", BF16) == "vgemm"
+    assert quant.path("w8a16", 10**6, "vnni", F32) == "vnni"
+
+
+def test_dpbf16_rewrite():
+    """The vdpbf16ps rewrite: each stand-in call becomes bitcasts around the intrinsic
+    (operands of either form, constants too), its declaration is replaced, and a use it does
+    not recognise is refused instead of linking the stand-in's integer semantics."""
+    from glm5.kernels.tvm import tirlib
+
+    ll = ("define void @f() {\n"
+          "  %7 = tail call <16 x i32> @llvm.x86.avx512.vpdpwssd.512(<16 x i32> %a.x, "
+          "<32 x i16> %1, <32 x i16> %2), !dbg !4\n"
+          "  %8 = call <16 x i32> @llvm.x86.avx512.vpdpwssd.512(<16 x i32> zeroinitializer, "
+          "<16 x i32> %3, <16 x i32> %4)\n"
+          "  ret void\n}\n"
+          "declare <16 x i32> @llvm.x86.avx512.vpdpwssd.512(<16 x i32>, <32 x i16>, "
+          "<32 x i16>) #1\n")
+    out = tirlib.dpbf16_ir(ll)
+    assert "vpdpwssd" not in out
+    assert out.count("call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(") == 2
+    assert "bitcast <16 x i32> %a.x to <16 x float>" in out
+    assert "bitcast <32 x i16> %1 to <32 x bfloat>" in out
+    assert "bitcast <16 x i32> %4 to <32 x bfloat>" in out
+    assert "bitcast <16 x i32> zeroinitializer to <16 x float>" in out
+    assert "%7 = bitcast <16 x float>" in out and ", !dbg !4" in out
+    assert out.count("declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, "
+                     "<32 x bfloat>, <32 x bfloat>)") == 1
+    old = tirlib.dpbf16_ir(ll, "<16 x i32>")
+    assert "bitcast <32 x i16> %1 to <16 x i32>" in old
+    with pytest.raises(RuntimeError, match="cannot rewrite"):
+        tirlib.dpbf16_ir("  store ptr @llvm.x86.avx512.vpdpwssd.512, ptr %p\n")
 
 
 def _amx_codes(xb: torch.Tensor, M: int, K: int, bits: int, unsigned: bool = False
@@ -432,11 +509,15 @@ def test_scratch_buffers_are_reused_up_to_a_size(monkeypatch):
 # --------------------------------------------------------------------------- the path table
 def test_path_table_boundaries():
     """`quant.path` picks, for every tier and scheme, the entry of `PATHS` whose row bound is
-    the first >= M: at each bound its own path, one row above it the next entry's."""
+    the first >= M: at each bound its own path, one row above it the next entry's. Entries
+    after the first catch-all are fallbacks, served by a path that serves every call."""
     for tier, table in quant.PATHS.items():
         assert set(table) == set(SCHEMES), tier
         for scheme, entries in table.items():
-            assert entries[-1][0] is None, (tier, scheme)  # a catch-all last
+            first = [r for r, _ in entries].index(None)
+            assert all(r is None for r, _ in entries[first:]), (tier, scheme)
+            assert entries[-1][1] != "vgemm" or quant.SCHEMES[scheme].act_bits is not None
+            entries = entries[:first + 1]
             bounds = [r for r, _ in entries[:-1]]
             assert bounds == sorted(set(bounds)) and all(b >= 1 for b in bounds)
             assert all(p in quant.LABELS for _, p in entries)
@@ -461,8 +542,8 @@ def test_cpu_tier_from_features(monkeypatch):
 
 @pytest.mark.parametrize("tier", list(quant.PATHS))
 def test_served_op_runs_and_reports_the_tables_path(monkeypatch, tier):
-    """The cpu backend's quant_linear runs the path `PATHS` names for (tier, scheme, M) and
-    reports its label; empty products run nothing."""
+    """The cpu backend's quant_linear runs the path `PATHS` names for (tier, scheme, M, x's
+    dtype) and reports its label; empty products run nothing."""
     entry = glm5.get_registry().get("cpu").kernels["quant_linear"]
     ran = []
 
@@ -476,11 +557,13 @@ def test_served_op_runs_and_reports_the_tables_path(monkeypatch, tier):
         wp, ws = quantize_weight(torch.randn(16, 64), scheme)
         bounds = [r for r, _ in quant.PATHS[tier][scheme] if r is not None]
         for M in sorted({1, 2, 3, *bounds, *(b + 1 for b in bounds), 600}):
-            ran.clear()
-            y, labels = run_recorded(entry, (torch.randn(M, 64), wp, ws, scheme, None))
-            want = quant.path(scheme, M, tier)
-            assert ran == [want] and labels == [quant.LABELS[want]], (scheme, M)
-            assert y.shape == (M, 16)
+            for dtype in (F32, BF16):
+                ran.clear()
+                x = torch.randn(M, 64).to(dtype)
+                y, labels = run_recorded(entry, (x, wp, ws, scheme, None))
+                want = quant.path(scheme, M, tier, dtype)
+                assert ran == [want] and labels == [quant.LABELS[want]], (scheme, M, dtype)
+                assert y.shape == (M, 16)
         ran.clear()
         _, labels = run_recorded(entry, (torch.randn(0, 64), wp, ws, scheme, None))
         assert ran == [] and labels == [entry.impl]
@@ -504,7 +587,7 @@ def test_every_path_passes_parity(backend, monkeypatch, p):
     """quant_linear with every row count sent down one path: the kit's edge and tile cases
     (fp32 and bf16, biases, activations with exact ties) all within the op's tolerance."""
     monkeypatch.setitem(quant.PATHS, quant.cpu_tier(), {
-        s: ((None, p if quant.serves(p, s) else "tvm"),) for s in SCHEMES})
+        s: ((None, p), (None, "tvm")) for s in SCHEMES})  # tvm where p does not serve
     rows = run_parity(backend, ["quant_linear"], examples=4, seed=11, profile="smoke")
     assert rows and all(r.status == "pass" for r in rows), format_table(rows)
 
@@ -526,17 +609,19 @@ def test_moe_experts_quant_on_every_tier(backend, monkeypatch, tier):
 @pytest.mark.skipif(not VNNI, reason=quant_vnni.vnni_available()[1])
 def test_moe_experts_quant_takes_each_experts_path(ctx, monkeypatch):
     """On a VNNI tier every expert with rows runs both projections on `quant.path` for its own
-    row count (here 1 to 40 rows: the GEMV and the GEMM both serve), experts without rows run
-    nothing, and the result matches the grouped portable kernel's within the op's tolerance."""
+    row count and x's dtype (here 1 to 40 rows: the GEMV and the GEMM both serve), experts
+    without rows run nothing, and the result matches the grouped portable kernel's within the
+    op's tolerance."""
     monkeypatch.setattr(quant, "_tier", ["vnni"])
     g = torch.Generator().manual_seed(2)
     E, D, I, T, k = 6, 96, 64, 40, 2
-    for scheme in SCHEMES:
+    # w8a16 twice: fp32 x (the GEMV at every count), bf16 x (the bf16 GEMM above 16 rows)
+    for scheme, dtype in [(s, F32) for s in SCHEMES] + [("w8a16", BF16)]:
         w13 = [quantize_weight(torch.randn(2 * I, D, generator=g), scheme) for _ in range(E)]
         w2 = [quantize_weight(torch.randn(D, I, generator=g), scheme) for _ in range(E)]
         args = (torch.stack([a for a, _ in w13]), torch.stack([b for _, b in w13]),
                 torch.stack([a for a, _ in w2]), torch.stack([b for _, b in w2]))
-        x = torch.randn(T, D, generator=g)
+        x = torch.randn(T, D, generator=g).to(dtype)
         # expert 0: every token; 1: one token; 2: none; the rest share the others
         ids = torch.zeros(T, k, dtype=torch.int32)
         ids[:, 1] = 3 + torch.arange(T) % 3
@@ -553,7 +638,8 @@ def test_moe_experts_quant_takes_each_experts_path(ctx, monkeypatch):
         got = quant.moe_experts_quant(lambda: ctx, x, ids, wts, *args, scheme)
         monkeypatch.setattr(quant, "_run", real)
         counts = torch.bincount(ids.reshape(-1).long(), minlength=E).tolist()
-        want_runs = [(quant.path(scheme, n, "vnni"), n) for n in counts if n for _ in (0, 1)]
+        want_runs = [(quant.path(scheme, n, "vnni", x.dtype), n) for n in counts if n
+                     for _ in (0, 1)]
         assert ran == want_runs, (scheme, ran)
         monkeypatch.setattr(quant, "_tier", ["portable"])
         grouped = quant.moe_experts_quant(lambda: ctx, x, ids, wts, *args, scheme)
@@ -608,7 +694,8 @@ def test_kernels_decline_what_int32_indexing_cannot_reach():
 
 def test_new_kernels_build_once_and_load_from_disk(ctx, tmp_path):
     """New M, N, K reuse the built VNNI / AMX kernels (all three are runtime values); a fresh
-    context on the same cache directory loads them instead of compiling."""
+    context on the same cache directory loads them instead of compiling (and they compute
+    the same)."""
     todo = [p for p in ("vnni", "vgemm", "amx") if p in _paths_here()]
     if not todo:
         pytest.skip("no VNNI / AMX on this CPU")
@@ -619,6 +706,11 @@ def test_new_kernels_build_once_and_load_from_disk(ctx, tmp_path):
         wp, ws = quantize_weight(torch.randn(N, K, generator=g), "w4a8")
         for p in todo:
             quant._run(p, lambda: c, torch.randn(M, K, generator=g), wp, ws, "w4a8")
+        if BF16_DP:  # the bf16 GEMM: compiled from rewritten LLVM IR, cached like the rest
+            wp, ws = quantize_weight(torch.randn(N, K, generator=g), "w8a16")
+            x = torch.randn(M, K, generator=g).to(BF16)
+            vals = {"x": x, "w_packed": wp, "w_scale": ws, "scheme": "w8a16", "bias": None}
+            _check(quant._run("vgemm", lambda: c, x, wp, ws, "w8a16"), vals, "w8a16 cached")
 
     run(c1, 3, 200, 40)
     built = [b["how"] for b in c1.builds]
@@ -678,9 +770,11 @@ def test_bench_script_writes_its_table(tmp_path, monkeypatch):
     assert {(r["M"], r["scheme"], r["dtype"]) for r in d["rows"]} == {
         (M, s, dt) for M in (1, 3) for s in SCHEMES for dt in ("float32", "bfloat16")}
     for r in d["rows"]:
-        assert r["path"] == quant.LABELS[quant.path(r["scheme"], r["M"], tier)], r
+        dt = getattr(torch, r["dtype"])
+        assert r["path"] == quant.LABELS[quant.path(r["scheme"], r["M"], tier, dt)], r
         assert r["ms"] > 0 and set(r["dense_ms"]) >= {"fp32", "bf16"}
         assert r["x_fp32"] == pytest.approx(r["dense_ms"]["fp32"] / r["ms"])
         assert (r["gbps"] is not None) == (r["M"] == 1)
     assert len(d["paths"]) == len(d["rows"])
-    assert all(set(p["ms"]) == set(bench._paths(tier, p["scheme"])) for p in d["paths"])
+    assert all(set(p["ms"]) == set(bench._paths(tier, p["scheme"], getattr(torch, p["dtype"])))
+               for p in d["paths"])

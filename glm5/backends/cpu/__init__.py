@@ -83,7 +83,7 @@ def _quant_linear_path(x, w_packed, w_scale, scheme, bias=None) -> str | None:
     M, K = x.shape
     if M == 0 or K == 0 or w_packed.shape[0] == 0:
         return None
-    return quant.LABELS[quant.path(scheme, M)]
+    return quant.LABELS[quant.path(scheme, M, dtype=x.dtype)]
 
 
 def _moe_quant_path(x, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale,

@@ -130,10 +130,13 @@ class TVMContext:
         return target, version
 
     def kernel(self, op: str, key: dict[str, Any], build: Callable[[], Any],
-               symbol: str, mattr: tuple[str, ...] = ()) -> Callable[..., Any]:
+               symbol: str, mattr: tuple[str, ...] = (),
+               ir_rewrite: Callable[[str], str] | None = None) -> Callable[..., Any]:
         """The compiled function ``symbol`` of the PrimFunc/IRModule that ``build()`` returns.
         ``mattr``: LLVM target features added to the host's (e.g. ``"+amx-int8"``) for a
-        kernel whose caller has checked at run time that this CPU has them."""
+        kernel whose caller has checked at run time that this CPU has them. ``ir_rewrite``:
+        applied to the generated LLVM IR before it is compiled to machine code (what TIR
+        cannot express, e.g. `tirlib.dpbf16_ir`); the LLVM module must be the only one."""
         with self._lock:
             target, version = self._key_strings()
             ident = {"op": op, "key": key, "target": target, "tvm": version,
@@ -159,6 +162,8 @@ class TVMContext:
                     tgt = tvm.target.Target(d)
                 ex = tvm.compile(build(), target=tgt)
                 path.parent.mkdir(parents=True, exist_ok=True)
+                if ir_rewrite is not None:
+                    ex = _rewritten(ex, ir_rewrite, path.parent)
                 fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
                 os.close(fd)
                 ex.export_library(tmp)
@@ -172,6 +177,23 @@ class TVMContext:
                 log.info("glm5 tvm: built %s %s in %.2fs -> %s", op, key, dt, path)
             self._mem[h] = mod
             return mod[symbol]
+
+
+def _rewritten(ex: Any, ir_rewrite: Callable[[str], str], where: Path) -> Any:
+    """The module of ``ex`` recompiled from its LLVM IR after ``ir_rewrite``."""
+    import tvm
+
+    mod = ex.mod
+    if list(mod.imports):
+        raise RuntimeError("glm5 tvm: an IR rewrite needs a kernel of one LLVM module, this "
+                           f"one imports {len(list(mod.imports))}")
+    fd, tmp = tempfile.mkstemp(suffix=".ll", dir=where)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(ir_rewrite(mod.inspect_source("ll")))
+        return tvm.runtime.load_module(tmp)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- runtime loading

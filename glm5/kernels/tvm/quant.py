@@ -26,10 +26,11 @@ The kernel is a GEMV with 4-row register blocks, written for any LLVM target ("p
 Which path serves a call is chosen per CPU tier (`cpu_tier`: AMX, AVX-512 VNNI or neither,
 read from the CPU at run time), scheme and row count from the table `PATHS`: the VNNI GEMV of
 `quant_vnni` (few rows), the AMX tile GEMM of `quant_amx` (more rows), on VNNI without AMX the
-register-tiled GEMM of `quant_vgemm` (more rows, activation schemes), this module's GEMV, or
-`gemm_torch` (w8a16: sgemms over blocks of rows widened to fp32; w8a8: exact fp32 sgemms over K-chunks
-of codes). The crossovers are measured by bench/cpu_quant_linear.py (--paths) and listed in
-docs/performance.md, "CPU quantized linears". Only M, N and K are runtime values: one build
+register-tiled GEMM of `quant_vgemm` (more rows; w8a16 on bf16 x with vdpbf16ps), this
+module's GEMV, or `gemm_torch` (w8a16: sgemms over blocks of rows widened to fp32; w8a8:
+exact fp32 sgemms over K-chunks of codes). The crossovers are measured by
+bench/cpu_quant_linear.py (--paths) and listed in docs/performance.md, "CPU quantized
+linears". Only M, N and K are runtime values: one build
 per (scheme, row block).
 """
 
@@ -54,9 +55,11 @@ VL = 16  # lanes (AVX-512: 16 fp32 / int32)
 MB = 4  # activation rows per weight-vector unpack (fewer rows than MB: a 1-row build)
 DTYPES = (torch.float32, torch.bfloat16)
 # The path per CPU tier (`cpu_tier`), scheme and row count M: the first (max rows, path) entry
-# with M <= max rows (None: any) wins. Paths: "vnni" the VNNI GEMV (`quant_vnni`, MB = 1 row
-# at M = 1, else 4-row blocks), "vgemm" the VNNI register-tiled GEMM of the activation schemes
-# (`quant_vgemm`), "amx" the AMX tile GEMM (`quant_amx`), "tvm" the portable GEMV
+# with M <= max rows (None: any) whose path serves the call (`serves`: x's dtype, this CPU's
+# features) wins; entries after the first catch-all are fallbacks for calls it does not serve.
+# Paths: "vnni" the VNNI GEMV (`quant_vnni`, MB = 1 row at M = 1, else 4-row blocks), "vgemm"
+# the VNNI register-tiled GEMM (`quant_vgemm`: the activation schemes; w8a16 on bf16 x where
+# the CPU has AVX-512 BF16), "amx" the AMX tile GEMM (`quant_amx`), "tvm" the portable GEMV
 # of this module, "torch:gemm" `gemm_torch`. Crossovers measured side by side with
 # bench/cpu_quant_linear.py at K = N = 4096 (docs/performance.md, "CPU quantized linears"; the
 # "vnni" row on an AVX-512 VNNI host without AMX, AMD Zen 5); "portable" is what any other host
@@ -66,7 +69,7 @@ PATHS: dict[str, dict[str, tuple[tuple[int | None, str], ...]]] = {
             "w8a8": ((1, "vnni"), (None, "amx")),
             "w4a8": ((1, "vnni"), (None, "amx")),
             "w6a12": ((2, "vnni"), (None, "amx"))},
-    "vnni": {"w8a16": ((None, "vnni"),),
+    "vnni": {"w8a16": ((16, "vnni"), (None, "vgemm"), (None, "vnni")),
              "w8a8": ((32, "vnni"), (None, "vgemm")),
              "w4a8": ((24, "vnni"), (None, "vgemm")),
              "w6a12": ((16, "vnni"), (None, "vgemm"))},
@@ -93,18 +96,26 @@ def cpu_tier() -> str:
     return _tier[0]
 
 
-def serves(p: str, scheme: str) -> bool:
-    """Whether path ``p`` computes ``scheme`` (the VNNI GEMM: the activation schemes)."""
-    return p != "vgemm" or SCHEMES[scheme].act_bits is not None
+def serves(p: str, scheme: str, dtype: torch.dtype | None = None) -> bool:
+    """Whether path ``p`` computes ``scheme`` for x of ``dtype`` (None: of some dtype) on this
+    CPU. The VNNI GEMM: the activation schemes, and w8a16 where the CPU has AVX-512 BF16, for
+    bf16 x (fp32 x's three bf16 planes ran slower than the VNNI GEMV: docs/performance.md)."""
+    if p != "vgemm" or SCHEMES[scheme].act_bits is not None:
+        return True
+    from glm5.kernels.tvm.quant_vgemm import bf16_available
+
+    return dtype in (None, torch.bfloat16) and bf16_available()[0]
 
 
-def path(scheme: str, M: int, tier: str | None = None) -> str:
+def path(scheme: str, M: int, tier: str | None = None, dtype: torch.dtype | None = None
+         ) -> str:
     """The path `quant_linear` takes for ``M`` rows of ``scheme`` on ``tier`` (default: this
-    CPU's), from `PATHS`."""
+    CPU's), from `PATHS`; with ``dtype`` (x's), the first entry that `serves` it."""
     for rows, p in PATHS[tier or cpu_tier()][scheme]:
-        if rows is None or M <= rows:
+        if (rows is None or M <= rows) and (dtype is None or serves(p, scheme, dtype)):
             return p
-    raise AssertionError(f"glm5 quant_linear: PATHS[{tier!r}][{scheme!r}] has no catch-all")
+    raise AssertionError(f"glm5 quant_linear: PATHS[{tier!r}][{scheme!r}] has no catch-all "
+                         f"for {dtype}")
 
 # (bytes per unit, values per unit) of each weight width
 _UNIT = {8: (1, 1), 4: (1, 2), 6: (3, 4)}
@@ -373,7 +384,7 @@ def quant_linear(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Te
     if M == 0 or N == 0 or K == 0:
         y = torch.zeros(M, N, dtype=torch.float32)
     else:
-        y = _run(path(scheme, M), context, x, w_packed, w_scale, scheme)
+        y = _run(path(scheme, M, dtype=x.dtype), context, x, w_packed, w_scale, scheme)
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype)
@@ -453,7 +464,7 @@ def _moe_by_expert(context: Callable[[], Any], x: torch.Tensor, tok: torch.Tenso
     for e, n in enumerate(counts):
         if not n:
             continue
-        p = path(scheme, n)
+        p = path(scheme, n, dtype=x.dtype)
         h13 = _run(p, context, xs[a: a + n], w13_packed[e], w13_scale[e], scheme)
         hs = torch.empty(n, I, dtype=f32)
         silu(h13.to(x.dtype).to(f32), hs)

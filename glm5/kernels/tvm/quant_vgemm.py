@@ -1,5 +1,6 @@
 """`quant_linear` for many rows on AVX-512 VNNI CPUs without AMX (Zen 4 / Zen 5, Ice Lake):
-a register-blocked ``vpdpbusd`` GEMM for the activation schemes (w8a8, w4a8, w6a12).
+a register-blocked ``vpdpbusd`` GEMM for the activation schemes (w8a8, w4a8, w6a12) and a
+``vdpbf16ps`` one for w8a16 (where the CPU has AVX-512 BF16: Zen 4 / Zen 5).
 
 The VNNI GEMV (`quant_vnni`) reads each weight byte once but holds only one to four rows of x
 against a weight vector; with hundreds of rows it reloads x for every weight row and runs at
@@ -25,12 +26,17 @@ a fraction of the dot-product units. This kernel computes ``Yᵀ = W · Xᵀ`` i
   buffer; outputs leave 16 x 16 at a time, transposed in registers (`tirlib.butterfly`),
   as contiguous runs of y's rows.
 
-w8a16 is not served here: its bf16 products need ``vdpbf16ps``, whose bf16 vector operands
-TVM 0.27's lowering rewrites to fp32 (BF16ComputeLegalize) before LLVM sees them.
+w8a16 (``op="bf16"``) runs the same loops on bf16 operands: x is `activations`' bf16 planes
+(2 values of 16 rows per int32; rows scaled by a power of two first, undone in ``s_x``: bf16
+x is one plane, fp32 x three, ``hi + mid + lo`` exact, hi accumulated apart and added last,
+as the AMX path does), the weight codes are unpacked as bf16 (an int8 is exact in bf16), and
+``vdpbf16ps`` adds two exact products per lane to fp32 accumulators: fp32 accumulation of
+exact products, the scale applied to the sum. TVM 0.27 cannot emit ``vdpbf16ps`` itself
+(`tirlib.dpbf16`: the kernel is written with a stand-in that its LLVM IR is rewritten from).
 
 Each parallel work item is one TVM worker with its own scratch slot, running its contiguous
 share of tasks (``nsub`` blocks of NR weight rows x a share of the row blocks of x). M, N and
-K are runtime values: one build per (weight width, planes, grouped, tile).
+K are runtime values: one build per (weight width, planes, grouped, tile, op).
 """
 
 from __future__ import annotations
@@ -41,9 +47,9 @@ import torch
 
 from glm5.ir.quant_formats import GROUP, SCHEMES
 from glm5.kernels.tvm import tirlib
-from glm5.kernels.tvm.quant_amx import CHUNK, activations, tvm_threads
+from glm5.kernels.tvm.quant_amx import CHUNK, _op_planes, activations, tvm_threads
 from glm5.kernels.tvm.quant_vnni import BIAS, BYTE_OPERANDS, biased, first_operand_form
-from glm5.kernels.tvm.tirlib import cached
+from glm5.kernels.tvm.tirlib import BF16_OPERANDS, WORD_OPERANDS, cached, dpbf16_ir
 
 REV = 1
 SCRATCH = 1310720  # bytes of unpacked weight rows per parallel task (L2-resident)
@@ -51,44 +57,73 @@ QB = 16  # NR-row blocks whose running sums (QB·NR·MV vectors) stay in L1 acro
 # w8a8's chunks per pass over x (its int32 sums need no groups: vpdpbusd wraps, so the lanes
 # are exact modulo 2^32, hence exact, as the op's |Σ x·w| <= K·127² < 2^31 (supports check))
 INT_CHUNKS = 8
+BF_CHUNKS = 4  # w8a16's chunks (32 K values each) per pass over x
 MATTR = ("+avx512vnni", "+avx512bw", "+avx512vbmi")
+BF_MATTR = ("+avx512bf16", "+avx512bw")
 
 
-def _gch(grouped: bool) -> int:
-    """Chunks of 64 codes per group: a scale group (128 codes), or w8a8's pass (INT_CHUNKS)."""
+def _gch(grouped: bool, op: str = "i8") -> int:
+    """Chunks per group: a scale group (128 codes), or w8a8's / w8a16's pass over x."""
+    if op == "bf16":
+        return BF_CHUNKS
     return GROUP // CHUNK if grouped else INT_CHUNKS
 
 
-def _tile(P: int) -> tuple[int, int]:
+def _tile(P: int, op: str = "i8") -> tuple[int, int]:
     """(NR weight rows, MV vectors of 16 rows of x) per register tile: NR·MV·P int32
-    accumulators, and the x vectors LLVM loads a few steps ahead, within the 32 zmm
-    registers. Measured against 6-9 other shapes each on Zen 5 (docs/performance.md): the
-    best, or within noise of it."""
+    accumulators (bf16: NR·MV·min(P, 2) fp32), and the x vectors LLVM loads a few steps ahead,
+    within the 32 zmm registers. Measured against 6-9 other shapes each on Zen 5
+    (docs/performance.md): the best, or within noise of it."""
+    if op == "bf16":
+        return (3, 4) if P == 1 else (2, 3)
     return (4, 3) if P == 1 else (2, 3)
 
 
-def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
+def bf16_available() -> tuple[bool, str]:
+    """(True, why) where the CPU has AVX-512 BF16 (``vdpbf16ps``: w8a16 on this GEMM)."""
+    from glm5.host_cpu import missing
+
+    why = missing("avx512f", "avx512bw", "avx512_bf16")
+    return (False, why) if why else (True, "AVX-512 BF16")
+
+
+def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str = "i8"
+          ) -> Any:
     """``qgemm(xw[P, Mt, NC, 16, 16] int32, w[N, Pk], sw[N, G], sx[Mt·16], y[M, N],
     scr[nth, NG, NR·nsub, gch·16] int32, ws[nth, NR·nsub, NG] int32,
-    acc[nth, NRP, MV, 16] fp32, M, K, nsub, msplit)``: xw = `activations`' unsigned tile
-    layout (4 codes of 16 rows per int32), NG the groups of gch = `_gch` chunks of K, NRP the
-    task's weight rows rounded up to 16; scr, ws, acc: per-thread scratch."""
+    acc[nth, NRP, MV, 16] fp32, M, K, nsub, msplit)``: xw = `activations`' tile layout, NG the
+    groups of gch = `_gch` chunks of K, NRP the task's weight rows rounded up to 16; scr, ws,
+    acc: per-thread scratch. ``op`` "i8": the activation schemes, x's unsigned form (4 codes of
+    16 rows per int32), ``vpdpbusd``; "bf16": w8a16, x's bf16 planes (2 values of 16 rows per
+    int32: P = 1 for bf16 x, 3 for fp32 x, hi accumulated apart from mid + lo and added last,
+    as the AMX path does), the codes as bf16 (exact), ``vdpbf16ps``; ws unused."""
     from tvm.script import tirx as T
 
     from glm5.kernels.tvm.quant import _unpack_tir
-    from glm5.kernels.tvm.tirlib import butterfly
+    from glm5.kernels.tvm.tirlib import butterfly, dpbf16
 
-    NR, MV = _tile(P)
-    gch = _gch(grouped)
+    BF = op == "bf16"
+    NR, MV = _tile(P, op)
+    PC = min(P, 2) if BF else P  # accumulator planes
+    adt = "float32" if BF else "int32"
+    gch = _gch(grouped, op)
+    CK = CHUNK // 2 if BF else CHUNK  # K values per chunk (one 64-byte vector of a row)
     wdt = "int8" if bits == 8 else "uint8"
     bias = BIAS[bits]
     unit_b, unit_v = {8: (1, 1), 4: (1, 2), 6: (3, 4)}[bits]
-    cbytes = CHUNK * unit_b // unit_v  # packed bytes of one chunk
-    lbytes = CHUNK if bits == 6 else cbytes  # bytes its vector load reads
+    cbytes = CK * unit_b // unit_v  # packed bytes of one chunk
+    lbytes = CK if bits == 6 else cbytes  # bytes its vector load reads
 
     def dp(acc: Any, u: Any, x: Any) -> Any:
+        if BF:
+            return dpbf16(T, acc, u, x, bdt)
         return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc,
                                        T.reinterpret(bdt, u), T.reinterpret(bdt, x))
+
+    def bf16_pairs(v: Any) -> Any:
+        """int8 x 32 -> their bf16 bits, pairs as int32 x 16 (an int8 is exact in bf16)."""
+        return T.reinterpret("int32x16", T.Cast("uint16x32", T.shift_right(T.reinterpret(
+            "uint32x32", T.Cast("float32x32", v)), T.broadcast(T.uint32(16), 32))))
 
     def v16(buf: Any, *idx: Any) -> Any:
         return buf[(*idx, T.ramp(0, 1, 16))]
@@ -107,16 +142,58 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
         return c * CHUNK + T.if_then_else(i < 32, 2 * i, 2 * (i - 32) + 1)
 
     def combine(vs: list[Any]) -> Any:
+        """The pass's sums from the accumulator planes: w6a12's exactly (16·hi + lo); bf16's
+        mid + lo sums then hi."""
+        if BF:
+            return vs[-1] + vs[0] if len(vs) > 1 else vs[0]
         v = vs[0]
         for p in vs[1:]:
             v = v * 16 + p
         return v
 
+    # accumulator rows held in the first buffer (all of them below the 1 KiB limit)
+    NRH = NR // 2 if NR * PC * MV * 64 >= 1024 and NR > 1 else NR
+
+    def _get(ia: Any, ib: Any, i: Any, p: Any, mv: Any) -> Any:
+        """Accumulator (i, p, mv) of the tile (``i`` unrolled: the select folds)."""
+        if NRH == NR:
+            return v16(ia, i, p, mv)
+        return T.if_then_else(i < NRH, v16(ia, T.min(i, NRH - 1), p, mv),
+                              v16(ib, T.max(i - NRH, 0), p, mv))
+
+    @T.macro
+    def _set(ia: Any, ib: Any, i: Any, p: Any, mv: Any, v: Any) -> None:
+        if NRH == NR:
+            ia[i, p, mv, T.ramp(0, 1, 16)] = v
+        elif i < NRH:
+            ia[T.min(i, NRH - 1), p, mv, T.ramp(0, 1, 16)] = v
+        else:
+            ib[T.max(i - NRH, 0), p, mv, T.ramp(0, 1, 16)] = v
+
+    @T.macro
+    def _steps(X: Any, SCR: Any, ia: Any, ib: Any, th: Any, g: Any, q: Any, mb: Any, Mt: Any,
+               c: Any) -> None:
+        """Chunk c of register tile q against row block mb of x: 16 steps of NR·P·MV dps."""
+        for r16 in T.unroll(16):
+            for i in T.unroll(NR):
+                for p in T.unroll(P):
+                    for mv in T.unroll(MV):
+                        _set(ia, ib, i, T.min(p, PC - 1), mv, dp(
+                            _get(ia, ib, i, T.min(p, PC - 1), mv),
+                            v16(X, p, T.min(mb * MV + mv, Mt - 1), c, r16),
+                            T.broadcast(SCR[th, g, q * NR + i, (c - g * gch) * 16 + r16], 16)))
+
     @T.macro
     def _group_sum(ACC: Any, th: Any, r: Any, mv: Any, g: Any, isum: Any, sw: Any) -> None:
         """ACC[th, r, mv] (+)= the exact group sums ``isum``: scaled in fp32 (grouped), or
-        added in int32 (w8a8: over all of K, its bits kept in the fp32 buffer)."""
-        if grouped:
+        added in int32 (w8a8: over all of K, its bits kept in the fp32 buffer); w8a16: the
+        pass's fp32 sums added."""
+        if BF:
+            if g == 0:
+                ACC[th, r, mv, T.ramp(0, 1, 16)] = isum
+            else:
+                ACC[th, r, mv, T.ramp(0, 1, 16)] = v16(ACC, th, r, mv) + isum
+        elif grouped:
             if g == 0:
                 ACC[th, r, mv, T.ramp(0, 1, 16)] = sw * T.Cast("float32x16", isum)
             else:
@@ -162,8 +239,12 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
             for task in range(t_lo, t_hi):
                 sb = task % nsb
                 ms = task // nsb
-                tail = T.alloc_buffer((CHUNK,), "uint8", scope="local")
-                iacc = T.alloc_buffer((NR, P, MV, 16), "int32", scope="local")
+                tail = T.alloc_buffer((CK,), "uint16" if BF else "uint8", scope="local")
+                # the tile's accumulators, split in two where one buffer would reach TVM's
+                # 1 KiB stack-allocation limit (above it: heap, which LLVM cannot keep in
+                # registers)
+                ia = T.alloc_buffer((NRH, PC, MV, 16), adt, scope="local")
+                ib = T.alloc_buffer((max(NR - NRH, 1), PC, MV, 16), adt, scope="local")
                 tb = T.alloc_buffer((2, 16, 16), "float32", scope="local")
                 red = T.alloc_buffer((16,), "int32", scope="local")
                 # the task's weight rows as signed codes (rows past N: zeros)
@@ -172,7 +253,10 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
                     full = T.min(T.max((Pk - (lbytes - cbytes)) // cbytes, 0), NC)
                     for c in range(NC):
                         if T.And(n < N, c < full):
-                            if bits == 4:
+                            if BF:
+                                SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)] = bf16_pairs(
+                                    W[n, T.ramp(c * CK, 1, CK)])
+                            elif bits == 4:
                                 SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)] = T.reinterpret(
                                     "int32x16", T.Shuffle(signed(W[n, T.ramp(c * 32, 1, 32)],
                                                                  32), list(range(64))))
@@ -181,28 +265,38 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
                                     "int32x16", signed(u8x64(
                                         W[n, T.ramp(c * cbytes, 1, lbytes)]), 64)[0])
                         elif n < N:  # the last chunk: K ends inside it (zeros past K)
-                            for i in range(CHUNK):
-                                tail[i] = T.Cast("uint8", T.if_then_else(
-                                    perm_k(c, i) < K, _unpack_tir(
-                                        T, lambda b: W[n, T.min(b, Pk - 1)],
-                                        T.floordiv(perm_k(c, i), unit_v),
-                                        T.floormod(perm_k(c, i), unit_v), bits), 0))
-                            SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)] = T.reinterpret(
-                                "int32x16", tail[T.ramp(0, 1, CHUNK)])
+                            if BF:
+                                for i in range(CK):
+                                    tail[i] = T.Cast("uint16", T.shift_right(T.reinterpret(
+                                        "uint32", T.Cast("float32", T.if_then_else(
+                                            c * CK + i < K, W[n, T.min(c * CK + i, K - 1)],
+                                            T.int8(0)))), T.uint32(16)))
+                                SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)] = T.reinterpret(
+                                    "int32x16", tail[T.ramp(0, 1, CK)])
+                            else:
+                                for i in range(CHUNK):
+                                    tail[i] = T.Cast("uint8", T.if_then_else(
+                                        perm_k(c, i) < K, _unpack_tir(
+                                            T, lambda b: W[n, T.min(b, Pk - 1)],
+                                            T.floordiv(perm_k(c, i), unit_v),
+                                            T.floormod(perm_k(c, i), unit_v), bits), 0))
+                                SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)] = T.reinterpret(
+                                    "int32x16", tail[T.ramp(0, 1, CHUNK)])
                         else:
                             SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)] = T.broadcast(
                                 T.int32(0), 16)
-                    for g in range(ngroups):
-                        red[T.ramp(0, 1, 16)] = T.broadcast(T.int32(0), 16)
-                        for c in range(g * gch, T.min(g * gch + gch, NC)):
-                            red[T.ramp(0, 1, 16)] = dp(
-                                red[T.ramp(0, 1, 16)], T.broadcast(T.int32(0x01010101), 16),
-                                SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)])
-                        # lanes folded in halves, 16 -> 2
-                        red[T.ramp(0, 1, 8)] = red[T.ramp(0, 1, 8)] + red[T.ramp(8, 1, 8)]
-                        red[T.ramp(0, 1, 4)] = red[T.ramp(0, 1, 4)] + red[T.ramp(4, 1, 4)]
-                        red[T.ramp(0, 1, 2)] = red[T.ramp(0, 1, 2)] + red[T.ramp(2, 1, 2)]
-                        WS[th, r, g] = (red[0] + red[1]) * 128
+                    if not BF:  # 128 · Σ w per group (w8a16's x has no bias)
+                        for g in range(ngroups):
+                            red[T.ramp(0, 1, 16)] = T.broadcast(T.int32(0), 16)
+                            for c in range(g * gch, T.min(g * gch + gch, NC)):
+                                red[T.ramp(0, 1, 16)] = dp(
+                                    red[T.ramp(0, 1, 16)], T.broadcast(T.int32(0x01010101), 16),
+                                    SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)])
+                            # lanes folded in halves, 16 -> 2
+                            red[T.ramp(0, 1, 8)] = red[T.ramp(0, 1, 8)] + red[T.ramp(8, 1, 8)]
+                            red[T.ramp(0, 1, 4)] = red[T.ramp(0, 1, 4)] + red[T.ramp(4, 1, 4)]
+                            red[T.ramp(0, 1, 2)] = red[T.ramp(0, 1, 2)] + red[T.ramp(2, 1, 2)]
+                            WS[th, r, g] = (red[0] + red[1]) * 128
                 m_lo = ms * mblk // msplit
                 m_hi = (ms + 1) * mblk // msplit
                 for mb in range(m_lo, m_hi):
@@ -213,26 +307,23 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
                             for q in range(qo * QB, T.min(qo * QB + QB, nsub)):
                                 # plane 0 starts at -128 · Σ w: the bias of x taken out exactly
                                 for i in T.unroll(NR):
-                                    for p in T.unroll(P):
+                                    for p in T.unroll(PC):
                                         for mv in T.unroll(MV):
-                                            iacc[i, p, mv, T.ramp(0, 1, 16)] = T.broadcast(
-                                                T.Select(p == 0, -WS[th, q * NR + i, g], 0), 16)
+                                            if BF:
+                                                _set(ia, ib, i, p, mv, T.broadcast(
+                                                    T.float32(0), 16))
+                                            else:
+                                                _set(ia, ib, i, p, mv, T.broadcast(
+                                                    T.Select(p == 0, -WS[th, q * NR + i, g], 0),
+                                                    16))
                                 for c in range(g * gch, T.min(g * gch + gch, NC)):
-                                    for r16 in T.unroll(16):
-                                        for i in T.unroll(NR):
-                                            for p in T.unroll(P):
-                                                for mv in T.unroll(MV):
-                                                    iacc[i, p, mv, T.ramp(0, 1, 16)] = dp(
-                                                        v16(iacc, i, p, mv),
-                                                        v16(X, p, T.min(mb * MV + mv, Mt - 1),
-                                                            c, r16),
-                                                        T.broadcast(SCR[th, g, q * NR + i, (
-                                                            c - g * gch) * 16 + r16], 16))
+                                    _steps(X, SCR, ia, ib, th, g, q, mb, Mt, c)
                                 for i in T.unroll(NR):
                                     for mv in T.unroll(MV):
                                         _group_sum(ACC, th, q * NR + i, mv, g, combine(
-                                            [v16(iacc, i, p, mv) for p in range(P)]), T.broadcast(
-                                                SW[T.min((sb * nsub + q) * NR + i, N - 1), g], 16))
+                                            [_get(ia, ib, i, p, mv) for p in range(PC)]),
+                                            T.broadcast(SW[T.min((sb * nsub + q) * NR + i,
+                                                                 N - 1), g], 16))
                     # 16 task rows x 16 rows of x at a time: scaled, transposed in registers,
                     # stored as 16 contiguous outputs of each row of y
                     for rb in range((NR * nsub + 15) // 16):
@@ -242,6 +333,10 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
                             for a in T.unroll(16):
                                 if grouped:
                                     tb[0, a, T.ramp(0, 1, 16)] = v16(ACC, th, rb * 16 + a, mv)
+                                elif BF:
+                                    tb[0, a, T.ramp(0, 1, 16)] = T.broadcast(
+                                        SW[T.min(n0 + a, N - 1), 0], 16) * v16(
+                                            ACC, th, rb * 16 + a, mv)
                                 else:
                                     tb[0, a, T.ramp(0, 1, 16)] = T.broadcast(
                                         SW[T.min(n0 + a, N - 1), 0], 16) * T.Cast(
@@ -272,7 +367,8 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0]) -> Any:
     return qgemm
 
 
-def _fn(context: Callable[[], Any], bits: int, P: int, grouped: bool) -> Callable:
+def _fn(context: Callable[[], Any], bits: int, P: int, grouped: bool, op: str = "i8"
+        ) -> Callable:
     ctx = context()
 
     def kernel(bdt: str) -> Callable:
@@ -281,8 +377,22 @@ def _fn(context: Callable[[], Any], bits: int, P: int, grouped: bool) -> Callabl
         return ctx.kernel("quant_linear_vgemm", key, lambda: build(bits, P, grouped, bdt),
                           "qgemm", mattr=MATTR)
 
-    return cached(ctx, ("quant_linear_vgemm", bits, P, grouped, _tile(P)),
-                  lambda: first_operand_form(kernel))
+    def bf16_kernel(wdt: str) -> Callable:
+        for i, operand in enumerate(BF16_OPERANDS):
+            key = {"op": op, "planes": P, "tile": _tile(P, op), "chunks": BF_CHUNKS,
+                   "words": wdt, "operand": operand, "rev": REV}
+            try:
+                return ctx.kernel("quant_linear_vgemm", key,
+                                  lambda: build(8, P, False, wdt, op="bf16"), "qgemm",
+                                  mattr=BF_MATTR, ir_rewrite=lambda ll: dpbf16_ir(ll, operand))
+            except Exception as e:  # LLVM's parser: the intrinsic's operand types differ
+                if i + 1 == len(BF16_OPERANDS) or "intrinsic" not in str(e).lower():
+                    raise
+        raise AssertionError("unreachable")
+
+    return cached(ctx, ("quant_linear_vgemm", op, bits, P, grouped, _tile(P, op)),
+                  lambda: first_operand_form(bf16_kernel if op == "bf16" else kernel,
+                                             WORD_OPERANDS if op == "bf16" else BYTE_OPERANDS))
 
 
 def _tasks(nblk: int, threads: int, most: int) -> int:
@@ -297,22 +407,23 @@ def _tasks(nblk: int, threads: int, most: int) -> int:
 
 def gemm_vnni(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
               w_scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """The VNNI GEMM path for the activation schemes: x [M, K] fp32 / bf16, canonical packed
-    weight [N, P] with its scales -> fp32 ``[M, N]`` without bias (M, N, K > 0)."""
+    """The VNNI GEMM path: x [M, K] fp32 / bf16, canonical packed weight [N, P] with its
+    scales -> fp32 ``[M, N]`` without bias (M, N, K > 0). w8a16 needs AVX-512 BF16
+    (`bf16_available`)."""
     sc = SCHEMES[scheme]
-    if sc.act_bits is None:
-        raise ValueError(f"glm5 quant_linear: the VNNI GEMM serves w8a8, w4a8 and w6a12, "
-                         f"got scheme {scheme!r}")
-    P = 2 if sc.act_bits == 12 else 1
+    op, P = _op_planes(scheme, x.dtype)
+    if op == "bf16" and not bf16_available()[0]:
+        raise RuntimeError(f"glm5 quant_linear: the VNNI GEMM computes w8a16 with vdpbf16ps: "
+                           f"{bf16_available()[1]}")
     M, K = x.shape
     N = w_packed.shape[0]
-    xb, sx = activations(context, x, scheme, unsigned=True)
+    xb, sx = activations(context, x, scheme, unsigned=op == "i8")
     _, Mt, NC, _, _ = xb.shape
-    NR, MV = _tile(P)
+    NR, MV = _tile(P, op)
     nblk = -(-N // NR)
     mblk = -(-Mt // MV)
     threads = tvm_threads()
-    gch = _gch(sc.grouped)
+    gch = _gch(sc.grouped, op)
     NG = -(-NC // gch)
     nsub = _tasks(nblk, threads, SCRATCH // (NR * NG * gch * CHUNK))
     nsb = -(-nblk // nsub)
@@ -324,7 +435,7 @@ def gemm_vnni(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tenso
     acc = tirlib.scratch("vgemm_acc", (threads, -(-NR * nsub // 16) * 16, MV, 16),
                          torch.float32)
     y = tirlib.fresh((M, N), torch.float32)
-    _fn(context, sc.weight_bits, P, sc.grouped)(
+    _fn(context, sc.weight_bits, P, sc.grouped, op)(
         xb.view(torch.int32), w_packed.contiguous(), sw, sx, y, scr, ws, acc, M, K, nsub,
         msplit)
     return y

@@ -374,14 +374,15 @@ def build_prep(scheme: str, dt: str) -> Any:
     return prep
 
 
-def first_operand_form(kernel: Callable[[str], Callable]) -> Callable:
-    """``kernel(bdt)`` built with the first of `BYTE_OPERANDS` that LLVM's verifier accepts
-    for vpdpbusd's byte operands."""
-    for i, bdt in enumerate(BYTE_OPERANDS):
+def first_operand_form(kernel: Callable[[str], Callable],
+                       forms: tuple[str, ...] = BYTE_OPERANDS) -> Callable:
+    """``kernel(form)`` built with the first of ``forms`` (default `BYTE_OPERANDS`, vpdpbusd's
+    byte operands) that LLVM's verifier accepts for the intrinsic's operands."""
+    for i, bdt in enumerate(forms):
         try:
             return kernel(bdt)
         except Exception as e:  # LLVM's verifier: the intrinsic's operand types differ
-            if i + 1 == len(BYTE_OPERANDS) or "does not match" not in str(e):
+            if i + 1 == len(forms) or "does not match" not in str(e):
                 raise
     raise AssertionError("unreachable")
 

@@ -4,6 +4,7 @@ per-context memo of compiled kernels."""
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any, Callable
 
@@ -52,6 +53,58 @@ def fexp(T: Any, x: Any) -> Any:
     return T.Select(nan, x, T.Select(x > T.float32(88.3762626647949), inf,
                                         T.Select(x < T.float32(-87.33654475), T.float32(0.0),
                                                  y * e)))
+
+
+# vdpbf16ps in TIR. TVM 0.27 cannot hand LLVM a bf16 vector: its lowering rewrites every
+# bf16-typed expression to fp32 (BF16ComputeLegalize), and without that pass its code generator
+# fails on bf16 types, while LLVM >= 17 declares the intrinsic on <32 x bfloat> operands. So a
+# kernel calls a stand-in of the same shape that LLVM's optimiser knows has no side effects,
+# ``vpdpwssd`` (int32 x 16 += pairs of int16 x 32: registers, loop-invariant motion and
+# unrolling as for the real instruction), and `dpbf16_ir` rewrites every call of it in the
+# optimised LLVM IR into bitcasts and ``vdpbf16ps``. A kernel using it has no other vpdpwssd.
+STAND_IN = "@llvm.x86.avx512.vpdpwssd.512"
+_VALUE = r"([^,\s()]+)"
+_STAND_IN_CALL = re.compile(
+    r"^(\s*)(%[-\w.]+) = (?:tail )?call <16 x i32> " + re.escape(STAND_IN) + r"\(<16 x i32> "
+    + _VALUE + r", (<\d+ x i\d+>) " + _VALUE + r", (<\d+ x i\d+>) " + _VALUE + r"\)(.*)$")
+WORD_OPERANDS = ("int16x32", "int32x16")  # the stand-in's operands: LLVM >= 20, older releases
+BF16_OPERANDS = ("<32 x bfloat>", "<16 x i32>")  # vdpbf16ps's: LLVM >= 17, older releases
+
+
+def dpbf16(T: Any, acc: Any, a: Any, b: Any, operand: str = WORD_OPERANDS[0]) -> Any:
+    """``acc[i] += a[2i]·b[2i] + a[2i+1]·b[2i+1]`` (fp32 x 16; a, b: 32 bf16 as int32 x 16
+    pairs) once `dpbf16_ir` has rewritten the kernel's IR; ``operand``: the stand-in's operand
+    type that this LLVM accepts (`WORD_OPERANDS`)."""
+    return T.reinterpret("float32x16", T.call_llvm_pure_intrin(
+        "int32x16", STAND_IN[1:], T.reinterpret("int32x16", acc), T.reinterpret(operand, a),
+        T.reinterpret(operand, b)))
+
+
+def dpbf16_ir(ll: str, operand: str = BF16_OPERANDS[0]) -> str:
+    """LLVM IR text with every `dpbf16` stand-in call replaced by ``vdpbf16ps`` on
+    ``operand``-typed bitcasts of its operands. Raises if a use of the stand-in is left that
+    the rewrite does not recognise."""
+    intrinsic = "@llvm.x86.avx512bf16.dpbf16ps.512"
+    out = []
+    for i, line in enumerate(ll.splitlines()):
+        m = _STAND_IN_CALL.match(line)
+        if m:
+            ind, r, acc, ta, a, tb, b, tail = m.groups()
+            out += [f"{ind}%glm5.c{i} = bitcast <16 x i32> {acc} to <16 x float>",
+                    f"{ind}%glm5.a{i} = bitcast {ta} {a} to {operand}",
+                    f"{ind}%glm5.b{i} = bitcast {tb} {b} to {operand}",
+                    f"{ind}%glm5.r{i} = call <16 x float> {intrinsic}(<16 x float> %glm5.c{i}, "
+                    f"{operand} %glm5.a{i}, {operand} %glm5.b{i}){tail}",
+                    f"{ind}{r} = bitcast <16 x float> %glm5.r{i} to <16 x i32>"]
+        elif line.startswith("declare") and STAND_IN + "(" in line:
+            continue
+        elif STAND_IN in line:
+            raise RuntimeError(f"glm5 tvm: cannot rewrite this use of the vdpbf16ps stand-in: "
+                               f"{line.strip()!r}")
+        else:
+            out.append(line)
+    out.append(f"declare <16 x float> {intrinsic}(<16 x float>, {operand}, {operand})")
+    return "\n".join(out) + "\n"
 
 
 def butterfly(T: Any, tb: Any, src: int, i: Any, d: int, n: int = 16) -> Any:
