@@ -4,10 +4,11 @@ ran before, and what the portable tier runs), side by side in one run.
 
     python bench/cpu_moe_quant.py [--experts 16] [--d 2048] [--i 1024] [--topk 4]
                                   [--tokens 1,256] [--schemes w4a8,w8a8,w6a12,w8a16]
-                                  [--rounds 5] [--out FILE.json]
+                                  [--dtype float32] [--rounds 5] [--out FILE.json]
 
 Prints, per scheme and token count, the least ms of each form over ``--rounds`` calls (after
-a warm-up that builds the kernels) and the largest difference between their outputs. Needs a
+a warm-up that builds the kernels) and the largest difference between their outputs; x and the
+routing weights in ``--dtype`` (float32 or bfloat16: w8a16 takes the bf16 GEMM). Needs a
 CPU with AVX-512 VNNI (the by-expert form is the VNNI / AMX tiers').
 """
 
@@ -35,7 +36,7 @@ def _best(f: Callable[[], Any], rounds: int) -> float:
 
 
 def run(E: int, D: int, I: int, k: int, tokens: list[int], schemes: list[str],
-        rounds: int) -> list[dict[str, Any]]:
+        rounds: int, dtype: torch.dtype = torch.float32) -> list[dict[str, Any]]:
     from glm5.backends.cpu import context
     from glm5.ir.quant_formats import quantize_weight
     from glm5.kernels.tvm import quant
@@ -55,10 +56,10 @@ def run(E: int, D: int, I: int, k: int, tokens: list[int], schemes: list[str],
             w = (torch.stack([a for a, _ in w13]), torch.stack([b for _, b in w13]),
                  torch.stack([a for a, _ in w2]), torch.stack([b for _, b in w2]))
             for T in tokens:
-                x = torch.randn(T, D, generator=g)
+                x = torch.randn(T, D, generator=g).to(dtype)
                 ids = torch.stack([torch.randperm(E, generator=g)[:k]
                                    for _ in range(T)]).to(torch.int32)
-                wts = torch.rand(T, k, generator=g)
+                wts = torch.rand(T, k, generator=g).to(dtype)
 
                 def call() -> torch.Tensor:
                     return quant.moe_experts_quant(context, x, ids, wts, *w, s)
@@ -67,10 +68,11 @@ def run(E: int, D: int, I: int, k: int, tokens: list[int], schemes: list[str],
                 for form, t in (("grouped", "portable"), ("by_expert", tier)):
                     quant._tier[:] = [t]
                     out[form] = (_best(call, rounds), call())
-                rows.append({"scheme": s, "tokens": T, "grouped_ms": out["grouped"][0],
+                rows.append({"scheme": s, "tokens": T, "dtype": str(dtype).removeprefix("torch."),
+                             "grouped_ms": out["grouped"][0],
                              "by_expert_ms": out["by_expert"][0],
-                             "max_diff": (out["grouped"][1] - out["by_expert"][1]).abs()
-                             .max().item()})
+                             "max_diff": (out["grouped"][1].float() - out["by_expert"][1]
+                                          .float()).abs().max().item()})
     finally:
         quant._tier[:] = [tier]
     return rows
@@ -85,11 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="1,256")
     ap.add_argument("--schemes", default="w4a8,w8a8,w6a12,w8a16")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     glm5.cpu_threads.apply()
     rows = run(a.experts, a.d, a.i, a.topk, [int(t) for t in a.tokens.split(",")],
-               a.schemes.split(","), a.rounds)
+               a.schemes.split(","), a.rounds, getattr(torch, a.dtype))
     print("| scheme | tokens | grouped ms | by expert ms | speed-up | max diff |")
     print("|---|---|---|---|---|---|")
     for r in rows:
