@@ -47,7 +47,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 # H200 SXM datasheet (dense, no sparsity).
-PEAK_FLOPS = {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "int8": 1979e12}
+PEAK_FLOPS = {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "int8": 1979e12,
+              "fp8": 1979e12}
 PEAK_HBM = 4.8e12
 FLUSH_BYTES = 256 * 2**20  # > the H200's 60 MB L2
 DEV = "cuda"
@@ -336,6 +337,11 @@ SHAPES: dict[str, list[tuple[str, Callable, tuple, Callable | None]]] = {
                      # a decode step at 128K context: split top-k
                      ("decode T=1 S=131072 Hi=32 Di=128 topk=2048",
                       b_indexer(1, 131072, 32, 128, 2048), (BF,), None)],
+    # the fp8 indexer (q, k quantized per row to e4m3 inside the op): the rows above in fp8
+    "indexer_topk_fp8": [("T=S=8192 Hi=32 Di=128 topk=2048 causal",
+                          b_indexer(8192, 8192, 32, 128, 2048), (BF,), None),
+                         ("decode T=1 S=131072 Hi=32 Di=128 topk=2048",
+                          b_indexer(1, 131072, 32, 128, 2048), (BF,), None)],
     "sparse_attention": [
         ("decode T=64 S=8192 K=2048 H=64 MQA 576/512",
          b_sparse(64, 8192, 2048, 64, 1, 576, 512), (BF,), None),
@@ -390,6 +396,8 @@ def peak_class(op: str, args: dict[str, Any], dt: torch.dtype) -> str:
     scheme = args.get("scheme")
     if op in ("quant_linear", "moe_experts_quant") and scheme in ("w8a8", "w4a8", "w6a12"):
         return "int8"
+    if op == "indexer_topk_fp8":  # e4m3 dots whatever q's dtype
+        return "fp8"
     return {BF: "bf16", F16: "fp16"}.get(dt, "fp32")
 
 

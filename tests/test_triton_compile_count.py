@@ -202,6 +202,7 @@ SCENARIOS: list[tuple[str, Callable[..., Any], Callable[[int], Any]]] = [
     ("silu_mul", lambda fn, L: fn(_r(L, 64)), lambda L: None),
     ("lightning_indexer", _lightning, lambda L: None),
     *[("indexer_topk", _topk(d), _topk_variant("indexer_topk", d)) for d in (False, True)],
+    *[("indexer_topk_fp8", _topk(d), _topk_variant("indexer_topk_fp8", d)) for d in (False, True)],
     *[("paged_indexer_topk", _paged(d), _topk_variant("paged_indexer_topk", d, 4))
       for d in (False, True)],
     ("sparse_attention", _sparse, lambda L: None),
@@ -229,6 +230,7 @@ GPU_LIKE = {"token_logprobs": {"TARGET_PROGRAMS_INTERPRETED": 264},
             "sparse_attention": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 32},
             "attention": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 32},
             "indexer_topk": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 64},
+            "indexer_topk_fp8": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 64},
             "paged_indexer_topk": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 64}}
 
 

@@ -25,8 +25,8 @@ from glm5.testing.compare import assert_matches  # noqa: E402
 from glm5.testing.parity import format_table, run_parity  # noqa: E402
 
 MODULES = ("indexer", "sparse_attention", "attention", "mla_prolog", "moe")
-OPS = ("lightning_indexer", "indexer_topk", "sparse_attention", "attention", "mla_prolog",
-       "moe_experts")
+OPS = ("lightning_indexer", "indexer_topk", "indexer_topk_fp8", "sparse_attention", "attention",
+       "mla_prolog", "moe_experts")
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP else "cuda"
 I32 = torch.int32

@@ -126,12 +126,18 @@ class Indexer(nn.Module):
                 if c.dsa_selection == "block":
                     raise ValueError("glm5 paged cache: dsa_selection='block' is not supported "
                                      "(use 'token', the published model's selection)")
+                if c.dsa_indexer_dtype != "bf16":
+                    raise ValueError("glm5 paged cache: dsa_indexer_dtype='fp8' is not "
+                                     "supported (no paged fp8 indexer op yet; use 'bf16')")
                 p = st.pages
                 return ops.paged_indexer_topk(q, key_cache, w, p.block_table, p.seq, p.k_len,
                                               p.page_size, c.index_topk)
             if c.dsa_selection == "block":
                 return block_select(q, w, key_cache, st.k_start, st.k_end, st.max_len,
                                     c.dsa_block_size, c.dsa_block_topk, c.index_topk)
+            if c.dsa_indexer_dtype == "fp8":
+                return ops.indexer_topk_fp8(q, key_cache, w, st.k_start, st.k_end,
+                                            c.index_topk)
             return ops.indexer_topk(q, key_cache, w, st.k_start, st.k_end, c.index_topk)
 
 

@@ -63,6 +63,9 @@ class GLM5Config:
     dsa_selection: str = "token"
     dsa_block_size: int = 256
     dsa_block_topk: int = 8
+    # glm5 extension: "fp8" scores the indexer on e4m3 q and k (`indexer_topk_fp8`, DeepSeek-
+    # V3.2's deployed indexer); "bf16" (the published transformers model) in q's dtype.
+    dsa_indexer_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         if self.mlp_layer_types is None:
@@ -135,6 +138,11 @@ class GLM5Config:
              "num_experts_per_tok expected in [1, n_routed_experts]")
         need(self.dsa_selection in ("token", "block"),
              f"dsa_selection expected 'token' or 'block', got {self.dsa_selection!r}")
+        need(self.dsa_indexer_dtype in ("bf16", "fp8"),
+             f"dsa_indexer_dtype expected 'bf16' or 'fp8', got {self.dsa_indexer_dtype!r}")
+        need(self.dsa_indexer_dtype == "bf16" or self.dsa_selection == "token",
+             "dsa_indexer_dtype 'fp8' expected dsa_selection 'token' (block selection scores "
+             "pooled keys in q's dtype)")
         need("rope_theta" in self.rope_parameters, "rope_parameters expected a 'rope_theta'")
         need(not self.attention_bias, "attention_bias expected False (GLM-5 has no attention "
              "biases; glm5's MLA path does not implement them)")

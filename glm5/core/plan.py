@@ -789,6 +789,9 @@ def check_inputs(cfg: GLM5Config, batch: int, context: int, tp: int, ep: int) ->
     if cfg.dsa_selection != "token":
         raise _err("model", "dsa_selection 'token' (the planner costs the published DSA)",
                    cfg.dsa_selection)
+    if cfg.dsa_indexer_dtype != "bf16":
+        raise _err("model", "dsa_indexer_dtype 'bf16' (the planner costs the paged engine, "
+                   "whose indexer is bf16)", cfg.dsa_indexer_dtype)
 
 
 def get_quant(name: str) -> Scheme | None:

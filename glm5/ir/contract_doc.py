@@ -37,6 +37,7 @@ COMPUTED_SHAPES: dict[tuple[str, str], tuple[tuple[str, tuple[str, ...]], ...]] 
     ("silu_mul", "y"): (("", ("...", "I")),),
     ("topk_indices", "idx"): (("", ("T", "k")),),
     ("indexer_topk", "idx"): (("", ("T", "topk")),),
+    ("indexer_topk_fp8", "idx"): (("", ("T", "topk")),),
     ("paged_indexer_topk", "idx"): (("", ("T", "topk")),),
     ("mla_prolog", "q_main"): (("absorb", ("T", "H", "Rkv")), ("not absorb", ("T", "H", "Dn"))),
     ("moe_route", "weights"): (("", ("T", "top_k")),),

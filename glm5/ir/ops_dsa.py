@@ -1,5 +1,6 @@
-"""DSA ops: lightning_indexer, topk_indices, indexer_topk (composite), paged_indexer_topk
-(composite: indexer_topk through a paged key cache), sparse_attention, attention."""
+"""DSA ops: lightning_indexer, topk_indices, indexer_topk (composite), indexer_topk_fp8
+(indexer_topk on fp8-quantized q and k), paged_indexer_topk (composite: indexer_topk through a
+paged key cache), sparse_attention, attention."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 
 import torch
 
+from glm5.ir.fp8 import e4m3_rows
 from glm5.ir.numerics import ErrorTerms, Selection, SelectionRows, sqrt_n
 from glm5.ir.opdef import OpDef, check_index_range, has_data, require, value_checks
 from glm5.ir.ops_norm import _bytes, acc_of
@@ -190,6 +192,57 @@ INDEXER_TOPK = OpDef(
     check=_indexer_topk_check,
     decompose=indexer_topk_decompose,
     selection=INDEXER_TOPK_SELECTION,
+    differentiable=False,
+    category="dsa",
+)
+
+
+# --------------------------------------------------------------------------- indexer_topk_fp8
+def _e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x quantized per row as the fp8 indexer does (`glm5.ir.fp8`), exact in x's accumulation
+    dtype (float64 for the oracle)."""
+    return e4m3_rows(x, acc_of(x))
+
+
+def indexer_topk_fp8_ref(q, k, w, k_start, k_end, topk):
+    return indexer_topk_ref(_e4m3(q), _e4m3(k), w, k_start, k_end, topk)
+
+
+def indexer_topk_fp8_decompose(ops, q, k, w, k_start, k_end, topk):
+    """indexer_topk on the dequantized fp8 inputs (exact in fp32: power-of-two scales)."""
+    return ops.indexer_topk(e4m3_rows(q), e4m3_rows(k), w.to(torch.float32), k_start, k_end,
+                            topk)
+
+
+def _indexer_topk_fp8_check(a, s) -> None:
+    check_ranges("indexer_topk_fp8", a["k_start"], a["k_end"], s["S"])
+
+
+def _indexer_topk_fp8_rows(o, got, work) -> SelectionRows:
+    """As indexer_topk's, on the dequantized inputs the fp8 indexer scores."""
+    q, k = _e4m3(o["q"]), _e4m3(o["k"])
+    scores = lightning_indexer_ref(q, k, o["w"], o["k_start"], o["k_end"])
+    return SelectionRows(scores, indexer_score_terms(q, k, o["w"].to(q.dtype)), o["topk"],
+                         torch.zeros(scores.shape[0], dtype=torch.bool))
+
+
+INDEXER_TOPK_FP8 = OpDef(
+    name="indexer_topk_fp8",
+    summary="indexer_topk with q and k quantized to fp8 e4m3 per row (DeepSeek-V3.2's fp8 "
+            "indexer)",
+    params=_INDEXER_PARAMS + (scalar("topk", int, minimum=1),),
+    outputs=(OutArg("idx", lambda s, a: (s["T"], a["topk"]), torch.int32, differentiable=False),),
+    reference=indexer_topk_fp8_ref,
+    cost=lambda a, s: (
+        _indexer_cost(a, s)[0] + s["T"] * s["S"],
+        _bytes(a["q"], a["k"], a["w"]) + 4.0 * s["T"] * a["topk"],
+    ),
+    check=_indexer_topk_fp8_check,
+    decompose=indexer_topk_fp8_decompose,
+    selection=Selection(
+        "idx", _indexer_topk_fp8_rows,
+        "by score as indexer_topk's, on the scores of the fp8-quantized q and k (each row's "
+        "codes and power-of-two scale as `glm5.ir.fp8` makes them)"),
     differentiable=False,
     category="dsa",
 )
@@ -574,5 +627,6 @@ ATTENTION = OpDef(
     category="dsa",
 )
 
-OPS = (LIGHTNING_INDEXER, TOPK_INDICES, INDEXER_TOPK, PAGED_INDEXER_TOPK, SPARSE_ATTENTION,
+OPS = (LIGHTNING_INDEXER, TOPK_INDICES, INDEXER_TOPK, INDEXER_TOPK_FP8, PAGED_INDEXER_TOPK,
+       SPARSE_ATTENTION,
        ATTENTION)

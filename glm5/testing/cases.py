@@ -354,6 +354,12 @@ def gen_indexer_topk(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
     return a
 
 
+def gen_indexer_topk_fp8(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    """indexer_topk's cases (the op quantizes q and k itself: 4-bit significands make exact
+    score ties common, which the order contract decides by index)."""
+    return gen_indexer_topk(d, dtype)
+
+
 def _paged_pool(d: Draw, m: Maker, lens: list[int], ps: int, Di: int,
                 mag: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A serving engine's paged key pool for sequences of lengths ``lens``: (k [pages * ps, Di],

@@ -297,14 +297,14 @@ def _decoded_keys(rows, cnt, TOPK, merges, t_mask, mc_ptr, t, CH: tl.constexpr,
 # --------------------------------------------------------------------------- indexer_topk
 @entry_kernel("T", "S", "SPLIT", "sws", "spk")
 def indexer_topk_kernel(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr, pk_ptr,
-                        T, S, Hi, Di, TOPK, SPLIT, sws, spk,
+                        sk_ptr, T, S, Hi, Di, TOPK, SPLIT, sws, spk,
                         sqt, sqh, sqd, sks, skd, swt, swh, sot, sok,
                         N_TILES, NUM_PROGRAMS, GRID_1,
                         BLOCK_T: tl.constexpr, HP: tl.constexpr, BLOCK_S: tl.constexpr,
                         BLOCK_D: tl.constexpr, ONE_D: tl.constexpr, CH: tl.constexpr,
                         LOG_CH: tl.constexpr, RANK_MERGE: tl.constexpr,
                         COUNT_MERGES: tl.constexpr, SPLIT_OUT: tl.constexpr,
-                        DOT_FP32: tl.constexpr, PERSISTENT: tl.constexpr):
+                        DOT_FP32: tl.constexpr, KSCALE: tl.constexpr, PERSISTENT: tl.constexpr):
     """Tiles (block of BLOCK_T queries, split): each streams over (its window of) the union of
     its queries' key ranges in BLOCK_S key tiles; each tile's scores go straight into the
     threshold-filtered running selection (module docstring), only a [BLOCK_T, BLOCK_S] score
@@ -314,22 +314,25 @@ def indexer_topk_kernel(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc
     keys to pk_ptr [SPLIT, T, TOPK] (split stride spk) for indexer_topk_merge_kernel. Blocks are
     taken last first: in a causal prefill the last queries see the most keys, and starting the
     longest work first shortens the tail. PERSISTENT: program p walks tiles p, p +
-    NUM_PROGRAMS, ... of that order."""
+    NUM_PROGRAMS, ... of that order. KSCALE (indexer_topk_fp8): q and k are fp8 codes, w holds
+    the q scales folded in, and each key's head sum is multiplied by its scale sk_ptr[s] (a
+    power of two: exact)."""
     n_tb = N_TILES // GRID_1
     if PERSISTENT:
         for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
             _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr, pk_ptr,
-                       T, S, Hi, Di, TOPK, SPLIT, sws, spk,
+                       sk_ptr, T, S, Hi, Di, TOPK, SPLIT, sws, spk,
                        sqt, sqh, sqd, sks, skd, swt, swh, sot, sok,
                        n_tb - 1 - tile // GRID_1, tile % GRID_1, BLOCK_T, HP, BLOCK_S,
                        BLOCK_D, ONE_D, CH, LOG_CH, RANK_MERGE, COUNT_MERGES, SPLIT_OUT,
-                       DOT_FP32)
+                       DOT_FP32, KSCALE)
     else:
         _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr, pk_ptr,
-                   T, S, Hi, Di, TOPK, SPLIT, sws, spk,
+                   sk_ptr, T, S, Hi, Di, TOPK, SPLIT, sws, spk,
                    sqt, sqh, sqd, sks, skd, swt, swh, sot, sok,
                    n_tb - 1 - tl.program_id(0), tl.program_id(1), BLOCK_T, HP, BLOCK_S,
-                   BLOCK_D, ONE_D, CH, LOG_CH, RANK_MERGE, COUNT_MERGES, SPLIT_OUT, DOT_FP32)
+                   BLOCK_D, ONE_D, CH, LOG_CH, RANK_MERGE, COUNT_MERGES, SPLIT_OUT, DOT_FP32,
+                   KSCALE)
 
 
 @triton.jit
@@ -342,13 +345,13 @@ def _window(lo, hi, split, SPLIT, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr, pk_ptr,
+def _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr, pk_ptr, sk_ptr,
                T, S, Hi, Di, TOPK, SPLIT, sws, spk,
                sqt, sqh, sqd, sks, skd, swt, swh, sot, sok, pid, split,
                BLOCK_T: tl.constexpr, HP: tl.constexpr, BLOCK_S: tl.constexpr,
                BLOCK_D: tl.constexpr, ONE_D: tl.constexpr, CH: tl.constexpr,
                LOG_CH: tl.constexpr, RANK_MERGE: tl.constexpr, COUNT_MERGES: tl.constexpr,
-               SPLIT_OUT: tl.constexpr, DOT_FP32: tl.constexpr):
+               SPLIT_OUT: tl.constexpr, DOT_FP32: tl.constexpr, KSCALE: tl.constexpr):
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < T
     t64 = t.to(tl.int64)
@@ -386,6 +389,8 @@ def _topk_tile(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, ws_ptr, out_ptr, mc_ptr, pk_
             score = _score_tile(q_ptr, qv, qoff, r_mask, wr, k_ptr, s.to(tl.int64) * sks,
                                 s_mask, Di, sqd, skd, BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D,
                                 DOT_FP32)
+            if KSCALE:
+                score = score * tl.load(sk_ptr + s, mask=s_mask, other=1.0)[None, :]
             # s < hi too: a split's window may end inside a row's range and inside the tile
             valid = (s[None, :] >= ks[:, None]) & (s[None, :] < ke[:, None]) & s_mask[None, :]
             key = tl.where(valid, _order_key(score, s), -9187343243497619456)

@@ -19,6 +19,12 @@ Runs of key tiles between merges contain no merge, so their loads pipeline. The 
 decode to int32 indices, -1 for empty slots. No [T, S] score matrix is ever formed; the host
 only allocates the workspace and splits very large T into launches so it stays bounded.
 
+indexer_topk_fp8 (served whole where tl.dot takes e4m3: `fp8_dots`): q and k quantized per row
+to e4m3 with power-of-two scales (glm5.ir.fp8) by torch ops on the device, then indexer_topk's
+kernel on the codes (fp8 tensor-core dots, fp32 accumulation) with the q scales folded into w
+and each key's head sum times its scale (constexpr KSCALE): exact, so the selection is the one
+of indexer_topk on the dequantized inputs, up to fp32 accumulation order.
+
 paged_indexer_topk (served whole): indexer_topk's streaming top-k with the key rows read through
 the block table (the pool row of logical key j of sequence b is computed per key tile from
 block_table[b, j // page_size]). A block of queries makes one pass per distinct sequence among
@@ -44,6 +50,7 @@ from typing import Any, Callable
 
 import torch
 
+from glm5.ir.fp8 import quantize_rows_e4m3
 from glm5.kernels.triton import splitkv
 from glm5.kernels.triton.launch import (FLOATS, cdiv, check_device, dot_fp32, interpreted,
                                         launch, launch_opts, next_pow2)
@@ -71,6 +78,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                      "WS_BYTES": 1 << 28, "TARGET_PROGRAMS": 264,
                      "TARGET_PROGRAMS_INTERPRETED": 0, "SPLIT_MIN_KEYS": 8192,
                      "MERGE_BLOCK_T": 2},
+    # indexer_topk_fp8: indexer_topk's kernel on e4m3 codes (its own entry: fp8 dots may want
+    # other tiles; the defaults are indexer_topk's, set below)
     # as indexer_topk (same merge and workspace rules); keys are read through the block table.
     # M = 128: the page gather's extra state spills at 256 rows, and decode blocks hold one
     # query per sequence anyway.
@@ -80,6 +89,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                            "TARGET_PROGRAMS_INTERPRETED": 0, "SPLIT_MIN_KEYS": 8192,
                            "MERGE_BLOCK_T": 2},
 }
+DEFAULTS["indexer_topk_fp8"] = dict(DEFAULTS["indexer_topk"])
 
 
 def _k():
@@ -150,41 +160,66 @@ def make_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         query's number of selection merges (overflow merges plus the final one)."""
         check_device("indexer_topk", q=q, k=k, w=w, k_start=k_start, k_end=k_end,
                      merge_counts=merge_counts)
-        k_start, k_end = k_start.contiguous(), k_end.contiguous()
-        T, Hi, Di = q.shape
-        S = k.shape[0]
-        topk = int(topk)
-        _check_counts("indexer_topk", merge_counts, T, q.device)
-        out = torch.empty((T, topk), dtype=torch.int32, device=q.device)
-        if T == 0:
-            return out
-        if S == 0:
-            if merge_counts is not None:
-                merge_counts.zero_()
-            return out.fill_(-1)
-        c, ch, rows, rank, split = _merge_plan(p, topk, Hi, Di, T, S, merge_counts is None)
-        ws, pk = _buffers(split, rows, ch, topk, q.device)
-        kern = _k().indexer_topk_kernel
-        for t0 in range(0, T, rows):
-            t1 = min(T, t0 + rows)
-            n = t1 - t0
-            qs, ws_, o = q[t0:t1], w[t0:t1], out[t0:t1]
-            mc = ws if merge_counts is None else merge_counts[t0:t1]
-            launch(
-                kern, (cdiv(n, c["BLOCK_T"]), split), p, "indexer_topk",
-                qs, k, ws_, k_start[t0:t1], k_end[t0:t1], ws, o, mc, pk, n, S, Hi, Di, topk,
-                split, ws.stride(0), pk.stride(0),
-                qs.stride(0), qs.stride(1), qs.stride(2), k.stride(0), k.stride(1),
-                ws_.stride(0), ws_.stride(1), o.stride(0), o.stride(1),
-                CH=ch, LOG_CH=ch.bit_length() - 1, RANK_MERGE=rank,
-                COUNT_MERGES=merge_counts is not None, SPLIT_OUT=split > 1,
-                DOT_FP32=dot_fp32(q.dtype, k.dtype), **c, **launch_opts(p))
-            if split > 1:
-                _merge_splits(p, "indexer_topk", c, ch, rank, split, n, topk, ws, pk, o, mc,
-                              None)
-        return out
+        return _topk(p, "indexer_topk", q, k, w, None, k_start, k_end, topk, merge_counts)
 
     return indexer_topk
+
+
+def make_indexer_topk_fp8(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
+    def indexer_topk_fp8(q, k, w, k_start, k_end, topk, *,
+                         merge_counts: torch.Tensor | None = None):
+        """The op: q and k quantized per row to e4m3 with power-of-two scales
+        (`glm5.ir.fp8`, the op's one definition), the dot in fp8, the q scales folded into w
+        and the key scales applied to each key's head sum (all exact); then indexer_topk's
+        streaming selection. ``merge_counts`` as for indexer_topk."""
+        check_device("indexer_topk_fp8", q=q, k=k, w=w, k_start=k_start, k_end=k_end,
+                     merge_counts=merge_counts)
+        q8, sq = quantize_rows_e4m3(q)
+        k8, sk = quantize_rows_e4m3(k)
+        return _topk(p, "indexer_topk_fp8", q8, k8, w.to(torch.float32) * sq, sk, k_start,
+                     k_end, topk, merge_counts)
+
+    return indexer_topk_fp8
+
+
+def _topk(p: dict[str, Any], op: str, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
+          sk: torch.Tensor | None, k_start: torch.Tensor, k_end: torch.Tensor, topk: int,
+          merge_counts: torch.Tensor | None) -> torch.Tensor:
+    """indexer_topk's launches (``sk``: fp8 codes in q and k, each key's sum times sk[s])."""
+    k_start, k_end = k_start.contiguous(), k_end.contiguous()
+    T, Hi, Di = q.shape
+    S = k.shape[0]
+    topk = int(topk)
+    _check_counts(op, merge_counts, T, q.device)
+    out = torch.empty((T, topk), dtype=torch.int32, device=q.device)
+    if T == 0:
+        return out
+    if S == 0:
+        if merge_counts is not None:
+            merge_counts.zero_()
+        return out.fill_(-1)
+    c, ch, rows, rank, split = _merge_plan(p, topk, Hi, Di, T, S, merge_counts is None)
+    ws, pk = _buffers(split, rows, ch, topk, q.device)
+    kern = _k().indexer_topk_kernel
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        n = t1 - t0
+        qs, ws_, o = q[t0:t1], w[t0:t1], out[t0:t1]
+        mc = ws if merge_counts is None else merge_counts[t0:t1]
+        launch(
+            kern, (cdiv(n, c["BLOCK_T"]), split), p, op,
+            qs, k, ws_, k_start[t0:t1], k_end[t0:t1], ws, o, mc, pk,
+            ws if sk is None else sk, n, S, Hi, Di, topk,
+            split, ws.stride(0), pk.stride(0),
+            qs.stride(0), qs.stride(1), qs.stride(2), k.stride(0), k.stride(1),
+            ws_.stride(0), ws_.stride(1), o.stride(0), o.stride(1),
+            CH=ch, LOG_CH=ch.bit_length() - 1, RANK_MERGE=rank,
+            COUNT_MERGES=merge_counts is not None, SPLIT_OUT=split > 1,
+            DOT_FP32=dot_fp32(q.dtype, k.dtype), KSCALE=sk is not None, **c,
+            **launch_opts(p))
+        if split > 1:
+            _merge_splits(p, op, c, ch, rank, split, n, topk, ws, pk, o, mc, None)
+    return out
 
 
 def _merge_plan(p: dict[str, Any], topk: int, Hi: int, Di: int, T: int, keys: int,
@@ -280,14 +315,30 @@ def make_paged_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
     return paged_indexer_topk
 
 
+def fp8_dots(device: torch.device) -> bool:
+    """Whether Triton's tl.dot takes e4m3 operands on ``device``: the interpreter (exact fp32
+    dots of the codes), NVIDIA GPUs from sm_89 (Ada, Hopper); other devices are not known to
+    (the op then runs as its decomposition: indexer_topk on the dequantized inputs)."""
+    if interpreted():
+        return True
+    if device.type != "cuda" or getattr(torch.version, "hip", None):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def kernels(tuning: Callable[[str], dict[str, Any]]) -> list[tuple]:
     pt = tuning("indexer_topk")
     max_topk = int(pt.get("MAX_TOPK", 4096))
+    p8 = tuning("indexer_topk_fp8")
+    max_topk8 = int(p8.get("MAX_TOPK", 4096))
     pp = tuning("paged_indexer_topk")
     paged_max = int(pp.get("MAX_TOPK", 4096))
 
     def topk_ok(q, k, w, k_start, k_end, topk) -> bool:
         return int(topk) <= max_topk
+
+    def fp8_ok(q, k, w, k_start, k_end, topk) -> bool:
+        return int(topk) <= max_topk8 and fp8_dots(q.device)
 
     def paged_ok(q, k, w, block_table, seq, k_len, page_size, topk) -> bool:
         return int(topk) <= paged_max
@@ -295,5 +346,6 @@ def kernels(tuning: Callable[[str], dict[str, Any]]) -> list[tuple]:
     return [
         ("lightning_indexer", make_lightning_indexer(tuning("lightning_indexer")), FLOATS, None),
         ("indexer_topk", make_indexer_topk(pt), FLOATS, topk_ok),
+        ("indexer_topk_fp8", make_indexer_topk_fp8(p8), FLOATS, fp8_ok),
         ("paged_indexer_topk", make_paged_indexer_topk(pp), FLOATS, paged_ok),
     ]

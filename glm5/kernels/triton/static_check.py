@@ -223,6 +223,14 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
         ks, ke = _ranges(1, 65536)
         ops["indexer_topk"](_bf(1, HI, DI), _bf(65536, DI), torch.zeros(1, HI), ks, ke, TOPK)
 
+    def topk_fp8(T: int, S: int):  # e4m3 dots (sm_89+); decode: split top-k
+        def run(ops):
+            ks, ke = _ranges(T, S)
+            ops["indexer_topk_fp8"](_bf(T, HI, DI), _bf(S, DI), torch.zeros(T, HI), ks, ke,
+                                    TOPK)
+
+        return run
+
     def paged_topk_decode(ops):  # a decode batch of 4 sequences of 64K keys, 64-row pages
         B, S, ps = 4, 65536, 64
         table = torch.arange(B * (S // ps), dtype=torch.int32).reshape(B, S // ps)
@@ -294,6 +302,8 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
     out = {"lightning_indexer": (True, lightning), "indexer_topk": (True, topk),
            "paged_indexer_topk": (True, paged_topk),
            "indexer_topk decode": (False, topk_decode),
+           "indexer_topk_fp8": (True, topk_fp8(64, 4096)),
+           "indexer_topk_fp8 decode": (False, topk_fp8(1, 65536)),
            "paged_indexer_topk decode": (False, paged_topk_decode),
            "sparse_attention prefill": (True, sparse_prefill),
            "sparse_attention decode": (False, sparse_decode),
