@@ -67,8 +67,12 @@ def lightning_indexer_error(o, r, work):
     return {"scores": indexer_score_terms(o["q"], o["k"], o["w"])}
 
 
-def _indexer_check(a, s) -> None:
-    check_ranges("lightning_indexer", a["k_start"], a["k_end"], s["S"])
+def _ranges_check(op: str):
+    """The op's check of k_start / k_end against S (`check_ranges`)."""
+    def check(a, s) -> None:
+        check_ranges(op, a["k_start"], a["k_end"], s["S"])
+
+    return check
 
 
 _INDEXER_PARAMS = (
@@ -93,7 +97,7 @@ LIGHTNING_INDEXER = OpDef(
     reference=lightning_indexer_ref,
     cost=_indexer_cost,
     error=lightning_indexer_error,
-    check=_indexer_check,
+    check=_ranges_check("lightning_indexer"),
     category="dsa",
 )
 
@@ -158,8 +162,14 @@ def indexer_topk_decompose(ops, q, k, w, k_start, k_end, topk):
     return ops.topk_indices(ops.lightning_indexer(q, k, w, k_start, k_end), topk)
 
 
-def _indexer_topk_check(a, s) -> None:
-    check_ranges("indexer_topk", a["k_start"], a["k_end"], s["S"])
+# what indexer_topk and indexer_topk_fp8 share: arguments, output, cost
+_TOPK_PARAMS = _INDEXER_PARAMS + (scalar("topk", int, minimum=1),)
+_TOPK_OUT = (OutArg("idx", lambda s, a: (s["T"], a["topk"]), torch.int32, differentiable=False),)
+
+
+def _topk_cost(a, s):
+    return (_indexer_cost(a, s)[0] + s["T"] * s["S"],
+            _bytes(a["q"], a["k"], a["w"]) + 4.0 * s["T"] * a["topk"])
 
 
 def _indexer_topk_rows(o, got, work) -> SelectionRows:
@@ -182,14 +192,11 @@ INDEXER_TOPK_SELECTION = Selection(
 INDEXER_TOPK = OpDef(
     name="indexer_topk",
     summary="composite: topk_indices(lightning_indexer(q, k, w, k_start, k_end), topk)",
-    params=_INDEXER_PARAMS + (scalar("topk", int, minimum=1),),
-    outputs=(OutArg("idx", lambda s, a: (s["T"], a["topk"]), torch.int32, differentiable=False),),
+    params=_TOPK_PARAMS,
+    outputs=_TOPK_OUT,
     reference=indexer_topk_ref,
-    cost=lambda a, s: (
-        _indexer_cost(a, s)[0] + s["T"] * s["S"],
-        _bytes(a["q"], a["k"], a["w"]) + 4.0 * s["T"] * a["topk"],
-    ),
-    check=_indexer_topk_check,
+    cost=_topk_cost,
+    check=_ranges_check("indexer_topk"),
     decompose=indexer_topk_decompose,
     selection=INDEXER_TOPK_SELECTION,
     differentiable=False,
@@ -214,10 +221,6 @@ def indexer_topk_fp8_decompose(ops, q, k, w, k_start, k_end, topk):
                             topk)
 
 
-def _indexer_topk_fp8_check(a, s) -> None:
-    check_ranges("indexer_topk_fp8", a["k_start"], a["k_end"], s["S"])
-
-
 def _indexer_topk_fp8_rows(o, got, work) -> SelectionRows:
     """As indexer_topk's, on the dequantized inputs the fp8 indexer scores."""
     q, k = _e4m3(o["q"]), _e4m3(o["k"])
@@ -230,14 +233,11 @@ INDEXER_TOPK_FP8 = OpDef(
     name="indexer_topk_fp8",
     summary="indexer_topk with q and k quantized to fp8 e4m3 per row (DeepSeek-V3.2's fp8 "
             "indexer)",
-    params=_INDEXER_PARAMS + (scalar("topk", int, minimum=1),),
-    outputs=(OutArg("idx", lambda s, a: (s["T"], a["topk"]), torch.int32, differentiable=False),),
+    params=_TOPK_PARAMS,
+    outputs=_TOPK_OUT,
     reference=indexer_topk_fp8_ref,
-    cost=lambda a, s: (
-        _indexer_cost(a, s)[0] + s["T"] * s["S"],
-        _bytes(a["q"], a["k"], a["w"]) + 4.0 * s["T"] * a["topk"],
-    ),
-    check=_indexer_topk_fp8_check,
+    cost=_topk_cost,
+    check=_ranges_check("indexer_topk_fp8"),
     decompose=indexer_topk_fp8_decompose,
     selection=Selection(
         "idx", _indexer_topk_fp8_rows,
