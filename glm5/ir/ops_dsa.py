@@ -172,18 +172,23 @@ def _topk_cost(a, s):
             _bytes(a["q"], a["k"], a["w"]) + 4.0 * s["T"] * a["topk"])
 
 
-def _indexer_topk_rows(o, got, work) -> SelectionRows:
+def _topk_rows(prep=lambda x: x):
     """The kernel computes its own scores, so fp32 rounding may reorder keys whose scores lie
     within the score bound: the selected set and order are judged by the oracle's scores of
-    what was selected (each position within the two keys' bounds of the oracle's)."""
-    scores = lightning_indexer_ref(o["q"], o["k"], o["w"], o["k_start"], o["k_end"])
-    terms = indexer_score_terms(o["q"], o["k"], o["w"])
-    return SelectionRows(scores, terms, o["topk"],
-                         torch.zeros(scores.shape[0], dtype=torch.bool))
+    what was selected (each position within the two keys' bounds of the oracle's), scored on
+    ``prep(q)``, ``prep(k)`` (the fp8 op: the quantized inputs)."""
+    def rows(o, got, work) -> SelectionRows:
+        q, k = prep(o["q"]), prep(o["k"])
+        w = o["w"].to(q.dtype)
+        scores = lightning_indexer_ref(q, k, w, o["k_start"], o["k_end"])
+        return SelectionRows(scores, indexer_score_terms(q, k, w), o["topk"],
+                             torch.zeros(scores.shape[0], dtype=torch.bool))
+
+    return rows
 
 
 INDEXER_TOPK_SELECTION = Selection(
-    "idx", _indexer_topk_rows,
+    "idx", _topk_rows(),
     "by score: the k selected keys' oracle scores, sorted, match the oracle's top-k position "
     "by position within the two keys' score bounds (the lightning_indexer bound); valid "
     "entries first, distinct, in range, in descending order within the bound")
@@ -221,14 +226,6 @@ def indexer_topk_fp8_decompose(ops, q, k, w, k_start, k_end, topk):
                             topk)
 
 
-def _indexer_topk_fp8_rows(o, got, work) -> SelectionRows:
-    """As indexer_topk's, on the dequantized inputs the fp8 indexer scores."""
-    q, k = _e4m3(o["q"]), _e4m3(o["k"])
-    scores = lightning_indexer_ref(q, k, o["w"], o["k_start"], o["k_end"])
-    return SelectionRows(scores, indexer_score_terms(q, k, o["w"].to(q.dtype)), o["topk"],
-                         torch.zeros(scores.shape[0], dtype=torch.bool))
-
-
 INDEXER_TOPK_FP8 = OpDef(
     name="indexer_topk_fp8",
     summary="indexer_topk with q and k quantized to fp8 e4m3 per row (DeepSeek-V3.2's fp8 "
@@ -240,7 +237,7 @@ INDEXER_TOPK_FP8 = OpDef(
     check=_ranges_check("indexer_topk_fp8"),
     decompose=indexer_topk_fp8_decompose,
     selection=Selection(
-        "idx", _indexer_topk_fp8_rows,
+        "idx", _topk_rows(_e4m3),
         "by score as indexer_topk's, on the scores of the fp8-quantized q and k (each row's "
         "codes and power-of-two scale as `glm5.ir.fp8` makes them)"),
     differentiable=False,
