@@ -72,8 +72,9 @@ def _gch(grouped: bool, op: str = "i8") -> int:
 def _tile(P: int, op: str = "i8") -> tuple[int, int]:
     """(NR weight rows, MV vectors of 16 rows of x) per register tile: NR·MV·P int32
     accumulators (bf16: NR·MV·min(P, 2) fp32), and the x vectors LLVM loads a few steps ahead,
-    within the 32 zmm registers. Measured against 6-9 other shapes each on Zen 5
-    (docs/performance.md): the best, or within noise of it."""
+    within the 32 zmm registers; the accumulator buffer must stay under TVM's 1 KiB stack
+    allocation (a larger one goes to the heap, out of registers). Measured against 6-9 other
+    shapes each on Zen 5 (docs/performance.md): the best, or within noise of it."""
     if op == "bf16":
         return (3, 4) if P == 1 else (2, 3)
     return (4, 3) if P == 1 else (2, 3)
@@ -151,37 +152,18 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
             v = v * 16 + p
         return v
 
-    # accumulator rows held in the first buffer (all of them below the 1 KiB limit)
-    NRH = NR // 2 if NR * PC * MV * 64 >= 1024 and NR > 1 else NR
-
-    def _get(ia: Any, ib: Any, i: Any, p: Any, mv: Any) -> Any:
-        """Accumulator (i, p, mv) of the tile (``i`` unrolled: the select folds)."""
-        if NRH == NR:
-            return v16(ia, i, p, mv)
-        return T.if_then_else(i < NRH, v16(ia, T.min(i, NRH - 1), p, mv),
-                              v16(ib, T.max(i - NRH, 0), p, mv))
-
     @T.macro
-    def _set(ia: Any, ib: Any, i: Any, p: Any, mv: Any, v: Any) -> None:
-        if NRH == NR:
-            ia[i, p, mv, T.ramp(0, 1, 16)] = v
-        elif i < NRH:
-            ia[T.min(i, NRH - 1), p, mv, T.ramp(0, 1, 16)] = v
-        else:
-            ib[T.max(i - NRH, 0), p, mv, T.ramp(0, 1, 16)] = v
-
-    @T.macro
-    def _steps(X: Any, SCR: Any, ia: Any, ib: Any, th: Any, g: Any, q: Any, mb: Any, Mt: Any,
+    def _steps(X: Any, SCR: Any, iacc: Any, th: Any, g: Any, q: Any, mb: Any, Mt: Any,
                c: Any) -> None:
         """Chunk c of register tile q against row block mb of x: 16 steps of NR·P·MV dps."""
         for r16 in T.unroll(16):
             for i in T.unroll(NR):
                 for p in T.unroll(P):
                     for mv in T.unroll(MV):
-                        _set(ia, ib, i, T.min(p, PC - 1), mv, dp(
-                            _get(ia, ib, i, T.min(p, PC - 1), mv),
+                        iacc[i, T.min(p, PC - 1), mv, T.ramp(0, 1, 16)] = dp(
+                            v16(iacc, i, T.min(p, PC - 1), mv),
                             v16(X, p, T.min(mb * MV + mv, Mt - 1), c, r16),
-                            T.broadcast(SCR[th, g, q * NR + i, (c - g * gch) * 16 + r16], 16)))
+                            T.broadcast(SCR[th, g, q * NR + i, (c - g * gch) * 16 + r16], 16))
 
     @T.macro
     def _group_sum(ACC: Any, th: Any, r: Any, mv: Any, g: Any, isum: Any, sw: Any) -> None:
@@ -240,11 +222,7 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
                 sb = task % nsb
                 ms = task // nsb
                 tail = T.alloc_buffer((CK,), "uint16" if BF else "uint8", scope="local")
-                # the tile's accumulators, split in two where one buffer would reach TVM's
-                # 1 KiB stack-allocation limit (above it: heap, which LLVM cannot keep in
-                # registers)
-                ia = T.alloc_buffer((NRH, PC, MV, 16), adt, scope="local")
-                ib = T.alloc_buffer((max(NR - NRH, 1), PC, MV, 16), adt, scope="local")
+                iacc = T.alloc_buffer((NR, PC, MV, 16), adt, scope="local")
                 tb = T.alloc_buffer((2, 16, 16), "float32", scope="local")
                 red = T.alloc_buffer((16,), "int32", scope="local")
                 # the task's weight rows as signed codes (rows past N: zeros)
@@ -310,18 +288,18 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
                                     for p in T.unroll(PC):
                                         for mv in T.unroll(MV):
                                             if BF:
-                                                _set(ia, ib, i, p, mv, T.broadcast(
-                                                    T.float32(0), 16))
+                                                iacc[i, p, mv, T.ramp(0, 1, 16)] = T.broadcast(
+                                                    T.float32(0), 16)
                                             else:
-                                                _set(ia, ib, i, p, mv, T.broadcast(
+                                                iacc[i, p, mv, T.ramp(0, 1, 16)] = T.broadcast(
                                                     T.Select(p == 0, -WS[th, q * NR + i, g], 0),
-                                                    16))
+                                                    16)
                                 for c in range(g * gch, T.min(g * gch + gch, NC)):
-                                    _steps(X, SCR, ia, ib, th, g, q, mb, Mt, c)
+                                    _steps(X, SCR, iacc, th, g, q, mb, Mt, c)
                                 for i in T.unroll(NR):
                                     for mv in T.unroll(MV):
                                         _group_sum(ACC, th, q * NR + i, mv, g, combine(
-                                            [_get(ia, ib, i, p, mv) for p in range(PC)]),
+                                            [v16(iacc, i, p, mv) for p in range(PC)]),
                                             T.broadcast(SW[T.min((sb * nsub + q) * NR + i,
                                                                  N - 1), g], 16))
                     # 16 task rows x 16 rows of x at a time: scaled, transposed in registers,
