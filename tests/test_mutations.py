@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 import glm5
 from glm5.ir.catalog import OPS
+from glm5.ir.fp8 import e4m3_rows
 from glm5.ir.signature import dtype_name
 from glm5.testing.parity import Row, run_parity
 
@@ -318,6 +319,46 @@ mutant("indexer_topk_first16_keys_only", "indexer_topk",
        lambda q, k, w, a, b, n: indexer_topk_k(q, k, w, a, b, n, key_cap=16))
 mutant("indexer_topk_k_plus_20th_for_kth", "indexer_topk",
        lambda q, k, w, a, b, n: indexer_topk_k(q, k, w, a, b, n, rank_shift=20))
+
+
+def indexer_topk_fp8_k(q, k, w, k_start, k_end, topk, *, quantize=True, scales="pow2",
+                       key_scales=True):
+    """The fp8 indexer as its kernel computes it: e4m3 codes of q and k per row, the q scales
+    folded into w, each key's head sum times its scale. Knobs: no quantization (the bf16
+    indexer passed off as fp8), exact amax/448 scales instead of powers of two, one scale for
+    all of k, the key scales left out."""
+    if not quantize:
+        return indexer_topk_k(q, k, w, k_start, k_end, topk)
+
+    def rows(x, per_tensor=False):
+        xf = x.float()
+        amax = xf.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+        if per_tensor:
+            amax = amax.amax().expand_as(amax)
+        s = amax / 448.0
+        if scales == "pow2":
+            s = torch.exp2(torch.ceil(torch.log2(s)))
+        return (xf / s).to(torch.float8_e4m3fn).float(), s[..., 0]
+
+    q8, sq = rows(q)
+    k8, sk = rows(k, per_tensor=scales == "per_tensor")
+    scores = indexer_k(q8, k8, w.float() * sq, k_start, k_end)
+    if key_scales:
+        scores = scores * sk[None, :]
+    return topk_lexsort(scores, topk)
+
+
+good("indexer_topk_fp8_folded_scales", "indexer_topk_fp8", indexer_topk_fp8_k)
+good("indexer_topk_fp8_dequantized_fp32", "indexer_topk_fp8",
+     lambda q, k, w, a, b, n: indexer_topk_k(e4m3_rows(q), e4m3_rows(k), w, a, b, n))
+mutant("indexer_topk_fp8_not_quantized", "indexer_topk_fp8",
+       lambda q, k, w, a, b, n: indexer_topk_fp8_k(q, k, w, a, b, n, quantize=False))
+mutant("indexer_topk_fp8_scales_not_powers_of_two", "indexer_topk_fp8",
+       lambda q, k, w, a, b, n: indexer_topk_fp8_k(q, k, w, a, b, n, scales="exact"))
+mutant("indexer_topk_fp8_one_scale_for_all_keys", "indexer_topk_fp8",
+       lambda q, k, w, a, b, n: indexer_topk_fp8_k(q, k, w, a, b, n, scales="per_tensor"))
+mutant("indexer_topk_fp8_key_scales_left_out", "indexer_topk_fp8",
+       lambda q, k, w, a, b, n: indexer_topk_fp8_k(q, k, w, a, b, n, key_scales=False))
 
 
 def paged_topk_k(q, k, w, block_table, seq, k_len, page_size, topk, *, chunk=None,
