@@ -7,6 +7,9 @@ GPU, in one run of a few minutes.
    the first took under --repeat-below-s, a second one), seconds and microseconds per token; the
    same checkpoint through transformers' GlmMoeDsaForCausalLM (eager) up to --hf-max tokens (it
    runs out of memory at 16K on an H200), out-of-memory reported as such.
+   Then, at each --fp8-prefill context, the same prefill with the fp8 indexer
+   (dsa_indexer_dtype = "fp8": indexer_topk_fp8, the same weights) and its time over the bf16
+   indexer's.
 2. Decode through the serving engine (glm5.engine.LLMEngine) at each batch size (default 1, 8,
    32) after a --decode-prompt token prompt per sequence: the first --first-steps decode steps
    timed one by one (a compilation per sequence length, or a graph capture, shows up here),
@@ -121,6 +124,40 @@ def prefill_rows(model, hf_path: str | None, lengths: list[int], hf_max: int, cl
         print(_prefill_line(row), flush=True)
     del hf
     _free(device)
+    return rows
+
+
+@contextlib.contextmanager
+def indexer_dtype(model, dtype: str):
+    """Every indexer of ``model`` scoring with ``dtype`` ("bf16" / "fp8") inside the block."""
+    from glm5.core.attention import Indexer
+
+    mods = [m for m in model.modules() if isinstance(m, Indexer)]
+    old = [m.cfg for m in mods]
+    for m in mods:
+        m.cfg = m.cfg.replace(dsa_indexer_dtype=dtype)
+    try:
+        yield
+    finally:
+        for m, c in zip(mods, old):
+            m.cfg = c
+
+
+def fp8_prefill_rows(model, lengths: list[int], clock: Clock, device: str,
+                     repeat_below_s: float, deadline: float, vocab: int,
+                     bf16_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The prefill rows at ``lengths`` with the fp8 indexer, each with its time over the bf16
+    indexer's row of the same length (``fp8_over_bf16``, where that row has a time)."""
+    bf16 = {r["tokens"]: r.get("glm5_s") for r in bf16_rows}
+    with indexer_dtype(model, "fp8"):
+        rows = prefill_rows(model, None, lengths, 0, clock, device, repeat_below_s, deadline,
+                            vocab)
+    for r in rows:
+        b = bf16.get(r["tokens"])
+        if isinstance(b, float) and isinstance(r.get("glm5_s"), float):
+            r["fp8_over_bf16"] = r["glm5_s"] / b
+            print(f"  fp8 indexer at {r['tokens']}: {r['fp8_over_bf16']:.3f} of the bf16 "
+                  f"indexer's prefill time", flush=True)
     return rows
 
 
@@ -239,6 +276,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="glm5-2layer (GLM-5 shapes, 2 layers, 64 experts) or a glm5 preset "
                          "name such as small (for a CPU smoke run)")
     ap.add_argument("--prefill", type=_ints, default=[4096, 8192, 16384, 32768, 65536, 131072])
+    ap.add_argument("--fp8-prefill", type=_ints, default=[8192, 65536],
+                    help="contexts re-run with the fp8 indexer (empty: none)")
     ap.add_argument("--hf-max", type=int, default=8192,
                     help="largest context run through transformers (0: none)")
     ap.add_argument("--repeat-below-s", type=float, default=5.0)
@@ -297,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
             hf_path = tmp
         result["prefill"] = prefill_rows(model, hf_path, a.prefill, a.hf_max, clock, a.device,
                                          a.repeat_below_s, deadline, cfg.vocab_size)
+    if a.fp8_prefill:
+        print("prefill with the fp8 indexer")
+        result["prefill_fp8"] = fp8_prefill_rows(model, a.fp8_prefill, clock, a.device,
+                                                 a.repeat_below_s, deadline, cfg.vocab_size,
+                                                 result["prefill"])
     modes = {"auto": [None], "on": [True], "off": [False], "both": [True, False]}[a.graphs]
     if not a.device.startswith("cuda"):
         modes = [None]  # graphs are a CUDA feature (the engine refuses them elsewhere)

@@ -1,5 +1,6 @@
-"""bench/gpu_model.py runs its whole sequence (prefill against transformers, decode steps,
-profile) as a CPU smoke test on the tiny preset, and writes the JSON the GPU run quotes."""
+"""bench/gpu_model.py runs its whole sequence (prefill against transformers, the fp8 indexer's
+prefill, decode steps, profile) as a CPU smoke test on the tiny preset, and writes the JSON
+the GPU run quotes."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def test_smoke_on_cpu(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_model.py"), "--device", "cpu",
                         "--preset", "tiny", "--prefill", "16,40", "--hf-max", "16",
                         "--decode-batches", "1,2", "--decode-prompt", "12", "--first-steps", "2",
-                        "--decode-steps", "2", "--profile-len", "16", "--out", str(out)],
+                        "--decode-steps", "2", "--profile-len", "16", "--fp8-prefill", "40",
+                        "--out", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
@@ -27,6 +29,8 @@ def test_smoke_on_cpu(tmp_path):
     assert set(pre) == {16, 40}
     assert pre[16]["glm5_s"] > 0 and pre[16]["hf_s"] > 0 and pre[16]["speedup"] > 0
     assert "hf_s" not in pre[40]  # above --hf-max
+    (f8,) = res["prefill_fp8"]  # the fp8 indexer at 40 tokens, against the bf16 row
+    assert f8["tokens"] == 40 and f8["glm5_s"] > 0 and f8["fp8_over_bf16"] > 0
     dec = {row["batch"]: row for row in res["decode"]}
     assert set(dec) == {1, 2}
     for row in dec.values():
