@@ -69,14 +69,18 @@ def _check(got: torch.Tensor, vals: dict, what: str) -> None:
     assert_matches("quant_linear", got.to(vals["x"].dtype), vals, what=what)
 
 
-def _sweep(fn, shapes: tuple, scheme: str, what: str) -> None:
+def _sweep(fn, shapes: tuple, scheme: str, what: str) -> int:
     """``fn(x, w_packed, w_scale)`` over ``shapes`` (fp32 and bf16 x, exact-tie rows where
-    M > 1), each result judged by `_check` (raises on a wrong dtype, shape or value)."""
+    M > 1), each result judged by `_check` (raises on a wrong dtype, shape or value). Returns
+    the number of results judged."""
+    n = 0
     for dtype in (F32, BF16):
         for i, (M, K, N) in enumerate(shapes):
             vals = _case(M, K, N, scheme, dtype, seed=i, halves=M > 1)
             _check(fn(vals["x"], vals["w_packed"], vals["w_scale"]), vals,
                    f"{what} M={M} K={K} N={N} {dtype}")
+            n += 1
+    return n
 
 
 # K: below one vector, not a multiple of 64 / 128 / 48 bytes, exact multiples; N: around the
@@ -89,8 +93,8 @@ GEMV_SHAPES = ((1, 7, 3), (1, 331, 37), (1, 256, 8), (3, 200, 50), (4, 129, 17),
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_vnni_gemv_matches_oracle(ctx, scheme):
     for mb in (1, 4):
-        _sweep(lambda x, wp, ws: quant_vnni.gemv_vnni(lambda: ctx, x, wp, ws, scheme, mb),
-               GEMV_SHAPES, scheme, f"vnni mb={mb}")
+        assert _sweep(lambda x, wp, ws: quant_vnni.gemv_vnni(lambda: ctx, x, wp, ws, scheme, mb),
+                      GEMV_SHAPES, scheme, f"vnni mb={mb}") == 2 * len(GEMV_SHAPES)
 
 
 @needs_vnni
@@ -109,14 +113,19 @@ def test_vnni_byte_operand_types_fall_back(tmp_path, monkeypatch):
 @needs_vnni
 def test_vnni_gemv_row_chunks(ctx, monkeypatch):
     """Many rows: x goes through the GEMV in chunks that stay in L2 (here one 4-row block
-    each, and chunks of 8 with a short last one): every chunk's rows are right."""
+    each, and chunks of 8 with a short last one): every chunk's rows are right, and equal bit
+    for bit to one chunk's (rows are independent)."""
+    whole_chunk = quant_vnni.XCHUNK
     for xchunk in (1, 8 * 4096):  # bytes: one block per chunk; 8 rows of K = 4096 bytes
-        monkeypatch.setattr(quant_vnni, "XCHUNK", xchunk)
         for scheme in SCHEMES:
             vals = _case(22, 4096 if xchunk > 1 else 200, 19, scheme, F32, seed=5)
-            got = quant_vnni.gemv_vnni(lambda: ctx, vals["x"], vals["w_packed"],
-                                       vals["w_scale"], scheme, 4)
+            args = (vals["x"], vals["w_packed"], vals["w_scale"], scheme, 4)
+            monkeypatch.setattr(quant_vnni, "XCHUNK", whole_chunk)
+            whole = quant_vnni.gemv_vnni(lambda: ctx, *args)
+            monkeypatch.setattr(quant_vnni, "XCHUNK", xchunk)
+            got = quant_vnni.gemv_vnni(lambda: ctx, *args)
             _check(got, vals, f"vnni chunks of {xchunk} bytes {scheme}")
+            assert torch.equal(got, whole), (xchunk, scheme)
 
 
 # (M, K, N): partial tiles; whole 16 x 16 tiles (the transposed store); rows split between
@@ -132,8 +141,8 @@ AMX_SHAPES = ((3, 331, 37), (17, 200, 50), (16, 64, 16), (32, 128, 64), (70, 256
 @needs_amx
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_amx_gemm_matches_oracle(ctx, scheme):
-    _sweep(lambda x, wp, ws: quant_amx.gemm_amx(lambda: ctx, x, wp, ws, scheme), AMX_SHAPES,
-           scheme, "amx")
+    assert _sweep(lambda x, wp, ws: quant_amx.gemm_amx(lambda: ctx, x, wp, ws, scheme),
+                  AMX_SHAPES, scheme, "amx") == 2 * len(AMX_SHAPES)
 
 
 # (M, K, N): below one 16-row vector and one 48-row block, several blocks with a short last
@@ -149,8 +158,8 @@ VGEMM_SHAPES = ((1, 64, 16), (3, 331, 37), (17, 200, 50), (48, 128, 32), (49, 96
 @needs_vnni
 @pytest.mark.parametrize("scheme", ["w8a8", "w4a8", "w6a12"])
 def test_vgemm_matches_oracle(ctx, scheme):
-    _sweep(lambda x, wp, ws: quant_vgemm.gemm_vnni(lambda: ctx, x, wp, ws, scheme),
-           VGEMM_SHAPES, scheme, "vgemm")
+    assert _sweep(lambda x, wp, ws: quant_vgemm.gemm_vnni(lambda: ctx, x, wp, ws, scheme),
+                  VGEMM_SHAPES, scheme, "vgemm") == 2 * len(VGEMM_SHAPES)
 
 
 @needs_vnni
@@ -221,8 +230,8 @@ def test_vgemm_task_split_balances_threads():
 def test_vgemm_w8a16_matches_oracle(ctx):
     """w8a16 on vdpbf16ps: bf16 x (one plane) and fp32 x (three planes) over the boundary
     shapes, within the op's tolerance."""
-    _sweep(lambda x, wp, ws: quant_vgemm.gemm_vnni(lambda: ctx, x, wp, ws, "w8a16"),
-           VGEMM_SHAPES, "w8a16", "vgemm")
+    assert _sweep(lambda x, wp, ws: quant_vgemm.gemm_vnni(lambda: ctx, x, wp, ws, "w8a16"),
+                  VGEMM_SHAPES, "w8a16", "vgemm") == 2 * len(VGEMM_SHAPES)
 
 
 @needs_bf16

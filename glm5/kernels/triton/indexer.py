@@ -201,11 +201,8 @@ def _topk(p: dict[str, Any], op: str, q: torch.Tensor, k: torch.Tensor, w: torch
     c, ch, rows, rank, split = _merge_plan(p, topk, Hi, Di, T, S, merge_counts is None)
     ws, pk = _buffers(split, rows, ch, topk, q.device)
     kern = _k().indexer_topk_kernel
-    for t0 in range(0, T, rows):
-        t1 = min(T, t0 + rows)
+    for t0, t1, qs, ws_, o, mc in _groups(T, rows, q, w, out, merge_counts, ws):
         n = t1 - t0
-        qs, ws_, o = q[t0:t1], w[t0:t1], out[t0:t1]
-        mc = ws if merge_counts is None else merge_counts[t0:t1]
         launch(
             kern, (cdiv(n, c["BLOCK_T"]), split), p, op,
             qs, k, ws_, k_start[t0:t1], k_end[t0:t1], ws, o, mc, pk,
@@ -244,6 +241,16 @@ def _merge_plan(p: dict[str, Any], topk: int, Hi: int, Di: int, T: int, keys: in
     fits = bt * (2 * ch) ** 2 <= MAX_TENSOR_NUMEL
     rank = fits and (merge == "rank" or (merge == "auto" and interpreted()))
     return c, ch, min(T, per), rank, split
+
+
+def _groups(T: int, rows: int, q: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+            merge_counts: torch.Tensor | None, ws: torch.Tensor):
+    """The launches' query groups of at most ``rows`` queries: (t0, t1, q, w, out and merge
+    counts of the group; the workspace stands in for absent merge counts)."""
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        mc = ws if merge_counts is None else merge_counts[t0:t1]
+        yield t0, t1, q[t0:t1], w[t0:t1], out[t0:t1], mc
 
 
 def _buffers(split: int, rows: int, ch: int, topk: int, device: torch.device
@@ -291,11 +298,8 @@ def make_paged_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         keys = block_table.shape[1] * int(page_size)  # no sequence has more
         c, ch, rows, rank, split = _merge_plan(p, topk, Hi, Di, T, keys, merge_counts is None)
         ws, pk = _buffers(split, rows, ch, topk, q.device)
-        for t0 in range(0, T, rows):
-            t1 = min(T, t0 + rows)
+        for t0, t1, qs, ws_, o, mc in _groups(T, rows, q, w, out, merge_counts, ws):
             n = t1 - t0
-            qs, ws_, o = q[t0:t1], w[t0:t1], out[t0:t1]
-            mc = ws if merge_counts is None else merge_counts[t0:t1]
             launch(
                 _k().paged_indexer_topk_kernel, (cdiv(n, c["BLOCK_T"]), split), p,
                 "paged_indexer_topk",
