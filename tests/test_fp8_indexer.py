@@ -209,19 +209,219 @@ def test_model_selects_with_the_fp8_indexer(monkeypatch):
 
 
 def test_fp8_indexer_option_is_refused_where_not_built():
-    """Block selection and the paged engine / planner have no fp8 indexer: each refuses the
-    option by name; an unknown value is refused."""
+    """Block selection and the planner have no fp8 indexer: each refuses the option by name; an
+    unknown value is refused."""
     from glm5.core.config import ConfigError, preset
-    from glm5.core.model import GLM5ForCausalLM
     from glm5.core.plan import PlanError, check_inputs
-    from glm5.engine.engine import LLMEngine
 
     with pytest.raises(ConfigError, match="dsa_indexer_dtype expected 'bf16' or 'fp8'"):
         preset("tiny").replace(dsa_indexer_dtype="int8")
     with pytest.raises(ConfigError, match="dsa_indexer_dtype 'fp8' expected dsa_selection"):
         preset("tiny").replace(dsa_indexer_dtype="fp8", dsa_selection="block")
     cfg = preset("tiny").replace(dsa_indexer_dtype="fp8")
-    with pytest.raises(ValueError, match="supports dsa_indexer_dtype='bf16'"):
-        LLMEngine(GLM5ForCausalLM(cfg).eval())
     with pytest.raises(PlanError, match="dsa_indexer_dtype 'bf16'"):
         check_inputs(cfg, 1, 1024, 1, 1)
+
+
+# --------------------------------------------------------------------------- paged fp8 cache
+PAGED = ("q", "k", "k_scale", "w", "block_table", "seq", "k_len", "page_size", "topk")
+
+
+def _paged_args(v: dict) -> tuple:
+    return tuple(v[n] for n in PAGED)
+
+
+def test_paged_fp8_reference_is_the_paged_indexer_on_the_dequantized_pool():
+    """The op's reference is paged_indexer_topk on e4m3(q) and k * k_scale (exact), and the
+    cpu backend's decomposition (only the rows the queries see dequantized) gives what the
+    oracle accepts under GLM5_STRICT=1, on the kit's paged cases (fresh pages with scale 0
+    included)."""
+    from glm5.ir.ops_dsa import paged_indexer_topk_fp8_ref, paged_indexer_topk_ref
+
+    for i in range(4):
+        v = example("paged_indexer_topk_fp8", torch.float32, 5, i, "smoke")
+        deq = dequantize_rows_e4m3(v["k"], v["k_scale"])
+        want = paged_indexer_topk_ref(e4m3_rows(v["q"]), deq, v["w"], v["block_table"],
+                                      v["seq"], v["k_len"], v["page_size"], v["topk"])
+        assert torch.equal(paged_indexer_topk_fp8_ref(*_paged_args(v)), want)
+
+
+def test_paged_fp8_cpu_decomposition(monkeypatch):
+    pytest.importorskip("tvm")
+    monkeypatch.setenv("GLM5_STRICT", "1")
+    with glm5.use_backend("cpu"):
+        for dtype in (torch.float32, torch.bfloat16):
+            for i in range(6):
+                v = example("paged_indexer_topk_fp8", dtype, 3, i, "smoke")
+                got = glm5.ops.paged_indexer_topk_fp8(**v)
+                assert_matches("paged_indexer_topk_fp8", got, v, what=f"cpu {dtype} case {i}")
+
+
+def test_paged_fp8_value_checks():
+    """Key scales must be finite and >= 0 (a negative scale does not commute with the ReLU);
+    the paged checks name this op."""
+    v = example("paged_indexer_topk_fp8", torch.float32, 0, 1, "smoke")
+    op = glm5.get_op("paged_indexer_topk_fp8")
+    op.validate((), v)
+    for bad in (-1.0, float("nan"), float("inf")):
+        sc = v["k_scale"].clone()
+        sc[3] = bad
+        with pytest.raises(ValueError, match=r"paged_indexer_topk_fp8: argument 'k_scale' "
+                                             r"expected finite entries >= 0, got k_scale\[3\]"):
+            op.validate((), {**v, "k_scale": sc})
+    with pytest.raises(ValueError, match="paged_indexer_topk_fp8: argument 'seq'"):
+        op.validate((), {**v, "seq": v["seq"] + 100})
+    with pytest.raises(TypeError, match="k"):
+        op.validate((), {**v, "k": v["k"].float()})
+
+
+def _paged_fp8_case(seed: int = 0) -> dict:
+    """The integer paged case of test_triton_dsa_moe (several sequences per block, a shared
+    prefix, an empty sequence, pages crossing chunks) with the pool quantized per row: codes of
+    {-1, 0, 1} keys are exact, so every score is an exact integer (many ties) and any correct
+    kernel returns exactly the reference. Row scales differ (some rows x 4) so a kernel that
+    ignores them, or reads them at the logical position, selects otherwise."""
+    from test_triton_dsa_moe import _paged_case
+
+    v = _paged_case(torch.float32, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    k = v["k"] * torch.where(torch.rand(v["k"].shape[0], 1, generator=g) < 0.3, 4.0, 1.0)
+    codes, scale = quantize_rows_e4m3(k)
+    assert scale.unique().numel() > 1
+    return {**v, "k": codes, "k_scale": scale, "topk": 6}
+
+
+@pytest.mark.skipif(not INTERP, reason="interpreted on CPU tensors (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("over", [
+    {"BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_D": 16, "MERGE": "rank"},
+    {"BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_D": 16, "MERGE": "sort"},
+    {"BLOCK_S": 16, "TARGET_PROGRAMS_INTERPRETED": 64, "SPLIT_MIN_KEYS": 16},  # split top-k
+    {"BLOCK_S": 16, "grid": "persistent", "programs": 3},
+])
+def test_triton_paged_fp8_kernel(over):
+    """Exactly the reference on the integer case (ties to the smaller logical position, the
+    empty sequence all -1), and within the op's bound on the kit's cases."""
+    fn, ok = _triton(over)["paged_indexer_topk_fp8"]
+    v = _paged_fp8_case()
+    assert ok(*_paged_args(v))
+    ref = glm5.get_op("paged_indexer_topk_fp8").reference(*_paged_args(v))
+    got = fn(*_paged_args(v))
+    assert torch.equal(got, ref), got
+    for i, dtype in enumerate((torch.float32, torch.bfloat16)):
+        vals = example("paged_indexer_topk_fp8", dtype, 11, i, "smoke")
+        got = fn(*_paged_args(vals))
+        assert_matches("paged_indexer_topk_fp8", got, vals, what=f"{over} case {i}")
+
+
+@pytest.mark.skipif(not INTERP, reason="interpreted on CPU tensors (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("bug", ["no key scales", "scales at the logical position"])
+def test_triton_paged_fp8_kernel_planted_bugs(bug):
+    """The exact check above is not blind to the key scales: the kernel's launcher run without
+    them, or with the scales laid out by logical position instead of pool row, differs from
+    the reference."""
+    from glm5.kernels.triton import indexer
+
+    p = {**indexer.DEFAULTS["paged_indexer_topk_fp8"], "BLOCK_S": 16, "BLOCK_T": 16,
+         "BLOCK_D": 16}
+    v = _paged_fp8_case()
+    q8, sq = quantize_rows_e4m3(v["q"])
+    sk = None
+    if bug == "scales at the logical position":  # row r's scale taken from sequence 0's r-th
+        rows = torch.tensor([int(v["block_table"][0, j // 4]) * 4 + j % 4
+                             for j in range(v["k_scale"].numel()) if j // 4 < 6])
+        sk = v["k_scale"].clone()
+        sk[: rows.numel()] = v["k_scale"][rows]
+    got = indexer._paged_topk(p, "paged_indexer_topk_fp8", q8, v["k"], v["w"] * sq, sk,
+                              v["block_table"], v["seq"], v["k_len"], 4, 6, None)
+    ref = glm5.get_op("paged_indexer_topk_fp8").reference(*_paged_args(v))
+    assert not torch.equal(got, ref)
+    right = indexer._paged_topk(p, "paged_indexer_topk_fp8", q8, v["k"], v["w"] * sq,
+                                v["k_scale"], v["block_table"], v["seq"], v["k_len"], 4, 6,
+                                None)
+    assert torch.equal(right, ref)
+
+
+def test_fp8_pool_layout_and_bytes():
+    """With dsa_indexer_dtype='fp8' the engine's pool holds each indexer layer's keys as e4m3
+    codes + an fp32 scale per row (MTP layers too), page_bytes counts Di + 4 bytes a key row
+    (2 Di in bf16), and copy_page copies codes and scales."""
+    from glm5.core.config import preset
+    from glm5.core.index_cache import FP8Keys
+    from glm5.core.model import GLM5ForCausalLM
+    from glm5.engine.kv_pool import KVPool
+
+    torch.manual_seed(0)
+    cfg = preset("tiny")
+    m16 = GLM5ForCausalLM(cfg).bfloat16().eval()
+    m8 = GLM5ForCausalLM(cfg.replace(dsa_indexer_dtype="fp8")).bfloat16().eval()
+    pool = KVPool(m8, 4, 2, mtp=True)
+    keys = [c for c in pool.index_keys + pool.mtp_index_keys if c is not None]
+    assert keys and pool.mtp_index_keys and all(isinstance(c, FP8Keys) for c in keys)
+    c = keys[0]
+    assert c.codes.dtype == torch.float8_e4m3fn and c.scale.dtype == torch.float32
+    assert c.codes.shape == (pool.latent[0].shape[0], cfg.index_head_dim)
+    Di, n_keys = cfg.index_head_dim, len(keys)
+    layers = len(pool.latent) + len(pool.mtp_latent)
+    lat = layers * cfg.kv_cache_dim * 2
+    assert KVPool.page_bytes(m8, 2, mtp=True) == (lat + n_keys * (Di + 4)) * 2
+    assert KVPool.page_bytes(m16, 2, mtp=True) == (lat + n_keys * 2 * Di) * 2
+    assert pool.nbytes() == KVPool.page_bytes(m8, 2, mtp=True) // 2 * pool.latent[0].shape[0]
+    src = torch.randn(2, Di)
+    from glm5.core.index_cache import write_index_keys
+
+    write_index_keys(c, torch.tensor([2, 3]), src)
+    pool.copy_page(1, 0)
+    codes, scale = quantize_rows_e4m3(src.bfloat16())
+    assert torch.equal(c.codes[:2].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(c.scale[:2], scale)
+
+
+def test_engine_with_the_fp8_cache_is_generate_with_the_fp8_indexer(monkeypatch):
+    """A tiny fp8-indexer model in the paged engine (chunked prefill, prefix reuse, pages of 4
+    shuffled by the allocator, MTP drafts) gives model.generate's greedy tokens (the flat cache
+    and indexer_topk_fp8): the keys are quantized once when written, from the model's dtype, to
+    the codes indexer_topk_fp8 makes. Every sparse selection goes through
+    paged_indexer_topk_fp8 (each call judged by the oracle), never the bf16 paged op."""
+    pytest.importorskip("tvm")
+    from glm5.core.config import preset
+    from glm5.core.model import GLM5ForCausalLM
+    from glm5.engine.engine import EngineConfig, LLMEngine
+    from glm5.engine.sampling import SamplingParams
+
+    torch.manual_seed(0)
+    m = GLM5ForCausalLM(preset("tiny").replace(dsa_indexer_dtype="fp8")).float().eval()
+    calls = []
+    real = glm5.ops.paged_indexer_topk_fp8
+
+    def spy(*args):  # the pool is written after the call: its state now is kept
+        out = real(*args)
+        calls.append(({n: a.clone() if isinstance(a, torch.Tensor) else a
+                       for n, a in zip(PAGED, args)}, out))
+        return out
+
+    def bf16(*args):
+        raise AssertionError("the engine called the bf16 paged_indexer_topk")
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in (5, 12, 17, 30)]
+    prompts.append(prompts[3][:24] + [9, 9, 9])  # a prefix hit of whole pages
+    with torch.no_grad(), glm5.use_backend("cpu"):
+        want = [m.generate(torch.tensor([p]), 6)[0, len(p):].tolist() for p in prompts]
+        monkeypatch.setattr(glm5.ops, "paged_indexer_topk_fp8", spy)
+        monkeypatch.setattr(glm5.ops, "paged_indexer_topk", bf16)
+        for k in (0, 1):
+            eng = LLMEngine(m, EngineConfig(page_size=4, num_pages=96, chunk_size=8,
+                                            max_num_batched_tokens=32,
+                                            num_speculative_tokens=k))
+            sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+            for i, p in enumerate(prompts):
+                eng.add_request(f"r{i}", p, sp)
+            done = {}
+            for _ in range(400):
+                if not eng.has_unfinished():
+                    break
+                done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+            assert [done[f"r{i}"] for i in range(len(prompts))] == want, k
+    assert len(calls) > 10
+    for vals, out in calls[::3]:
+        assert_matches("paged_indexer_topk_fp8", out, vals, what="engine call")

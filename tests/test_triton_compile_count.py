@@ -61,14 +61,17 @@ def _topk(decode: bool) -> Callable[..., Any]:
     return call
 
 
-def _paged(decode: bool) -> Callable[..., Any]:
+def _paged(decode: bool, fp8: bool = False) -> Callable[..., Any]:
+    """fp8: the pool as e4m3 codes with a scale per row (paged_indexer_topk_fp8)."""
     ps = 4
 
     def call(fn, L):  # a prefill chunk / a decode batch over sequences of L keys
         B = 1 + L % 3 if decode else L
         pool = _r(64 * ps, 16)
+        pool = (pool.to(torch.float8_e4m3fn), _r(64 * ps, dtype=torch.float32).abs()) \
+            if fp8 else (pool,)
         table = _i(B, math.ceil(L / ps), hi=64)
-        fn(_r(B, 2, 16), pool, _r(B, 2, dtype=torch.float32), table,
+        fn(_r(B, 2, 16), *pool, _r(B, 2, dtype=torch.float32), table,
            torch.arange(B, device=DEV, dtype=torch.int32) % B,
            torch.full((B,), L, device=DEV, dtype=torch.int32), ps, 4)
 
@@ -205,6 +208,8 @@ SCENARIOS: list[tuple[str, Callable[..., Any], Callable[[int], Any]]] = [
     *[("indexer_topk_fp8", _topk(d), _topk_variant("indexer_topk_fp8", d)) for d in (False, True)],
     *[("paged_indexer_topk", _paged(d), _topk_variant("paged_indexer_topk", d, 4))
       for d in (False, True)],
+    *[("paged_indexer_topk_fp8", _paged(d, True),
+       _topk_variant("paged_indexer_topk_fp8", d, 4)) for d in (False, True)],
     ("sparse_attention", _sparse, lambda L: None),
     ("sparse_attention", _sparse_decode, _sparse_variant),
     # decode (T <= DECODE_MAX_T) and prefill tiles are two declared variants for G < 16
@@ -231,7 +236,9 @@ GPU_LIKE = {"token_logprobs": {"TARGET_PROGRAMS_INTERPRETED": 264},
             "attention": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 32},
             "indexer_topk": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 64},
             "indexer_topk_fp8": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 64},
-            "paged_indexer_topk": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 64}}
+            "paged_indexer_topk": {"TARGET_PROGRAMS_INTERPRETED": 264, "SPLIT_MIN_KEYS": 64},
+            "paged_indexer_topk_fp8": {"TARGET_PROGRAMS_INTERPRETED": 264,
+                                       "SPLIT_MIN_KEYS": 64}}
 
 
 def _ops(policy: str) -> dict[str, Callable[..., Any]]:

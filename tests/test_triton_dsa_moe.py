@@ -101,7 +101,7 @@ def test_rows_and_defaults():
             assert op in m.DEFAULTS and callable(fn)
             assert set(dtypes) == {torch.float32, torch.bfloat16, torch.float16}
             ops.add(op)
-    assert ops == set(OPS) | {"paged_indexer_topk"}
+    assert ops == set(OPS) | {"paged_indexer_topk", "paged_indexer_topk_fp8"}
 
 
 # --------------------------------------------------------------------------- conformance

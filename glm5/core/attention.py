@@ -23,6 +23,7 @@ from torch import nn
 from glm5 import ops
 from glm5.core.block_select import block_select
 from glm5.core.config import GLM5Config
+from glm5.core.index_cache import FP8Keys, IndexKeys, write_index_keys
 from glm5.core.layers import LayerNorm, QuantLinear, RMSNorm, apply_linear, linear
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (transformers: RMSNorm default eps)
@@ -114,7 +115,7 @@ class Indexer(nn.Module):
         k = self.k_norm(apply_linear(self.wk, x))
         return _rope_head(k, st.cos, st.sin, self.cfg.qk_rope_head_dim)
 
-    def select(self, x: torch.Tensor, c_q: torch.Tensor, key_cache: torch.Tensor,
+    def select(self, x: torch.Tensor, c_q: torch.Tensor, key_cache: IndexKeys,
                st: Step) -> torch.Tensor:
         c = self.cfg
         N = x.shape[0]
@@ -126,12 +127,20 @@ class Indexer(nn.Module):
                 if c.dsa_selection == "block":
                     raise ValueError("glm5 paged cache: dsa_selection='block' is not supported "
                                      "(use 'token', the published model's selection)")
-                if c.dsa_indexer_dtype != "bf16":
-                    raise ValueError("glm5 paged cache: dsa_indexer_dtype='fp8' is not "
-                                     "supported (no paged fp8 indexer op yet; use 'bf16')")
                 p = st.pages
+                if isinstance(key_cache, FP8Keys):
+                    return ops.paged_indexer_topk_fp8(q, key_cache.codes, key_cache.scale, w,
+                                                      p.block_table, p.seq, p.k_len,
+                                                      p.page_size, c.index_topk)
+                if c.dsa_indexer_dtype != "bf16":
+                    raise ValueError("glm5 paged cache: dsa_indexer_dtype='fp8' expects an "
+                                     "fp8 key cache (FP8Keys, as KVPool makes for the model), "
+                                     f"got a {key_cache.dtype} tensor")
                 return ops.paged_indexer_topk(q, key_cache, w, p.block_table, p.seq, p.k_len,
                                               p.page_size, c.index_topk)
+            if isinstance(key_cache, FP8Keys):
+                raise ValueError("glm5: an fp8 key cache (FP8Keys) is read through pages only "
+                                 "(the paged engine); the flat cache holds the model's dtype")
             if c.dsa_selection == "block":
                 return block_select(q, w, key_cache, st.k_start, st.k_end, st.max_len,
                                     c.dsa_block_size, c.dsa_block_topk, c.index_topk)
@@ -221,7 +230,7 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, st: Step, latent: torch.Tensor,
-                index_keys: torch.Tensor | None, prev_idx: torch.Tensor | None,
+                index_keys: IndexKeys | None, prev_idx: torch.Tensor | None,
                 rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [N, D] -> ([N, D], the selection [N, topk] or None when the range is dense).
 
@@ -253,7 +262,7 @@ class Attention(nn.Module):
             latent = latent.detach().index_put((st.slots.long(),), self._latent_rows(x, st))
         if self.indexer is not None:
             with torch.no_grad():
-                index_keys[st.slots.long()] = self.indexer.keys(x, st).to(index_keys.dtype)
+                write_index_keys(index_keys, st.slots, self.indexer.keys(x, st))
         idx = None
         if not dense:
             if self.indexer is not None:

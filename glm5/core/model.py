@@ -14,6 +14,7 @@ from glm5.ir.opdef import value_checks
 from glm5.core.attention import Attention, Pages, Step
 from glm5.core.cache import KVCache
 from glm5.core.config import GLM5Config
+from glm5.core.index_cache import IndexKeys
 from glm5.core.layers import MLP, MoE, RMSNorm, apply_linear, init_weights, linear
 from glm5.core.rope import inv_freq, rope_tables
 
@@ -174,11 +175,12 @@ class GLM5ForCausalLM(nn.Module):
 
     @ops.model_run
     def hidden_states_paged(self, input_ids: torch.Tensor, st: Step,
-                            latent: list[torch.Tensor], index_keys: list[torch.Tensor | None]
+                            latent: list[torch.Tensor], index_keys: list[IndexKeys | None]
                             ) -> torch.Tensor:
         """Final hidden states before the last norm, [N, D], of the N tokens ``input_ids`` [N]
         laid out by ``st`` (`paged_step`); ``latent`` / ``index_keys`` are the per-layer page
-        pools [num_pages * page_size, *] (written in place at ``st.slots``)."""
+        pools [num_pages * page_size, *] (written in place at ``st.slots``; an indexer key pool
+        may be `FP8Keys`: the model's ``dsa_indexer_dtype = "fp8"``)."""
         if input_ids.dim() != 1 or input_ids.numel() == 0:
             raise ValueError(f"glm5 model: paged input_ids expected [N] with N >= 1, got "
                              f"{list(input_ids.shape)}")
@@ -195,7 +197,7 @@ class GLM5ForCausalLM(nn.Module):
 
     @ops.model_run
     def mtp_paged(self, hidden: torch.Tensor, next_ids: torch.Tensor, st: Step,
-                  latent: torch.Tensor, index_keys: torch.Tensor, depth: int = 0
+                  latent: torch.Tensor, index_keys: IndexKeys, depth: int = 0
                   ) -> torch.Tensor:
         """`mtp_logits` over a paged cache: ``hidden`` [N, D] at positions i (the main model's
         normed final hidden states, or this layer's own output when drafting recursively),

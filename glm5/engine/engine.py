@@ -147,10 +147,6 @@ class LLMEngine:
         if mc.dsa_selection != "token":
             raise ValueError(f"glm5 engine: the paged cache supports dsa_selection='token', the "
                              f"model has {mc.dsa_selection!r}")
-        if mc.dsa_indexer_dtype != "bf16":
-            raise ValueError(f"glm5 engine: the paged cache supports dsa_indexer_dtype='bf16' "
-                             f"(no paged fp8 indexer op yet), the model has "
-                             f"{mc.dsa_indexer_dtype!r}")
         if cfg.num_speculative_tokens and model.mtp is None:
             raise ValueError("glm5 engine: num_speculative_tokens needs a checkpoint with an MTP "
                              "layer (this model has none)")

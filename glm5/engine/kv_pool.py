@@ -1,6 +1,8 @@
 """The serving engine's paged cache: per layer a pool of pages for the MLA latent
 ([num_pages * page_size, kv_lora_rank + qk_rope_head_dim]) and, on layers that run the
-indexer, the indexer keys ([num_pages * page_size, index_head_dim]); the MTP layers get pools
+indexer, the indexer keys ([num_pages * page_size, index_head_dim] in the model's dtype, or
+with ``dsa_indexer_dtype = "fp8"`` e4m3 codes and a scale per row: `glm5.core.index_cache`,
+the paged_indexer_topk_fp8 op reads them); the MTP layers get pools
 of their own, addressed by the same page ids (a token's MTP entry lives in the same page as its
 main-model entries). Beyond the pages the allocator hands out, the pool holds scratch pages
 (enough for ``scratch_rows`` rows) that no request owns: the padded rows of a captured decode
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from glm5.core.index_cache import FP8Keys, IndexKeys, index_keys_tensors, new_index_keys
 from glm5.core.model import GLM5ForCausalLM
 
 
@@ -30,19 +33,26 @@ class KVPool:
         self.num_pages, self.page_size = num_pages, page_size
         self.scratch_pages = list(range(num_pages, num_pages + n_scratch))
 
+        fp8 = cfg.dsa_indexer_dtype == "fp8"
+
         def pool(width: int) -> torch.Tensor:
             return torch.zeros(rows, width, dtype=dt, device=dev)
 
+        def keys() -> IndexKeys:
+            return new_index_keys(rows, cfg.index_head_dim, dt, dev, fp8)
+
         self.latent = [pool(cfg.kv_cache_dim) for _ in range(cfg.num_hidden_layers)]
-        self.index_keys = [pool(cfg.index_head_dim) if t == "full" else None
-                           for t in cfg.indexer_types]
+        self.index_keys = [keys() if t == "full" else None for t in cfg.indexer_types]
         n_mtp = len(model.mtp) if (mtp and model.mtp is not None) else 0
         self.mtp_latent = [pool(cfg.kv_cache_dim) for _ in range(n_mtp)]
-        self.mtp_index_keys = [pool(cfg.index_head_dim) for _ in range(n_mtp)]
+        self.mtp_index_keys = [keys() for _ in range(n_mtp)]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (*self.latent, *self.index_keys, *self.mtp_latent,
-                            *self.mtp_index_keys) if t is not None]
+        """Every tensor of every pool (each indexed by pool row in its first dimension)."""
+        out = [*self.latent, *self.mtp_latent]
+        for c in (*self.index_keys, *self.mtp_index_keys):
+            out += index_keys_tensors(c)
+        return out
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -63,8 +73,12 @@ class KVPool:
     def page_bytes(model: GLM5ForCausalLM, page_size: int, mtp: bool = False) -> int:
         """Bytes one page takes in every pool."""
         cfg = model.config
-        per_row = cfg.num_hidden_layers * cfg.kv_cache_dim + sum(
-            cfg.index_head_dim for t in cfg.indexer_types if t == "full")
+        esz = model.model.embed_tokens.weight.element_size()
+        key = (FP8Keys.row_bytes(cfg.index_head_dim) if cfg.dsa_indexer_dtype == "fp8"
+               else cfg.index_head_dim * esz)
+        layers = cfg.num_hidden_layers
+        key_layers = sum(t == "full" for t in cfg.indexer_types)
         if mtp and model.mtp is not None:
-            per_row += len(model.mtp) * (cfg.kv_cache_dim + cfg.index_head_dim)
-        return per_row * page_size * model.model.embed_tokens.weight.element_size()
+            layers += len(model.mtp)
+            key_layers += len(model.mtp)
+        return (layers * cfg.kv_cache_dim * esz + key_layers * key) * page_size

@@ -39,6 +39,7 @@ COMPUTED_SHAPES: dict[tuple[str, str], tuple[tuple[str, tuple[str, ...]], ...]] 
     ("indexer_topk", "idx"): (("", ("T", "topk")),),
     ("indexer_topk_fp8", "idx"): (("", ("T", "topk")),),
     ("paged_indexer_topk", "idx"): (("", ("T", "topk")),),
+    ("paged_indexer_topk_fp8", "idx"): (("", ("T", "topk")),),
     ("mla_prolog", "q_main"): (("absorb", ("T", "H", "Rkv")), ("not absorb", ("T", "H", "Dn"))),
     ("moe_route", "weights"): (("", ("T", "top_k")),),
     ("moe_route", "ids"): (("", ("T", "top_k")),),
@@ -115,6 +116,9 @@ OP_SYMBOLS: dict[tuple[str, str], str] = {
     ("paged_indexer_topk", "S"): "rows of the key pool (pages * page_size)",
     ("paged_indexer_topk", "B"): "sequences (block_table rows)",
     ("paged_indexer_topk", "P"): "logical pages per sequence (block_table columns)",
+    ("paged_indexer_topk_fp8", "S"): "rows of the key pool (pages * page_size)",
+    ("paged_indexer_topk_fp8", "B"): "sequences (block_table rows)",
+    ("paged_indexer_topk_fp8", "P"): "logical pages per sequence (block_table columns)",
 }
 
 # A display order for dtype sets.

@@ -1,6 +1,7 @@
 """DSA ops: lightning_indexer, topk_indices, indexer_topk (composite), indexer_topk_fp8
 (indexer_topk on fp8-quantized q and k), paged_indexer_topk (composite: indexer_topk through a
-paged key cache), sparse_attention, attention."""
+paged key cache), paged_indexer_topk_fp8 (the same over an fp8 key cache), sparse_attention,
+attention."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 
 import torch
 
-from glm5.ir.fp8 import e4m3_rows
+from glm5.ir.fp8 import dequantize_rows_e4m3, e4m3_rows
 from glm5.ir.numerics import ErrorTerms, Selection, SelectionRows, sqrt_n
 from glm5.ir.opdef import OpDef, check_index_range, has_data, require, value_checks
 from glm5.ir.ops_norm import _bytes, acc_of
@@ -296,15 +297,22 @@ def paged_indexer_topk_ref(q, k, w, block_table, seq, k_len, page_size, topk):
     return out
 
 
-def paged_indexer_topk_decompose(ops, q, k, w, block_table, seq, k_len, page_size, topk):
-    """ops.indexer_topk over the compact buffer of the sequences' keys (one call: a fused
-    indexer_topk kernel serves it), then compact -> pool rows."""
+def _paged_via_compact(ops, q, keys, w, block_table, seq, k_len, page_size, topk):
+    """ops.indexer_topk over the compact buffer of the sequences' keys (``keys(rows)``: the
+    [C, Di] keys of those pool rows; one call: a fused indexer_topk kernel serves it), then
+    compact -> pool rows."""
     rows, start = paged_compact_rows(block_table, seq, k_len, page_size)
     if rows.numel() == 0:  # no query sees a key
         return torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
     ks = start.to(torch.int32)
-    idx = ops.indexer_topk(q, k[rows], w, ks, ks + k_len, topk)
+    idx = ops.indexer_topk(q, keys(rows), w, ks, ks + k_len, topk)
     return torch.where(idx >= 0, rows[idx.long().clamp(min=0)], -1).to(torch.int32)
+
+
+def paged_indexer_topk_decompose(ops, q, k, w, block_table, seq, k_len, page_size, topk):
+    """ops.indexer_topk over the compact buffer of the sequences' keys, then pool rows."""
+    return _paged_via_compact(ops, q, lambda rows: k[rows], w, block_table, seq, k_len,
+                              page_size, topk)
 
 
 def paged_reachable(block_table: torch.Tensor, seq: torch.Tensor, k_len: torch.Tensor,
@@ -323,10 +331,17 @@ def paged_reachable(block_table: torch.Tensor, seq: torch.Tensor, k_len: torch.T
     return out
 
 
-def _paged_check(a, s) -> None:
+def _paged_check(op: str):
+    """The paged ops' check (`_check_paged_args`)."""
+    def check(a, s) -> None:
+        _check_paged_args(op, a, s)
+
+    return check
+
+
+def _check_paged_args(op: str, a, s) -> None:
     """The value checks read three values (the seq and k_len flags, the widest used row, the
     page flags): only where `value_checks` allows, as this runs on every decode step."""
-    op = "paged_indexer_topk"
     ps, S = a["page_size"], s["S"]
     require(S % ps == 0, op, "k", f"a row count S that is a multiple of page_size={ps} (the "
             f"pool holds whole pages)", f"S={S}")
@@ -378,11 +393,19 @@ def _paged_check(a, s) -> None:
             f"used entries, got page {int(srt[b, i])} twice in row {b}")
 
 
-def _paged_rows(o, got, work) -> SelectionRows:
+def _paged_rows(inputs=lambda o: (o["q"], o["k"])):
     """As indexer_topk's rule, through the mapping: query t's candidates are the pool rows of its
-    logical keys j < k_len[t], each with the oracle score and bound of its key k[row]; other
-    rows are not selectable."""
-    q, k, w = o["q"], o["k"], o["w"]
+    logical keys j < k_len[t], each with the oracle score and bound of its key row; other rows
+    are not selectable. ``inputs(o)`` gives the (q, k) scored (the fp8 op: the quantized q and
+    the dequantized key pool)."""
+    def rows(o, got, work) -> SelectionRows:
+        q, k = inputs(o)
+        return _paged_selection_rows(o, q, k, o["w"].to(q.dtype))
+
+    return rows
+
+
+def _paged_selection_rows(o, q, k, w) -> SelectionRows:
     T, S = q.shape[0], k.shape[0]
     full_s = torch.zeros(T, dtype=torch.int32)
     scores = lightning_indexer_ref(q, k, w, full_s, torch.full_like(full_s, S))
@@ -393,7 +416,7 @@ def _paged_rows(o, got, work) -> SelectionRows:
 
 
 PAGED_INDEXER_TOPK_SELECTION = Selection(
-    "idx", _paged_rows,
+    "idx", _paged_rows(),
     "by score as indexer_topk, through the page mapping: the selected pool rows' oracle scores "
     "match the oracle's top-k over the query's logical keys position by position within the "
     "two keys' score bounds; valid entries first, distinct, rows the query sees, in descending "
@@ -411,10 +434,11 @@ def _paged_cost(a, s):
         keys = float(need.sum())
     else:
         n = keys = float(s["P"] * ps)
-    esz = a["k"].element_size()
+    # bytes per key: its Di values (and its fp32 scale in an fp8 pool)
+    per_key = Di * a["k"].element_size() + (4.0 if a.get("k_scale") is not None else 0.0)
     flops = T * n * (2.0 * Hi * Di + 3.0 * Hi + 1.0) + T * a["topk"]
     return flops, (_bytes(a["q"], a["w"], a["seq"], a["k_len"], a["block_table"])
-                   + keys * Di * esz + 4.0 * T * a["topk"])
+                   + keys * per_key + 4.0 * T * a["topk"])
 
 
 PAGED_INDEXER_TOPK = OpDef(
@@ -436,9 +460,86 @@ PAGED_INDEXER_TOPK = OpDef(
     outputs=(OutArg("idx", lambda s, a: (s["T"], a["topk"]), torch.int32, differentiable=False),),
     reference=paged_indexer_topk_ref,
     cost=_paged_cost,
-    check=_paged_check,
+    check=_paged_check("paged_indexer_topk"),
     decompose=paged_indexer_topk_decompose,
     selection=PAGED_INDEXER_TOPK_SELECTION,
+    differentiable=False,
+    category="dsa",
+)
+
+
+# --------------------------------------------------------------------------- paged_indexer_topk_fp8
+# The paged indexer over an fp8 key cache, as DeepSeek-V3.2's serving stacks keep the indexer's
+# keys: each key row stored once, when its token is written, as e4m3 codes and one fp32 scale
+# (`glm5.ir.fp8.quantize_rows_e4m3`: Di + 4 bytes a row instead of 2 Di); q is quantized per
+# (token, head) row by the op, as indexer_topk_fp8 does.
+def _dequantized_pool(k: torch.Tensor, k_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_rows_e4m3(k, k_scale, dtype)
+
+
+def paged_indexer_topk_fp8_ref(q, k, k_scale, w, block_table, seq, k_len, page_size, topk):
+    """paged_indexer_topk on the quantized q and the dequantized key pool (both exact in the
+    accumulation dtype)."""
+    acc = acc_of(q)
+    return paged_indexer_topk_ref(e4m3_rows(q, acc), _dequantized_pool(k, k_scale, acc), w,
+                                  block_table, seq, k_len, page_size, topk)
+
+
+def paged_indexer_topk_fp8_decompose(ops, q, k, k_scale, w, block_table, seq, k_len,
+                                     page_size, topk):
+    """ops.indexer_topk over the dequantized keys of the compact buffer (only the rows the
+    queries see are dequantized) and the quantized q, then pool rows."""
+    return _paged_via_compact(
+        ops, e4m3_rows(q), lambda rows: _dequantized_pool(k[rows], k_scale[rows], torch.float32),
+        w.to(torch.float32), block_table, seq, k_len, page_size, topk)
+
+
+def _paged_fp8_check(a, s) -> None:
+    """paged_indexer_topk's checks, and the key scales finite and >= 0 (a scale commutes with
+    the ReLU only when it is not negative; rows never written hold 0)."""
+    op = "paged_indexer_topk_fp8"
+    _check_paged_args(op, a, s)
+    sc = a["k_scale"]
+    if sc.numel() == 0 or not value_checks(sc):
+        return
+    bad = ~(torch.isfinite(sc) & (sc >= 0))
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0, 0])
+        raise OpInputError(f"glm5.{op}: argument 'k_scale' expected finite entries >= 0, got "
+                           f"k_scale[{r}]={float(sc[r])}")
+
+
+PAGED_INDEXER_TOPK_FP8 = OpDef(
+    name="paged_indexer_topk_fp8",
+    summary="paged_indexer_topk over an fp8 e4m3 key pool with a scale per row, q quantized "
+            "per row to e4m3 (DeepSeek-V3.2's fp8 indexer cache)",
+    params=(
+        TensorArg("q", ("T", "Hi", "Di"), doc="indexer queries (quantized per row by the op)"),
+        TensorArg("k", ("S", "Di"), frozenset({torch.float8_e4m3fn}),
+                  doc="the paged key pool's e4m3 codes: S = pages * page_size rows"),
+        TensorArg("k_scale", ("S",), frozenset({torch.float32}),
+                  doc="each pool row's scale (key = k[s] * k_scale[s]); a power of two as "
+                      "`glm5.ir.fp8` makes them keeps every product exact"),
+        TensorArg("w", ("T", "Hi"), doc="per-head weights, all scale factors folded in"),
+        TensorArg("block_table", ("B", "P"), INDEX_DTYPES,
+                  doc="page ids of each sequence's logical pages; -1 = not allocated"),
+        TensorArg("seq", ("T",), INDEX_DTYPES, doc="the block_table row of each query"),
+        TensorArg("k_len", ("T",), INDEX_DTYPES,
+                  doc="query t sees logical keys 0 .. k_len[t]-1 of its sequence"),
+        scalar("page_size", int, minimum=1),
+        scalar("topk", int, minimum=1),
+    ),
+    outputs=(OutArg("idx", lambda s, a: (s["T"], a["topk"]), torch.int32, differentiable=False),),
+    reference=paged_indexer_topk_fp8_ref,
+    cost=_paged_cost,
+    check=_paged_fp8_check,
+    decompose=paged_indexer_topk_fp8_decompose,
+    selection=Selection(
+        "idx", _paged_rows(lambda o: (_e4m3(o["q"]),
+                                      _dequantized_pool(o["k"], o["k_scale"], acc_of(o["q"])))),
+        "by score as paged_indexer_topk's, on the scores of the e4m3-quantized q (each row's "
+        "codes and power-of-two scale as `glm5.ir.fp8` makes them) and the dequantized key "
+        "pool (k[s] * k_scale[s])"),
     differentiable=False,
     category="dsa",
 )
@@ -625,5 +726,4 @@ ATTENTION = OpDef(
 )
 
 OPS = (LIGHTNING_INDEXER, TOPK_INDICES, INDEXER_TOPK, INDEXER_TOPK_FP8, PAGED_INDEXER_TOPK,
-       SPARSE_ATTENTION,
-       ATTENTION)
+       PAGED_INDEXER_TOPK_FP8, SPARSE_ATTENTION, ATTENTION)

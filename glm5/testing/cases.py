@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from glm5.ir.fp8 import quantize_rows_e4m3
 from glm5.ir.quant_formats import SCHEMES, quantize_weight
 
 # The dtypes a kernel declaring `dtypes=None` is exercised with.
@@ -455,6 +456,25 @@ def gen_paged_indexer_topk(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
     return {"q": m.randn(T, Hi, Di, scale=mag), "k": k, "w": m.randn(T, Hi, scale=Hi ** -0.5),
             "block_table": table, "seq": _i32(seq_t), "k_len": _i32(kl_t), "page_size": ps,
             "topk": max(1, topk)}
+
+
+def gen_paged_indexer_topk_fp8(d: Draw, dtype: torch.dtype) -> dict[str, Any]:
+    """paged_indexer_topk's cases with the key pool quantized as the serving engine writes it
+    (`glm5.ir.fp8.quantize_rows_e4m3` per row: e4m3 codes and a power-of-two scale); in half
+    the cases the pages no sequence holds are as a fresh pool holds them (codes 0, scale 0:
+    never written; no query sees them, and a kernel reading them must not select them)."""
+    a = gen_paged_indexer_topk(d, dtype)
+    codes, scale = quantize_rows_e4m3(a["k"])
+    if d.flag():  # the pages no table row holds: as a fresh pool has them
+        ps = a["page_size"]
+        free = torch.ones(codes.shape[0] // ps, dtype=torch.bool)
+        held = a["block_table"].flatten().long()
+        free[held[held >= 0]] = False
+        rows = free.repeat_interleave(ps)
+        codes = codes.view(torch.uint8).masked_fill(rows[:, None], 0).view(codes.dtype)
+        scale[rows] = 0
+    return {"q": a["q"], "k": codes, "k_scale": scale, "w": a["w"],
+            **{n: a[n] for n in ("block_table", "seq", "k_len", "page_size", "topk")}}
 
 
 def _attn_heads(d: Draw, tier: str) -> tuple[int, int, int, int, bool]:

@@ -1,5 +1,5 @@
-"""@triton.jit kernels behind glm5.kernels.triton.indexer: lightning_indexer, indexer_topk,
-paged_indexer_topk.
+"""@triton.jit kernels behind glm5.kernels.triton.indexer: lightning_indexer, indexer_topk
+(and its fp8 form), paged_indexer_topk (and its fp8 form).
 
 Imported on the first kernel call only (Triton reads TRITON_INTERPRET when a @triton.jit function
 is defined).
@@ -441,47 +441,49 @@ def _store_pool_rows(key, out_ptr, bt_ptr, sq, t64, t_mask, PS, sbb, sbp, sot, s
 # --------------------------------------------------------------------------- paged_indexer_topk
 @entry_kernel("T", "sbb", "SPLIT", "sws", "spk")
 def paged_indexer_topk_kernel(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr,
-                              mc_ptr, pk_ptr, T, PS, Hi, Di, TOPK, SPLIT, sws, spk,
+                              mc_ptr, pk_ptr, sk_ptr, T, PS, Hi, Di, TOPK, SPLIT, sws, spk,
                               sqt, sqh, sqd, sks, skd, swt, swh, sbb, sbp, sot, sok,
                               N_TILES, NUM_PROGRAMS, GRID_1,
                               BLOCK_T: tl.constexpr, HP: tl.constexpr, BLOCK_S: tl.constexpr,
                               BLOCK_D: tl.constexpr, ONE_D: tl.constexpr, CH: tl.constexpr,
                               LOG_CH: tl.constexpr, RANK_MERGE: tl.constexpr,
                               COUNT_MERGES: tl.constexpr, SPLIT_OUT: tl.constexpr,
-                              DOT_FP32: tl.constexpr, PERSISTENT: tl.constexpr):
+                              DOT_FP32: tl.constexpr, KSCALE: tl.constexpr,
+                              PERSISTENT: tl.constexpr):
     """indexer_topk_kernel through a block table: query t sees logical keys 0 .. kl[t] - 1 of
     sequence seq[t], key j at pool row bt[seq[t], j // PS] * PS + j % PS. Tiles (block of
     BLOCK_T queries, split), last block first (a prefill chunk's last queries see the most
     keys); SPLIT_OUT as in indexer_topk_kernel (each pass over a sequence's keys cut into
     SPLIT windows); PERSISTENT: program p walks tiles p, p + NUM_PROGRAMS, ... of that
-    order."""
+    order. KSCALE (paged_indexer_topk_fp8): q and the pool hold e4m3 codes, w the q scales
+    folded in, and each key's head sum is multiplied by its pool row's scale sk_ptr[row]."""
     n_tb = N_TILES // GRID_1
     if PERSISTENT:
         for tile in range(tl.program_id(0), N_TILES, NUM_PROGRAMS):
             _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr,
-                             mc_ptr, pk_ptr, T, PS, Hi, Di, TOPK, SPLIT, sws, spk,
+                             mc_ptr, pk_ptr, sk_ptr, T, PS, Hi, Di, TOPK, SPLIT, sws, spk,
                              sqt, sqh, sqd, sks, skd, swt, swh, sbb, sbp, sot, sok,
                              n_tb - 1 - tile // GRID_1, tile % GRID_1, BLOCK_T, HP, BLOCK_S,
                              BLOCK_D, ONE_D, CH, LOG_CH, RANK_MERGE, COUNT_MERGES, SPLIT_OUT,
-                             DOT_FP32)
+                             DOT_FP32, KSCALE)
     else:
         _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr,
-                         mc_ptr, pk_ptr, T, PS, Hi, Di, TOPK, SPLIT, sws, spk,
+                         mc_ptr, pk_ptr, sk_ptr, T, PS, Hi, Di, TOPK, SPLIT, sws, spk,
                          sqt, sqh, sqd, sks, skd, swt, swh, sbb, sbp, sot, sok,
                          n_tb - 1 - tl.program_id(0), tl.program_id(1), BLOCK_T, HP, BLOCK_S,
                          BLOCK_D, ONE_D, CH, LOG_CH, RANK_MERGE, COUNT_MERGES, SPLIT_OUT,
-                         DOT_FP32)
+                         DOT_FP32, KSCALE)
 
 
 @triton.jit
 def _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_ptr, mc_ptr,
-                     pk_ptr, T, PS, Hi, Di, TOPK, SPLIT, sws, spk,
+                     pk_ptr, sk_ptr, T, PS, Hi, Di, TOPK, SPLIT, sws, spk,
                      sqt, sqh, sqd, sks, skd, swt, swh, sbb, sbp, sot, sok, pid, split,
                      BLOCK_T: tl.constexpr, HP: tl.constexpr, BLOCK_S: tl.constexpr,
                      BLOCK_D: tl.constexpr, ONE_D: tl.constexpr, CH: tl.constexpr,
                      LOG_CH: tl.constexpr, RANK_MERGE: tl.constexpr,
                      COUNT_MERGES: tl.constexpr, SPLIT_OUT: tl.constexpr,
-                     DOT_FP32: tl.constexpr):
+                     DOT_FP32: tl.constexpr, KSCALE: tl.constexpr):
     """The block's queries may belong to several sequences (a decode batch: one each). A
     [BLOCK_S] tile of keys is one sequence's, so the block makes one pass per distinct sequence
     among its queries (smallest id first), streaming that sequence's keys through its table row
@@ -531,6 +533,8 @@ def _paged_topk_tile(q_ptr, k_ptr, w_ptr, bt_ptr, seq_ptr, kl_ptr, ws_ptr, out_p
                 score = _score_tile(q_ptr, qv, qoff, r_mask, wr, k_ptr, prow * sks, s_mask,
                                     Di, sqd, skd, BLOCK_T, HP, BLOCK_S, BLOCK_D, ONE_D,
                                     DOT_FP32)
+                if KSCALE:
+                    score = score * tl.load(sk_ptr + prow, mask=s_mask, other=1.0)[None, :]
                 valid = act[:, None] & (s[None, :] < kl[:, None]) & s_mask[None, :]
                 key = tl.where(valid, _order_key(score, s), -9187343243497619456)
                 cnt, dirty = _append(rows, key, cnt, thr, dirty, t_mask)

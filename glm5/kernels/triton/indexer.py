@@ -32,7 +32,12 @@ them, so prefill chunks (one sequence) stream once and a decode batch (one query
 needs no host-side regrouping; order keys hold the logical position (ties to the smaller one)
 and the final decode maps them to pool rows. No host sync: the table is read on the device.
 
-Split top-k (both top-k ops, decode): when the query blocks are short of about TARGET_PROGRAMS
+paged_indexer_topk_fp8 (served whole where tl.dot takes e4m3): the same kernel on an fp8 key
+pool as the serving engine stores it (e4m3 codes written once per token, one fp32 scale per
+row: half the bytes a decode step streams), q quantized per call as indexer_topk_fp8 does, each
+key's head sum times its pool row's scale.
+
+Split top-k (the top-k ops, decode): when the query blocks are short of about TARGET_PROGRAMS
 programs, each block's keys (paged: each sequence pass) are cut into SPLIT windows of whole
 BLOCK_S tiles (glm5.kernels.triton.splitkv's rule, at least SPLIT_MIN_KEYS keys each); each
 (block, window) program selects over its window in its own workspace rows and stores its best
@@ -78,9 +83,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                      "WS_BYTES": 1 << 28, "TARGET_PROGRAMS": 264,
                      "TARGET_PROGRAMS_INTERPRETED": 0, "SPLIT_MIN_KEYS": 8192,
                      "MERGE_BLOCK_T": 2},
-    # indexer_topk_fp8: indexer_topk's kernel on e4m3 codes (its own entry: fp8 dots may want
-    # other tiles; the defaults are indexer_topk's, set below)
-    # as indexer_topk (same merge and workspace rules); keys are read through the block table.
+    # paged_indexer_topk: as indexer_topk (same merge and workspace rules); keys are read
+    # through the block table.
     # M = 128: the page gather's extra state spills at 256 rows, and decode blocks hold one
     # query per sequence anyway.
     "paged_indexer_topk": {"BLOCK_M": 128, "MAX_BLOCK_T": 16, "BLOCK_S": 64, "BLOCK_D": 128,
@@ -89,7 +93,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                            "TARGET_PROGRAMS_INTERPRETED": 0, "SPLIT_MIN_KEYS": 8192,
                            "MERGE_BLOCK_T": 2},
 }
+# The fp8 ops run their bf16 op's kernel on e4m3 codes: entries of their own (fp8 dots may want
+# other tiles), the bf16 op's defaults until measured.
 DEFAULTS["indexer_topk_fp8"] = dict(DEFAULTS["indexer_topk"])
+DEFAULTS["paged_indexer_topk_fp8"] = dict(DEFAULTS["paged_indexer_topk"])
 
 
 def _k():
@@ -284,39 +291,65 @@ def make_paged_indexer_topk(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
         """The op; ``merge_counts`` as for indexer_topk."""
         check_device("paged_indexer_topk", q=q, k=k, w=w, block_table=block_table, seq=seq,
                      k_len=k_len, merge_counts=merge_counts)
-        seq, k_len = seq.contiguous(), k_len.contiguous()
-        T, Hi, Di = q.shape
-        topk = int(topk)
-        _check_counts("paged_indexer_topk", merge_counts, T, q.device)
-        out = torch.empty((T, topk), dtype=torch.int32, device=q.device)
-        if T == 0:
-            return out
-        if k.shape[0] == 0 or block_table.shape[1] == 0:  # no page: no query sees a key
-            if merge_counts is not None:
-                merge_counts.zero_()
-            return out.fill_(-1)
-        keys = block_table.shape[1] * int(page_size)  # no sequence has more
-        c, ch, rows, rank, split = _merge_plan(p, topk, Hi, Di, T, keys, merge_counts is None)
-        ws, pk = _buffers(split, rows, ch, topk, q.device)
-        for t0, t1, qs, ws_, o, mc in _groups(T, rows, q, w, out, merge_counts, ws):
-            n = t1 - t0
-            launch(
-                _k().paged_indexer_topk_kernel, (cdiv(n, c["BLOCK_T"]), split), p,
-                "paged_indexer_topk",
-                qs, k, ws_, block_table, seq[t0:t1], k_len[t0:t1], ws, o, mc, pk, n,
-                int(page_size), Hi, Di, topk, split, ws.stride(0), pk.stride(0),
-                qs.stride(0), qs.stride(1), qs.stride(2),
-                k.stride(0), k.stride(1), ws_.stride(0), ws_.stride(1), block_table.stride(0),
-                block_table.stride(1), o.stride(0), o.stride(1),
-                CH=ch, LOG_CH=ch.bit_length() - 1, RANK_MERGE=rank,
-                COUNT_MERGES=merge_counts is not None, SPLIT_OUT=split > 1,
-                DOT_FP32=dot_fp32(q.dtype, k.dtype), **c, **launch_opts(p))
-            if split > 1:
-                _merge_splits(p, "paged_indexer_topk", c, ch, rank, split, n, topk, ws, pk, o,
-                              mc, (block_table, seq[t0:t1], page_size))
-        return out
+        return _paged_topk(p, "paged_indexer_topk", q, k, w, None, block_table, seq, k_len,
+                           page_size, topk, merge_counts)
 
     return paged_indexer_topk
+
+
+def make_paged_indexer_topk_fp8(p: dict[str, Any]) -> Callable[..., torch.Tensor]:
+    def paged_indexer_topk_fp8(q, k, k_scale, w, block_table, seq, k_len, page_size, topk, *,
+                               merge_counts: torch.Tensor | None = None):
+        """The op: the pool's e4m3 codes read as they are (one byte a value), q quantized per
+        row (`glm5.ir.fp8`) with its scales folded into w, each key's head sum times its row's
+        scale (exact for power-of-two scales); then paged_indexer_topk's selection.
+        ``merge_counts`` as for indexer_topk."""
+        check_device("paged_indexer_topk_fp8", q=q, k=k, k_scale=k_scale, w=w,
+                     block_table=block_table, seq=seq, k_len=k_len, merge_counts=merge_counts)
+        q8, sq = quantize_rows_e4m3(q)
+        return _paged_topk(p, "paged_indexer_topk_fp8", q8, k, w.to(torch.float32) * sq,
+                           k_scale.contiguous(), block_table, seq, k_len, page_size, topk,
+                           merge_counts)
+
+    return paged_indexer_topk_fp8
+
+
+def _paged_topk(p: dict[str, Any], op: str, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
+                sk: torch.Tensor | None, block_table: torch.Tensor, seq: torch.Tensor,
+                k_len: torch.Tensor, page_size: int, topk: int,
+                merge_counts: torch.Tensor | None) -> torch.Tensor:
+    """paged_indexer_topk's launches (``sk``: fp8 codes in q and k, each key's sum times
+    sk[pool row])."""
+    seq, k_len = seq.contiguous(), k_len.contiguous()
+    T, Hi, Di = q.shape
+    topk = int(topk)
+    _check_counts(op, merge_counts, T, q.device)
+    out = torch.empty((T, topk), dtype=torch.int32, device=q.device)
+    if T == 0:
+        return out
+    if k.shape[0] == 0 or block_table.shape[1] == 0:  # no page: no query sees a key
+        if merge_counts is not None:
+            merge_counts.zero_()
+        return out.fill_(-1)
+    keys = block_table.shape[1] * int(page_size)  # no sequence has more
+    c, ch, rows, rank, split = _merge_plan(p, topk, Hi, Di, T, keys, merge_counts is None)
+    ws, pk = _buffers(split, rows, ch, topk, q.device)
+    for t0, t1, qs, ws_, o, mc in _groups(T, rows, q, w, out, merge_counts, ws):
+        n = t1 - t0
+        launch(
+            _k().paged_indexer_topk_kernel, (cdiv(n, c["BLOCK_T"]), split), p, op,
+            qs, k, ws_, block_table, seq[t0:t1], k_len[t0:t1], ws, o, mc, pk,
+            ws if sk is None else sk, n, int(page_size), Hi, Di, topk, split, ws.stride(0),
+            pk.stride(0), qs.stride(0), qs.stride(1), qs.stride(2),
+            k.stride(0), k.stride(1), ws_.stride(0), ws_.stride(1), block_table.stride(0),
+            block_table.stride(1), o.stride(0), o.stride(1),
+            CH=ch, LOG_CH=ch.bit_length() - 1, RANK_MERGE=rank,
+            COUNT_MERGES=merge_counts is not None, SPLIT_OUT=split > 1,
+            DOT_FP32=dot_fp32(q.dtype, k.dtype), KSCALE=sk is not None, **c, **launch_opts(p))
+        if split > 1:
+            _merge_splits(p, op, c, ch, rank, split, n, topk, ws, pk, o, mc,
+                          (block_table, seq[t0:t1], page_size))
+    return out
 
 
 def fp8_dots(device: torch.device) -> bool:
@@ -337,6 +370,8 @@ def kernels(tuning: Callable[[str], dict[str, Any]]) -> list[tuple]:
     max_topk8 = int(p8.get("MAX_TOPK", 4096))
     pp = tuning("paged_indexer_topk")
     paged_max = int(pp.get("MAX_TOPK", 4096))
+    pp8 = tuning("paged_indexer_topk_fp8")
+    paged_max8 = int(pp8.get("MAX_TOPK", 4096))
 
     def topk_ok(q, k, w, k_start, k_end, topk) -> bool:
         return int(topk) <= max_topk
@@ -347,9 +382,13 @@ def kernels(tuning: Callable[[str], dict[str, Any]]) -> list[tuple]:
     def paged_ok(q, k, w, block_table, seq, k_len, page_size, topk) -> bool:
         return int(topk) <= paged_max
 
+    def paged_fp8_ok(q, k, k_scale, w, block_table, seq, k_len, page_size, topk) -> bool:
+        return int(topk) <= paged_max8 and fp8_dots(q.device)
+
     return [
         ("lightning_indexer", make_lightning_indexer(tuning("lightning_indexer")), FLOATS, None),
         ("indexer_topk", make_indexer_topk(pt), FLOATS, topk_ok),
         ("indexer_topk_fp8", make_indexer_topk_fp8(p8), FLOATS, fp8_ok),
         ("paged_indexer_topk", make_paged_indexer_topk(pp), FLOATS, paged_ok),
+        ("paged_indexer_topk_fp8", make_paged_indexer_topk_fp8(pp8), FLOATS, paged_fp8_ok),
     ]

@@ -231,19 +231,33 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
 
         return run
 
-    def paged_topk_decode(ops):  # a decode batch of 4 sequences of 64K keys, 64-row pages
-        B, S, ps = 4, 65536, 64
-        table = torch.arange(B * (S // ps), dtype=torch.int32).reshape(B, S // ps)
-        ops["paged_indexer_topk"](_bf(B, HI, DI), _bf(B * S, DI), torch.zeros(B, HI), table,
-                                  torch.arange(B, dtype=torch.int32),
-                                  torch.full((B,), S, dtype=torch.int32), ps, TOPK)
+    def pool(rows: int, fp8: bool) -> tuple[torch.Tensor, ...]:
+        """The paged key pool: bf16 rows, or e4m3 codes and a scale per row."""
+        if fp8:
+            return (torch.zeros(rows, DI, dtype=torch.float8_e4m3fn), torch.ones(rows))
+        return (_bf(rows, DI),)
 
-    def paged_topk(ops):  # a prefill chunk of one sequence through 64-row pages
-        T, S, ps = 64, 4096, 64
-        ops["paged_indexer_topk"](_bf(T, HI, DI), _bf(S, DI), torch.zeros(T, HI),
-                                  torch.arange(S // ps, dtype=torch.int32)[None],
-                                  torch.zeros(T, dtype=torch.int32),
-                                  torch.arange(S - T + 1, S + 1, dtype=torch.int32), ps, TOPK)
+    def paged_topk_decode(fp8: bool):  # a decode batch of 4 sequences of 64K keys, 64-row pages
+        def run(ops):
+            B, S, ps = 4, 65536, 64
+            table = torch.arange(B * (S // ps), dtype=torch.int32).reshape(B, S // ps)
+            op = "paged_indexer_topk_fp8" if fp8 else "paged_indexer_topk"
+            ops[op](_bf(B, HI, DI), *pool(B * S, fp8), torch.zeros(B, HI), table,
+                    torch.arange(B, dtype=torch.int32), torch.full((B,), S, dtype=torch.int32),
+                    ps, TOPK)
+
+        return run
+
+    def paged_topk(fp8: bool):  # a prefill chunk of one sequence through 64-row pages
+        def run(ops):
+            T, S, ps = 64, 4096, 64
+            op = "paged_indexer_topk_fp8" if fp8 else "paged_indexer_topk"
+            ops[op](_bf(T, HI, DI), *pool(S, fp8), torch.zeros(T, HI),
+                    torch.arange(S // ps, dtype=torch.int32)[None],
+                    torch.zeros(T, dtype=torch.int32),
+                    torch.arange(S - T + 1, S + 1, dtype=torch.int32), ps, TOPK)
+
+        return run
 
     def sparse_prefill(ops):  # enough queries that the keys are not split (decode's split-KV)
         k = _bf(4096, 1, DQK)
@@ -300,11 +314,13 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
         return run
 
     out = {"lightning_indexer": (True, lightning), "indexer_topk": (True, topk),
-           "paged_indexer_topk": (True, paged_topk),
+           "paged_indexer_topk": (True, paged_topk(False)),
+           "paged_indexer_topk_fp8": (True, paged_topk(True)),
            "indexer_topk decode": (False, topk_decode),
            "indexer_topk_fp8": (True, topk_fp8(64, 4096)),
            "indexer_topk_fp8 decode": (False, topk_fp8(1, 65536)),
-           "paged_indexer_topk decode": (False, paged_topk_decode),
+           "paged_indexer_topk decode": (False, paged_topk_decode(False)),
+           "paged_indexer_topk_fp8 decode": (False, paged_topk_decode(True)),
            "sparse_attention prefill": (True, sparse_prefill),
            "sparse_attention decode": (False, sparse_decode),
            # prefills big enough not to split their keys; decodes split them (split-KV)
@@ -364,11 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the table as JSON here")
     a = ap.parse_args(argv)
     rows = check(a.only)
-    print(f"{'scenario':28} {'kernel':28} {'warps':>5} {'stg':>3} {'regs':>4} {'spill B':>7} "
+    print(f"{'scenario':30} {'kernel':28} {'warps':>5} {'stg':>3} {'regs':>4} {'spill B':>7} "
           f"{'smem KiB':>8} {'mma':>6}  problems")
     for v in rows:
         mma = "wgmma" if v.wgmma else ("sync" if v.mma_sync else "-")
-        print(f"{v.op:28} {v.kernel:28} {v.num_warps:5d} {v.num_stages:3d} {v.regs:4d} "
+        print(f"{v.op:30} {v.kernel:28} {v.num_warps:5d} {v.num_stages:3d} {v.regs:4d} "
               f"{v.local + v.stack:7d} {v.shared / 1024:8.1f} {mma:>6}  "
               f"{'; '.join(problems(v)) or 'ok'}")
     if a.json:
