@@ -212,6 +212,25 @@ def b_indexer(T: int, S: int, Hi: int, Di: int, topk: int | None = None) -> Call
     return build
 
 
+def b_paged(B: int, L: int, Hi: int, Di: int, topk: int, ps: int, fp8: bool) -> Callable:
+    """A decode step of B sequences of L keys each (one query per sequence) through a shuffled
+    pool of ps-row pages; ``fp8``: paged_indexer_topk_fp8's pool (e4m3 codes + row scales)."""
+    def build(dt):
+        from glm5.ir.fp8 import quantize_rows_e4m3
+
+        n = -(-L // ps)
+        g = torch.Generator().manual_seed(3)
+        table = torch.randperm(B * n, generator=g).to(torch.int32).reshape(B, n).to(DEV)
+        k = rn(B * n * ps, Di, dt=dt, seed=1)
+        pool = dict(zip(("k", "k_scale"), quantize_rows_e4m3(k))) if fp8 else {"k": k}
+        return {"q": rn(B, Hi, Di, dt=dt), **pool,
+                "w": rn(B, Hi, dt=torch.float32, scale=Hi ** -0.5, seed=2),
+                "block_table": table, "seq": torch.arange(B, device=DEV, dtype=torch.int32),
+                "k_len": torch.full((B,), L, device=DEV, dtype=torch.int32), "page_size": ps,
+                "topk": topk}
+    return build
+
+
 def b_sparse(T: int, S: int, K: int, H: int, Hk: int, Dqk: int, Dv: int) -> Callable:
     def build(dt):
         k = rn(S, Hk, Dqk, dt=dt, seed=1)
@@ -342,6 +361,11 @@ SHAPES: dict[str, list[tuple[str, Callable, tuple, Callable | None]]] = {
                           b_indexer(8192, 8192, 32, 128, 2048), (BF,), None),
                          ("decode T=1 S=131072 Hi=32 Di=128 topk=2048",
                           b_indexer(1, 131072, 32, 128, 2048), (BF,), None)],
+    # a decode step of the serving engine's paged indexer: bf16 pool vs the fp8 index cache
+    # (half the bytes per key read)
+    **{op: [("decode B=32 L=32768 page=64 Hi=32 Di=128 topk=2048",
+             b_paged(32, 32768, 32, 128, 2048, 64, fp8), (BF,), None)]
+       for op, fp8 in (("paged_indexer_topk", False), ("paged_indexer_topk_fp8", True))},
     "sparse_attention": [
         ("decode T=64 S=8192 K=2048 H=64 MQA 576/512",
          b_sparse(64, 8192, 2048, 64, 1, 576, 512), (BF,), None),
@@ -396,7 +420,7 @@ def peak_class(op: str, args: dict[str, Any], dt: torch.dtype) -> str:
     scheme = args.get("scheme")
     if op in ("quant_linear", "moe_experts_quant") and scheme in ("w8a8", "w4a8", "w6a12"):
         return "int8"
-    if op == "indexer_topk_fp8":  # e4m3 dots whatever q's dtype
+    if op in ("indexer_topk_fp8", "paged_indexer_topk_fp8"):  # e4m3 dots whatever q's dtype
         return "fp8"
     return {BF: "bf16", F16: "fp16"}.get(dt, "fp32")
 

@@ -523,7 +523,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from glm5.serve.app import build_app
 
         print(f"glm5 serve: loading {args.model_dir}", flush=True)
-        model = load_model(args.model_dir, getattr(torch, args.dtype) if args.dtype else None)
+        model = load_model(args.model_dir, getattr(torch, args.dtype) if args.dtype else None,
+                           indexer_dtype=args.indexer_dtype)
         try:
             tokenizer = load_tokenizer(Path(args.model_dir))
         except (OSError, ValueError) as e:  # a broken tokenizer file is a bad input, not usage
@@ -942,6 +943,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--backend", help="ops backend (default: the usual selection)")
     sv.add_argument("--dtype", choices=_SERVE_DTYPES, type=str.lower,
                     help="weights dtype (default: the checkpoint's)")
+    sv.add_argument("--indexer-dtype", choices=("bf16", "fp8"), type=str.lower,
+                    help="the DSA indexer's precision (default: the checkpoint's config, "
+                         "dsa_indexer_dtype); fp8: DeepSeek-V3.2's fp8 indexer, its keys "
+                         "cached in fp8")
     sv.add_argument("--served-model-name", help="the model name clients send (default: the "
                     "directory's name)")
     sv.add_argument("--max-num-seqs", type=int, help="sequences in the running batch (256)")

@@ -21,7 +21,7 @@ OPS_MD = ROOT / "docs" / "ops.md"
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.int8,
-    torch.uint8, torch.int16, torch.int32, torch.int64)}
+    torch.uint8, torch.int16, torch.int32, torch.int64, torch.float8_e4m3fn)}
 
 
 # --------------------------------------------------------------------------- an independent reader

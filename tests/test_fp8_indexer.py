@@ -87,18 +87,20 @@ def _case(T, S, Hi, Di, dtype, seed):
     return {"q": q, "k": k, "w": w, "k_start": ks, "k_end": ke}
 
 
-def test_cpu_backend_runs_the_decomposition(monkeypatch):
+@pytest.mark.parametrize("op", ["indexer_topk_fp8", "paged_indexer_topk_fp8"])
+def test_cpu_backend_runs_the_decomposition(op, monkeypatch):
     """The cpu backend has no fp8 kernel: under GLM5_STRICT=1 (a reference fallback raises)
-    the op runs as indexer_topk on the dequantized inputs, within the op's bound on the kit's
-    cases (ties and duplicated keys included)."""
+    the op runs as indexer_topk on the dequantized inputs (the paged op: only the rows its
+    queries see), within the op's bound on the kit's cases (ties, duplicated keys, fresh pages
+    with scale 0 included)."""
     pytest.importorskip("tvm")
     monkeypatch.setenv("GLM5_STRICT", "1")
     with glm5.use_backend("cpu"):
         for dtype in (torch.float32, torch.bfloat16):
             for i in range(6):
-                vals = example("indexer_topk_fp8", dtype, 3, i, "smoke")
-                got = glm5.ops.indexer_topk_fp8(**vals)
-                assert_matches("indexer_topk_fp8", got, vals, what=f"cpu {dtype} case {i}")
+                vals = example(op, dtype, 3, i, "smoke")
+                got = getattr(glm5.ops, op)(**vals)
+                assert_matches(op, got, vals, what=f"cpu {dtype} case {i}")
 
 
 # --------------------------------------------------------------------------- Triton kernel
@@ -232,10 +234,8 @@ def _paged_args(v: dict) -> tuple:
 
 
 def test_paged_fp8_reference_is_the_paged_indexer_on_the_dequantized_pool():
-    """The op's reference is paged_indexer_topk on e4m3(q) and k * k_scale (exact), and the
-    cpu backend's decomposition (only the rows the queries see dequantized) gives what the
-    oracle accepts under GLM5_STRICT=1, on the kit's paged cases (fresh pages with scale 0
-    included)."""
+    """The op's reference is paged_indexer_topk on e4m3(q) and k * k_scale (exact), on the
+    kit's paged cases."""
     from glm5.ir.ops_dsa import paged_indexer_topk_fp8_ref, paged_indexer_topk_ref
 
     for i in range(4):
@@ -244,17 +244,6 @@ def test_paged_fp8_reference_is_the_paged_indexer_on_the_dequantized_pool():
         want = paged_indexer_topk_ref(e4m3_rows(v["q"]), deq, v["w"], v["block_table"],
                                       v["seq"], v["k_len"], v["page_size"], v["topk"])
         assert torch.equal(paged_indexer_topk_fp8_ref(*_paged_args(v)), want)
-
-
-def test_paged_fp8_cpu_decomposition(monkeypatch):
-    pytest.importorskip("tvm")
-    monkeypatch.setenv("GLM5_STRICT", "1")
-    with glm5.use_backend("cpu"):
-        for dtype in (torch.float32, torch.bfloat16):
-            for i in range(6):
-                v = example("paged_indexer_topk_fp8", dtype, 3, i, "smoke")
-                got = glm5.ops.paged_indexer_topk_fp8(**v)
-                assert_matches("paged_indexer_topk_fp8", got, v, what=f"cpu {dtype} case {i}")
 
 
 def test_paged_fp8_value_checks():
@@ -425,3 +414,45 @@ def test_engine_with_the_fp8_cache_is_generate_with_the_fp8_indexer(monkeypatch)
     assert len(calls) > 10
     for vals, out in calls[::3]:
         assert_matches("paged_indexer_topk_fp8", out, vals, what="engine call")
+
+
+def test_checkpoint_loads_with_the_fp8_indexer(tmp_path, monkeypatch):
+    """`load_model(..., indexer_dtype="fp8")`, `glm5.LLM(dir, indexer_dtype="fp8")` and
+    `glm5 serve --indexer-dtype fp8` run a bf16-indexer checkpoint with the fp8 indexer and its
+    fp8 key cache (the same weights); LLM's greedy tokens are the fp8 model's `generate`; a bad
+    value and the option on a built model are refused by name."""
+    pytest.importorskip("tvm")
+    from glm5.cli import main
+    from glm5.core import checkpoint
+    from glm5.core.config import ConfigError, preset
+    from glm5.core.index_cache import FP8Keys
+    from glm5.core.model import GLM5ForCausalLM
+    from glm5.engine.sampling import SamplingParams
+
+    torch.manual_seed(0)
+    GLM5ForCausalLM(preset("tiny")).float().eval().save_pretrained(tmp_path)
+    m8 = checkpoint.load_model(tmp_path, torch.float32, indexer_dtype="fp8").eval()
+    assert m8.config.dsa_indexer_dtype == "fp8"
+    assert checkpoint.load_model(tmp_path).config.dsa_indexer_dtype == "bf16"
+    with pytest.raises(ConfigError, match="dsa_indexer_dtype expected 'bf16' or 'fp8'"):
+        checkpoint.load_model(tmp_path, indexer_dtype="int4")
+    prompt = torch.randint(2, 128, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    with glm5.use_backend("cpu"), torch.no_grad():
+        want = m8.generate(torch.tensor([prompt]), 5)[0, 20:].tolist()
+        llm = glm5.LLM(str(tmp_path), dtype=torch.float32, indexer_dtype="fp8", page_size=4,
+                       num_pages=32)
+        assert all(isinstance(c, FP8Keys) for c in llm.engine.pool.index_keys if c is not None)
+        out = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0,
+                                                    ignore_eos=True))
+    assert out[0].token_ids == want
+    with pytest.raises(TypeError, match="'indexer_dtype' expected only with a checkpoint"):
+        glm5.LLM(m8, indexer_dtype="fp8")
+    seen = {}
+
+    def fake_load(path, dtype=None, device="cpu", indexer_dtype=None):
+        seen["indexer_dtype"] = indexer_dtype
+        raise checkpoint.CheckpointError("stopped by the test")
+
+    monkeypatch.setattr(checkpoint, "load_model", fake_load)
+    assert main(["serve", str(tmp_path), "--port", "0", "--indexer-dtype", "fp8"]) != 0
+    assert seen == {"indexer_dtype": "fp8"}

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import glm5
 from glm5.ir.catalog import OPS
-from glm5.ir.fp8 import e4m3_rows
+from glm5.ir.fp8 import e4m3_rows, quantize_rows_e4m3
 from glm5.ir.signature import dtype_name
 from glm5.testing.parity import Row, run_parity
 
@@ -421,6 +421,55 @@ mutant("paged_indexer_topk_logical_not_pool_rows", "paged_indexer_topk",
 mutant("paged_indexer_topk_first_sequence_table_for_all", "paged_indexer_topk",
        lambda *a: paged_topk_k(*a, first_table=True))
 
+
+
+def paged_fp8_k(q, k, k_scale, w, block_table, seq, k_len, page_size, topk, *,
+                scales="row", quantize_q=True):
+    """paged_indexer_topk_fp8 as its kernel computes it: q's e4m3 codes per row with the q
+    scales folded into w, the pool's codes read through the table, each key's head sum times
+    its pool row's scale. Bugs: ``scales`` "none" (the key scales left out), "logical" (the
+    scale read at the key's logical position instead of its pool row); ``quantize_q=False``
+    (q used unquantized, only the keys in fp8)."""
+    if quantize_q:
+        q8, sq = quantize_rows_e4m3(q)
+        q8, w = q8.float(), w.float() * sq
+    else:
+        q8 = q.float()
+    kf = k.float()
+    sk = k_scale.float()
+    T = q.shape[0]
+    out = torch.full((T, topk), -1, dtype=torch.int32)
+    for t in range(T):
+        b, n = int(seq[t]), int(k_len[t])
+        if n == 0:
+            continue
+        j = torch.arange(n)
+        rows = block_table[b].long()[j // page_size] * page_size + j % page_size
+        z = torch.zeros(1, dtype=torch.int32)
+        sc = indexer_k(q8[t:t + 1], kf[rows], w[t:t + 1].float(), z, z + n)
+        if scales == "row":
+            sc = sc * sk[rows][None, :]
+        elif scales == "logical":
+            sc = sc * sk[j.clamp(max=sk.numel() - 1)][None, :]
+        sel = topk_lexsort(sc, topk)[0].long()
+        out[t] = torch.where(sel >= 0, rows[sel.clamp(min=0)], -1)
+    return out
+
+
+def paged_fp8_dequantized(q, k, k_scale, w, block_table, seq, k_len, page_size, topk):
+    """Dequantize the whole pool in fp32, quantize q, then the per-query paged kernel."""
+    deq = k.float() * k_scale.float()[:, None]
+    return paged_topk_k(e4m3_rows(q), deq, w, block_table, seq, k_len, page_size, topk)
+
+
+good("paged_indexer_topk_fp8_folded_scales", "paged_indexer_topk_fp8", paged_fp8_k)
+good("paged_indexer_topk_fp8_dequantized_pool", "paged_indexer_topk_fp8", paged_fp8_dequantized)
+mutant("paged_indexer_topk_fp8_key_scales_left_out", "paged_indexer_topk_fp8",
+       lambda *a: paged_fp8_k(*a, scales="none"))
+mutant("paged_indexer_topk_fp8_scale_at_logical_position", "paged_indexer_topk_fp8",
+       lambda *a: paged_fp8_k(*a, scales="logical"))
+mutant("paged_indexer_topk_fp8_q_not_quantized", "paged_indexer_topk_fp8",
+       lambda *a: paged_fp8_k(*a, quantize_q=False))
 
 # --------------------------------------------------------------------------- attention
 def _dense_keys(k, v, k_start, k_end):

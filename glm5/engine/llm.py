@@ -27,23 +27,29 @@ class LLM:
 
     ``model``: a checkpoint directory (config.json + safetensors, tokenizer.json for text) or a
     built `GLM5ForCausalLM`. ``backend``: the ops' backend (None: the usual selection).
+    ``indexer_dtype`` ("bf16" / "fp8", a checkpoint directory only): overrides the config's
+    ``dsa_indexer_dtype`` ("fp8": the fp8 indexer and an fp8 indexer key cache).
     Other keyword arguments are `EngineConfig` fields (max_num_seqs, page_size, ...).
     """
 
     def __init__(self, model: str | Path | GLM5ForCausalLM, backend: str | None = None,
                  dtype: torch.dtype | None = None, tokenizer: Any = "auto",
-                 **engine_args: Any) -> None:
+                 indexer_dtype: str | None = None, **engine_args: Any) -> None:
         unknown = sorted(set(engine_args) - set(EngineConfig.names()))
         if unknown:
             raise TypeError(f"glm5.LLM: unknown argument(s) {', '.join(unknown)}; engine settings "
                             f"are {', '.join(EngineConfig.names())}")
         if isinstance(model, GLM5ForCausalLM):
+            if indexer_dtype is not None:
+                raise TypeError("glm5.LLM: argument 'indexer_dtype' expected only with a "
+                                "checkpoint directory (a built model takes it from its config: "
+                                "GLM5Config.dsa_indexer_dtype)")
             m, model_dir = (model.to(dtype) if dtype else model), None
         else:
             from glm5.core.checkpoint import load_model
 
             model_dir = Path(model)
-            m = load_model(model_dir, dtype)
+            m = load_model(model_dir, dtype, indexer_dtype=indexer_dtype)
         if tokenizer == "auto":
             tokenizer = load_tokenizer(model_dir) if model_dir is not None else None
         self.model_dir = model_dir

@@ -441,6 +441,19 @@ def _paged_cost(a, s):
                    + keys * per_key + 4.0 * T * a["topk"])
 
 
+# the paged ops' arguments after the key pool
+_PAGED_TAIL = (
+    TensorArg("w", ("T", "Hi"), doc="per-head weights, all scale factors folded in"),
+    TensorArg("block_table", ("B", "P"), INDEX_DTYPES,
+              doc="page ids of each sequence's logical pages; -1 = not allocated"),
+    TensorArg("seq", ("T",), INDEX_DTYPES, doc="the block_table row of each query"),
+    TensorArg("k_len", ("T",), INDEX_DTYPES,
+              doc="query t sees logical keys 0 .. k_len[t]-1 of its sequence"),
+    scalar("page_size", int, minimum=1),
+    scalar("topk", int, minimum=1),
+)
+
+
 PAGED_INDEXER_TOPK = OpDef(
     name="paged_indexer_topk",
     summary="composite: indexer_topk over each query's sequence's keys read through a block "
@@ -448,16 +461,8 @@ PAGED_INDEXER_TOPK = OpDef(
     params=(
         TensorArg("q", ("T", "Hi", "Di"), doc="indexer queries"),
         TensorArg("k", ("S", "Di"), doc="the paged key pool: S = pages * page_size rows"),
-        TensorArg("w", ("T", "Hi"), doc="per-head weights, all scale factors folded in"),
-        TensorArg("block_table", ("B", "P"), INDEX_DTYPES,
-                  doc="page ids of each sequence's logical pages; -1 = not allocated"),
-        TensorArg("seq", ("T",), INDEX_DTYPES, doc="the block_table row of each query"),
-        TensorArg("k_len", ("T",), INDEX_DTYPES,
-                  doc="query t sees logical keys 0 .. k_len[t]-1 of its sequence"),
-        scalar("page_size", int, minimum=1),
-        scalar("topk", int, minimum=1),
-    ),
-    outputs=(OutArg("idx", lambda s, a: (s["T"], a["topk"]), torch.int32, differentiable=False),),
+    ) + _PAGED_TAIL,
+    outputs=_TOPK_OUT,
     reference=paged_indexer_topk_ref,
     cost=_paged_cost,
     check=_paged_check("paged_indexer_topk"),
@@ -520,16 +525,8 @@ PAGED_INDEXER_TOPK_FP8 = OpDef(
         TensorArg("k_scale", ("S",), frozenset({torch.float32}),
                   doc="each pool row's scale (key = k[s] * k_scale[s]); a power of two as "
                       "`glm5.ir.fp8` makes them keeps every product exact"),
-        TensorArg("w", ("T", "Hi"), doc="per-head weights, all scale factors folded in"),
-        TensorArg("block_table", ("B", "P"), INDEX_DTYPES,
-                  doc="page ids of each sequence's logical pages; -1 = not allocated"),
-        TensorArg("seq", ("T",), INDEX_DTYPES, doc="the block_table row of each query"),
-        TensorArg("k_len", ("T",), INDEX_DTYPES,
-                  doc="query t sees logical keys 0 .. k_len[t]-1 of its sequence"),
-        scalar("page_size", int, minimum=1),
-        scalar("topk", int, minimum=1),
-    ),
-    outputs=(OutArg("idx", lambda s, a: (s["T"], a["topk"]), torch.int32, differentiable=False),),
+    ) + _PAGED_TAIL,
+    outputs=_TOPK_OUT,
     reference=paged_indexer_topk_fp8_ref,
     cost=_paged_cost,
     check=_paged_fp8_check,

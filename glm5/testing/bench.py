@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from glm5.backends.api import Backend
 from glm5.ir.catalog import OPS
+from glm5.ir.fp8 import quantize_rows_e4m3
 from glm5.ir.quant_formats import quantize_weight
 from glm5.progress import progress_bar
 from glm5.testing.measure import (
@@ -86,9 +87,10 @@ def _moe(T, k, E, D, I):
     return build
 
 
-def _paged(lens: list[int], seq: list[int], k_len: list[int], ps: int = 64):
+def _paged(lens: list[int], seq: list[int], k_len: list[int], ps: int = 64, fp8: bool = False):
     """paged_indexer_topk at GLM-5's indexer sizes over a shuffled pool of ``ps``-row pages
-    (sequence b of length lens[b]; query t of sequence seq[t] sees k_len[t] keys)."""
+    (sequence b of length lens[b]; query t of sequence seq[t] sees k_len[t] keys); ``fp8``:
+    paged_indexer_topk_fp8's pool (e4m3 codes and a scale per row)."""
     def build(dt):
         used = [-(-n // ps) for n in lens]
         n_pages = sum(used) + 8
@@ -98,7 +100,9 @@ def _paged(lens: list[int], seq: list[int], k_len: list[int], ps: int = 64):
             table[b, :n] = torch.tensor(perm[:n], dtype=torch.int32)
             perm = perm[n:]
         T = len(seq)
-        return {"q": _randn(T, 32, 128, dtype=dt), "k": _randn(n_pages * ps, 128, dtype=dt),
+        k = _randn(n_pages * ps, 128, dtype=dt)
+        pool = dict(zip(("k", "k_scale"), quantize_rows_e4m3(k))) if fp8 else {"k": k}
+        return {"q": _randn(T, 32, 128, dtype=dt), **pool,
                 "w": _randn(T, 32, scale=32 ** -0.5), "block_table": table,
                 "seq": torch.tensor(seq, dtype=torch.int32),
                 "k_len": torch.tensor(k_len, dtype=torch.int32), "page_size": ps, "topk": 2048}
@@ -196,12 +200,12 @@ SHAPES: dict[str, list[Shape]] = {
         "q": _randn(1024, 32, 128, dtype=dt), "k": _randn(8192, 128, dtype=dt),
         "w": _randn(1024, 32), "k_start": _causal(1024, 8192)[0],
         "k_end": _causal(1024, 8192)[1], "topk": 2048})],
-    "paged_indexer_topk": [
+    **{op: [
         Shape("decode B=32 L=4096 page=64 Hi=32 Di=128 topk=2048",
-              _paged([4096] * 32, list(range(31, -1, -1)), [4096] * 32)),
+              _paged([4096] * 32, list(range(31, -1, -1)), [4096] * 32, fp8=fp8)),
         Shape("prefill T=512 L=8192 page=64 Hi=32 Di=128 topk=2048",
-              _paged([8192], [0] * 512, list(range(8192 - 511, 8193)))),
-    ],
+              _paged([8192], [0] * 512, list(range(8192 - 511, 8193)), fp8=fp8)),
+    ] for op, fp8 in (("paged_indexer_topk", False), ("paged_indexer_topk_fp8", True))},
     "sparse_attention": [
         Shape("decode T=64 K=2048 H=64 MQA 576/512", _sparse(64, 8192, 2048, 64, 1, 576, 512)),
         Shape("prefill T=256 K=2048 H=64 MQA 576/512",
