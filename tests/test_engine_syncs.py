@@ -117,6 +117,14 @@ def _paged(**over):
     return "paged_indexer_topk", a
 
 
+def _paged_fp8(**over):
+    _, a = _paged()
+    codes = a.pop("k").to(torch.float8_e4m3fn)
+    a = dict(q=a.pop("q"), k=codes, k_scale=torch.ones(8), **a)
+    a.update(over)
+    return "paged_indexer_topk_fp8", a
+
+
 def _prolog(slots):
     T, D, Rq, H, Dn, Dr, Rkv, N = 2, 8, 4, 2, 2, 4, 3, 4
     return "mla_prolog", dict(
@@ -159,6 +167,9 @@ BAD = {
     "paged-seq": (_paged(seq=torch.tensor([0, 2, 1, 0], dtype=I32)), "seq[1]=2"),
     "paged-table": (_paged(block_table=torch.tensor([[2, 2, -1], [1, -1, -1]], dtype=I32)),
                     "page 2 twice"),
+    "paged-fp8-scale": (_paged_fp8(k_scale=torch.tensor([1.0] * 5 + [-2.0] + [1.0] * 2)),
+                        "'k_scale' expected finite entries >= 0, got k_scale[5]=-2.0"),
+    "paged-fp8-seq": (_paged_fp8(seq=torch.tensor([0, 2, 1, 0], dtype=I32)), "seq[1]=2"),
 }
 
 
@@ -263,6 +274,24 @@ def test_decode_step_reads_only_the_sampled_tokens(model, device_kernels, length
     assert reads.reads[0].where.split(" in ")[-1] == "_sample"
     assert sorted(o.request_id for o in outs) == [f"r{i}" for i in range(len(lengths))]
     assert all(len(o.new_token_ids) == 1 for o in outs)
+
+
+def test_decode_step_reads_with_the_fp8_index_cache(model, device_kernels):
+    """With dsa_indexer_dtype='fp8' (the fp8 key pool, paged_indexer_topk_fp8's kernel: q
+    quantized on the device) a sparse decode step still reads only the sampled tokens."""
+    device, backend = device_kernels
+    m8 = GLM5ForCausalLM(model.config.replace(dsa_indexer_dtype="fp8")).float().eval()
+    m8.load_state_dict(model.state_dict())
+    eng = _decoding_engine(m8, device, backend, [9, 12, 5, 17])
+    assert max(r.num_tokens for r in eng.requests.values()) > m8.config.index_topk
+    calls = []
+    real = glm5.ops.paged_indexer_topk_fp8
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(glm5.ops, "paged_indexer_topk_fp8", lambda *a: calls.append(1) or real(*a))
+        with count_host_reads() as reads:
+            outs = eng.step()
+    assert calls and reads.count == DECODE_READS, reads.report()
+    assert len(outs) == 4
 
 
 @pytest.mark.parametrize("logprobs,k", [(0, 0), (3, 0), (None, 1)],
