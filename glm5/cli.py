@@ -299,6 +299,9 @@ def cmd_info(args: argparse.Namespace) -> int:
           f"{kv['elements']:,} elements")
     print(f"  bf16: {b['bf16']:,} bytes/token ({b['bf16'] / 2**10:.1f} KiB); "
           f"fp8: {b['fp8']:,} bytes/token ({b['fp8'] / 2**10:.1f} KiB)")
+    if kv["indexer_dtype"] == "fp8":
+        print(f"  (fp8 index cache: each indexer key row is {kv['indexer_key_per_layer']} e4m3 "
+              f"codes + an fp32 scale = {kv['indexer_key_bytes']['bf16']} bytes in both)")
     pl = kv["bytes_per_layer"]
     print(f"  per layer: {kv['elements_per_layer']} elements = {pl['bf16']:,} bytes bf16, "
           f"{pl['fp8']:,} bytes fp8")
@@ -404,7 +407,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         p = plan(cfg, args.chip, args.quant, args.batch, args.context, tp=args.tp, ep=args.ep,
                  kv_dtype=args.kv_dtype, reserve_gb=args.reserve_gb, mtp=args.mtp,
-                 comm=args.comm)
+                 comm=args.comm, indexer_dtype=args.indexer_dtype)
     except ValueError as e:  # PlanError, ConfigError: name the command-line option
         msg = str(e).removeprefix("glm5.plan: ").removeprefix("glm5 config: ")
         raise UsageError(re.sub(r"argument '(\w+)'",
@@ -922,6 +925,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
     pl.add_argument("--kv-dtype", default="bf16", type=str.lower,
                     help="KV-cache element: bf16 or fp8")
+    pl.add_argument("--indexer-dtype", default=None, type=str.lower,
+                    help="the indexer's key cache and selection: bf16 or fp8 (e4m3 codes + a "
+                         "scale per key, DeepSeek-V3.2's form) (default: the model's "
+                         "dsa_indexer_dtype)")
     pl.add_argument("--reserve-gb", type=float, default=None,
                     help="activation/workspace reserve per device (default 10%% of memory)")
     pl.add_argument("--mtp", action="store_true", help="add the MTP layer to each decode step")

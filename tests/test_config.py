@@ -307,6 +307,19 @@ def test_cli_info_model_dir(tmp_path, capsys):
     assert doc["kv_cache_per_token"]["indexer_layers"] == 3
 
 
+def test_cli_info_fp8_index_cache(tmp_path, capsys):
+    """A config with the fp8 indexer: every key row is index_head_dim codes + a 4-byte scale,
+    in both columns (tiny: 3 x 40 latent + 2 rows of 16 + 4)."""
+    preset("tiny").replace(dsa_indexer_dtype="fp8").save_pretrained(tmp_path)
+    assert cli_main(["info", "--model", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "bf16: 280 bytes/token" in out and "fp8: 160 bytes/token" in out
+    assert "16 e4m3 codes + an fp32 scale = 20 bytes" in out
+    assert cli_main(["info", "--model", str(tmp_path), "--json"]) == 0
+    kv = json.loads(capsys.readouterr().out)["kv_cache_per_token"]
+    assert kv["indexer_dtype"] == "fp8" and kv["indexer_key_bytes"] == {"bf16": 20, "fp8": 20}
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["info", "--preset", "glm-6"], "unknown preset 'glm-6'"),
     (["info", "--model", "{tmp}"], "no config.json"),

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -15,6 +16,7 @@ from glm5.core.chips import CHIPS, get_chip
 from glm5.core.config import preset
 from glm5.core.info import count_params, kv_cache_per_token
 from glm5.core.plan import (
+    INDEX_PAGE_SIZE,
     Layout,
     PlanError,
     _candidates,
@@ -118,6 +120,86 @@ def test_kv_cache_from_info():
         (3 * 40 + 2 * 16) * 2
 
 
+# --------------------------------------------------------------------------- fp8 index cache
+def test_fp8_index_cache_bytes_by_hand():
+    """tiny: 3 layers x (32 + 8) latent, 2 'full' layers x a 16-value key; an fp8 key row is 16
+    codes + a 4-byte scale whatever the latent's element."""
+    fp8 = TINY.replace(dsa_indexer_dtype="fp8")
+    kv = kv_cache_per_token(fp8)
+    assert kv["bytes"] == {"bf16": 3 * 40 * 2 + 2 * (16 + 4), "fp8": 3 * 40 + 2 * (16 + 4)}
+    assert kv["bytes_per_layer"] == {"bf16": 40 * 2 + 20, "fp8": 40 + 20}
+    assert kv["mtp_bytes"] == {"bf16": 1 * (40 * 2 + 20), "fp8": 40 + 20}
+    assert kv["elements"] == kv_cache_per_token(TINY)["elements"]  # the elements are the same
+    lay, ch = Layout(batch=3, context=100, tp=1, ep=1), get_chip("h200")
+    m = memory(fp8, ch, weight_bytes(fp8, None), lay, "bf16", 0.0, True)
+    assert m["kv_cache_bytes_per_token"] == 3 * 40 * 2 + 2 * 20 + 40 * 2 + 20
+    # GLM-5: 78 key rows of 128 values: 256 -> 132 bytes each
+    g = kv_cache_per_token(GLM5.replace(dsa_indexer_dtype="fp8"))["bytes"]["bf16"]
+    assert kv_cache_per_token(GLM5)["bytes"]["bf16"] - g == 78 * (256 - 132)
+
+
+def test_fp8_index_cache_matches_the_engine_pool():
+    """The planner's bytes per token are what the serving engine's pool allocates a token (one
+    page of one row), for both indexer dtypes, with and without the MTP layer."""
+    from glm5.core.model import GLM5ForCausalLM
+    from glm5.engine.engine import EngineConfig
+    from glm5.engine.kv_pool import KVPool
+
+    assert INDEX_PAGE_SIZE == EngineConfig().page_size
+    for dt in ("bf16", "fp8"):
+        cfg = TINY.replace(dsa_indexer_dtype=dt)
+        model = GLM5ForCausalLM(cfg).to(torch.bfloat16)
+        kv = kv_cache_per_token(cfg)
+        assert KVPool.page_bytes(model, 1) == kv["bytes"]["bf16"], dt
+        assert KVPool.page_bytes(model, 1, mtp=True) == kv["bytes"]["bf16"] + \
+            kv["mtp_bytes"]["bf16"], dt
+
+
+def test_fp8_indexer_cost():
+    """The fp8 indexer: the paged fp8 op's cost (pages of INDEX_PAGE_SIZE rows of 128 codes +
+    a scale) at the chip's FP8 rate; chips without one run it at their BF16 rate."""
+    kw = dict(batch=1, context=32768, tp=8, ep=8, suggest=False)
+    bf, f8 = plan(GLM5, "h200", "w4a8", **kw), plan(GLM5, "h200", "w4a8", indexer_dtype="fp8",
+                                                    **kw)
+    assert f8["inputs"]["indexer_dtype"] == "fp8" and bf["inputs"]["indexer_dtype"] == "bf16"
+    op = _op(f8["decode"], "indexer_topk_fp8")
+    assert op["op"] == "paged_indexer_topk_fp8" and op["dtype"] == "fp8" and op["calls"] == 78
+    assert "indexer_topk" not in {r["label"] for r in f8["decode"]["ops"]}
+    # one decode query over 32768 keys = 512 pages: q bf16 32x128, w fp32 32, seq + k_len
+    # int32, block table 512 int32, keys 32768 x 132, the 2048 selected int32
+    per_call = 32 * 128 * 2 + 32 * 4 + 4 + 4 + 512 * 4 + 32768 * 132 + 2048 * 4
+    assert op["bytes"] == 78 * per_call
+    assert op["flops"] == 78 * (32768 * (2 * 32 * 128 + 3 * 32 + 1) + 2048)
+    wr = _op(f8["decode"], "indexer_key_cache_write")
+    assert wr["bytes"] == 78 * (128 + 4) == _op(bf["decode"], "indexer_key_cache_write")[
+        "bytes"] * 132 / 256
+    # prefill is compute-bound: the FP8 rate (2x BF16 on H200) halves the indexer's time
+    h200 = get_chip("h200")
+    pre = _op(f8["prefill"], "indexer_topk_fp8")
+    assert pre["bound"] == "compute"
+    assert pre["ms"] == pytest.approx(pre["flops"] / h200.peak_flops("fp8") * 1e3)
+    assert h200.peak_flops("fp8") == pytest.approx(2 * h200.peak_flops("bf16"), rel=1e-3)
+    assert pre["ms"] < 0.6 * _op(bf["prefill"], "indexer_topk")["ms"]
+    # Ascend 910B has no FP8 matrix rate: the decomposition dequantizes, BF16 peak
+    a = get_chip("ascend-910b")
+    assert a.fp8_tflops is None and a.peak_flops("fp8") == a.peak_flops("bf16")
+    asc = plan(GLM5, "ascend-910b", "w4a8", indexer_dtype="fp8", **kw)
+    pre = _op(asc["prefill"], "indexer_topk_fp8")
+    assert pre["ms"] == pytest.approx(pre["flops"] / a.peak_flops("bf16") * 1e3)
+    # a model whose config already says fp8 is costed so without the option
+    assert plan(GLM5.replace(dsa_indexer_dtype="fp8"), "h200", "w4a8", **kw) == f8
+    with pytest.raises(PlanError, match="'indexer_dtype' expected one of bf16, fp8"):
+        plan(TINY, "h200", "bf16", batch=1, context=16, indexer_dtype="int8")
+
+
+def test_fp8_indexer_cli(capsys):
+    assert cli_main(["plan", "--preset", "glm-5", "--chip", "h200", "--quant", "w4a8",
+                     "--batch", "32", "--context", "32768", "--tp", "2", "--ep", "8",
+                     "--indexer-dtype", "FP8"]) == 0
+    out = capsys.readouterr().out
+    assert "indexer fp8" in out and "indexer_topk_fp8" in out
+
+
 # --------------------------------------------------------------------------- model choices
 def test_dense_range_uses_attention_and_prefill_is_chunked():
     short = plan(TINY, "h200", "bf16", batch=1, context=8)  # range fits index_topk=8
@@ -164,6 +246,8 @@ def test_every_chip_answers_for_glm5(chip):
               "collective_latency_us"):
         assert getattr(ch, f) > 0 and ch.sources[f], f
         assert f not in ch.estimates or "estimate" in ch.sources[f]
+    # an FP8 rate or, where there is none, a source saying why
+    assert (ch.fp8_tflops is None or ch.fp8_tflops > 0) and ch.sources["fp8_tflops"]
     p = plan(GLM5, chip, "w4a8", batch=1, context=8192)
     assert not p["memory"]["fits"]  # 744 B parameters fit on no single chip here
     s = p["suggestion"]
@@ -276,6 +360,7 @@ def test_cli_model_dir(tmp_path, capsys):
     (["--ep", "3"], "--ep expected a divisor of n_routed_experts=256"),
     (["--tp", "4", "--ep", "2", "--batch", "-1"], "--batch"),
     (["--kv-dtype", "int4"], "--kv-dtype expected one of"),
+    (["--indexer-dtype", "int8"], "--indexer-dtype expected one of bf16, fp8"),
     (["--reserve-gb", "-1"], "--reserve-gb expected a non-negative"),
 ])
 def test_cli_errors_name_the_argument(argv, msg, capsys):

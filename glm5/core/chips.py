@@ -28,6 +28,10 @@ ASCEND_A2 = ("https://gitcode.com/cann/ops-nn/issues/6033 (CANN docs issue quoti
 H100_SMALL_AR = ("sgl-project/sglang#2904 (https://github.com/sgl-project/sglang/pull/2904), "
                  "H100 at tp 2/4/8 without CUDA graphs: an all-reduce of 512 B - 32 KB takes "
                  "5.7-7.8 us at tp 8 with SGLang's custom all-reduce, 9.3-11.8 us with vLLM's")
+ASCEND_NO_FP8 = ("no FP8 matrix rate: 'On A2/A3, uint16, uint32, uint64, fp64 and fp8 are "
+                 "unsupported for most ops. Ascend 950 adds them.' (triton-ascend "
+                 "docs/zh/python-api/_ascend_constraints.py)")
+NO_FP8_PUBLISHED = "no FP8 matrix rate published for this chip"
 MTHREADS_S4000 = ("https://www.io-tech.fi/uutinen/moore-threads-julkaisi-uuden-mtt-s4000-"
                   "laskentakortin-ja-kuae-intelligent-computing-center-palvelinklusterit/ "
                   "(report of Moore Threads' MTT S4000 launch figures: 100 TFLOPS FP16/BF16, "
@@ -50,6 +54,9 @@ class Chip:
     link_bidirectional: bool
     link_name: str
     collective_latency_us: float  # fixed cost of one small collective on the scale-up link
+    # dense matrix FP8 (e4m3); None: no FP8 matrix rate (the fp8 ops' decompositions
+    # dequantize and multiply at the BF16 rate)
+    fp8_tflops: float | None = None
     sources: dict[str, str] = field(default_factory=dict)
     estimates: tuple[str, ...] = ()
 
@@ -62,12 +69,16 @@ class Chip:
         return self.link_gbs / 2 if self.link_bidirectional else self.link_gbs
 
     def peak_flops(self, dtype: str) -> float:
-        """Peak dense ops/s of the matrix units for ``dtype`` ('bf16' or 'int8')."""
-        if dtype == "bf16":
+        """Peak dense ops/s of the matrix units for ``dtype`` ('bf16', 'int8' or 'fp8'; 'fp8'
+        on a chip without an FP8 rate is the BF16 rate: glm5 dequantizes there)."""
+        if dtype == "bf16" or (dtype == "fp8" and self.fp8_tflops is None):
             return self.bf16_tflops * 1e12
         if dtype == "int8":
             return self.int8_tops * 1e12
-        raise ValueError(f"glm5.plan: peak dtype expected 'bf16' or 'int8', got {dtype!r}")
+        if dtype == "fp8":
+            return self.fp8_tflops * 1e12
+        raise ValueError(f"glm5.plan: peak dtype expected 'bf16', 'int8' or 'fp8', "
+                         f"got {dtype!r}")
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -103,6 +114,7 @@ CHIPS: dict[str, Chip] = {
             "link_gbs": "estimate: 7 HCCS links x 56 GB/s in the Atlas 800T A2 8-NPU full mesh, "
                         "as widely quoted; Huawei publishes no per-chip datasheet figure",
             "collective_latency_us": _LIB_LATENCY,
+            "fp8_tflops": ASCEND_NO_FP8,
         },
         estimates=("int8_tops", "link_gbs", "collective_latency_us"),
     ),
@@ -124,6 +136,7 @@ CHIPS: dict[str, Chip] = {
                         "50 Gb/s x 2 directions = 600 GB/s, http://t.zoukankan.com/kongchung-p-"
                         "14746622.html); no MLU590 figure is published",
             "collective_latency_us": _LIB_LATENCY,
+            "fp8_tflops": NO_FP8_PUBLISHED,
         },
         estimates=_FIELDS,
     ),
@@ -137,6 +150,7 @@ CHIPS: dict[str, Chip] = {
             "link_gbs": MTHREADS_S4000 + "; direction not stated, read as bidirectional "
                         "(the conservative reading)",
             "collective_latency_us": _LIB_LATENCY,
+            "fp8_tflops": NO_FP8_PUBLISHED + " (the launch figures name FP16/BF16 and INT8 only)",
         },
         estimates=("collective_latency_us",),
     ),
@@ -150,21 +164,24 @@ CHIPS: dict[str, Chip] = {
                "reports of the K100-AI (64 GB HBM2e; about 196 TFLOPS BF16 and twice that INT8) "
                "and an MI210-class memory system (1.6 TB/s) and xGMI link" for f in _FIELDS
             if f != "collective_latency_us"
-        } | {"collective_latency_us": _LIB_LATENCY},
+        } | {"collective_latency_us": _LIB_LATENCY, "fp8_tflops": NO_FP8_PUBLISHED},
         estimates=_FIELDS,
     ),
     "h100-sxm": Chip(
         name="h100-sxm", vendor="NVIDIA", backend="cuda",
         memory_gb=80, hbm_gbs=3350, bf16_tflops=989.4, int8_tops=1978.9,
         link_gbs=900, link_bidirectional=True, link_name="NVLink 4", collective_latency_us=6,
-        sources=_same(NVIDIA_H100, *_FIELDS[:-1]) | {"collective_latency_us": _NVLINK_LATENCY},
+        fp8_tflops=1978.9,
+        sources=_same(NVIDIA_H100, *_FIELDS[:-1], "fp8_tflops") | {
+            "collective_latency_us": _NVLINK_LATENCY},
         estimates=("collective_latency_us",),
     ),
     "h200": Chip(
         name="h200", vendor="NVIDIA", backend="cuda",
         memory_gb=141, hbm_gbs=4800, bf16_tflops=989.4, int8_tops=1978.9,
         link_gbs=900, link_bidirectional=True, link_name="NVLink 4", collective_latency_us=6,
-        sources=_same(NVIDIA_H200, *_FIELDS[:-1]) | {
+        fp8_tflops=1978.9,
+        sources=_same(NVIDIA_H200, *_FIELDS[:-1], "fp8_tflops") | {
             "collective_latency_us": _NVLINK_LATENCY + " (H200 SXM has the same NVLink 4 / "
                                      "NVSwitch fabric as H100 SXM)"},
         estimates=("collective_latency_us",),

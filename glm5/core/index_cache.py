@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glm5.core.info import index_key_row_bytes
 from glm5.ir.fp8 import quantize_rows_e4m3
 
 
@@ -38,7 +39,7 @@ class FP8Keys:
     @staticmethod
     def row_bytes(width: int) -> int:
         """Bytes one key row takes: its codes and its scale."""
-        return width + 4
+        return index_key_row_bytes(width, 1, fp8=True)
 
 
 IndexKeys = torch.Tensor | FP8Keys

@@ -21,7 +21,8 @@ Definitions (docs/model.md, "glm5 info"):
 * KV cache per token -- per layer the MLA latent (kv_lora_rank + qk_rope_head_dim) and, on
   layers that run an indexer (``indexer_types[i] == "full"``), the indexer key
   (index_head_dim). Bytes for 2-byte (bf16) and 1-byte (fp8) elements; quantization scales
-  are not included.
+  are not included, except the fp8 index cache's (``dsa_indexer_dtype = "fp8"``: every key
+  row is index_head_dim e4m3 codes + one fp32 scale, whatever the latent's element).
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ from glm5.core.config import GLM5Config
 
 #: element sizes in bytes for the KV-cache figures
 KV_DTYPES = {"bf16": 2, "fp8": 1}
+#: bytes of the one fp32 scale each row of the fp8 index cache carries
+FP8_KEY_SCALE_BYTES = 4
+
+
+def index_key_row_bytes(width: int, element_bytes: int, fp8: bool) -> int:
+    """Bytes one indexer key row of ``width`` values takes: ``width`` e4m3 codes and an fp32
+    scale in the fp8 index cache (``fp8``), else ``width`` elements of ``element_bytes``."""
+    return width + FP8_KEY_SCALE_BYTES if fp8 else width * element_bytes
 
 
 # --------------------------------------------------------------------------- per-module counts
@@ -165,11 +174,16 @@ def kv_cache_per_token(cfg: GLM5Config) -> dict[str, Any]:
     Every layer caches the MLA latent (kv_lora_rank + qk_rope_head_dim); layers with
     indexer_types 'full' also cache the indexer key (index_head_dim). 'shared' layers reuse an
     earlier layer's top-k and keep no indexer key. The MTP block(s) would add
-    ``mtp_elements`` more when speculative decoding runs them (not in the totals).
+    ``mtp_elements`` (``mtp_bytes``) more when speculative decoding runs them (not in the
+    totals). Bytes per element size of :data:`KV_DTYPES`; with ``dsa_indexer_dtype = "fp8"``
+    every indexer key row takes :func:`index_key_row_bytes` (codes + scale) in both columns.
     """
     latent, ikey = cfg.kv_cache_dim, cfg.index_head_dim
     n_full = sum(t == "full" for t in cfg.indexer_types)
     elements = cfg.num_hidden_layers * latent + n_full * ikey
+    fp8_keys = cfg.dsa_indexer_dtype == "fp8"
+    key_bytes = {k: index_key_row_bytes(ikey, s, fp8_keys) for k, s in KV_DTYPES.items()}
+    mtp = cfg.num_nextn_predict_layers
     return {
         "latent_per_layer": latent,
         "indexer_key_per_layer": ikey,
@@ -177,9 +191,13 @@ def kv_cache_per_token(cfg: GLM5Config) -> dict[str, Any]:
         "layers": cfg.num_hidden_layers,
         "indexer_layers": n_full,
         "elements": elements,
-        "bytes": {k: elements * s for k, s in KV_DTYPES.items()},
-        "bytes_per_layer": {k: (latent + ikey) * s for k, s in KV_DTYPES.items()},
-        "mtp_elements": cfg.num_nextn_predict_layers * (latent + ikey),
+        "indexer_dtype": cfg.dsa_indexer_dtype,
+        "indexer_key_bytes": key_bytes,
+        "bytes": {k: cfg.num_hidden_layers * latent * s + n_full * key_bytes[k]
+                  for k, s in KV_DTYPES.items()},
+        "bytes_per_layer": {k: latent * s + key_bytes[k] for k, s in KV_DTYPES.items()},
+        "mtp_elements": mtp * (latent + ikey),
+        "mtp_bytes": {k: mtp * (latent * s + key_bytes[k]) for k, s in KV_DTYPES.items()},
     }
 
 

@@ -36,7 +36,7 @@ import torch
 
 from glm5.core.chips import Chip, get_chip
 from glm5.core.config import GLM5Config
-from glm5.core.info import KV_DTYPES, count_params, kv_cache_per_token
+from glm5.core.info import KV_DTYPES, count_params, index_key_row_bytes, kv_cache_per_token
 from glm5.core.quant_policy import is_quantized
 from glm5.ir.catalog import get_op
 from glm5.ir.ops_comm import SCALE_BYTES, get_comm_op
@@ -57,6 +57,11 @@ FORMULA = ("op time = max(flops / peak_flops(op dtype), bytes / hbm_bandwidth); 
 #: ``--comm``: how a TP group sums its partial outputs (``auto`` picks between the first two)
 COMM_OPTIONS = ("allreduce", "flashcomm", "flashcomm-int8")
 COMM_CHOICES = (*COMM_OPTIONS, "auto")
+#: ``--indexer-dtype``: the indexer's key cache and selection (None: the model's own)
+INDEXER_DTYPES = ("bf16", "fp8")
+#: rows per page of the fp8 index cache the planner costs: the serving engine's default
+#: (``glm5.engine.EngineConfig.page_size``; a test keeps the two equal)
+INDEX_PAGE_SIZE = 64
 #: the threshold search gives up past this many tokens per TP group (FlashComm never wins)
 THRESHOLD_MAX_TOKENS = 2 ** 40
 
@@ -179,7 +184,7 @@ class OpCost:
     op: str  # OpDef name, or "matmul" / "bmm" for plain torch matmuls
     flops: float
     bytes: float
-    dtype: str  # which peak applies: 'bf16' or 'int8'
+    dtype: str  # which peak applies: 'bf16', 'int8' or 'fp8'
     count: float = 1.0
 
     def seconds(self, chip: Chip) -> float:
@@ -325,7 +330,9 @@ class _Coster:
         f, b = op_cost("rope", x=_t(T, Dr), cos=_t(T, Dr // 2), sin=_t(T, Dr // 2),
                        interleaved=True)
         ops.append(OpCost("indexer.k_rope", "rope", f, b, "bf16", count))
-        ops.append(OpCost("indexer_key_cache_write", "copy", 0.0, 2.0 * T * Di, "bf16", count))
+        fp8 = c.dsa_indexer_dtype == "fp8"
+        ops.append(OpCost("indexer_key_cache_write", "copy", 0.0,
+                          float(T * index_key_row_bytes(Di, 2, fp8)), "bf16", count))
         if not sparse:  # every causal range fits in index_topk: dense attention, no selection
             return ops
         ops.append(self.linear("indexer.wq_b", x + "wq_b.weight", T, Hi * Di, Rq, count))
@@ -335,6 +342,19 @@ class _Coster:
         ops.append(self.linear("indexer.weights_proj", x + "weights_proj.weight", T, Hi, D,
                                count))
         for q_rows, keys, n in self._ranges(phase, sequences):
+            if fp8:  # the paged engine's fp8 index cache: e4m3 codes + a scale per key row
+                pages = -(-keys // INDEX_PAGE_SIZE)
+                f, b = op_cost("paged_indexer_topk_fp8", q=_t(q_rows, Hi, Di),
+                               k=_t(pages * INDEX_PAGE_SIZE, Di, dtype=torch.float8_e4m3fn),
+                               k_scale=_t(pages * INDEX_PAGE_SIZE, dtype=torch.float32),
+                               w=_t(q_rows, Hi, dtype=torch.float32),
+                               block_table=_t(1, pages, dtype=torch.int32),
+                               seq=_t(q_rows, dtype=torch.int32),
+                               k_len=_t(q_rows, dtype=torch.int32),
+                               page_size=INDEX_PAGE_SIZE, topk=c.index_topk)
+                ops.append(OpCost("indexer_topk_fp8", "paged_indexer_topk_fp8", f, b, "fp8",
+                                  count * n))
+                continue
             f, b = op_cost("indexer_topk", q=_t(q_rows, Hi, Di), k=_t(keys, Di),
                            w=_t(q_rows, Hi, dtype=torch.float32),
                            k_start=_t(q_rows, dtype=torch.int32),
@@ -789,9 +809,6 @@ def check_inputs(cfg: GLM5Config, batch: int, context: int, tp: int, ep: int) ->
     if cfg.dsa_selection != "token":
         raise _err("model", "dsa_selection 'token' (the planner costs the published DSA)",
                    cfg.dsa_selection)
-    if cfg.dsa_indexer_dtype != "bf16":
-        raise _err("model", "dsa_indexer_dtype 'bf16' (the planner costs the paged engine, "
-                   "whose indexer is bf16)", cfg.dsa_indexer_dtype)
 
 
 def get_quant(name: str) -> Scheme | None:
@@ -808,7 +825,7 @@ def memory(cfg: GLM5Config, chip: Chip, wb: dict[str, Any], lay: Layout, kv_dtyp
     cls = wb["by_class"]
     w_dev = cls["replicated"] + cls["tp"] / lay.tp + cls["experts"] / lay.devices
     kv = kv_cache_per_token(cfg)
-    per_token = (kv["elements"] + (kv["mtp_elements"] if mtp else 0)) * KV_DTYPES[kv_dtype]
+    per_token = kv["bytes"][kv_dtype] + (kv["mtp_bytes"][kv_dtype] if mtp else 0)
     kv_dev = float(lay.local_batch * lay.context * per_token)
     need = w_dev + kv_dev + reserve_bytes
     cap = chip.memory_bytes
@@ -842,12 +859,19 @@ def _candidates(cfg: GLM5Config, max_devices: int = 4096) -> list[tuple[int, int
 
 def plan(cfg: GLM5Config, chip: str | Chip, quant: str, batch: int, context: int, tp: int = 1,
          ep: int = 1, kv_dtype: str = "bf16", reserve_gb: float | None = None,
-         mtp: bool = False, suggest: bool = True, comm: str = "auto") -> dict[str, Any]:
+         mtp: bool = False, suggest: bool = True, comm: str = "auto",
+         indexer_dtype: str | None = None) -> dict[str, Any]:
     """The full plan as a JSON-serializable dict (see docs/planner.md for every field).
     ``comm`` (:data:`COMM_CHOICES`): how TP groups sum partial outputs in the step times;
-    FlashComm needs tp > 1."""
+    FlashComm needs tp > 1. ``indexer_dtype`` (:data:`INDEXER_DTYPES`) overrides the model's
+    ``dsa_indexer_dtype``: 'fp8' costs the paged engine's fp8 index cache (key rows of
+    index_head_dim + 4 bytes, selection at the chip's FP8 rate)."""
     ch = chip if isinstance(chip, Chip) else get_chip(chip)
     sc = get_quant(quant)
+    if indexer_dtype is not None:
+        if indexer_dtype not in INDEXER_DTYPES:
+            raise _err("indexer_dtype", f"one of {', '.join(INDEXER_DTYPES)}", indexer_dtype)
+        cfg = cfg.replace(dsa_indexer_dtype=indexer_dtype)
     check_inputs(cfg, batch, context, tp, ep)
     if comm not in COMM_CHOICES:
         raise _err("comm", f"one of {', '.join(COMM_CHOICES)}", comm)
@@ -865,7 +889,8 @@ def plan(cfg: GLM5Config, chip: str | Chip, quant: str, batch: int, context: int
     p = count_params(cfg)
     out: dict[str, Any] = {
         "inputs": {"chip": ch.name, "quant": quant, "batch": batch, "context": context,
-                   "tp": tp, "ep": ep, "kv_dtype": kv_dtype, "mtp": mtp,
+                   "tp": tp, "ep": ep, "kv_dtype": kv_dtype,
+                   "indexer_dtype": cfg.dsa_indexer_dtype, "mtp": mtp,
                    "reserve_gb": reserve / 1e9, "comm": comm},
         "chip": ch.as_dict(),
         "layout": asdict(lay),
@@ -926,7 +951,7 @@ def format_plan(p: dict[str, Any], top: int = 8) -> str:
     lines = [
         f"glm5 plan: {ch['vendor']} {ch['name']} (backend {ch['backend']}){est}",
         f"  quant {i['quant']}, batch {i['batch']}, context {i['context']}, KV cache "
-        f"{i['kv_dtype']}{', MTP on' if i['mtp'] else ''}",
+        f"{i['kv_dtype']}, indexer {i['indexer_dtype']}{', MTP on' if i['mtp'] else ''}",
         f"  layout: tp {lay['tp']}, ep {lay['ep']} on {lay['devices']} device(s); "
         f"{lay['dp']} attention group(s) of {lay['local_batch']} sequence(s); experts split "
         f"{lay['ep']} ways by expert x {lay['expert_tp']} by column",
