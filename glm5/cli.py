@@ -527,7 +527,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         print(f"glm5 serve: loading {args.model_dir}", flush=True)
         model = load_model(args.model_dir, getattr(torch, args.dtype) if args.dtype else None,
-                           indexer_dtype=args.indexer_dtype)
+                           indexer_dtype=args.indexer_dtype,
+                           indexer_hadamard=True if args.indexer_hadamard else None)
         try:
             tokenizer = load_tokenizer(Path(args.model_dir))
         except (OSError, ValueError) as e:  # a broken tokenizer file is a bad input, not usage
@@ -954,6 +955,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the DSA indexer's precision (default: the checkpoint's config, "
                          "dsa_indexer_dtype); fp8: DeepSeek-V3.2's fp8 indexer, its keys "
                          "cached in fp8")
+    sv.add_argument("--indexer-hadamard", action="store_true",
+                    help="with the fp8 indexer: rotate its q and k by the Hadamard matrix before "
+                         "quantizing (DeepSeek-V3.2's official code, SGLang) (default: the "
+                         "checkpoint's config, dsa_indexer_hadamard)")
     sv.add_argument("--served-model-name", help="the model name clients send (default: the "
                     "directory's name)")
     sv.add_argument("--max-num-seqs", type=int, help="sequences in the running batch (256)")

@@ -446,7 +446,7 @@ def test_checkpoint_loads_with_the_fp8_indexer(tmp_path, monkeypatch):
         glm5.LLM(m8, indexer_dtype="fp8")
     seen = {}
 
-    def fake_load(path, dtype=None, device="cpu", indexer_dtype=None):
+    def fake_load(path, dtype=None, device="cpu", indexer_dtype=None, indexer_hadamard=None):
         seen["indexer_dtype"] = indexer_dtype
         raise checkpoint.CheckpointError("stopped by the test")
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5 import ops
+from glm5.core import hadamard
 from glm5.core.block_select import block_select
 from glm5.core.config import GLM5Config
 from glm5.core.index_cache import FP8Keys, IndexKeys, write_index_keys
@@ -113,14 +114,19 @@ class Indexer(nn.Module):
 
     def keys(self, x: torch.Tensor, st: Step) -> torch.Tensor:
         k = self.k_norm(apply_linear(self.wk, x))
-        return _rope_head(k, st.cos, st.sin, self.cfg.qk_rope_head_dim)
+        return self._rotated(_rope_head(k, st.cos, st.sin, self.cfg.qk_rope_head_dim))
+
+    def _rotated(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., index_head_dim] after rope, Hadamard-rotated with ``dsa_indexer_hadamard``
+        (keys when cached, queries when scored: every q.k is kept)."""
+        return hadamard.rotate(x) if self.cfg.dsa_indexer_hadamard else x
 
     def select(self, x: torch.Tensor, c_q: torch.Tensor, key_cache: IndexKeys,
                st: Step) -> torch.Tensor:
         c = self.cfg
         N = x.shape[0]
         q = apply_linear(self.wq_b, c_q).reshape(N, c.index_n_heads, c.index_head_dim)
-        q = _rope_head(q, st.cos, st.sin, c.qk_rope_head_dim)
+        q = self._rotated(_rope_head(q, st.cos, st.sin, c.qk_rope_head_dim))
         w = F.linear(x.float(), self.weights_proj.weight.float()) * self.w_scale
         with torch.no_grad():  # the selection is not differentiable; the indexer is trained apart
             if st.pages is not None:

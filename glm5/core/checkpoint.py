@@ -154,12 +154,14 @@ def _has_mtp(names: Iterator[str], L: int) -> bool:
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu",
-               indexer_dtype: str | None = None) -> GLM5ForCausalLM:
+               indexer_dtype: str | None = None,
+               indexer_hadamard: bool | None = None) -> GLM5ForCausalLM:
     """Load a directory written by `GlmMoeDsaForCausalLM.save_pretrained` (or by glm5).
 
     ``indexer_dtype`` ("bf16" / "fp8"), when given, overrides the config's ``dsa_indexer_dtype``
     (the same weights: "fp8" runs DeepSeek-V3.2's fp8 indexer and, in the serving engine, keeps
-    the indexer keys in fp8).
+    the indexer keys in fp8); ``indexer_hadamard`` (a bool), when given, its
+    ``dsa_indexer_hadamard`` (the fp8 indexer's q and k rotated before quantization).
 
     The model is built on the meta device and each tensor is read from the memory-mapped
     safetensors file one at a time (converted to ``dtype`` at once, experts stacked layer by
@@ -173,8 +175,12 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None,
 
     p = Path(path)
     cfg = GLM5Config.from_pretrained(p)
-    if indexer_dtype is not None:
-        cfg = cfg.replace(dsa_indexer_dtype=indexer_dtype)
+    if indexer_dtype == "bf16" and indexer_hadamard is None:
+        indexer_hadamard = False  # the rotation belongs to the fp8 indexer
+    over = {k: v for k, v in (("dsa_indexer_dtype", indexer_dtype),
+                              ("dsa_indexer_hadamard", indexer_hadamard)) if v is not None}
+    if over:
+        cfg = cfg.replace(**over)
     if (p / MSMODELSLIM_DESCRIPTION).exists():
         raise CheckpointError(f"glm5.load_model: {p} is an msModelSlim checkpoint; convert it "
                               f"first with `glm5 quantize --from msmodelslim {p} DST`")

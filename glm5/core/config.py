@@ -66,6 +66,9 @@ class GLM5Config:
     # glm5 extension: "fp8" scores the indexer on e4m3 q and k (`indexer_topk_fp8`, DeepSeek-
     # V3.2's deployed indexer); "bf16" (the published transformers model) in q's dtype.
     dsa_indexer_dtype: str = "bf16"
+    # glm5 extension: with the fp8 indexer, rotate q and k by the orthonormal Hadamard matrix
+    # before quantizing them (DeepSeek-V3.2's official code and SGLang; vLLM skips it)
+    dsa_indexer_hadamard: bool = False
 
     def __post_init__(self) -> None:
         if self.mlp_layer_types is None:
@@ -143,6 +146,14 @@ class GLM5Config:
         need(self.dsa_indexer_dtype == "bf16" or self.dsa_selection == "token",
              "dsa_indexer_dtype 'fp8' expected dsa_selection 'token' (block selection scores "
              "pooled keys in q's dtype)")
+        need(isinstance(self.dsa_indexer_hadamard, bool),
+             f"dsa_indexer_hadamard expected a bool, got {self.dsa_indexer_hadamard!r}")
+        need(not self.dsa_indexer_hadamard or self.dsa_indexer_dtype == "fp8",
+             "dsa_indexer_hadamard expected dsa_indexer_dtype 'fp8' (the rotation keeps every "
+             "q.k; it only changes the fp8 quantization error)")
+        need(not self.dsa_indexer_hadamard or self.index_head_dim & (self.index_head_dim - 1)
+             == 0, f"dsa_indexer_hadamard expected a power-of-two index_head_dim, got "
+             f"{self.index_head_dim}")
         need("rope_theta" in self.rope_parameters, "rope_parameters expected a 'rope_theta'")
         need(not self.attention_bias, "attention_bias expected False (GLM-5 has no attention "
              "biases; glm5's MLA path does not implement them)")

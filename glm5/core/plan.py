@@ -330,6 +330,7 @@ class _Coster:
         f, b = op_cost("rope", x=_t(T, Dr), cos=_t(T, Dr // 2), sin=_t(T, Dr // 2),
                        interleaved=True)
         ops.append(OpCost("indexer.k_rope", "rope", f, b, "bf16", count))
+        ops += self.hadamard("indexer.k_hadamard", T, Di, count)
         fp8 = c.dsa_indexer_dtype == "fp8"
         ops.append(OpCost("indexer_key_cache_write", "copy", 0.0,
                           float(T * index_key_row_bytes(Di, 2, fp8)), "bf16", count))
@@ -339,6 +340,7 @@ class _Coster:
         f, b = op_cost("rope", x=_t(T, Hi, Dr), cos=_t(T, Dr // 2), sin=_t(T, Dr // 2),
                        interleaved=True)
         ops.append(OpCost("indexer.q_rope", "rope", f, b, "bf16", count))
+        ops += self.hadamard("indexer.q_hadamard", T * Hi, Di, count)
         ops.append(self.linear("indexer.weights_proj", x + "weights_proj.weight", T, Hi, D,
                                count))
         for q_rows, keys, n in self._ranges(phase, sequences):
@@ -361,6 +363,14 @@ class _Coster:
                            k_end=_t(q_rows, dtype=torch.int32), topk=c.index_topk)
             ops.append(OpCost("indexer_topk", "indexer_topk", f, b, "bf16", count * n))
         return ops
+
+    def hadamard(self, label: str, rows: int, n: int, count: float) -> list[OpCost]:
+        """``dsa_indexer_hadamard``: rows x n bf16 values times the n x n fp32 rotation (a
+        matmul; read, written and the matrix once)."""
+        if not self.cfg.dsa_indexer_hadamard:
+            return []
+        return [OpCost(label, "matmul", 2.0 * rows * n * n, 4.0 * rows * n + 4.0 * n * n,
+                       "bf16", count)]
 
     def _ranges(self, phase: str, sequences: int) -> list[tuple[int, int, int]]:
         """(query rows, key rows, how many such calls) of the causal ranges: decode = one query
@@ -871,7 +881,8 @@ def plan(cfg: GLM5Config, chip: str | Chip, quant: str, batch: int, context: int
     if indexer_dtype is not None:
         if indexer_dtype not in INDEXER_DTYPES:
             raise _err("indexer_dtype", f"one of {', '.join(INDEXER_DTYPES)}", indexer_dtype)
-        cfg = cfg.replace(dsa_indexer_dtype=indexer_dtype)
+        cfg = cfg.replace(dsa_indexer_dtype=indexer_dtype, dsa_indexer_hadamard=(
+            cfg.dsa_indexer_hadamard and indexer_dtype == "fp8"))
     check_inputs(cfg, batch, context, tp, ep)
     if comm not in COMM_CHOICES:
         raise _err("comm", f"one of {', '.join(COMM_CHOICES)}", comm)

@@ -28,28 +28,34 @@ class LLM:
     ``model``: a checkpoint directory (config.json + safetensors, tokenizer.json for text) or a
     built `GLM5ForCausalLM`. ``backend``: the ops' backend (None: the usual selection).
     ``indexer_dtype`` ("bf16" / "fp8", a checkpoint directory only): overrides the config's
-    ``dsa_indexer_dtype`` ("fp8": the fp8 indexer and an fp8 indexer key cache).
+    ``dsa_indexer_dtype`` ("fp8": the fp8 indexer and an fp8 indexer key cache);
+    ``indexer_hadamard`` (a bool, likewise) its ``dsa_indexer_hadamard`` (the fp8 indexer's q and
+    k Hadamard-rotated before quantization, as DeepSeek-V3.2's official code and SGLang do).
     Other keyword arguments are `EngineConfig` fields (max_num_seqs, page_size, ...).
     """
 
     def __init__(self, model: str | Path | GLM5ForCausalLM, backend: str | None = None,
                  dtype: torch.dtype | None = None, tokenizer: Any = "auto",
-                 indexer_dtype: str | None = None, **engine_args: Any) -> None:
+                 indexer_dtype: str | None = None, indexer_hadamard: bool | None = None,
+                 **engine_args: Any) -> None:
         unknown = sorted(set(engine_args) - set(EngineConfig.names()))
         if unknown:
             raise TypeError(f"glm5.LLM: unknown argument(s) {', '.join(unknown)}; engine settings "
                             f"are {', '.join(EngineConfig.names())}")
         if isinstance(model, GLM5ForCausalLM):
-            if indexer_dtype is not None:
-                raise TypeError("glm5.LLM: argument 'indexer_dtype' expected only with a "
-                                "checkpoint directory (a built model takes it from its config: "
-                                "GLM5Config.dsa_indexer_dtype)")
+            for arg, v in (("indexer_dtype", indexer_dtype),
+                           ("indexer_hadamard", indexer_hadamard)):
+                if v is not None:
+                    raise TypeError(f"glm5.LLM: argument '{arg}' expected only with a "
+                                    f"checkpoint directory (a built model takes it from its "
+                                    f"config: GLM5Config.dsa_{arg})")
             m, model_dir = (model.to(dtype) if dtype else model), None
         else:
             from glm5.core.checkpoint import load_model
 
             model_dir = Path(model)
-            m = load_model(model_dir, dtype, indexer_dtype=indexer_dtype)
+            m = load_model(model_dir, dtype, indexer_dtype=indexer_dtype,
+                           indexer_hadamard=indexer_hadamard)
         if tokenizer == "auto":
             tokenizer = load_tokenizer(model_dir) if model_dir is not None else None
         self.model_dir = model_dir
