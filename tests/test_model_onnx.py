@@ -21,14 +21,18 @@ def _quiet():
     logging.getLogger("glm5").setLevel(logging.ERROR)
 
 
-def test_export_checkpoint_runs_in_onnxruntime(tmp_path, capsys):
+@pytest.mark.parametrize("indexer", [{}, {"dsa_indexer_dtype": "fp8",
+                                          "dsa_indexer_hadamard": True}],
+                         ids=["bf16-indexer", "fp8-indexer-hadamard"])
+def test_export_checkpoint_runs_in_onnxruntime(tmp_path, capsys, indexer):
     import onnx
     import onnxruntime as ort
 
     from glm5.core.config import preset
     from glm5.core.model import GLM5ForCausalLM
 
-    cfg = preset("tiny").replace(index_n_heads=8)
+    cfg = preset("tiny").replace(index_n_heads=8, **indexer)
+    selector = "indexer_topk_fp8" if indexer else "indexer_topk"
     torch.manual_seed(0)
     m = GLM5ForCausalLM(cfg)
     with torch.no_grad():
@@ -41,7 +45,7 @@ def test_export_checkpoint_runs_in_onnxruntime(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     proto = onnx.load(str(out))
     assert {f.domain for f in proto.functions} == {"glm5"}
-    assert {"mla_prolog", "indexer_topk", "sparse_attention", "moe_experts"} <= {
+    assert {"mla_prolog", selector, "sparse_attention", "moe_experts"} <= {
         f.name for f in proto.functions}
     sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))

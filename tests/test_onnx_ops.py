@@ -255,13 +255,46 @@ def mla_case():
     return MlaBlock(), args, names, want, calls
 
 
-CASES = {"norm": norm_case, "dsa": dsa_case, "moe": moe_case, "mla": mla_case}
+class Fp8Block(torch.nn.Module):
+    def forward(self, q, k, w, ks, ke):
+        return (ops.indexer_topk_fp8(q, k, w, ks, ke, K_SEL),
+                ops.indexer_topk_fp8(q.bfloat16(), k.bfloat16(), w, ks, ke, K_SEL))
+
+
+def fp8_case():
+    g = _g(4)
+    T, S, Hi, Di = 4, 12, 2, 16
+    ks = torch.tensor([0, 0, 3, 4], dtype=torch.int32)
+    ke = torch.tensor([12, 4, 12, 4], dtype=torch.int32)  # row 3: no key (all -1)
+    q = torch.randn(T, Hi, Di, generator=g) * torch.logspace(-5, 2, T)[:, None, None]
+    k = torch.randn(S, Di, generator=g)
+    k[1] = 0  # a zero row: the 1e-4 floor's scale
+    k[2, 0] = 448 * 2.0 ** -3  # amax / 448 exactly a power of two
+    q[0, 1, 3] = 448.0 * 4
+    args = (q, k, torch.rand(T, Hi, generator=g), ks, ke)
+
+    def want(q, k, w, ks, ke):
+        f = ref("indexer_topk_fp8")
+        return f(q, k, w, ks, ke, K_SEL), f(q.bfloat16(), k.bfloat16(), w, ks, ke, K_SEL)
+
+    names = ("indexer_topk_fp8", "indexer_topk_fp8 bf16")
+
+    def calls(got, q, k, w, ks, ke):
+        return [("indexer_topk_fp8", dict(q=x, k=y, w=w, k_start=ks, k_end=ke, topk=K_SEL))
+                for x, y in ((q, k), (q.bfloat16(), k.bfloat16()))]
+
+    return Fp8Block(), args, names, want, calls
+
+
+CASES = {"norm": norm_case, "dsa": dsa_case, "moe": moe_case, "mla": mla_case,
+         "fp8": fp8_case}
 GLM5_NODES = {
     "norm": {"rms_norm", "layer_norm", "rope", "silu_mul"},
     "dsa": {"lightning_indexer", "topk_indices", "indexer_topk", "sparse_attention",
             "attention"},
     "moe": {"moe_route", "moe_experts"},
     "mla": {"mla_prolog"},
+    "fp8": {"indexer_topk_fp8"},
 }
 
 
@@ -362,3 +395,37 @@ def test_function_protos_include_dependencies():
     assert names == {"mla_prolog", "rms_norm", "rope", "indexer_topk", "lightning_indexer",
                      "topk_indices"}
     assert math.isinf(oe.NEG_INF)
+
+
+def test_e4m3_rows_function_is_the_quantizer():
+    """The ONNX body of the fp8 row quantizer gives `glm5.ir.fp8`'s values bit for bit: every
+    e4m3 grid value and every midpoint between neighbours (ties to even), +-1 fp32 ulp around
+    them, subnormal codes, rows whose amax / 448 is a power of two, zero rows and rows below the
+    1e-4 floor, magnitudes from 1e-9 to 1e6, fp32, bf16 and float64 inputs (run eagerly)."""
+    import numpy as np
+
+    from glm5.ir.fp8 import e4m3_rows
+
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()  # 0 .. 448
+    mids = (grid[1:] + grid[:-1]) / 2
+    vals = torch.cat([grid, mids, mids.nextafter(torch.tensor(0.0)),
+                      mids.nextafter(torch.tensor(1e9))])
+    vals = torch.cat([vals, -vals])
+    n = 128
+    vals = torch.cat([vals, vals[: (-len(vals)) % (n - 1)]])
+    lead = torch.full((len(vals) // (n - 1), 1), 448.0)  # amax 448: scale 1, codes = values
+    rows = [torch.cat([lead, vals.reshape(-1, n - 1)], 1)]
+    g = torch.Generator().manual_seed(0)
+    mag = torch.logspace(-9, 6, 40)[:, None]
+    rows.append(torch.randn(40, n, generator=g) * mag)
+    pow2 = torch.randn(82, n, generator=g)
+    pow2[:, 0] = 448 * 2.0 ** torch.arange(-21, 61).float()  # amax / 448 = 2^-21 .. 2^60
+    pow2[:, 1:] = pow2[:, 1:].clamp(-1, 1) * pow2[:, :1] / 2
+    rows += [pow2, torch.zeros(2, n), torch.full((2, n), 3e-5)]
+    x = torch.cat(rows)
+    for xx, acc in ((x, 1), (x.bfloat16(), 1), (x.double(), 11)):
+        got = oe.e4m3_rows(xx.float().numpy() if xx.dtype == torch.bfloat16 else xx.numpy(),
+                           acc=acc)
+        want = e4m3_rows(xx, torch.float64 if acc == 11 else torch.float32)
+        assert np.array_equal(np.asarray(got), want.numpy()), xx.dtype

@@ -16,7 +16,8 @@ onnxscript 0.7, onnxruntime 1.32):
   function bodies (and the glm5 functions they call) to the model.
 
 Ops covered: rms_norm, layer_norm, rope, silu_mul, attention, lightning_indexer, topk_indices,
-indexer_topk, sparse_attention, moe_route, moe_experts, mla_prolog. Quant and RL ops are not.
+indexer_topk, indexer_topk_fp8, sparse_attention, moe_route, moe_experts, mla_prolog. Quant, RL
+and paged ops are not.
 
 mla_prolog mutates ``kv_cache``. torch.export functionalises it into
 ``higher_order.auto_functionalized_v2(glm5.mla_prolog, ..., _all_bases=[kv_cache])`` whose extra
@@ -170,6 +171,46 @@ def indexer_topk(q: TFloat, k: TFloat2, w: TFloat3, k_start: TIdx, k_end: TIdx2,
                  acc: int) -> INT32:
     """Composite: topk_indices(lightning_indexer(q, k, w, k_start, k_end), topk)."""
     scores = lightning_indexer(q, k, w, k_start, k_end, acc=acc)
+    return topk_indices(scores, k=topk, acc=acc)
+
+
+@onnxscript.script(GLM5, default_opset=op)
+def e4m3_rows(x: TFloat, acc: int) -> TAcc:
+    """x quantized per row to e4m3 as `glm5.ir.fp8` does, dequantized into `acc`: the scale
+    s = 2^ceil(log2(max(amax, 1e-4) / 448)) and the codes rounded to nearest even, in fp32 on x
+    cast to fp32. No float8 type (opset 19) is needed: e4m3 rounding is x / s rounded to 4
+    significant bits (steps of 2^-9 below 2^-6), all exact fp32 arithmetic; Log only guesses
+    each power of two, which the two comparisons after it correct."""
+    xf = op.Cast(x, to=1)
+    two = op.Constant(value_float=2.0)
+    one = op.Constant(value_float=1.0)
+    ln2 = op.Log(two)
+    amax = op.Max(op.ReduceMax(op.Abs(xf), op.Constant(value_ints=[-1]), keepdims=1),
+                  op.Constant(value_float=1e-4))
+    r = op.Div(amax, op.Constant(value_float=448.0))
+    s = op.Pow(two, op.Ceil(op.Div(op.Log(r), ln2)))
+    half = op.Div(s, two)
+    s = op.Where(op.GreaterOrEqual(half, r), half, s)  # s = the least power of two >= r
+    s = op.Where(op.Less(s, r), op.Mul(s, two), s)
+    y = op.Div(xf, s)
+    a = op.Abs(y)
+    e = op.Floor(op.Div(op.Log(a), ln2))  # e = floor(log2 |y|): 2^e <= |y| < 2^(e+1)
+    e = op.Where(op.Greater(op.Pow(two, e), a), op.Sub(e, one), e)
+    e = op.Where(op.LessOrEqual(op.Pow(two, op.Add(e, one)), a), op.Add(e, one), e)
+    e = op.Max(e, op.Constant(value_float=-6.0))  # subnormals: steps of 2^-9
+    ulp = op.Pow(two, op.Sub(e, op.Constant(value_float=3.0)))
+    q = op.Mul(op.Mul(op.Round(op.Div(y, ulp)), ulp), s)
+    return op.Cast(q, to=acc)
+
+
+@onnxscript.script(GLM5, default_opset=op)
+def indexer_topk_fp8(q: TFloat, k: TFloat2, w: TFloat3, k_start: TIdx, k_end: TIdx2,
+                     topk: int, acc: int) -> INT32:
+    """indexer_topk on q and k quantized per row to e4m3 (and dequantized, exactly). Calls
+    glm5 functions one level deep only: torch's inlining path does not resolve deeper ones."""
+    qe = e4m3_rows(q, acc=acc)
+    ke = e4m3_rows(k, acc=acc)
+    scores = lightning_indexer(qe, ke, op.Cast(w, to=acc), k_start, k_end, acc=acc)
     return topk_indices(scores, k=topk, acc=acc)
 
 
@@ -339,17 +380,18 @@ def mla_prolog(x: TFloat, w_qa: TFloat, g_qa: TFloat2, w_qb: TFloat, w_kva: TFlo
 FUNCTIONS: dict[str, onnxscript.OnnxFunction] = {
     f.name: f
     for f in (rms_norm, layer_norm, rope, silu_mul, lightning_indexer, topk_indices, indexer_topk,
-              sparse_attention, attention, moe_route, moe_experts, mla_prolog,
-              masked_softmax_pv)
+              indexer_topk_fp8, sparse_attention, attention, moe_route, moe_experts, mla_prolog,
+              masked_softmax_pv, e4m3_rows)
 }
 # glm5 functions called from inside another function's body
 DEPENDENCIES: dict[str, tuple[str, ...]] = {
     "indexer_topk": ("lightning_indexer", "topk_indices"),
+    "indexer_topk_fp8": ("e4m3_rows", "lightning_indexer", "topk_indices"),
     "mla_prolog": ("rms_norm", "rope"),
     "sparse_attention": ("masked_softmax_pv",),
     "attention": ("masked_softmax_pv",),
 }
-HELPERS = ("masked_softmax_pv",)  # functions that are not glm5 ops
+HELPERS = ("masked_softmax_pv", "e4m3_rows")  # functions that are not glm5 ops
 COVERED = tuple(n for n in FUNCTIONS if n not in HELPERS)
 
 
@@ -433,6 +475,9 @@ def _translations(keep: bool) -> dict[str, Callable[..., Any]]:
     def t_indexer_topk(q, k, w, k_start, k_end, topk):
         return call["indexer_topk"](q, k, w, k_start, k_end, topk=int(topk), acc=_acc(q))
 
+    def t_indexer_topk_fp8(q, k, w, k_start, k_end, topk):
+        return call["indexer_topk_fp8"](q, k, w, k_start, k_end, topk=int(topk), acc=_acc(q))
+
     def t_sparse_attention(q, k, v, idx, scale):
         return call["sparse_attention"](q, k, v, idx, scale=float(scale), acc=_acc(q))
 
@@ -453,6 +498,7 @@ def _translations(keep: bool) -> dict[str, Callable[..., Any]]:
         "rms_norm": t_rms_norm, "layer_norm": t_layer_norm, "rope": t_rope,
         "silu_mul": t_silu_mul, "lightning_indexer": t_lightning_indexer,
         "topk_indices": t_topk_indices, "indexer_topk": t_indexer_topk,
+        "indexer_topk_fp8": t_indexer_topk_fp8,
         "sparse_attention": t_sparse_attention, "attention": t_attention,
         "moe_route": t_moe_route, "moe_experts": t_moe_experts,
         "_mla_prolog": call["mla_prolog"],
