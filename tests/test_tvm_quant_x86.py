@@ -69,12 +69,12 @@ def _check(got: torch.Tensor, vals: dict, what: str) -> None:
     assert_matches("quant_linear", got.to(vals["x"].dtype), vals, what=what)
 
 
-def _sweep(fn, shapes: tuple, scheme: str, what: str) -> int:
-    """``fn(x, w_packed, w_scale)`` over ``shapes`` (fp32 and bf16 x, exact-tie rows where
-    M > 1), each result judged by `_check` (raises on a wrong dtype, shape or value). Returns
-    the number of results judged."""
+def _sweep(fn, shapes: tuple, scheme: str, what: str, dtypes: tuple = (F32, BF16)) -> int:
+    """``fn(x, w_packed, w_scale)`` over ``shapes`` (x of each of ``dtypes``, exact-tie rows
+    where M > 1), each result judged by `_check` (raises on a wrong dtype, shape or value).
+    Returns the number of results judged."""
     n = 0
-    for dtype in (F32, BF16):
+    for dtype in dtypes:
         for i, (M, K, N) in enumerate(shapes):
             vals = _case(M, K, N, scheme, dtype, seed=i, halves=M > 1)
             _check(fn(vals["x"], vals["w_packed"], vals["w_scale"]), vals,
@@ -226,54 +226,63 @@ def test_vgemm_task_split_balances_threads():
     assert busiest(1024, 2, quant_vgemm._tasks(1024, 2, 80)) == 518
 
 
-@needs_bf16
-def test_vgemm_w8a16_matches_oracle(ctx):
-    """w8a16 on vdpbf16ps: bf16 x (one plane) and fp32 x (three planes) over the boundary
-    shapes, within the op's tolerance."""
+@needs_vnni
+def test_vgemm_w8a16_fp32_matches_oracle(ctx):
+    """w8a16 on fp32 x (fp32 FMAs, any AVX-512 CPU) over the boundary shapes, within the op's
+    tolerance."""
     assert _sweep(lambda x, wp, ws: quant_vgemm.gemm_vnni(lambda: ctx, x, wp, ws, "w8a16"),
-                  VGEMM_SHAPES, "w8a16", "vgemm") == 2 * len(VGEMM_SHAPES)
+                  VGEMM_SHAPES, "w8a16", "vgemm", (F32,)) == len(VGEMM_SHAPES)
 
 
 @needs_bf16
-def test_vgemm_w8a16_is_exact_on_exact_products(ctx):
+def test_vgemm_w8a16_bf16_matches_oracle(ctx):
+    """w8a16 on bf16 x (vdpbf16ps) over the boundary shapes, within the op's tolerance."""
+    assert _sweep(lambda x, wp, ws: quant_vgemm.gemm_vnni(lambda: ctx, x, wp, ws, "w8a16"),
+                  VGEMM_SHAPES, "w8a16", "vgemm", (BF16,)) == len(VGEMM_SHAPES)
+
+
+@pytest.mark.parametrize("dtype, top", [
+    pytest.param(BF16, 256, marks=needs_bf16), pytest.param(F32, 2**9, marks=needs_vnni)])
+def test_vgemm_w8a16_is_exact_on_exact_products(ctx, dtype, top):
     """Integer-valued x and weights whose every partial sum is an integer below 2^24: each
-    output is exact, so a dropped or repeated chunk, pair or plane shows as a wrong integer
-    (bf16 x: one plane; fp32 x of 10-bit integers: the hi and mid planes both carry bits)."""
+    output is exact, so a dropped or repeated chunk, pair, step or K value shows as a wrong
+    integer (bf16 x: 8-bit integers, one plane; fp32 x: 10-bit integers, FMAs)."""
     g = torch.Generator().manual_seed(6)
-    for dtype, top in ((BF16, 256), (F32, 2**9)):
-        M, K, N = 70, 200, 37
-        x = torch.randint(-top, top, (M, K), generator=g).to(dtype)
-        w = torch.randint(-127, 128, (N, K), generator=g).float()
-        w[:, 0] = 127  # amax 127: the scale is exactly 1
-        wp, ws = quantize_weight(w, "w8a16")
-        assert torch.equal(ws, torch.ones(N))
-        got = quant_vgemm.gemm_vnni(lambda: ctx, x, wp, ws, "w8a16")
-        want = x.double() @ w.double().T
-        assert want.abs().max() < 2**24
-        assert torch.equal(got.double(), want), dtype
+    M, K, N = 70, 200, 37
+    x = torch.randint(-top, top, (M, K), generator=g).to(dtype)
+    w = torch.randint(-127, 128, (N, K), generator=g).float()
+    w[:, 0] = 127  # amax 127: the scale is exactly 1
+    wp, ws = quantize_weight(w, "w8a16")
+    assert torch.equal(ws, torch.ones(N))
+    got = quant_vgemm.gemm_vnni(lambda: ctx, x, wp, ws, "w8a16")
+    want = x.double() @ w.double().T
+    assert top * 127 * K < 2**24  # every partial sum is an integer fp32 holds exactly
+    assert torch.equal(got.double(), want), dtype
 
 
-def test_vgemm_w8a16_refused_without_bf16(ctx, monkeypatch):
-    """Where the CPU lacks AVX-512 BF16 the GEMM refuses w8a16 naming what is missing, and
-    the path table sends such calls to the VNNI GEMV (its fallback entry)."""
+def test_vgemm_w8a16_bf16_refused_without_bf16(ctx, monkeypatch):
+    """Where the CPU lacks AVX-512 BF16 the GEMM refuses w8a16 on bf16 x naming what is
+    missing, and the path table sends such calls to the VNNI GEMV (its fallback entry); fp32 x
+    (FMAs) is still served."""
     monkeypatch.setattr(quant_vgemm, "bf16_available", lambda: (False, "CPU lacks avx512_bf16"))
     vals = _case(4, 64, 8, "w8a16", BF16)
     with pytest.raises(RuntimeError, match="vdpbf16ps: CPU lacks avx512_bf16"):
         quant_vgemm.gemm_vnni(lambda: ctx, vals["x"], vals["w_packed"], vals["w_scale"],
                               "w8a16")
-    assert not quant.serves("vgemm", "w8a16") and quant.serves("vgemm", "w4a8")
+    assert not quant.serves("vgemm", "w8a16", BF16) and quant.serves("vgemm", "w4a8", BF16)
+    assert quant.serves("vgemm", "w8a16", F32) and quant.serves("vgemm", "w8a16")
     assert quant.path("w8a16", 512, "vnni", BF16) == "vnni"
+    assert quant.path("w8a16", 512, "vnni", F32) == "vgemm"
 
 
-def test_vgemm_serves_w8a16_on_bf16_x_only(monkeypatch):
-    """With AVX-512 BF16, w8a16 takes the GEMM for bf16 x above the GEMV's rows and the GEMV
-    for fp32 x at every M (its three planes measured slower)."""
+def test_vgemm_serves_w8a16_above_the_gemv_rows(monkeypatch):
+    """With AVX-512 BF16, w8a16 takes the GEMM above the GEMV's rows, for bf16 and fp32 x."""
     monkeypatch.setattr(quant_vgemm, "bf16_available", lambda: (True, "t"))
-    assert quant.serves("vgemm", "w8a16", BF16) and not quant.serves("vgemm", "w8a16", F32)
-    bound = quant.PATHS["vnni"]["w8a16"][0][0]
-    assert quant.path("w8a16", bound, "vnni", BF16) == "vnni"
-    assert quant.path("w8a16", bound + 1, "vnni", BF16) == "vgemm"
-    assert quant.path("w8a16", 10**6, "vnni", F32) == "vnni"
+    assert quant.serves("vgemm", "w8a16", BF16) and quant.serves("vgemm", "w8a16", F32)
+    for dtype in (BF16, F32):
+        bound = {BF16: 16, F32: 32}[dtype]
+        assert quant.path("w8a16", bound, "vnni", dtype) == "vnni"
+        assert quant.path("w8a16", bound + 1, "vnni", dtype) == "vgemm"
 
 
 def test_dpbf16_rewrite():
@@ -428,7 +437,7 @@ def test_kernels_write_inside_their_buffers(ctx, monkeypatch):
         runs += [(lambda x, wp, ws, s, mb=mb: quant_vnni.gemv_vnni(lambda: ctx, x, wp, ws, s, mb),
                   GEMV_SHAPES) for mb in (1, 4)]
         runs += [(lambda x, wp, ws, s: quant_vgemm.gemm_vnni(lambda: ctx, x, wp, ws, s)
-                  if quant.serves("vgemm", s) else None, VGEMM_SHAPES)]
+                  if quant.serves("vgemm", s, x.dtype) else None, VGEMM_SHAPES)]
     if AMX:
         runs += [(lambda x, wp, ws, s: quant_amx.gemm_amx(lambda: ctx, x, wp, ws, s),
                   AMX_SHAPES)]
@@ -516,25 +525,35 @@ def test_scratch_buffers_are_reused_up_to_a_size(monkeypatch):
 
 
 # --------------------------------------------------------------------------- the path table
-def test_path_table_boundaries():
-    """`quant.path` picks, for every tier and scheme, the entry of `PATHS` whose row bound is
-    the first >= M: at each bound its own path, one row above it the next entry's. Entries
-    after the first catch-all are fallbacks, served by a path that serves every call."""
+def test_path_table_boundaries(monkeypatch):
+    """`quant.path` picks, for every tier, scheme and x dtype, the entry of `PATHS` (those for
+    that dtype and those for any) whose row bound is the first >= M: at each bound its own
+    path, one row above it the next entry's. Entries after the first catch-all are
+    fallbacks, served by a path that serves every call."""
+    monkeypatch.setattr(quant_vgemm, "bf16_available", lambda: (True, "t"))
     for tier, table in quant.PATHS.items():
         assert set(table) == set(SCHEMES), tier
-        for scheme, entries in table.items():
-            first = [r for r, _ in entries].index(None)
-            assert all(r is None for r, _ in entries[first:]), (tier, scheme)
-            assert entries[-1][1] != "vgemm" or quant.SCHEMES[scheme].act_bits is not None
-            entries = entries[:first + 1]
-            bounds = [r for r, _ in entries[:-1]]
-            assert bounds == sorted(set(bounds)) and all(b >= 1 for b in bounds)
-            assert all(p in quant.LABELS for _, p in entries)
-            assert quant.path(scheme, 1, tier) == entries[0][1]
-            for (r, p), (_, nxt) in zip(entries, entries[1:]):
-                assert quant.path(scheme, r, tier) == p, (tier, scheme, r)
-                assert quant.path(scheme, r + 1, tier) == nxt, (tier, scheme, r + 1)
-            assert quant.path(scheme, 10**7, tier) == entries[-1][1]
+        for scheme, all_entries in table.items():
+            assert all(len(e) == 2 or e[2] in ("float32", "bfloat16") for e in all_entries)
+            for dtype in (None, F32, BF16):
+                name = str(dtype).removeprefix("torch.")
+                entries = [e[:2] for e in all_entries if len(e) == 2 or e[2] == name]
+                first = [r for r, _ in entries].index(None)
+                assert all(r is None for r, _ in entries[first:]), (tier, scheme)
+                assert entries[-1][1] != "vgemm" or quant.SCHEMES[scheme].act_bits is not None
+                entries = entries[:first + 1]
+                bounds = [r for r, _ in entries[:-1]]
+                assert bounds == sorted(set(bounds)) and all(b >= 1 for b in bounds)
+                assert all(p in quant.LABELS for _, p in entries)
+                assert quant.path(scheme, 1, tier, dtype) == entries[0][1]
+                for (r, p), (_, nxt) in zip(entries, entries[1:]):
+                    assert quant.path(scheme, r, tier, dtype) == p, (tier, scheme, r, dtype)
+                    assert quant.path(scheme, r + 1, tier, dtype) == nxt, (tier, scheme, r + 1)
+                assert quant.path(scheme, 10**7, tier, dtype) == entries[-1][1]
+    # w8a16 on the VNNI tier: the GEMV to 16 rows of bf16 x, to 32 of fp32 x (measured)
+    assert quant.path("w8a16", 17, "vnni", BF16) == "vgemm"
+    assert quant.path("w8a16", 32, "vnni", F32) == "vnni"
+    assert quant.path("w8a16", 33, "vnni", F32) == "vgemm"
 
 
 def test_cpu_tier_from_features(monkeypatch):
@@ -564,7 +583,7 @@ def test_served_op_runs_and_reports_the_tables_path(monkeypatch, tier):
     monkeypatch.setattr(quant, "_run", fake)
     for scheme in SCHEMES:
         wp, ws = quantize_weight(torch.randn(16, 64), scheme)
-        bounds = [r for r, _ in quant.PATHS[tier][scheme] if r is not None]
+        bounds = [e[0] for e in quant.PATHS[tier][scheme] if e[0] is not None]
         for M in sorted({1, 2, 3, *bounds, *(b + 1 for b in bounds), 600}):
             for dtype in (F32, BF16):
                 ran.clear()

@@ -26,7 +26,8 @@ The kernel is a GEMV with 4-row register blocks, written for any LLVM target ("p
 Which path serves a call is chosen per CPU tier (`cpu_tier`: AMX, AVX-512 VNNI or neither,
 read from the CPU at run time), scheme and row count from the table `PATHS`: the VNNI GEMV of
 `quant_vnni` (few rows), the AMX tile GEMM of `quant_amx` (more rows), on VNNI without AMX the
-register-tiled GEMM of `quant_vgemm` (more rows; w8a16 on bf16 x with vdpbf16ps), this
+register-tiled GEMM of `quant_vgemm` (more rows; w8a16 with fp32 FMAs on fp32 x and
+vdpbf16ps on bf16 x), this
 module's GEMV, or `gemm_torch` (w8a16: sgemms over blocks of rows widened to fp32; w8a8:
 exact fp32 sgemms over K-chunks of codes). The crossovers are measured by
 bench/cpu_quant_linear.py (--paths) and listed in docs/performance.md, "CPU quantized
@@ -56,20 +57,22 @@ MB = 4  # activation rows per weight-vector unpack (fewer rows than MB: a 1-row 
 DTYPES = (torch.float32, torch.bfloat16)
 # The path per CPU tier (`cpu_tier`), scheme and row count M: the first (max rows, path) entry
 # with M <= max rows (None: any) whose path serves the call (`serves`: x's dtype, this CPU's
-# features) wins; entries after the first catch-all are fallbacks for calls it does not serve.
+# features) wins; an entry (max rows, path, dtype name) applies to x of that dtype only;
+# entries after the first catch-all are fallbacks for calls it does not serve.
 # Paths: "vnni" the VNNI GEMV (`quant_vnni`, MB = 1 row at M = 1, else 4-row blocks), "vgemm"
-# the VNNI register-tiled GEMM (`quant_vgemm`: the activation schemes; w8a16 on bf16 x where
-# the CPU has AVX-512 BF16), "amx" the AMX tile GEMM (`quant_amx`), "tvm" the portable GEMV
+# the VNNI register-tiled GEMM (`quant_vgemm`: the activation schemes; w8a16 on fp32 x, and on
+# bf16 x where the CPU has AVX-512 BF16), "amx" the AMX tile GEMM (`quant_amx`), "tvm" the portable GEMV
 # of this module, "torch:gemm" `gemm_torch`. Crossovers measured side by side with
 # bench/cpu_quant_linear.py at K = N = 4096 (docs/performance.md, "CPU quantized linears"; the
 # "vnni" row on an AVX-512 VNNI host without AMX, AMD Zen 5); "portable" is what any other host
 # runs (the earlier measurements of an AVX2 host).
-PATHS: dict[str, dict[str, tuple[tuple[int | None, str], ...]]] = {
+PATHS: dict[str, dict[str, tuple[tuple[Any, ...], ...]]] = {
     "amx": {"w8a16": ((4, "vnni"), (None, "amx")),
             "w8a8": ((1, "vnni"), (None, "amx")),
             "w4a8": ((1, "vnni"), (None, "amx")),
             "w6a12": ((2, "vnni"), (None, "amx"))},
-    "vnni": {"w8a16": ((16, "vnni"), (None, "vgemm"), (None, "vnni")),
+    "vnni": {"w8a16": ((16, "vnni"), (32, "vnni", "float32"), (None, "vgemm"),
+                       (None, "vnni")),
              "w8a8": ((32, "vnni"), (None, "vgemm")),
              "w4a8": ((24, "vnni"), (None, "vgemm")),
              "w6a12": ((16, "vnni"), (None, "vgemm"))},
@@ -98,20 +101,23 @@ def cpu_tier() -> str:
 
 def serves(p: str, scheme: str, dtype: torch.dtype | None = None) -> bool:
     """Whether path ``p`` computes ``scheme`` for x of ``dtype`` (None: of some dtype) on this
-    CPU. The VNNI GEMM: the activation schemes, and w8a16 where the CPU has AVX-512 BF16, for
-    bf16 x (fp32 x's three bf16 planes ran slower than the VNNI GEMV: docs/performance.md)."""
-    if p != "vgemm" or SCHEMES[scheme].act_bits is not None:
+    CPU. The VNNI GEMM: the activation schemes, and w8a16 on fp32 x (fp32 FMAs) and, where the
+    CPU has AVX-512 BF16, on bf16 x (``vdpbf16ps``)."""
+    if p != "vgemm" or SCHEMES[scheme].act_bits is not None or dtype in (None, torch.float32):
         return True
     from glm5.kernels.tvm.quant_vgemm import bf16_available
 
-    return dtype in (None, torch.bfloat16) and bf16_available()[0]
+    return dtype == torch.bfloat16 and bf16_available()[0]
 
 
 def path(scheme: str, M: int, tier: str | None = None, dtype: torch.dtype | None = None
          ) -> str:
     """The path `quant_linear` takes for ``M`` rows of ``scheme`` on ``tier`` (default: this
-    CPU's), from `PATHS`; with ``dtype`` (x's), the first entry that `serves` it."""
-    for rows, p in PATHS[tier or cpu_tier()][scheme]:
+    CPU's), from `PATHS`; with ``dtype`` (x's), the first entry that `serves` it (without, the
+    entries for one dtype are skipped)."""
+    for rows, p, *only in PATHS[tier or cpu_tier()][scheme]:
+        if only and (dtype is None or str(dtype).removeprefix("torch.") != only[0]):
+            continue
         if (rows is None or M <= rows) and (dtype is None or serves(p, scheme, dtype)):
             return p
     raise AssertionError(f"glm5 quant_linear: PATHS[{tier!r}][{scheme!r}] has no catch-all "

@@ -26,13 +26,18 @@ a fraction of the dot-product units. This kernel computes ``Yᵀ = W · Xᵀ`` i
   buffer; outputs leave 16 x 16 at a time, transposed in registers (`tirlib.butterfly`),
   as contiguous runs of y's rows.
 
-w8a16 (``op="bf16"``) runs the same loops on bf16 operands: x is `activations`' bf16 planes
-(2 values of 16 rows per int32; rows scaled by a power of two first, undone in ``s_x``: bf16
-x is one plane, fp32 x three, ``hi + mid + lo`` exact, hi accumulated apart and added last,
-as the AMX path does), the weight codes are unpacked as bf16 (an int8 is exact in bf16), and
-``vdpbf16ps`` adds two exact products per lane to fp32 accumulators: fp32 accumulation of
-exact products, the scale applied to the sum. TVM 0.27 cannot emit ``vdpbf16ps`` itself
-(`tirlib.dpbf16`: the kernel is written with a stand-in that its LLVM IR is rewritten from).
+w8a16 on bf16 x (``op="bf16"``) runs the same loops on bf16 operands: x is `activations`'
+bf16 plane (2 values of 16 rows per int32; rows scaled by a power of two first, undone in
+``s_x``), the weight codes are unpacked as bf16 (an int8 is exact in bf16), and ``vdpbf16ps``
+adds two exact products per lane to fp32 accumulators: fp32 accumulation of exact products,
+the scale applied to the sum. TVM 0.27 cannot emit ``vdpbf16ps`` itself (`tirlib.dpbf16`: the
+kernel is written with a stand-in that its LLVM IR is rewritten from). w8a16 on fp32 x
+(``op="f32"``, any AVX-512 CPU): x's values themselves in the tile layout (`f32_tiles`: one
+value of 16 rows per lane group), the codes unpacked as fp32, one fused multiply-add per
+weight and 16 rows (``llvm.fma``), fp32 sums over passes of 128 K values, the scale applied
+to the sum, as the GEMV does. (The AMX path's exact three-plane split of fp32 x into bf16 ran
+2.2x slower than the GEMV here; these FMAs do 16 products per instruction against
+``vdpbf16ps``'s 32, but the three planes needed 3 instructions per 32.)
 
 Each parallel work item is one TVM worker with its own scratch slot, running its contiguous
 share of tasks (``nsub`` blocks of NR weight rows x a share of the row blocks of x). M, N and
@@ -52,13 +57,16 @@ from glm5.kernels.tvm.quant_vnni import BIAS, BYTE_OPERANDS, biased, first_opera
 from glm5.kernels.tvm.tirlib import BF16_OPERANDS, WORD_OPERANDS, cached, dpbf16_ir
 
 REV = 1
+TILE_F32 = (3, 4)
 SCRATCH = 1310720  # bytes of unpacked weight rows per parallel task (L2-resident)
 QB = 16  # NR-row blocks whose running sums (QB·NR·MV vectors) stay in L1 across the groups
 # w8a8's chunks per pass over x (its int32 sums need no groups: vpdpbusd wraps, so the lanes
 # are exact modulo 2^32, hence exact, as the op's |Σ x·w| <= K·127² < 2^31 (supports check))
 INT_CHUNKS = 8
 BF_CHUNKS = 4  # w8a16's chunks (32 K values each) per pass over x
+F32_CHUNKS = 8  # w8a16 on fp32 x: chunks (16 K values each) per pass over x
 MATTR = ("+avx512vnni", "+avx512bw", "+avx512vbmi")
+F32_MATTR = ("+avx512f",)
 BF_MATTR = ("+avx512bf16", "+avx512bw")
 
 
@@ -66,6 +74,8 @@ def _gch(grouped: bool, op: str = "i8") -> int:
     """Chunks per group: a scale group (128 codes), or w8a8's / w8a16's pass over x."""
     if op == "bf16":
         return BF_CHUNKS
+    if op == "f32":
+        return F32_CHUNKS
     return GROUP // CHUNK if grouped else INT_CHUNKS
 
 
@@ -76,7 +86,9 @@ def _tile(P: int, op: str = "i8") -> tuple[int, int]:
     allocation (a larger one goes to the heap, out of registers). Measured against 6-9 other
     shapes each on Zen 5 (docs/performance.md): the best, or within noise of it."""
     if op == "bf16":
-        return (3, 4) if P == 1 else (2, 3)
+        return (3, 4)
+    if op == "f32":
+        return TILE_F32
     return (4, 3) if P == 1 else (2, 3)
 
 
@@ -95,20 +107,25 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
     acc[nth, NRP, MV, 16] fp32, M, K, nsub, msplit)``: xw = `activations`' tile layout, NG the
     groups of gch = `_gch` chunks of K, NRP the task's weight rows rounded up to 16; scr, ws,
     acc: per-thread scratch. ``op`` "i8": the activation schemes, x's unsigned form (4 codes of
-    16 rows per int32), ``vpdpbusd``; "bf16": w8a16, x's bf16 planes (2 values of 16 rows per
-    int32: P = 1 for bf16 x, 3 for fp32 x, hi accumulated apart from mid + lo and added last,
-    as the AMX path does), the codes as bf16 (exact), ``vdpbf16ps``; ws unused."""
+    16 rows per int32), ``vpdpbusd``; "bf16": w8a16 on bf16 x, its bf16 plane (2 values of 16
+    rows per int32), the codes as bf16 (exact), ``vdpbf16ps``; "f32": w8a16 on fp32 x
+    (`f32_tiles`: 1 value of 16 rows per int32's bits), the codes as fp32, FMAs. bf16 / f32:
+    P = 1, ws unused."""
     from tvm.script import tirx as T
 
     from glm5.kernels.tvm.quant import _unpack_tir
     from glm5.kernels.tvm.tirlib import butterfly, dpbf16
 
-    BF = op == "bf16"
+    BF, F32 = op == "bf16", op == "f32"
+    FL = BF or F32  # fp32 accumulators (w8a16)
     NR, MV = _tile(P, op)
-    PC = min(P, 2) if BF else P  # accumulator planes
-    adt = "float32" if BF else "int32"
+    if FL and P != 1:
+        raise ValueError(f"glm5 quant_vgemm: op {op!r} takes one plane of x, got P={P}")
+    PC = P  # accumulator planes
+    adt = "float32" if FL else "int32"
     gch = _gch(grouped, op)
-    CK = CHUNK // 2 if BF else CHUNK  # K values per chunk (one 64-byte vector of a row)
+    # K values per chunk (one 64-byte vector of a row)
+    CK = CHUNK // 4 if F32 else CHUNK // 2 if BF else CHUNK
     wdt = "int8" if bits == 8 else "uint8"
     bias = BIAS[bits]
     unit_b, unit_v = {8: (1, 1), 4: (1, 2), 6: (3, 4)}[bits]
@@ -116,6 +133,10 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
     lbytes = CK if bits == 6 else cbytes  # bytes its vector load reads
 
     def dp(acc: Any, u: Any, x: Any) -> Any:
+        if F32:  # one fp32 value of 16 rows of x times one weight, fused into the sums
+            return T.call_llvm_pure_intrin("float32x16", "llvm.fma.v16f32",
+                                           T.reinterpret("float32x16", u),
+                                           T.reinterpret("float32x16", x), acc)
         if BF:
             return dpbf16(T, acc, u, x, bdt)
         return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc,
@@ -143,10 +164,7 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
         return c * CHUNK + T.if_then_else(i < 32, 2 * i, 2 * (i - 32) + 1)
 
     def combine(vs: list[Any]) -> Any:
-        """The pass's sums from the accumulator planes: w6a12's exactly (16·hi + lo); bf16's
-        mid + lo sums then hi."""
-        if BF:
-            return vs[-1] + vs[0] if len(vs) > 1 else vs[0]
+        """The pass's sums from the accumulator planes: w6a12's exactly (16·hi + lo)."""
         v = vs[0]
         for p in vs[1:]:
             v = v * 16 + p
@@ -155,8 +173,10 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
     @T.macro
     def _steps(X: Any, SCR: Any, iacc: Any, th: Any, g: Any, q: Any, mb: Any, Mt: Any,
                c: Any) -> None:
-        """Chunk c of register tile q against row block mb of x: 16 steps of NR·P·MV dps."""
-        for r16 in T.unroll(16):
+        """Chunk c of register tile q against row block mb of x: 16 steps of NR·P·MV dps
+        (f32: a loop, not unrolled: LLVM regrouped the unrolled FMAs into one dependent chain
+        per accumulator and spilled)."""
+        for r16 in T.serial(16) if F32 else T.unroll(16):
             for i in T.unroll(NR):
                 for p in T.unroll(P):
                     for mv in T.unroll(MV):
@@ -170,7 +190,7 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
         """ACC[th, r, mv] (+)= the exact group sums ``isum``: scaled in fp32 (grouped), or
         added in int32 (w8a8: over all of K, its bits kept in the fp32 buffer); w8a16: the
         pass's fp32 sums added."""
-        if BF:
+        if FL:
             if g == 0:
                 ACC[th, r, mv, T.ramp(0, 1, 16)] = isum
             else:
@@ -221,7 +241,8 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
             for task in range(t_lo, t_hi):
                 sb = task % nsb
                 ms = task // nsb
-                tail = T.alloc_buffer((CK,), "uint16" if BF else "uint8", scope="local")
+                tail = T.alloc_buffer((CK,), "float32" if F32 else "uint16" if BF else "uint8",
+                                      scope="local")
                 iacc = T.alloc_buffer((NR, PC, MV, 16), adt, scope="local")
                 tb = T.alloc_buffer((2, 16, 16), "float32", scope="local")
                 red = T.alloc_buffer((16,), "int32", scope="local")
@@ -231,7 +252,10 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
                     full = T.min(T.max((Pk - (lbytes - cbytes)) // cbytes, 0), NC)
                     for c in range(NC):
                         if T.And(n < N, c < full):
-                            if BF:
+                            if F32:
+                                SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)] = T.reinterpret(
+                                    "int32x16", T.Cast("float32x16", W[n, T.ramp(c * CK, 1, CK)]))
+                            elif BF:
                                 SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)] = bf16_pairs(
                                     W[n, T.ramp(c * CK, 1, CK)])
                             elif bits == 4:
@@ -243,7 +267,14 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
                                     "int32x16", signed(u8x64(
                                         W[n, T.ramp(c * cbytes, 1, lbytes)]), 64)[0])
                         elif n < N:  # the last chunk: K ends inside it (zeros past K)
-                            if BF:
+                            if F32:
+                                for i in range(CK):
+                                    tail[i] = T.Cast("float32", T.if_then_else(
+                                        c * CK + i < K, W[n, T.min(c * CK + i, K - 1)],
+                                        T.int8(0)))
+                                SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)] = T.reinterpret(
+                                    "int32x16", tail[T.ramp(0, 1, CK)])
+                            elif BF:
                                 for i in range(CK):
                                     tail[i] = T.Cast("uint16", T.shift_right(T.reinterpret(
                                         "uint32", T.Cast("float32", T.if_then_else(
@@ -263,7 +294,7 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
                         else:
                             SCR[th, c // gch, r, T.ramp(c % gch * 16, 1, 16)] = T.broadcast(
                                 T.int32(0), 16)
-                    if not BF:  # 128 · Σ w per group (w8a16's x has no bias)
+                    if not FL:  # 128 · Σ w per group (w8a16's x has no bias)
                         for g in range(ngroups):
                             red[T.ramp(0, 1, 16)] = T.broadcast(T.int32(0), 16)
                             for c in range(g * gch, T.min(g * gch + gch, NC)):
@@ -287,7 +318,7 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
                                 for i in T.unroll(NR):
                                     for p in T.unroll(PC):
                                         for mv in T.unroll(MV):
-                                            if BF:
+                                            if FL:
                                                 iacc[i, p, mv, T.ramp(0, 1, 16)] = T.broadcast(
                                                     T.float32(0), 16)
                                             else:
@@ -311,7 +342,7 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
                             for a in T.unroll(16):
                                 if grouped:
                                     tb[0, a, T.ramp(0, 1, 16)] = v16(ACC, th, rb * 16 + a, mv)
-                                elif BF:
+                                elif FL:
                                     tb[0, a, T.ramp(0, 1, 16)] = T.broadcast(
                                         SW[T.min(n0 + a, N - 1), 0], 16) * v16(
                                             ACC, th, rb * 16 + a, mv)
@@ -368,6 +399,13 @@ def _fn(context: Callable[[], Any], bits: int, P: int, grouped: bool, op: str = 
                     raise
         raise AssertionError("unreachable")
 
+    def f32_kernel() -> Callable:
+        key = {"op": op, "tile": _tile(P, op), "chunks": F32_CHUNKS, "rev": REV}
+        return ctx.kernel("quant_linear_vgemm", key, lambda: build(8, 1, False, op="f32"),
+                          "qgemm", mattr=F32_MATTR)
+
+    if op == "f32":
+        return cached(ctx, ("quant_linear_vgemm", op, _tile(P, op)), f32_kernel)
     return cached(ctx, ("quant_linear_vgemm", op, bits, P, grouped, _tile(P, op)),
                   lambda: first_operand_form(bf16_kernel if op == "bf16" else kernel,
                                              WORD_OPERANDS if op == "bf16" else BYTE_OPERANDS))
@@ -383,19 +421,36 @@ def _tasks(nblk: int, threads: int, most: int) -> int:
     return max(1, -(-nblk // (rounds * threads)))
 
 
+def f32_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 x [M, K] -> (its bits in the GEMM's tile layout [1, Mt, NC, 16, 16] int32: entry
+    (mt, c, j, i) = x[16·mt + i, 16·c + j], zeros past M and K; sx = ones [Mt·16]): one
+    strided copy (two where M or K is not a multiple of 16)."""
+    M, K = x.shape
+    Mt, NC = -(-M // 16), -(-K // 16)
+    if M % 16 or K % 16:
+        x = torch.nn.functional.pad(x, (0, NC * 16 - K, 0, Mt * 16 - M))
+    xt = tirlib.scratch("vgemm_xf32", (1, Mt, NC, 16, 16), torch.float32)
+    xt.view(Mt, NC, 16, 16).permute(0, 3, 1, 2).copy_(x.view(Mt, 16, NC, 16))
+    sx = tirlib.scratch("vgemm_sx1", (Mt * 16,), torch.float32)
+    sx.fill_(1.0)
+    return xt.view(torch.int32), sx
+
+
 def gemm_vnni(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
               w_scale: torch.Tensor, scheme: str) -> torch.Tensor:
     """The VNNI GEMM path: x [M, K] fp32 / bf16, canonical packed weight [N, P] with its
     scales -> fp32 ``[M, N]`` without bias (M, N, K > 0). w8a16 needs AVX-512 BF16
     (`bf16_available`)."""
     sc = SCHEMES[scheme]
-    op, P = _op_planes(scheme, x.dtype)
+    op, P = ("f32", 1) if sc.act_bits is None and x.dtype == torch.float32 else _op_planes(
+        scheme, x.dtype)
     if op == "bf16" and not bf16_available()[0]:
-        raise RuntimeError(f"glm5 quant_linear: the VNNI GEMM computes w8a16 with vdpbf16ps: "
-                           f"{bf16_available()[1]}")
+        raise RuntimeError(f"glm5 quant_linear: the VNNI GEMM computes w8a16 on bf16 x with "
+                           f"vdpbf16ps: {bf16_available()[1]}")
     M, K = x.shape
     N = w_packed.shape[0]
-    xb, sx = activations(context, x, scheme, unsigned=op == "i8")
+    xb, sx = f32_tiles(x) if op == "f32" else activations(context, x, scheme,
+                                                           unsigned=op == "i8")
     _, Mt, NC, _, _ = xb.shape
     NR, MV = _tile(P, op)
     nblk = -(-N // NR)
