@@ -57,6 +57,8 @@ from glm5.kernels.tvm.quant_vnni import BIAS, BYTE_OPERANDS, biased, first_opera
 from glm5.kernels.tvm.tirlib import BF16_OPERANDS, WORD_OPERANDS, cached, dpbf16_ir
 
 REV = 1
+# w8a16 on fp32 x: NR weight rows x MV vectors of 16 rows of x (12 fp32 accumulators; four
+# other shapes measured within noise or slower: docs/performance.md)
 TILE_F32 = (3, 4)
 SCRATCH = 1310720  # bytes of unpacked weight rows per parallel task (L2-resident)
 QB = 16  # NR-row blocks whose running sums (QB·NR·MV vectors) stay in L1 across the groups
