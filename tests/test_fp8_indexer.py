@@ -87,15 +87,22 @@ def _case(T, S, Hi, Di, dtype, seed):
     return {"q": q, "k": k, "w": w, "k_start": ks, "k_end": ke}
 
 
-@pytest.mark.parametrize("op", ["indexer_topk_fp8", "paged_indexer_topk_fp8"])
-def test_cpu_backend_runs_the_decomposition(op, monkeypatch):
-    """The cpu backend has no fp8 kernel: under GLM5_STRICT=1 (a reference fallback raises)
-    the op runs as indexer_topk on the dequantized inputs (the paged op: only the rows its
-    queries see), within the op's bound on the kit's cases (ties, duplicated keys, fresh pages
-    with scale 0 included)."""
+@pytest.mark.parametrize("op, mode", [("indexer_topk_fp8", "decomposed"),
+                                      ("paged_indexer_topk_fp8", "native")])
+def test_cpu_backend_serves_the_fp8_ops(op, mode, monkeypatch):
+    """The cpu backend runs indexer_topk_fp8 as indexer_topk on the dequantized inputs (its
+    decomposition) and paged_indexer_topk_fp8 with its own kernel (the paged TVM selection
+    over pool rows dequantized batch by batch, `glm5.kernels.tvm.fp8_rows`); under
+    GLM5_STRICT=1 (a reference fallback raises) both within the op's bound on the kit's cases
+    (ties, duplicated keys, fresh pages with scale 0 included)."""
     pytest.importorskip("tvm")
+    from glm5.backends import selection
+    from glm5.ir.catalog import OPS
+
     monkeypatch.setenv("GLM5_STRICT", "1")
     with glm5.use_backend("cpu"):
+        plan = selection.resolve(OPS[op], "cpu", torch.bfloat16)
+        assert plan.mode == mode and (mode != "native" or plan.served_by == "cpu"), plan
         for dtype in (torch.float32, torch.bfloat16):
             for i in range(6):
                 vals = example(op, dtype, 3, i, "smoke")

@@ -358,3 +358,23 @@ def test_paged_claims_and_declines(backend):
     assert e.accepts(a)
     assert not e.accepts((a[0].double(), a[1].double(), a[2].double(), *a[3:]))
     assert not e.accepts((a[0], a[1].bfloat16(), *a[2:]))
+
+
+# --------------------------------------------------------------------------- fp8 pool rows
+def test_fp8_rows_dequantize_every_code_exactly(ctx):
+    """`fp8_rows.dequantized_rows`: every finite e4m3 code (normal, subnormal, both zeros,
+    both signs) times scales 2^-40 .. 2^20, 0 and 3 (products of at most 6 significant bits:
+    exact in bf16), gathered through rows in any order and repeated, equals torch's float8 ->
+    fp32 conversion times the scale, bit for bit; no rows gives an empty result."""
+    from glm5.kernels.tvm.fp8_rows import dequantized_rows
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).repeat(6, 1)
+    scale = torch.tensor([1.0, 2.0 ** -40, 2.0 ** 20, 0.0, 2.0 ** -7, 3.0])
+    rows = torch.tensor([5, 0, 3, 1, 2, 4, 0, 5], dtype=torch.int64)
+    got = dequantized_rows(lambda: ctx, codes, scale, rows)
+    want = (codes.float() * scale[:, None])[rows]
+    finite = torch.isfinite(want)  # 0x7F / 0xFF are NaN: not made by glm5.ir.fp8
+    assert got.dtype == torch.bfloat16 and got.shape == (8, 256)
+    assert int((~finite).sum()) == 2 * 8
+    assert torch.equal(got.float()[finite], want[finite])
+    assert dequantized_rows(lambda: ctx, codes, scale, rows[:0]).shape == (0, 256)

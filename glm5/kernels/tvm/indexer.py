@@ -67,6 +67,7 @@ from typing import Any, Callable
 import torch
 
 from glm5.kernels.tvm import select
+from glm5.kernels.tvm.fp8_rows import dequantized_rows
 
 NS = 16  # keys per chunk (two AVX2 fp32 vectors)
 HB_MAX = 4  # heads per register block where the CPU is not known (heads_per_block)
@@ -470,7 +471,8 @@ def _stream_topk(context: Callable[[], Any], q: torch.Tensor, kp: torch.Tensor,
 
 
 def paged_indexer_topk(context: Callable[[], Any], q, k, w, block_table, seq, k_len,
-                       page_size: int, topk: int) -> torch.Tensor:
+                       page_size: int, topk: int, k_scale: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """``indexer_topk`` through a paged key pool (docs/ops.md#paged_indexer_topk). Queries are
     grouped by sequence; the keys each group sees are gathered through ``block_table``
     straight into a packed buffer in logical order, and the group's queries stream over them
@@ -478,7 +480,11 @@ def paged_indexer_topk(context: Callable[[], Any], q, k, w, block_table, seq, k_
     keys). Consecutive groups are packed and run together up to PAGED_BATCH_KEYS keys, so the
     packed keys are still in cache when the kernel reads them (one packed buffer for a whole
     decode batch made a decode call 1.5-1.7x slower: it had left the cache when read). The
-    selected compact indices map back to pool rows."""
+    selected compact indices map back to pool rows.
+
+    With ``k_scale`` (`paged_indexer_topk_fp8`: ``k`` e4m3 codes, q already the e4m3 values,
+    see `paged_indexer_topk_fp8`) each batch's key rows are dequantized into a bf16 buffer
+    first (`fp8_rows`: exact), which the same streaming selection reads."""
     T_ = q.shape[0]
     idx = torch.full((T_, topk), -1, dtype=torch.int32)
     if T_ == 0 or k.shape[0] == 0:
@@ -528,9 +534,10 @@ def paged_indexer_topk(context: Callable[[], Any], q, k, w, block_table, seq, k_
         part = rows[base: base + keys]
         ks = (ks64 - base).to(torch.int32)
         direct = keys_direct(int(kl[t0:t].sum()), keys)
-        _stream_topk(context, qs, *_key_source(k, part, direct), wc, ks, ks + kl.to(torch.int32),
-                     topk,
-                     kmax, blocks, out)
+        src = (_key_source(k, part, direct) if k_scale is None else _key_source(
+            dequantized_rows(context, k, k_scale, part), None, direct))
+        _stream_topk(context, qs, *src, wc, ks, ks + kl.to(torch.int32), topk, kmax, blocks,
+                     out)
         sel = out[t0:t]
         out[t0:t] = torch.where(sel >= 0, part[sel.long().clamp(min=0)], -1).to(torch.int32)
         g0, t0 = g1, t
@@ -548,6 +555,26 @@ def _paged_supports(q, k, w, block_table, seq, k_len, *rest) -> bool:
     )
 
 
+def paged_indexer_topk_fp8(context: Callable[[], Any], q, k, k_scale, w, block_table, seq,
+                           k_len, page_size: int, topk: int) -> torch.Tensor:
+    """`paged_indexer_topk_fp8` (docs/ops.md): q quantized per row by the op's own quantizer
+    (`glm5.ir.fp8`, exact in fp32), the pool's rows dequantized batch by batch as the
+    selection reads them: the scores are those of the op's definition, in fp32."""
+    from glm5.ir.fp8 import e4m3_rows
+
+    return paged_indexer_topk(context, e4m3_rows(q), k, w, block_table, seq, k_len,
+                              page_size, topk, k_scale=k_scale)
+
+
+def _paged_fp8_supports(q, k, k_scale, w, block_table, seq, k_len, *rest) -> bool:
+    return (
+        q.dtype in DTYPES and k.dtype == torch.float8_e4m3fn and k_scale.dtype == torch.float32
+        and w.dtype in (torch.float32, q.dtype)
+        and all(x.device.type == "cpu" for x in (q, k, k_scale, w, block_table, seq, k_len))
+        and q.dim() == 3 and q.shape[1] > 0 and q.shape[2] > 0
+    )
+
+
 # --------------------------------------------------------------------------- registration
 def kernels(context: Callable[[], Any]) -> list[tuple[str, Callable, tuple | None, Any]]:
     def _lightning_indexer(q, k, w, k_start, k_end):
@@ -559,8 +586,13 @@ def kernels(context: Callable[[], Any]) -> list[tuple[str, Callable, tuple | Non
     def _paged_indexer_topk(q, k, w, block_table, seq, k_len, page_size, topk):
         return paged_indexer_topk(context, q, k, w, block_table, seq, k_len, page_size, topk)
 
+    def _paged_indexer_topk_fp8(q, k, k_scale, w, block_table, seq, k_len, page_size, topk):
+        return paged_indexer_topk_fp8(context, q, k, k_scale, w, block_table, seq, k_len,
+                                      page_size, topk)
+
     return [
         ("lightning_indexer", _lightning_indexer, DTYPES, _supports),
         ("indexer_topk", _indexer_topk, DTYPES, _supports),
         ("paged_indexer_topk", _paged_indexer_topk, DTYPES, _paged_supports),
+        ("paged_indexer_topk_fp8", _paged_indexer_topk_fp8, DTYPES, _paged_fp8_supports),
     ]
