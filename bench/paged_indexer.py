@@ -20,7 +20,9 @@ one process, each the median of ``--repeat`` calls after a warm-up (kernels buil
 ``--fp8``: `paged_indexer_topk_fp8` over the same pools stored as e4m3 codes + a scale per row
 (the serving engine's fp8 index cache): the cpu backend's kernel (rows dequantized batch by
 batch into bf16, then the paged selection) against the op's decomposition (what ran before the
-kernel) and against `paged_indexer_topk` on the same keys in bf16 and in fp32.
+kernel) and against `paged_indexer_topk` on the same keys in bf16 and in fp32; and the flat
+`indexer_topk_fp8` (what `model.generate`'s flat cache runs: bf16 keys, quantized per call)
+per sequence on contiguous keys, against the flat bf16 `indexer_topk` on the same keys.
 
 Every result is checked against the reference's (integer-exact ties aside, the kit's judge).
 ``--threads`` sets torch's and TVM's thread counts (default: as the cpu backend sets them): on a
@@ -73,6 +75,21 @@ def prefill(T: int, L: int) -> dict[str, Any]:
     return _pool([L], [0] * T, list(range(L - T + 1, L + 1)))
 
 
+def _per_sequence(v: dict[str, Any]) -> list[tuple]:
+    """Per sequence: (q, its logical keys contiguous, w, k_start 0, k_len) of its queries,
+    copied before timing: the unpaged calls' arguments."""
+    per = []
+    for b in sorted(set(v["seq"].tolist())):
+        sel = (v["seq"] == b).nonzero()[:, 0]
+        n = int(v["k_len"][sel].max())
+        j = torch.arange(n)
+        rows_b = v["block_table"][b].long()[j // PS] * PS + j % PS
+        zero = torch.zeros(len(sel), dtype=torch.int32)
+        per.append((v["q"][sel].contiguous(), v["k"][rows_b].contiguous(),
+                    v["w"][sel].contiguous(), zero, v["k_len"][sel].contiguous()))
+    return per
+
+
 def _median(fn: Callable[[], Any], repeat: int) -> float:
     fn()  # warm-up (builds and loads kernels)
     times = []
@@ -88,10 +105,11 @@ def fp8(cpu: Any, shapes: list[tuple[str, dict[str, Any]]], repeat: int) -> list
     from glm5.ir.fp8 import quantize_rows_e4m3
 
     kern, plain = cpu.kernels["paged_indexer_topk_fp8"].fn, cpu.kernels["paged_indexer_topk"].fn
+    flat8, flat = cpu.kernels["indexer_topk_fp8"].fn, cpu.kernels["indexer_topk"].fn
     op = glm5.get_op("paged_indexer_topk_fp8")
     rows = []
     print(f"{'shape':<22} {'fp8 kernel':>11} {'fp8 decomp':>11} {'bf16 keys':>10} "
-          f"{'fp32 keys':>10} {'x decomp':>9} {'x bf16':>7}")
+          f"{'fp32 keys':>10} {'x decomp':>9} {'x bf16':>7} {'flat fp8':>9} {'flat bf16':>10}")
     for label, v in shapes:
         codes, scale = quantize_rows_e4m3(v["k"].bfloat16())
         v8 = {**v, "q": v["q"].bfloat16(), "k": codes, "k_scale": scale}
@@ -104,11 +122,16 @@ def fp8(cpu: Any, shapes: list[tuple[str, dict[str, Any]]], repeat: int) -> list
              "fp8_decomposed_s": _median(lambda: op.decompose(ops, *args), repeat),
              "bf16_keys_s": _median(lambda: plain(v8["q"], kb, *tail), repeat),
              "fp32_keys_s": _median(lambda: plain(v["q"], v["k"], *tail), repeat)}
+        per = _per_sequence(v)
+        per = [(q.bfloat16(), k.bfloat16(), *rest) for q, k, *rest in per]
+        r["flat_fp8_s"] = _median(lambda: [flat8(*p, TOPK) for p in per], repeat)
+        r["flat_bf16_s"] = _median(lambda: [flat(*p, TOPK) for p in per], repeat)
         rows.append(r)
         t = r["fp8_kernel_s"]
         print(f"{label:<22} {t * 1e3:>9.1f}ms {r['fp8_decomposed_s'] * 1e3:>9.1f}ms "
               f"{r['bf16_keys_s'] * 1e3:>8.1f}ms {r['fp32_keys_s'] * 1e3:>8.1f}ms "
-              f"{r['fp8_decomposed_s'] / t:>9.2f} {r['bf16_keys_s'] / t:>7.2f}")
+              f"{r['fp8_decomposed_s'] / t:>9.2f} {r['bf16_keys_s'] / t:>7.2f} "
+              f"{r['flat_fp8_s'] * 1e3:>7.1f}ms {r['flat_bf16_s'] * 1e3:>8.1f}ms")
     return rows
 
 
@@ -148,17 +171,7 @@ def main() -> None:
         got = paged(*args)
         verdict = judge(op, got, v)
         assert verdict.ok, f"{label}: {verdict.message}"
-        # per-sequence contiguous copies of the logical keys (made before timing)
-        seqs = sorted(set(v["seq"].tolist()))
-        per = []
-        for b in seqs:
-            sel = (v["seq"] == b).nonzero()[:, 0]
-            n = int(v["k_len"][sel].max())
-            j = torch.arange(n)
-            rows_b = v["block_table"][b].long()[j // PS] * PS + j % PS
-            zero = torch.zeros(len(sel), dtype=torch.int32)
-            per.append((v["q"][sel].contiguous(), v["k"][rows_b].contiguous(),
-                        v["w"][sel].contiguous(), zero, v["k_len"][sel].contiguous()))
+        per = _per_sequence(v)
         r = {"shape": label,
              "paged_s": _median(lambda: paged(*args), a.repeat),
              "decomposed_s": _median(lambda: op.decompose(ops, *args), a.repeat),

@@ -87,14 +87,14 @@ def _case(T, S, Hi, Di, dtype, seed):
     return {"q": q, "k": k, "w": w, "k_start": ks, "k_end": ke}
 
 
-@pytest.mark.parametrize("op, mode", [("indexer_topk_fp8", "decomposed"),
-                                      ("paged_indexer_topk_fp8", "native")])
-def test_cpu_backend_serves_the_fp8_ops(op, mode, monkeypatch):
-    """The cpu backend runs indexer_topk_fp8 as indexer_topk on the dequantized inputs (its
-    decomposition) and paged_indexer_topk_fp8 with its own kernel (the paged TVM selection
-    over pool rows dequantized batch by batch, `glm5.kernels.tvm.fp8_rows`); under
-    GLM5_STRICT=1 (a reference fallback raises) both within the op's bound on the kit's cases
-    (ties, duplicated keys, fresh pages with scale 0 included)."""
+@pytest.mark.parametrize("op", ["indexer_topk_fp8", "paged_indexer_topk_fp8"])
+def test_cpu_backend_serves_the_fp8_ops(op, monkeypatch):
+    """The cpu backend serves both fp8 ops with its own kernels (q and k quantized by the TVM
+    port of the op's quantizer, `glm5.kernels.tvm.fp8_rows`; the paged op's pool rows
+    dequantized batch by batch), then the TVM selection; under GLM5_STRICT=1 (a reference
+    fallback raises) both within the op's bound on the kit's cases (ties, duplicated keys,
+    fresh pages with scale 0 included)."""
+    mode = "native"
     pytest.importorskip("tvm")
     from glm5.backends import selection
     from glm5.ir.catalog import OPS

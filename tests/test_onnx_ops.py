@@ -404,26 +404,10 @@ def test_e4m3_rows_function_is_the_quantizer():
     1e-4 floor, magnitudes from 1e-9 to 1e6, fp32, bf16 and float64 inputs (run eagerly)."""
     import numpy as np
 
+    from fp8_cases import e4m3_stress_rows
     from glm5.ir.fp8 import e4m3_rows
 
-    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()  # 0 .. 448
-    mids = (grid[1:] + grid[:-1]) / 2
-    vals = torch.cat([grid, mids, mids.nextafter(torch.tensor(0.0)),
-                      mids.nextafter(torch.tensor(1e9))])
-    vals = torch.cat([vals, -vals])
-    n = 128
-    vals = torch.cat([vals, vals[: (-len(vals)) % (n - 1)]])
-    lead = torch.full((len(vals) // (n - 1), 1), 448.0)  # amax 448: scale 1, codes = values
-    rows = [torch.cat([lead, vals.reshape(-1, n - 1)], 1)]
-    g = torch.Generator().manual_seed(0)
-    mag = torch.logspace(-9, 6, 40)[:, None]
-    rows.append(torch.randn(40, n, generator=g) * mag)
-    pow2 = torch.randn(82, n, generator=g)
-    pow2[:, 0] = 448 * 2.0 ** torch.arange(-21, 61).float()  # amax / 448 = 2^-21 .. 2^60
-    pow2[:, 1:] = pow2[:, 1:].clamp(-1, 1) * pow2[:, :1] / 2
-    rows += [pow2, torch.zeros(2, n), torch.full((2, n), 3e-5)]
-    x = torch.cat(rows)
+    x = e4m3_stress_rows()
     for xx, acc in ((x, 1), (x.bfloat16(), 1), (x.double(), 11)):
         got = oe.e4m3_rows(xx.float().numpy() if xx.dtype == torch.bfloat16 else xx.numpy(),
                            acc=acc)

@@ -378,3 +378,20 @@ def test_fp8_rows_dequantize_every_code_exactly(ctx):
     assert int((~finite).sum()) == 2 * 8
     assert torch.equal(got.float()[finite], want[finite])
     assert dequantized_rows(lambda: ctx, codes, scale, rows[:0]).shape == (0, 256)
+
+
+def test_fp8_rows_quantize_as_the_op_defines(ctx):
+    """`fp8_rows.e4m3_rows` (the cpu fp8 indexers' quantizer) equals `glm5.ir.fp8.e4m3_rows`
+    bit for bit on every grid value, tie and +-1 ulp around it, power-of-two and floored
+    scales, fp32 and bf16 input, any leading shape."""
+    from fp8_cases import e4m3_stress_rows
+    from glm5.ir.fp8 import e4m3_rows as oracle
+    from glm5.kernels.tvm.fp8_rows import e4m3_rows
+
+    x = e4m3_stress_rows()
+    for xx in (x, x.bfloat16(), x[:60].reshape(3, 20, 128)):
+        got = e4m3_rows(lambda: ctx, xx)
+        assert got.dtype == torch.bfloat16 and got.shape == xx.shape
+        assert torch.equal(got.float(), oracle(xx)), xx.dtype
+    with pytest.raises(ValueError, match="argument 'x' expected float32 or bfloat16"):
+        e4m3_rows(lambda: ctx, x.half())

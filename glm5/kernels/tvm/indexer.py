@@ -67,7 +67,7 @@ from typing import Any, Callable
 import torch
 
 from glm5.kernels.tvm import select
-from glm5.kernels.tvm.fp8_rows import dequantized_rows
+from glm5.kernels.tvm.fp8_rows import dequantized_rows, e4m3_rows
 
 NS = 16  # keys per chunk (two AVX2 fp32 vectors)
 HB_MAX = 4  # heads per register block where the CPU is not known (heads_per_block)
@@ -557,18 +557,32 @@ def _paged_supports(q, k, w, block_table, seq, k_len, *rest) -> bool:
 
 def paged_indexer_topk_fp8(context: Callable[[], Any], q, k, k_scale, w, block_table, seq,
                            k_len, page_size: int, topk: int) -> torch.Tensor:
-    """`paged_indexer_topk_fp8` (docs/ops.md): q quantized per row by the op's own quantizer
-    (`glm5.ir.fp8`, exact in fp32), the pool's rows dequantized batch by batch as the
-    selection reads them: the scores are those of the op's definition, in fp32."""
-    from glm5.ir.fp8 import e4m3_rows
-
-    return paged_indexer_topk(context, e4m3_rows(q), k, w, block_table, seq, k_len,
+    """`paged_indexer_topk_fp8` (docs/ops.md): q quantized per row as the op defines it
+    (`fp8_rows.e4m3_rows`, exact), the pool's rows dequantized batch by batch as the selection
+    reads them: the scores are those of the op's definition, in fp32."""
+    return paged_indexer_topk(context, e4m3_rows(context, q), k, w, block_table, seq, k_len,
                               page_size, topk, k_scale=k_scale)
+
+
+def indexer_topk_fp8(context: Callable[[], Any], q, k, w, k_start, k_end, topk: int
+                     ) -> torch.Tensor:
+    """`indexer_topk_fp8` (docs/ops.md): q and k quantized per row as the op defines it
+    (`fp8_rows.e4m3_rows`: one TVM pass each, exact in bf16), then `indexer_topk` on them."""
+    return indexer_topk(context, e4m3_rows(context, q), e4m3_rows(context, k), w, k_start,
+                        k_end, topk)
+
+
+FP8_DTYPES = (torch.float32, torch.bfloat16)  # what fp8_rows.e4m3_rows reads
+
+
+def _fp8_supports(q, k, w, k_start, k_end, *rest) -> bool:
+    return q.dtype in FP8_DTYPES and _supports(q, k, w, k_start, k_end)
 
 
 def _paged_fp8_supports(q, k, k_scale, w, block_table, seq, k_len, *rest) -> bool:
     return (
-        q.dtype in DTYPES and k.dtype == torch.float8_e4m3fn and k_scale.dtype == torch.float32
+        q.dtype in FP8_DTYPES and k.dtype == torch.float8_e4m3fn
+        and k_scale.dtype == torch.float32
         and w.dtype in (torch.float32, q.dtype)
         and all(x.device.type == "cpu" for x in (q, k, k_scale, w, block_table, seq, k_len))
         and q.dim() == 3 and q.shape[1] > 0 and q.shape[2] > 0
@@ -586,6 +600,9 @@ def kernels(context: Callable[[], Any]) -> list[tuple[str, Callable, tuple | Non
     def _paged_indexer_topk(q, k, w, block_table, seq, k_len, page_size, topk):
         return paged_indexer_topk(context, q, k, w, block_table, seq, k_len, page_size, topk)
 
+    def _indexer_topk_fp8(q, k, w, k_start, k_end, topk):
+        return indexer_topk_fp8(context, q, k, w, k_start, k_end, topk)
+
     def _paged_indexer_topk_fp8(q, k, k_scale, w, block_table, seq, k_len, page_size, topk):
         return paged_indexer_topk_fp8(context, q, k, k_scale, w, block_table, seq, k_len,
                                       page_size, topk)
@@ -594,5 +611,6 @@ def kernels(context: Callable[[], Any]) -> list[tuple[str, Callable, tuple | Non
         ("lightning_indexer", _lightning_indexer, DTYPES, _supports),
         ("indexer_topk", _indexer_topk, DTYPES, _supports),
         ("paged_indexer_topk", _paged_indexer_topk, DTYPES, _paged_supports),
-        ("paged_indexer_topk_fp8", _paged_indexer_topk_fp8, DTYPES, _paged_fp8_supports),
+        ("indexer_topk_fp8", _indexer_topk_fp8, FP8_DTYPES, _fp8_supports),
+        ("paged_indexer_topk_fp8", _paged_indexer_topk_fp8, FP8_DTYPES, _paged_fp8_supports),
     ]
