@@ -16,10 +16,13 @@ rc=0
 python bench/gpu_suite.py --budget-s "$SUITE_S" || rc=$?
 python bench/gpu_model.py --budget-s "$MODEL_S" || rc=$?
 if [ "$TUNE_S" != "0" ]; then
-    python bench/gpu_tune.py --budget-s "$TUNE_S" --write bench/results/cuda_tuning_candidate.json || rc=$?
+    GLM5_TUNING_CACHE=bench/results/tuning_cache python -m glm5.cli tune --backend cuda \
+        --budget-s "$TUNE_S" --table bench/results/cuda_tuning_candidate.json \
+        --out "bench/results/gpu_tune_$(date +%Y%m%d_%H%M%S).json" || rc=$?
 fi
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT" && cp -v bench/results/gpu_suite_*.json bench/results/gpu_model_*.json \
         bench/results/gpu_tune_*.json bench/results/cuda_tuning_candidate.json "$OUT"/ 2>/dev/null
+    [ -d bench/results/tuning_cache ] && cp -r bench/results/tuning_cache "$OUT"/
 fi
 exit $rc

@@ -46,12 +46,29 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from glm5.testing import device_shapes as shp  # noqa: E402
+from glm5.testing.device_shapes import (  # noqa: E402
+    _qweight,
+    b_attention,
+    b_indexer,
+    b_layer_norm,
+    b_logprobs,
+    b_mla,
+    b_moe,
+    b_moe_quant,
+    b_norm,
+    b_paged,
+    b_quant_linear,
+    b_rope,
+    b_sparse,
+    rn,
+)
+
 # H200 SXM datasheet (dense, no sparsity).
 PEAK_FLOPS = {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "int8": 1979e12,
               "fp8": 1979e12}
 PEAK_HBM = 4.8e12
 FLUSH_BYTES = 256 * 2**20  # > the H200's 60 MB L2
-DEV = "cuda"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -67,7 +84,7 @@ class Timer:
     """Median GPU time of fn() with CUDA events, the L2 flushed before each call."""
 
     def __init__(self) -> None:
-        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=DEV)
+        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=shp.DEV)
 
     def __call__(self, fn: Callable[[], Any], budget_s: float = 0.4, max_iters: int = 50,
                  flush: bool = True) -> float:
@@ -98,12 +115,12 @@ class Timer:
 
 def measure_ceilings(timer: Timer) -> dict[str, float]:
     n = 8192
-    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    a = torch.randn(n, n, device=shp.DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=shp.DEV, dtype=torch.bfloat16)
     t_mm = timer(lambda: torch.matmul(a, b), budget_s=0.5, max_iters=20, flush=False)
     del a, b
     nbytes = 2**30
-    src = torch.empty(nbytes, dtype=torch.uint8, device=DEV).fill_(1)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=shp.DEV).fill_(1)
     dst = torch.empty_like(src)
     t_cp = timer(lambda: dst.copy_(src), budget_s=0.5, max_iters=20, flush=False)
     del src, dst
@@ -127,7 +144,7 @@ def on_device(fn: Callable[..., Any]) -> Callable[..., Any]:
                 if key not in storages:
                     n = st.nbytes() // a.element_size()
                     host = torch.empty(0, dtype=a.dtype).set_(st, 0, (n,), (1,))
-                    storages[key] = (host, host.to(DEV))
+                    storages[key] = (host, host.to(shp.DEV))
                 dflat = storages[key][1]
                 dev_args.append(dflat.as_strided(a.shape, a.stride(), a.storage_offset()))
             else:
@@ -148,170 +165,10 @@ def device_proxy(backend: Any) -> Any:
     from glm5.backends.api import Backend
 
     proxy = Backend(backend.name, vendor=backend.vendor, device_type=backend.device_type,
-                    description=f"{backend.name} kernels called on {DEV} tensors")
+                    description=f"{backend.name} kernels called on {shp.DEV} tensors")
     for op, e in backend.kernels.items():
         proxy.kernel(op, dtypes=e.dtypes, supports=e.supports)(on_device(e.fn))
     return proxy
-
-
-# --------------------------------------------------------------------------- GPU shapes
-def _gen(seed: int) -> torch.Generator | None:
-    if DEV == "meta":  # the dry run: shapes only
-        return None
-    return torch.Generator(device=DEV).manual_seed(seed)
-
-
-def rn(*shape: int, dt: torch.dtype = torch.bfloat16, scale: float = 1.0,
-       seed: int = 0) -> torch.Tensor:
-    t = torch.randn(*shape, device=DEV, dtype=torch.float32, generator=_gen(seed + len(shape)))
-    return (t * scale).to(dt)
-
-
-def causal(T: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
-    end = (torch.arange(T, device=DEV) + S - T + 1).clamp(1, S).to(torch.int32)
-    return torch.zeros(T, dtype=torch.int32, device=DEV), end
-
-
-def rand_idx(T: int, S: int, K: int, seed: int = 1) -> torch.Tensor:
-    r = torch.rand(T, S, device=DEV, generator=_gen(seed))
-    return r.topk(K, dim=1).indices.to(torch.int32)
-
-
-def angles(T: int, half: int, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    pos = torch.arange(T, device=DEV, dtype=torch.float64)
-    inv = 1e6 ** (-torch.arange(half, device=DEV, dtype=torch.float64) / half)
-    th = pos[:, None] * inv[None, :]
-    return th.cos().to(dt), th.sin().to(dt)
-
-
-def b_norm(T: int, D: int) -> Callable:
-    return lambda dt: {"x": rn(T, D, dt=dt), "weight": rn(D, dt=dt, seed=1), "eps": 1e-5}
-
-
-def b_layer_norm(T: int, D: int) -> Callable:
-    return lambda dt: {"x": rn(T, D, dt=dt), "weight": rn(D, dt=dt, seed=1),
-                       "bias": rn(D, dt=dt, seed=2), "eps": 1e-5}
-
-
-def b_rope(T: int, H: int, R: int, inter: bool) -> Callable:
-    def build(dt):
-        c, s = angles(T, R // 2, dt)
-        return {"x": rn(T, H, R, dt=dt), "cos": c, "sin": s, "interleaved": inter}
-    return build
-
-
-def b_indexer(T: int, S: int, Hi: int, Di: int, topk: int | None = None) -> Callable:
-    def build(dt):
-        ks, ke = causal(T, S)
-        a = {"q": rn(T, Hi, Di, dt=dt), "k": rn(S, Di, dt=dt, seed=1),
-             "w": rn(T, Hi, dt=torch.float32, scale=Hi ** -0.5, seed=2), "k_start": ks,
-             "k_end": ke}
-        if topk is not None:
-            a["topk"] = topk
-        return a
-    return build
-
-
-def b_paged(B: int, L: int, Hi: int, Di: int, topk: int, ps: int, fp8: bool) -> Callable:
-    """A decode step of B sequences of L keys each (one query per sequence) through a shuffled
-    pool of ps-row pages; ``fp8``: paged_indexer_topk_fp8's pool (e4m3 codes + row scales)."""
-    def build(dt):
-        from glm5.ir.fp8 import quantize_rows_e4m3
-
-        n = -(-L // ps)
-        g = torch.Generator().manual_seed(3)
-        table = torch.randperm(B * n, generator=g).to(torch.int32).reshape(B, n).to(DEV)
-        k = rn(B * n * ps, Di, dt=dt, seed=1)
-        pool = dict(zip(("k", "k_scale"), quantize_rows_e4m3(k))) if fp8 else {"k": k}
-        return {"q": rn(B, Hi, Di, dt=dt), **pool,
-                "w": rn(B, Hi, dt=torch.float32, scale=Hi ** -0.5, seed=2),
-                "block_table": table, "seq": torch.arange(B, device=DEV, dtype=torch.int32),
-                "k_len": torch.full((B,), L, device=DEV, dtype=torch.int32), "page_size": ps,
-                "topk": topk}
-    return build
-
-
-def b_sparse(T: int, S: int, K: int, H: int, Hk: int, Dqk: int, Dv: int) -> Callable:
-    def build(dt):
-        k = rn(S, Hk, Dqk, dt=dt, seed=1)
-        v = k[..., :Dv] if Hk == 1 and Dv < Dqk else rn(S, Hk, Dv, dt=dt, seed=2)
-        return {"q": rn(T, H, Dqk, dt=dt), "k": k, "v": v, "idx": rand_idx(T, S, K),
-                "scale": Dqk ** -0.5}
-    return build
-
-
-def b_attention(T: int, S: int, H: int, Hk: int, Dqk: int, Dv: int) -> Callable:
-    def build(dt):
-        ks, ke = causal(T, S)
-        return {"q": rn(T, H, Dqk, dt=dt), "k": rn(S, Hk, Dqk, dt=dt, seed=1),
-                "v": rn(S, Hk, Dv, dt=dt, seed=2), "k_start": ks, "k_end": ke,
-                "scale": Dqk ** -0.5}
-    return build
-
-
-def b_mla(T: int, absorb: bool, D=6144, Rq=2048, H=64, Dn=192, Dr=64, Rkv=512) -> Callable:
-    def build(dt):
-        N = T + 128
-        c, s = angles(T, Dr // 2, dt)
-        slots = torch.randperm(N, device=DEV, generator=_gen(3))[:T].to(torch.int32)
-        return {"x": rn(T, D, dt=dt), "w_qa": rn(Rq, D, dt=dt, scale=D ** -0.5, seed=1),
-                "g_qa": rn(Rq, dt=dt, seed=2),
-                "w_qb": rn(H * (Dn + Dr), Rq, dt=dt, scale=Rq ** -0.5, seed=3),
-                "w_kva": rn(Rkv + Dr, D, dt=dt, scale=D ** -0.5, seed=4),
-                "g_kva": rn(Rkv, dt=dt, seed=5),
-                "w_uk": rn(H, Dn, Rkv, dt=dt, scale=Dn ** -0.5, seed=6),
-                "cos": c, "sin": s, "eps": 1e-5,
-                "kv_cache": torch.zeros(N, Rkv + Dr, dtype=dt, device=DEV),
-                "slots": slots, "absorb": absorb}
-    return build
-
-
-def _route_ids(T: int, E: int, k: int) -> torch.Tensor:
-    return rand_idx(T, E, k, seed=4)
-
-
-def b_moe(T: int, k: int, E: int, D: int, I: int) -> Callable:
-    def build(dt):
-        return {"x": rn(T, D, dt=dt), "ids": _route_ids(T, E, k),
-                "weights": torch.rand(T, k, device=DEV, generator=_gen(5)),
-                "w13": rn(E, 2 * I, D, dt=dt, scale=D ** -0.5, seed=1),
-                "w2": rn(E, D, I, dt=dt, scale=I ** -0.5, seed=2)}
-    return build
-
-
-def _qweight(N: int, K: int, scheme: str, seed: int = 7):
-    from glm5.ir.quant_formats import quantize_weight
-
-    return quantize_weight(rn(N, K, dt=torch.float32, scale=K ** -0.5, seed=seed), scheme)
-
-
-def b_quant_linear(M: int, K: int, N: int, scheme: str) -> Callable:
-    def build(dt):
-        wp, ws = _qweight(N, K, scheme)
-        return {"x": rn(M, K, dt=dt), "w_packed": wp, "w_scale": ws, "scheme": scheme,
-                "bias": None}
-    return build
-
-
-def b_moe_quant(T: int, k: int, E: int, D: int, I: int, scheme: str) -> Callable:
-    def build(dt):
-        w13 = [_qweight(2 * I, D, scheme, seed=10 + e) for e in range(E)]
-        w2 = [_qweight(D, I, scheme, seed=1000 + e) for e in range(E)]
-        return {"x": rn(T, D, dt=dt), "ids": _route_ids(T, E, k),
-                "weights": torch.rand(T, k, device=DEV, generator=_gen(5)),
-                "w13_packed": torch.stack([p for p, _ in w13]),
-                "w13_scale": torch.stack([s for _, s in w13]),
-                "w2_packed": torch.stack([p for p, _ in w2]),
-                "w2_scale": torch.stack([s for _, s in w2]), "scheme": scheme}
-    return build
-
-
-def b_logprobs(T: int, D: int, V: int) -> Callable:
-    def build(dt):
-        return {"h": rn(T, D, dt=dt), "w_vocab": rn(V, D, dt=dt, scale=D ** -0.5, seed=1),
-                "targets": torch.randint(0, V, (T,), device=DEV, generator=_gen(2)).to(
-                    torch.int32), "temperature": 1.0}
-    return build
 
 
 def bl_quant_linear(a: dict[str, Any]) -> tuple[str, Callable[[], Any]]:
@@ -410,7 +267,7 @@ SHAPES: dict[str, list[tuple[str, Callable, tuple, Callable | None]]] = {
         (F32,), None)],
     "policy_loss": [("T=1M", lambda dt: {
         "logp": -rn(2**20, dt=dt).abs(), "old_logp": -rn(2**20, dt=dt, seed=1).abs(),
-        "adv": rn(2**20, dt=dt, seed=2), "mask": torch.ones(2**20, device=DEV, dtype=dt),
+        "adv": rn(2**20, dt=dt, seed=2), "mask": torch.ones(2**20, device=shp.DEV, dtype=dt),
         "clip_low": 0.2, "clip_high": 0.25, "rollout_logp": None, "tis_cap": 2.0},
         (F32,), None)],
 }
@@ -517,10 +374,9 @@ def format_timings(rows: list[dict[str, Any]]) -> str:
 def dry_run(ops: list[str] | None = None) -> int:
     """Without a GPU: build every shape on the meta device and check it against its op's
     signature and cost model (catches a wrong shape before a GPU session is spent on it)."""
-    global DEV
     from glm5.ir.catalog import OPS
 
-    DEV, n, bad = "meta", 0, 0
+    shp.DEV, n, bad = "meta", 0, 0
     try:
         for name, shapes in SHAPES.items():
             if ops is not None and name not in ops:
@@ -545,7 +401,7 @@ def dry_run(ops: list[str] | None = None) -> int:
                         bad += 1
                         print(f"  shape {name} [{label}] {_dtname(dt)}: {type(e).__name__}: {e}")
     finally:
-        DEV = "cuda"
+        shp.DEV = "cuda"
     print(f"dry run: {n} GPU shapes checked against their op signatures on the meta device, "
           f"{bad} bad")
     return 1 if bad else 0
@@ -602,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---- 1. parity
     parity_rows = []
     if not a.skip_parity:
-        print(f"\n== parity: {a.examples} examples per op and dtype (kernels on {DEV}) ==",
+        print(f"\n== parity: {a.examples} examples per op and dtype (kernels on {shp.DEV}) ==",
               flush=True)
         parity_rows = run_parity_rows(backend, ops, a.examples, start + 0.45 * a.budget_s)
         from glm5.testing.parity import format_table

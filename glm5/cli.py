@@ -358,6 +358,86 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- tune
+def _show_tuning_cache(backend: str | None) -> int:
+    from glm5.backends import tuning_cache as tc
+
+    root = tc.cache_dir()
+    if root is None:
+        print(f"{tc.ENV}=off: no tuning cache is read or written")
+        return 0
+    files = sorted(root.glob(f"{backend or '*'}/*.json")) if root.is_dir() else []
+    print(f"tuning cache: {root}")
+    if not files:
+        print("  (empty: `glm5 tune --backend NAME` fills it)")
+    for f in files:
+        try:
+            data = tc.read(f)
+        except ValueError as e:
+            print(f"  {f.parent.name}/{f.name}: {e}")
+            continue
+        meta = data.get(tc.META, {})
+        live = "applied" if meta.get("kernels") == tc.kernels_hash() else \
+            "stale (other kernel sources: not applied)"
+        ops = ", ".join(sorted(k for k in data if k != tc.META)) or "no op"
+        print(f"  {f.parent.name}/{f.stem}: {ops}; {meta.get('device', '?')}, triton "
+              f"{meta.get('triton', '?')}, {meta.get('date', '?')}: {live}")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    if args.show:
+        return _show_tuning_cache(args.backend)
+    if args.emulate:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+    import torch
+
+    from glm5.backends import tuning_cache as tc
+    from glm5.testing.tune import merge_table, run
+
+    for opt in ("budget_s", "per_measure_s"):
+        if getattr(args, opt) <= 0:
+            raise UsageError(f"--{opt.replace('_', '-')} expected seconds > 0, got "
+                             f"{getattr(args, opt)}")
+    if args.min_gain < 0:
+        raise UsageError(f"--min-gain expected a fraction >= 0, got {args.min_gain}")
+    from glm5.backends.vendor import DeviceTuned
+
+    b = _registry().get(args.backend)
+    if not any(isinstance(e.fn, DeviceTuned) for e in b.kernels.values()):
+        raise ValueError(f"backend {b.name!r} runs no kernel of the Triton library: glm5 tune "
+                         f"searches Triton launch parameters (cuda, hygon, ascend, cambricon, "
+                         f"mthreads, or a plugin built on glm5.backends.vendor)")
+    ok, reason = b.can_emulate() if args.emulate else b.is_available()
+    if not ok:
+        hint = "" if args.emulate or not b.can_emulate()[0] else \
+            " (--emulate checks the procedure on CPU through its emulator)"
+        raise ValueError(f"backend {b.name!r} cannot be "
+                         f"{'emulated' if args.emulate else 'tuned'} here: {reason}{hint}")
+    device = torch.device("cpu" if args.emulate else b.device_type)
+    if args.clear:
+        path = tc.path_for(b.name, tc.device_key(device)[0])
+        if path is not None and path.exists():
+            path.unlink()
+            print(f"removed {path}")
+        else:
+            print(f"no tuning cache for {b.name} on this device ({path})")
+        return 0
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
+    report = run(b, ops, device, emulate=args.emulate, budget_s=args.budget_s,
+                 per_measure_s=args.per_measure_s, min_gain=args.min_gain, fresh=args.fresh,
+                 write_cache=not args.no_cache)
+    if args.table:
+        path = Path(args.table)
+        table = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps(merge_table(table, report["kept"]), indent=1) + "\n")
+        print(f"merged {', '.join(sorted(report['kept'])) or 'nothing'} into {path}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
 # --------------------------------------------------------------------------- export
 def _force_hint(e: Exception) -> UsageError:
     """An `OutputExistsError` said as the command line says it (--force, not overwrite=True)."""
@@ -880,6 +960,31 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--plot", metavar="FILE.png",
                     help="also draw %% of roofline per op and dtype (needs matplotlib)")
     bn.set_defaults(func=cmd_bench)
+
+    tu = sub.add_parser("tune", help="search a backend's Triton tiles on this device, each "
+                        "candidate checked against the float64 oracle; winners are cached per "
+                        "device and used from then on")
+    tu.add_argument("--backend", default="cuda", help="a Triton-library backend (default cuda)")
+    tu.add_argument("--ops", default="", help="comma-separated ops (default: all with shapes)")
+    tu.add_argument("--budget-s", type=float, default=600.0, help="time for the whole search")
+    tu.add_argument("--per-measure-s", type=float, default=0.15,
+                    help="time spent timing one candidate at one shape")
+    tu.add_argument("--min-gain", type=float, default=0.05,
+                    help="keep a winner only when this much faster (0.05: 5%%)")
+    tu.add_argument("--fresh", action="store_true",
+                    help="start from the backend's table, not from this device's cache")
+    tu.add_argument("--no-cache", action="store_true", help="report only; write no cache")
+    tu.add_argument("--table", metavar="TUNING.JSON",
+                    help="also merge the winners into this tuning table (backend maintainers)")
+    tu.add_argument("--out", metavar="FILE", help="write every trial as JSON")
+    tu.add_argument("--emulate", action="store_true",
+                    help="tiny shapes through the Triton interpreter on CPU: checks the "
+                         "procedure only (CPU times say nothing about a device)")
+    tu.add_argument("--show", action="store_true",
+                    help="list the tuning cache's files and whether they apply; tune nothing")
+    tu.add_argument("--clear", action="store_true",
+                    help="remove this device's cache file for the backend; tune nothing")
+    tu.set_defaults(func=cmd_tune)
 
     e = sub.add_parser("export", help="export the model's prefill forward to ONNX")
     e.add_argument("--format", default="onnx", help="onnx (the only format)")

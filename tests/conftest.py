@@ -2,7 +2,7 @@
 pytest plugin; every test starts from a fresh backend registry and selection cache that load
 glm5's own plugins only (a third-party plugin installed in the environment changes nothing:
 `[plugins] enabled` of a test policy; tests/test_kit.py checks it with one installed); Triton
-runs interpreted when there is no GPU."""
+runs interpreted when there is no GPU; the per-device tuning cache is off."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ import torch
 # a @triton.jit function is defined, so it must be set before any kernel module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# A tuning cache the developer filled (`glm5 tune`) must not change the tiles tests run with;
+# tests of the cache point GLM5_TUNING_CACHE at a temporary directory.
+os.environ["GLM5_TUNING_CACHE"] = "off"
 
 
 def _toml_list(names) -> str:

@@ -268,10 +268,73 @@ def tuning_for(path: str | Path,
 
 
 def triton_rows(backend: Backend, query: Callable[[str], int | None] | None = None) -> Rows:
-    """The Triton kernel library's rows under this backend's tuning table."""
+    """The Triton kernel library's rows under this backend's tuning table, each kernel applying
+    the per-device tuning cache (`glm5.backends.tuning_cache`) from its first call on."""
     from glm5.kernels.triton import registry as kreg
 
-    return kreg.kernels(tuning_for(backend.settings.get("tuning_table") or "", query))
+    tuning = tuning_for(backend.settings.get("tuning_table") or "", query)
+    rows = kreg.kernels(tuning)
+    rebuild = _Rebuild(backend.name, tuning)
+    return [(r[0], DeviceTuned(backend.name, r[0], r[1], rebuild), *r[2:]) for r in rows]
+
+
+class _Rebuild:
+    """The library's kernels under ``tuning`` with one device's cached entries over it, built
+    once per device key (building makes no compilation: kernels compile on first launch)."""
+
+    def __init__(self, backend: str, tuning: Callable[[str], dict]) -> None:
+        self.backend, self.tuning = backend, tuning
+        self.by_key: dict[str, tuple[dict[str, Callable[..., Any]], str]] = {}
+
+    def fns(self, key: str) -> tuple[dict[str, Callable[..., Any]], str]:
+        """({op: kernel} for the ops the cache tunes on device ``key``, why)."""
+        if key not in self.by_key:
+            from glm5.backends import tuning_cache
+            from glm5.kernels.triton import registry as kreg
+
+            ops, why = tuning_cache.entries(self.backend, key)
+            fns: dict[str, Callable[..., Any]] = {}
+            if ops:
+                rows = kreg.kernels(lambda op: {**self.tuning(op), **ops.get(op, {})})
+                fns = {r[0]: r[1] for r in rows if r[0] in ops}
+            tuning_cache.log.info("glm5 %s tuning cache: %s", self.backend, why)
+            self.by_key[key] = (fns, why)
+        return self.by_key[key]
+
+
+class DeviceTuned:
+    """A Triton row's kernel that, on its first call, looks up the tuning cache for the device
+    of that call's first tensor argument and from then on runs the kernel built with the cached
+    launch parameters (the plain one when the cache has none for its op). The device is known
+    only at a call: looking it up at registration would initialize the device runtime in every
+    process that imports glm5."""
+
+    def __init__(self, backend: str, op: str, fn: Callable[..., Any], rebuild: _Rebuild) -> None:
+        from glm5.backends.api import IMPL_ATTR, default_impl
+
+        self.op, self.plain, self.rebuild = op, fn, rebuild
+        self.fn: Callable[..., Any] | None = None
+        self.device_key: str | None = None
+        self.__name__ = getattr(fn, "__name__", op)
+        setattr(self, IMPL_ATTR, default_impl(fn, backend))
+
+    def resolve(self, args: tuple) -> Callable[..., Any]:
+        """The kernel for the device of the first tensor in ``args``."""
+        import torch
+
+        from glm5.backends.tuning_cache import device_key
+
+        dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if dev is None:
+            return self.plain
+        self.device_key = device_key(dev)[0]
+        return self.rebuild.fns(self.device_key)[0].get(self.op, self.plain)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn = self.fn
+        if fn is None:
+            fn = self.fn = self.resolve(args)
+        return fn(*args, **kwargs)
 
 
 def register_rows(backend: Backend, rows: Iterable[tuple]) -> None:
