@@ -377,11 +377,53 @@ def _show_tuning_cache(backend: str | None) -> int:
             print(f"  {f.parent.name}/{f.name}: {e}")
             continue
         meta = data.get(tc.META, {})
-        live = "applied" if meta.get("kernels") == tc.kernels_hash() else \
+        live = "applied" if meta.get("kernels") == tc.kernels_hash(
+            tc.library_of(f.parent.name)) else \
             "stale (other kernel sources: not applied)"
         ops = ", ".join(sorted(k for k in data if k != tc.META)) or "no op"
         print(f"  {f.parent.name}/{f.stem}: {ops}; {meta.get('device', '?')}, triton "
               f"{meta.get('triton', '?')}, {meta.get('date', '?')}: {live}")
+    return 0
+
+
+def _clear_tuning(path: Path | None, what: str) -> int:
+    if path is not None and path.exists():
+        path.unlink()
+        print(f"removed {path}")
+    else:
+        print(f"no tuning cache for {what} ({path})")
+    return 0
+
+
+def _tune_cpu(args: argparse.Namespace, b: Any) -> int:
+    """`glm5 tune --backend cpu`: quant_linear's GEMV / GEMM crossovers on this CPU."""
+    import torch
+
+    from glm5.backends import tuning_cache as tc
+    from glm5.backends.cpu import context
+    from glm5.testing.tune_cpu import OP, run
+
+    for opt, given in (("--emulate", args.emulate), ("--table", args.table),
+                       ("--fresh", args.fresh)):
+        if given:
+            raise UsageError(f"{opt} does not apply to the cpu backend (it tunes quant_linear's "
+                             f"crossovers on this CPU, with no table)")
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    if any(o != OP for o in ops):
+        raise UsageError(f"--ops: the cpu backend tunes {OP} only, got {args.ops!r}")
+    ok, reason = b.is_available()
+    if not ok:
+        raise ValueError(f"backend 'cpu' cannot be tuned here: {reason}")
+    context()  # the thread pools' sizes (the crossovers are measured and kept per thread count)
+    from glm5.kernels.tvm.quant import cpu_tier
+
+    if args.clear:
+        return _clear_tuning(tc.path_for("cpu", tc.cpu_key(cpu_tier(), torch.get_num_threads())[0]),
+                             "cpu on this CPU")
+    report = run(context, budget_s=args.budget_s, write_cache=not args.no_cache)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        print(f"wrote {args.out}")
     return 0
 
 
@@ -403,7 +445,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UsageError(f"--min-gain expected a fraction >= 0, got {args.min_gain}")
     from glm5.backends.vendor import DeviceTuned
 
-    b = _registry().get(args.backend)
+    b = _registry().get(args.backend or "cuda")
+    if b.name == "cpu":
+        return _tune_cpu(args, b)
     if not any(isinstance(e.fn, DeviceTuned) for e in b.kernels.values()):
         raise ValueError(f"backend {b.name!r} runs no kernel of the Triton library: glm5 tune "
                          f"searches Triton launch parameters (cuda, hygon, ascend, cambricon, "
@@ -416,13 +460,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                          f"{'emulated' if args.emulate else 'tuned'} here: {reason}{hint}")
     device = torch.device("cpu" if args.emulate else b.device_type)
     if args.clear:
-        path = tc.path_for(b.name, tc.device_key(device)[0])
-        if path is not None and path.exists():
-            path.unlink()
-            print(f"removed {path}")
-        else:
-            print(f"no tuning cache for {b.name} on this device ({path})")
-        return 0
+        return _clear_tuning(tc.path_for(b.name, tc.device_key(device)[0]),
+                             f"{b.name} on this device")
     ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
     report = run(b, ops, device, emulate=args.emulate, budget_s=args.budget_s,
                  per_measure_s=args.per_measure_s, min_gain=args.min_gain, fresh=args.fresh,
@@ -964,7 +1003,10 @@ def build_parser() -> argparse.ArgumentParser:
     tu = sub.add_parser("tune", help="search a backend's Triton tiles on this device, each "
                         "candidate checked against the float64 oracle; winners are cached per "
                         "device and used from then on")
-    tu.add_argument("--backend", default="cuda", help="a Triton-library backend (default cuda)")
+    tu.add_argument("--backend",
+                    help="a Triton-library backend (default cuda), or cpu: quant_linear's "
+                         "GEMV / GEMM crossovers on this CPU (--show: every backend's files "
+                         "unless given)")
     tu.add_argument("--ops", default="", help="comma-separated ops (default: all with shapes)")
     tu.add_argument("--budget-s", type=float, default=600.0, help="time for the whole search")
     tu.add_argument("--per-measure-s", type=float, default=0.15,

@@ -33,3 +33,27 @@ def missing(*needed: str) -> str | None:
         return "no /proc/cpuinfo"
     lack = [f for f in needed if f not in flags]
     return f"CPU lacks {', '.join(lack)}" if lack else None
+
+
+_model: list[str | None] = []
+
+
+def cpu_model() -> str | None:
+    """The first CPU's model name (/proc/cpuinfo ``model name``, read once), else
+    `platform.processor()`, else None."""
+    if not _model:
+        found = None
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        found = line.split(":", 1)[1].strip() or None
+                        break
+        except OSError:
+            pass
+        if found is None:
+            import platform
+
+            found = platform.processor() or None
+        _model.append(found)
+    return _model[0]

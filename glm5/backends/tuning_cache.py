@@ -36,8 +36,11 @@ META = "_meta"
 INTERPRETER = "interpreter"
 
 log = logging.getLogger("glm5.tuning")
-_KERNELS = Path(__file__).resolve().parents[1] / "kernels" / "triton"
-_hash: list[str] = []
+_KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+# the sources whose change makes a cache stale: the Triton library; for the cpu backend's
+# crossovers, the TVM quantized-linear kernels and their shared TIR helpers
+_SOURCES = {"triton": ("triton/*.py",), "tvm": ("tvm/quant*.py", "tvm/tirlib.py")}
+_hash: dict[str, str] = {}
 
 
 def cache_dir() -> Path | None:
@@ -50,14 +53,15 @@ def cache_dir() -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "glm5" / "tuning"
 
 
-def kernels_hash() -> str:
-    """sha256 (16 hex digits) of the Triton kernel library's sources, once per process."""
-    if not _hash:
+def kernels_hash(library: str = "triton") -> str:
+    """sha256 (16 hex digits) of a kernel library's sources (`_SOURCES`), once per process."""
+    if library not in _hash:
         h = hashlib.sha256()
-        for f in sorted(_KERNELS.glob("*.py")):
+        files = sorted({f for pattern in _SOURCES[library] for f in _KERNELS.glob(pattern)})
+        for f in files:
             h.update(f.name.encode() + b"\0" + f.read_bytes())
-        _hash.append(h.hexdigest()[:16])
-    return _hash[0]
+        _hash[library] = h.hexdigest()[:16]
+    return _hash[library]
 
 
 def _slug(text: str) -> str:
@@ -85,6 +89,16 @@ def device_key(device: Any) -> tuple[str, str]:
     return _slug(name) + cap, name
 
 
+def cpu_key(tier: str, threads: int) -> tuple[str, str]:
+    """(key, name) of this CPU for the cpu backend's crossovers: its model name, glm5's tier
+    for it (``amx`` / ``vnni`` / ``portable``) and the thread count they were measured with
+    (``AMD-EPYC-9B45-vnni-2t``)."""
+    from glm5.host_cpu import cpu_model
+
+    name = cpu_model() or "unknown CPU"
+    return f"{_slug(name)}-{tier}-{threads}t", f"{name} ({tier}, {threads} threads)"
+
+
 def path_for(backend: str, key: str, root: Path | None = None) -> Path | None:
     """The cache file of ``backend`` on the device ``key`` (None when the cache is off)."""
     root = cache_dir() if root is None else root
@@ -105,10 +119,17 @@ def read(path: Path) -> dict[str, Any]:
     return data
 
 
+def library_of(backend: str) -> str:
+    """The kernel library a backend's cache entries tune: the cpu backend's TVM kernels (its
+    quant_linear crossovers), every other backend's Triton kernels."""
+    return "tvm" if backend == "cpu" else "triton"
+
+
 def entries(backend: str, key: str) -> tuple[dict[str, dict[str, Any]], str]:
-    """(per-op launch parameters to apply, a line saying why) for ``backend`` on device ``key``:
-    nothing when the cache is off, the file is absent or unreadable, or it was written for other
-    kernel sources."""
+    """(per-op entries to apply, a line saying why) for ``backend`` on device ``key``: nothing
+    when the cache is off, the file is absent or unreadable, or it was written for other sources
+    of the backend's kernel library (`library_of`)."""
+    library = library_of(backend)
     path = path_for(backend, key)
     if path is None:
         return {}, f"{ENV}=off"
@@ -119,9 +140,10 @@ def entries(backend: str, key: str) -> tuple[dict[str, dict[str, Any]], str]:
     if not data:
         return {}, f"none for {key} ({path})"
     meta = data.get(META, {})
-    if meta.get("kernels") != kernels_hash():
-        return {}, (f"ignored: {path} was tuned for other Triton kernel sources (kernels "
-                    f"{meta.get('kernels')}, now {kernels_hash()}); run `glm5 tune` again")
+    if meta.get("kernels") != kernels_hash(library):
+        return {}, (f"ignored: {path} was tuned for other {library} kernel sources (kernels "
+                    f"{meta.get('kernels')}, now {kernels_hash(library)}); run `glm5 tune` "
+                    f"again")
     ops = {op: e for op, e in data.items() if op != META}
     return ops, f"{path}: {', '.join(sorted(ops)) or 'no op'} (tuned {meta.get('date', '?')})"
 

@@ -314,18 +314,34 @@ def run(backend: Any, ops: list[str] | None, device: torch.device, *, emulate: b
     report = {"backend": backend.name, "device": name, "device_key": key, "emulated": emulate,
               "results": results, "kept": keep, "cache": None}
     report["dropped"] = drop
+    report["cache"] = save(path, keep, lambda: _meta(backend.name, name, key, results),
+                           write_cache, say, drop)
+    return report
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def save(path: Path | None, keep: dict[str, dict[str, Any]], meta: Callable[[], dict],
+         write_cache: bool, say: Callable[[str], None],
+         drop: list[str] | tuple[str, ...] = ()) -> str | None:
+    """Write ``keep`` (per-op entries; ``drop``: ops to forget) to the tuning cache file
+    ``path`` with ``meta()``, or say why nothing is written; returns the path written."""
+    from glm5.backends import tuning_cache as tc
+
     if not keep and not drop:
-        say("nothing beat the current launch parameters: nothing to write")
+        say("nothing to write: no entry beat what runs now")
     elif not write_cache:
-        say("not written (write_cache off: --no-cache)")
+        say("not written (--no-cache)")
     elif path is None:
         say(f"{tc.ENV}=off: nothing written")
     else:
-        tc.write(path, keep, _meta(backend.name, name, key, results), drop=drop)
-        report["cache"] = str(path)
-        say(f"wrote {', '.join(sorted(keep)) or 'nothing'} to {path}"
-            + (f"; removed {', '.join(drop)}" if drop else ""))
-    return report
+        tc.write(path, keep, meta(), drop=drop)
+        gone = f"; removed {', '.join(drop)}" if drop else ""
+        say(f"wrote {', '.join(sorted(keep)) or 'nothing'} to {path}{gone}")
+        return str(path)
+    return None
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -349,7 +365,7 @@ def _meta(backend: str, name: str, key: str, results: list[dict[str, Any]]) -> d
         tv = None
     return {"backend": backend, "device": name, "device_key": key, "kernels": kernels_hash(),
             "triton": tv, "torch": torch.__version__, "glm5": glm5.__version__,
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "date": utc_now(),
             "results": {r["op"]: {"shapes": r["shapes"], "start_ms": r["start"].get("ms"),
                                   "best_ms": r["best"].get("ms"), "kept": r["kept"]}
                         for r in results}}

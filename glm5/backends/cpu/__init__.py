@@ -44,7 +44,33 @@ def context():
 
         cache = BACKEND.settings.get("compile_cache") or default_cache_dir()
         _ctx = TVMContext(cache_dir=Path(str(cache)).expanduser())
+        apply_tuning_cache()
     return _ctx
+
+
+tuning_state = "not applied yet (the backend has not started)"
+
+
+def apply_tuning_cache() -> str:
+    """Put this CPU's measured `quant_linear` crossovers in force (`glm5 tune --backend cpu`,
+    kept in the tuning cache under this CPU's model, tier and thread count), or `PATHS`' own
+    where the cache has none for it; returns (and keeps in ``tuning_state``) what happened."""
+    global tuning_state
+    import torch
+
+    from glm5.backends import tuning_cache as tc
+    from glm5.kernels.tvm import quant
+
+    key, _ = tc.cpu_key(quant.cpu_tier(), torch.get_num_threads())
+    ops, why = tc.entries("cpu", key)
+    try:
+        quant.use_crossovers(ops.get("quant_linear", {}))
+    except ValueError as e:
+        quant.use_crossovers({})
+        why = f"ignored: {e}"
+    log.info("cpu backend tuning cache: %s", why)
+    tuning_state = why
+    return why
 
 
 BACKEND = Backend(

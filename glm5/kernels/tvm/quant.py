@@ -37,6 +37,7 @@ per (scheme, row block).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -73,8 +74,8 @@ PATHS: dict[str, dict[str, tuple[tuple[Any, ...], ...]]] = {
             "w6a12": ((2, "vnni"), (None, "amx"))},
     "vnni": {"w8a16": ((16, "vnni"), (32, "vnni", "float32"), (None, "vgemm"),
                        (None, "vnni")),
-             "w8a8": ((32, "vnni"), (None, "vgemm")),
-             "w4a8": ((24, "vnni"), (None, "vgemm")),
+             "w8a8": ((16, "vnni"), (None, "vgemm")),
+             "w4a8": ((16, "vnni"), (None, "vgemm")),
              "w6a12": ((16, "vnni"), (None, "vgemm"))},
     "portable": {"w8a16": ((384, "tvm"), (None, "torch:gemm")),
                  "w8a8": ((384, "tvm"), (None, "torch:gemm")),
@@ -110,18 +111,65 @@ def serves(p: str, scheme: str, dtype: torch.dtype | None = None) -> bool:
     return dtype == torch.bfloat16 and bf16_available()[0]
 
 
+# Crossovers measured on this CPU (`glm5 tune --backend cpu`, applied by the cpu backend from
+# the tuning cache): crossover_key -> the most rows the small-M path takes.
+_crossovers: dict[str, int] = {}
+
+
+def crossover_key(tier: str, scheme: str, dtype: torch.dtype) -> str:
+    return f"{tier}/{scheme}/{str(dtype).removeprefix('torch.')}"
+
+
+def use_crossovers(table: dict[str, int]) -> None:
+    """Replace the crossovers in force (``{crossover_key: rows}``; {} restores `PATHS`'). A
+    key naming no tier, scheme or dtype, or rows not an int >= 0, raises ValueError."""
+    for k, v in table.items():
+        parts = k.split("/")
+        ok = (len(parts) == 3 and parts[0] in PATHS and parts[1] in SCHEMES
+              and parts[2] in ("float32", "bfloat16"))
+        if not ok or isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"glm5 quant_linear crossovers: expected 'tier/scheme/dtype' -> "
+                             f"rows >= 0, got {k!r}: {v!r}")
+    _crossovers.clear()
+    _crossovers.update(table)
+    pair.cache_clear()  # PATHS or the CPU's features may have changed since (tests patch them)
+
+
+@functools.lru_cache(maxsize=None)
+def pair(scheme: str, tier: str, dtype: torch.dtype) -> tuple[str, str, int] | None:
+    """(small-M path, large-M path, the most rows `PATHS` gives the small one) for x of
+    ``dtype`` on ``tier``; None where one path serves every row count."""
+    small, large = _table_path(scheme, 1, tier, dtype), _table_path(scheme, 1 << 40, tier, dtype)
+    if small == large:
+        return None
+    bounds = [e[0] for e in PATHS[tier][scheme] if e[0] is not None]
+    return small, large, max(r for r in bounds if _table_path(scheme, r, tier, dtype) == small)
+
+
 def path(scheme: str, M: int, tier: str | None = None, dtype: torch.dtype | None = None
          ) -> str:
     """The path `quant_linear` takes for ``M`` rows of ``scheme`` on ``tier`` (default: this
-    CPU's), from `PATHS`; with ``dtype`` (x's), the first entry that `serves` it (without, the
+    CPU's), from `PATHS`, or from the crossover measured on this CPU where one is in force
+    (`use_crossovers`); with ``dtype`` (x's), the first entry that `serves` it (without, the
     entries for one dtype are skipped)."""
-    for rows, p, *only in PATHS[tier or cpu_tier()][scheme]:
+    tier = tier or cpu_tier()
+    if dtype is not None and _crossovers:
+        rows = _crossovers.get(crossover_key(tier, scheme, dtype))
+        pr = None if rows is None else pair(scheme, tier, dtype)
+        if pr is not None:
+            return pr[0] if M <= rows else pr[1]
+    return _table_path(scheme, M, tier, dtype)
+
+
+def _table_path(scheme: str, M: int, tier: str, dtype: torch.dtype | None) -> str:
+    for rows, p, *only in PATHS[tier][scheme]:
         if only and (dtype is None or str(dtype).removeprefix("torch.") != only[0]):
             continue
         if (rows is None or M <= rows) and (dtype is None or serves(p, scheme, dtype)):
             return p
     raise AssertionError(f"glm5 quant_linear: PATHS[{tier!r}][{scheme!r}] has no catch-all "
                          f"for {dtype}")
+
 
 # (bytes per unit, values per unit) of each weight width
 _UNIT = {8: (1, 1), 4: (1, 2), 6: (3, 4)}
