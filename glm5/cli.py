@@ -362,27 +362,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _show_tuning_cache(backend: str | None) -> int:
     from glm5.backends import tuning_cache as tc
 
-    root = tc.cache_dir()
-    if root is None:
+    got = tc.listing(backend)
+    if got["dir"] is None:
         print(f"{tc.ENV}=off: no tuning cache is read or written")
         return 0
-    files = sorted(root.glob(f"{backend or '*'}/*.json")) if root.is_dir() else []
-    print(f"tuning cache: {root}")
-    if not files:
+    print(f"tuning cache: {got['dir']}")
+    if not got["files"]:
         print("  (empty: `glm5 tune --backend NAME` fills it)")
-    for f in files:
-        try:
-            data = tc.read(f)
-        except ValueError as e:
-            print(f"  {f.parent.name}/{f.name}: {e}")
-            continue
-        meta = data.get(tc.META, {})
-        live = "applied" if meta.get("kernels") == tc.kernels_hash(
-            tc.library_of(f.parent.name)) else \
-            "stale (other kernel sources: not applied)"
-        ops = ", ".join(sorted(k for k in data if k != tc.META)) or "no op"
-        print(f"  {f.parent.name}/{f.stem}: {ops}; {meta.get('device', '?')}, triton "
-              f"{meta.get('triton', '?')}, {meta.get('date', '?')}: {live}")
+    for row in got["files"]:
+        print(f"  {tc.describe(row)}")
     return 0
 
 

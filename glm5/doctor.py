@@ -195,8 +195,19 @@ def doctor_report(backends: Sequence[dict[str, Any]],
                                         "priority", "source")} for b in backends],
         "plugins": [{k: p[k] for k in ("name", "source", "status", "message")}
                     for p in plugins],
-        "optional": optional_deps(), "sandbox": sb, "warnings": warnings,
+        "optional": optional_deps(), "sandbox": sb, "tuning_cache": tuning_cache_section(),
+        "warnings": warnings,
     }
+
+
+def tuning_cache_section() -> dict[str, Any]:
+    """The per-device tuning cache (`glm5 tune`): its directory and files, applied or stale."""
+    from glm5.backends.tuning_cache import listing
+
+    try:
+        return listing()
+    except OSError as e:  # an unreadable cache directory is reported, not fatal
+        return {"dir": None, "files": [], "error": f"{type(e).__name__}: {e}"}
 
 
 def _yes(v: Any) -> str:
@@ -248,6 +259,21 @@ def format_report(r: dict[str, Any], table: Any) -> str:
               "missing" + (f" ({d['problem']})" if d["problem"] else ""), d["used_for"])
              for d in r["optional"]]
     out.append(table(rows))  # not indented: table() fits its lines to the terminal
+
+    out += ["", "Tuning cache (glm5 tune)"]
+    tcs = r["tuning_cache"]
+    from glm5.backends.tuning_cache import ENV, describe
+
+    if tcs.get("error"):
+        kv("error", tcs["error"])
+    elif tcs["dir"] is None:
+        kv("dir", f"off ({ENV}=off)")
+    else:
+        kv("dir", tcs["dir"])
+        for row in tcs["files"] or []:
+            kv("file", describe(row))
+        if not tcs["files"]:
+            kv("files", "none: kernels run with their backends' tuning tables")
 
     out += ["", "RL sandbox (glm5.rl.envs.sandbox)"]
     sb = r["sandbox"]

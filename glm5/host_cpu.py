@@ -35,25 +35,27 @@ def missing(*needed: str) -> str | None:
     return f"CPU lacks {', '.join(lack)}" if lack else None
 
 
-_model: list[str | None] = []
+
+_model: list[str] = []
 
 
-def cpu_model() -> str | None:
-    """The first CPU's model name (/proc/cpuinfo ``model name``, read once), else
-    `platform.processor()`, else None."""
+def cpu_model() -> str:
+    """This CPU's model name (Linux /proc/cpuinfo: x86 "model name", Arm "Model name" or
+    "Hardware", other "cpu model"; read once), else what `platform` knows (often just the
+    architecture), else "unknown"."""
     if not _model:
+        import platform
+
         found = None
         try:
             with open("/proc/cpuinfo") as f:
                 for line in f:
-                    if line.startswith("model name"):
-                        found = line.split(":", 1)[1].strip() or None
+                    key, _, value = line.partition(":")
+                    if key.strip().lower() in ("model name", "cpu model", "hardware") and \
+                            value.strip():
+                        found = value.strip()
                         break
         except OSError:
             pass
-        if found is None:
-            import platform
-
-            found = platform.processor() or None
-        _model.append(found)
+        _model.append(found or platform.processor() or platform.machine() or "unknown")
     return _model[0]

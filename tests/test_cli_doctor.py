@@ -15,7 +15,7 @@ from glm5.rl.envs import sandbox
 
 SECTIONS = ("Python", "Torch", "CPU", "Backends",
             "Optional dependencies (found without importing them)",
-            "RL sandbox (glm5.rl.envs.sandbox)", "Warnings")
+            "Tuning cache (glm5 tune)", "RL sandbox (glm5.rl.envs.sandbox)", "Warnings")
 
 
 def _doctor(capsys, *args: str) -> tuple[int, str]:
@@ -57,7 +57,7 @@ def test_json_is_one_object_with_every_section(capsys):
     assert rc == 0
     r = json.loads(out)
     assert set(r) == {"python", "torch", "cpu", "backends", "plugins", "optional", "sandbox",
-                      "warnings"}
+                      "tuning_cache", "warnings"}
     assert r["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
     assert r["cpu"]["usable_cores"] >= 1 and r["cpu"]["torch_threads"] >= 1
     assert "torch_isa" in r["cpu"]["features"]
@@ -139,3 +139,25 @@ def test_no_optional_dependency_is_imported():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_tuning_cache_files_are_listed(capsys, monkeypatch, tmp_path):
+    """The tuning cache's files with their ops and whether they apply (a stale one says so)."""
+    from glm5.backends import tuning_cache as tc
+
+    monkeypatch.setenv(tc.ENV, str(tmp_path))
+    tc.write(tc.path_for("cuda", "NVIDIA-H200-sm90"), {"attention": {"BLOCK_N": 32}},
+             {"kernels": tc.kernels_hash(), "device": "NVIDIA H200", "date": "d1"})
+    tc.write(tc.path_for("cpu", "X-vnni-2t"), {"quant_linear": {"vnni/w8a8/float32": 8}},
+             {"kernels": "0" * 16, "device": "X", "date": "d2"})
+    rc, out = _doctor(capsys, "--json")
+    files = {(f["backend"], f["key"]): f for f in json.loads(out)["tuning_cache"]["files"]}
+    assert files[("cuda", "NVIDIA-H200-sm90")]["applied"] is True
+    assert files[("cuda", "NVIDIA-H200-sm90")]["ops"] == ["attention"]
+    assert files[("cpu", "X-vnni-2t")]["applied"] is False
+    rc, out = _doctor(capsys)
+    assert "cuda/NVIDIA-H200-sm90: attention; NVIDIA H200, d1: applied" in out
+    assert "cpu/X-vnni-2t: quant_linear; X, d2: stale" in out
+    monkeypatch.setenv(tc.ENV, "off")
+    rc, out = _doctor(capsys)
+    assert "(GLM5_TUNING_CACHE=off)" in out

@@ -170,6 +170,7 @@ def test_cpu_key_names_model_tier_and_threads(monkeypatch):
     monkeypatch.setattr(host_cpu, "_model", ["AMD EPYC 9B45 96-Core Processor"])
     assert tc.cpu_key("vnni", 2) == ("AMD-EPYC-9B45-96-Core-Processor-vnni-2t",
                                      "AMD EPYC 9B45 96-Core Processor (vnni, 2 threads)")
+    assert tc.cpu_key("amx", 1)[1].endswith("(amx, 1 thread)")
 
 
 def test_cli(cache, tmp_path, monkeypatch, capsys, crossovers):

@@ -95,8 +95,9 @@ def cpu_key(tier: str, threads: int) -> tuple[str, str]:
     (``AMD-EPYC-9B45-vnni-2t``)."""
     from glm5.host_cpu import cpu_model
 
-    name = cpu_model() or "unknown CPU"
-    return f"{_slug(name)}-{tier}-{threads}t", f"{name} ({tier}, {threads} threads)"
+    name = cpu_model()
+    many = "s" if threads != 1 else ""
+    return f"{_slug(name)}-{tier}-{threads}t", f"{name} ({tier}, {threads} thread{many})"
 
 
 def path_for(backend: str, key: str, root: Path | None = None) -> Path | None:
@@ -164,3 +165,39 @@ def write(path: Path, ops: dict[str, dict[str, Any]], meta: dict[str, Any],
         json.dump({META: merged_meta, **dict(sorted(data.items()))}, f, indent=1, default=str)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def listing(backend: str | None = None) -> dict[str, Any]:
+    """What the cache holds (``backend``'s files, or every backend's): {"dir": str | None,
+    "files": [{"backend", "key", "ops", "device", "triton", "date", "applied", "error"}]}."""
+    root = cache_dir()
+    if root is None:
+        return {"dir": None, "files": []}
+    files = sorted(root.glob(f"{_slug(backend) if backend else '*'}/*.json")) \
+        if root.is_dir() else []
+    rows = []
+    for f in files:
+        row: dict[str, Any] = {"backend": f.parent.name, "key": f.stem, "ops": [], "device": None,
+                               "triton": None, "date": None, "applied": False, "error": None}
+        try:
+            data = read(f)
+        except ValueError as e:
+            row["error"] = str(e)
+        else:
+            meta = data.get(META, {})
+            row.update(ops=sorted(k for k in data if k != META), device=meta.get("device"),
+                       triton=meta.get("triton"), date=meta.get("date"),
+                       applied=meta.get("kernels") == kernels_hash(library_of(f.parent.name)))
+        rows.append(row)
+    return {"dir": str(root), "files": rows}
+
+
+def describe(row: dict[str, Any]) -> str:
+    """One line for a `listing` row."""
+    name = f"{row['backend']}/{row['key']}"
+    if row["error"]:
+        return f"{name}: {row['error']}"
+    state = "applied" if row["applied"] else "stale (other kernel sources: not applied)"
+    triton = f", triton {row['triton']}" if row["triton"] else ""
+    return (f"{name}: {', '.join(row['ops']) or 'no op'}; {row['device'] or '?'}{triton}, "
+            f"{row['date'] or '?'}: {state}")

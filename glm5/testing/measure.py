@@ -14,6 +14,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from glm5.host_cpu import cpu_model  # noqa: F401  (re-exported: reports name the CPU)
+
 
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
@@ -117,23 +119,6 @@ def cpu_flags() -> set[str]:
     from glm5.host_cpu import cpu_flags as flags
 
     return set(flags() or ())
-
-
-def cpu_model() -> str:
-    """This CPU's model name (Linux /proc/cpuinfo: x86 "model name", Arm "Model name" or
-    "Hardware", other "cpu model"), else what `platform` knows (often just the architecture)."""
-    import platform
-
-    keys = ("model name", "cpu model", "hardware")
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip().lower() in keys and value.strip():
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def cpu_features() -> dict[str, Any]:
