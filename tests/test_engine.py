@@ -22,13 +22,12 @@ from glm5.core.config import preset
 from glm5.core.model import GLM5ForCausalLM
 from glm5.engine.engine import EngineConfig, LLMEngine, RequestRejected
 from glm5.engine.kv_pool import KVPool
-from glm5.engine.outputs import RequestOutput
 from glm5.engine.sampling import SamplingParams
 
+from engine_util import drive, run_all
 from tolerances_model import assert_logits_close
 
 N_NEW = 6  # tokens generated per request in the greedy comparisons
-MAX_STEPS = 400  # far more than any test here needs (the slowest takes ~60)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -76,27 +75,6 @@ def make_engine(model: GLM5ForCausalLM, engine_cls: type = LLMEngine, **kw) -> L
 
 def greedy_params(n: int = N_NEW, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
-
-
-def drive(eng: LLMEngine):
-    """Step until nothing is left, yielding each step's outputs; bounded, so that a stuck
-    request fails the test instead of hanging it."""
-    for _ in range(MAX_STEPS):
-        if not eng.has_unfinished():
-            return
-        yield eng.step()
-    pytest.fail(f"the engine did not finish in {MAX_STEPS} steps: {eng.requests}")
-
-
-def run_all(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams | list
-            ) -> list[RequestOutput]:
-    """Add every prompt, step to completion; the final outputs in prompt order."""
-    plist = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (p, sp) in enumerate(zip(prompts, plist)):
-        eng.add_request(f"r{i}", p, sp)
-    done = {o.request_id: o for outs in drive(eng) for o in outs if o.finished}
-    assert sorted(done) == sorted(f"r{i}" for i in range(len(prompts))), "a request was lost"
-    return [done[f"r{i}"] for i in range(len(prompts))]
 
 
 def assert_pages_returned(eng: LLMEngine) -> None:

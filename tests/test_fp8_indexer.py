@@ -16,6 +16,8 @@ from glm5.ir.ops_dsa import indexer_topk_fp8_ref, indexer_topk_ref
 from glm5.testing.compare import assert_matches
 from glm5.testing.cases import example
 
+from engine_util import run_all
+
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 I32 = torch.int32
 
@@ -407,14 +409,7 @@ def test_engine_with_the_fp8_cache_is_generate_with_the_fp8_indexer(monkeypatch)
                                             max_num_batched_tokens=32,
                                             num_speculative_tokens=k))
             sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-            for i, p in enumerate(prompts):
-                eng.add_request(f"r{i}", p, sp)
-            done = {}
-            for _ in range(400):
-                if not eng.has_unfinished():
-                    break
-                done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
-            assert [done[f"r{i}"] for i in range(len(prompts))] == want, k
+            assert [o.token_ids for o in run_all(eng, prompts, sp)] == want, k
     assert len(calls) > 10
     for vals, out in calls[::3]:
         assert_matches("paged_indexer_topk_fp8", out, vals, what="engine call")

@@ -14,6 +14,8 @@ from glm5.ir.fp8 import e4m3_rows
 from glm5.ir.ops_dsa import lightning_indexer_ref
 from glm5.testing.compare import assert_matches
 
+from engine_util import run_all
+
 FP8_H = dict(dsa_indexer_dtype="fp8", dsa_indexer_hadamard=True)
 
 
@@ -156,14 +158,8 @@ def test_engine_with_the_rotation_is_generate(monkeypatch):
         eng = LLMEngine(m, EngineConfig(page_size=4, num_pages=64, chunk_size=8,
                                         max_num_batched_tokens=32))
         sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-        for i, p in enumerate(prompts):
-            eng.add_request(f"r{i}", p, sp)
-        done = {}
-        for _ in range(300):
-            if not eng.has_unfinished():
-                break
-            done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
-    assert [done[f"r{i}"] for i in range(len(prompts))] == want
+        got = [o.token_ids for o in run_all(eng, prompts, sp)]
+    assert got == want
 
 
 def test_checkpoint_llm_and_serve_options(tmp_path, monkeypatch):
