@@ -392,7 +392,7 @@ def _tune_cpu(args: argparse.Namespace, b: Any) -> int:
     from glm5.testing.tune_cpu import OP, run
 
     for opt, given in (("--emulate", args.emulate), ("--table", args.table),
-                       ("--fresh", args.fresh)):
+                       ("--fresh", args.fresh), ("--tp", args.tp != 1)):
         if given:
             raise UsageError(f"{opt} does not apply to the cpu backend (it tunes quant_linear's "
                              f"crossovers on this CPU, with no table)")
@@ -431,6 +431,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
                              f"{getattr(args, opt)}")
     if args.min_gain < 0:
         raise UsageError(f"--min-gain expected a fraction >= 0, got {args.min_gain}")
+    from glm5.testing.tune import TP_CHOICES
+
+    if args.tp not in TP_CHOICES:
+        raise UsageError(f"--tp expected one of {', '.join(map(str, TP_CHOICES))} (a divisor "
+                         f"of GLM-5's 64 attention heads), got {args.tp}")
+    if args.tp != 1 and args.emulate:
+        raise UsageError("--tp applies to the device shapes; --emulate runs tiny ones")
     from glm5.backends.vendor import DeviceTuned
 
     b = _registry().get(args.backend or "cuda")
@@ -451,7 +458,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return _clear_tuning(tc.path_for(b.name, tc.device_key(device)[0]),
                              f"{b.name} on this device")
     ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
-    report = run(b, ops, device, emulate=args.emulate, budget_s=args.budget_s,
+    report = run(b, ops, device, emulate=args.emulate, budget_s=args.budget_s, tp=args.tp,
                  per_measure_s=args.per_measure_s, min_gain=args.min_gain, fresh=args.fresh,
                  write_cache=not args.no_cache)
     if args.table:
@@ -1001,6 +1008,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="time spent timing one candidate at one shape")
     tu.add_argument("--min-gain", type=float, default=0.05,
                     help="keep a winner only when this much faster (0.05: 5%%)")
+    tu.add_argument("--tp", type=int, default=1,
+                    help="tune at the shapes one of N tensor-parallel ranks runs (attention "
+                         "heads, column-parallel linears and the vocabulary split N ways)")
     tu.add_argument("--fresh", action="store_true",
                     help="start from the backend's table, not from this device's cache")
     tu.add_argument("--no-cache", action="store_true", help="report only; write no cache")

@@ -70,7 +70,7 @@ def test_every_shape_fits_its_op():
     signature and cost model; a check shape keeps its timing shape's head layout."""
     from glm5.ir.catalog import OPS
 
-    for table in (tune.SPECS, tune.TINY):
+    for table in (*(tune.specs(tp) for tp in tune.TP_CHOICES), tune.TINY):
         for op, specs in table.items():
             o = OPS[op]
             for s in specs:
@@ -330,3 +330,37 @@ def test_a_cached_entry_that_fails_here_is_dropped(cache, tmp_path, monkeypatch)
     assert r["start"]["params"]["BLOCK_D"] == 8192 and "ms" in r["start"]
     data = tc.read(path)
     assert "rms_norm" not in data and data["attention"] == {"BLOCK_N": 16}
+
+
+def test_tensor_parallel_shapes():
+    """--tp N: the shapes one of N ranks runs (glm5 plan's layout): heads, column-parallel
+    outputs and the vocabulary split, the indexer and the experts as at tp 1."""
+    one, eight = tune.specs(1), tune.specs(8)
+    assert tune.SPECS.keys() == one.keys() == eight.keys()
+    with ds.on("meta"):
+        q1 = one["sparse_attention"][0].timed(torch.bfloat16)["q"]
+        q8 = eight["sparse_attention"][0].timed(torch.bfloat16)["q"]
+        assert q1.shape[1] == 64 and q8.shape[1] == 8
+        assert eight["attention"][0].timed(torch.bfloat16)["k"].shape[1] == 8
+        assert eight["quant_linear"][0].timed(torch.bfloat16)["w_packed"].shape[0] == 768
+        assert eight["token_logprobs"][0].timed(torch.bfloat16)["w_vocab"].shape[0] == 19360
+        for op in ("indexer_topk", "moe_experts", "rms_norm"):
+            a1, a8 = one[op][0].timed(torch.bfloat16), eight[op][0].timed(torch.bfloat16)
+            assert all(a1[n].shape == a8[n].shape for n in a1 if isinstance(a1[n], torch.Tensor))
+    with ds.on("cpu"):
+        assert eight["sparse_attention"][1].check(torch.bfloat16)["q"].shape[1] == 8
+    with pytest.raises(ValueError, match="tp expected one of"):
+        tune.specs(3)
+
+
+def test_cli_tp(cache, capsys):
+    assert cli(["tune", "--emulate", "--tp", "2"]) == 2
+    assert "--tp applies to the device shapes" in capsys.readouterr().err
+    assert cli(["tune", "--backend", "cuda", "--tp", "3"]) == 2
+    assert "--tp expected one of 1, 2, 4, 8, 16" in capsys.readouterr().err
+    assert cli(["tune", "--backend", "cpu", "--tp", "2"]) == 2
+    assert "--tp does not apply to the cpu backend" in capsys.readouterr().err
+    tc.write(tc.path_for("cuda", "NVIDIA-H200-sm90"), {"attention": {"BLOCK_N": 32}},
+             {"kernels": tc.kernels_hash(), "device": "NVIDIA H200", "date": "d", "tp": 8})
+    assert cli(["tune", "--show"]) == 0
+    assert "NVIDIA H200, tuned at tp 8, d: applied" in capsys.readouterr().out

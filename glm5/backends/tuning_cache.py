@@ -178,7 +178,8 @@ def listing(backend: str | None = None) -> dict[str, Any]:
     rows = []
     for f in files:
         row: dict[str, Any] = {"backend": f.parent.name, "key": f.stem, "ops": [], "device": None,
-                               "triton": None, "date": None, "applied": False, "error": None}
+                               "triton": None, "date": None, "tp": None, "applied": False,
+                               "error": None}
         try:
             data = read(f)
         except ValueError as e:
@@ -186,7 +187,7 @@ def listing(backend: str | None = None) -> dict[str, Any]:
         else:
             meta = data.get(META, {})
             row.update(ops=sorted(k for k in data if k != META), device=meta.get("device"),
-                       triton=meta.get("triton"), date=meta.get("date"),
+                       triton=meta.get("triton"), date=meta.get("date"), tp=meta.get("tp"),
                        applied=meta.get("kernels") == kernels_hash(library_of(f.parent.name)))
         rows.append(row)
     return {"dir": str(root), "files": rows}
@@ -199,5 +200,6 @@ def describe(row: dict[str, Any]) -> str:
         return f"{name}: {row['error']}"
     state = "applied" if row["applied"] else "stale (other kernel sources: not applied)"
     triton = f", triton {row['triton']}" if row["triton"] else ""
-    return (f"{name}: {', '.join(row['ops']) or 'no op'}; {row['device'] or '?'}{triton}, "
+    tp = f", tuned at tp {row['tp']}" if row.get("tp") not in (None, 1) else ""
+    return (f"{name}: {', '.join(row['ops']) or 'no op'}; {row['device'] or '?'}{triton}{tp}, "
             f"{row['date'] or '?'}: {state}")

@@ -55,37 +55,52 @@ class Spec:
     check: Callable[[torch.dtype], dict[str, Any]]
 
 
-_QL = [Spec(f"{s} M={m} K=N=6144", ds.b_quant_linear(m, 6144, 6144, s),
-            ds.b_quant_linear(m, 512, 384, s))
-       for m in (512, 1) for s in ("w4a8", "w8a8", "w8a16", "w6a12")]
+HEADS, HIDDEN, VOCAB = 64, 6144, 154880  # GLM-5's attention heads, hidden size, vocabulary
+TP_CHOICES = (1, 2, 4, 8, 16)
 
-# GLM-5's shapes (bench/gpu_suite.py times the same ones).
-SPECS: dict[str, list[Spec]] = {
-    "sparse_attention": [
-        Spec("prefill T=4096 S=8192 K=2048 H=64 576/512",
-             ds.b_sparse(4096, 8192, 2048, 64, 1, 576, 512),
-             ds.b_sparse(8, 512, 256, 64, 1, 576, 512)),
-        Spec("decode T=64 S=8192 K=2048 H=64 576/512",
-             ds.b_sparse(64, 8192, 2048, 64, 1, 576, 512),
-             ds.b_sparse(2, 512, 256, 64, 1, 576, 512))],
-    "attention": [Spec("prefill T=S=4096 H=64 256/256",
-                       ds.b_attention(4096, 4096, 64, 64, 256, 256),
-                       ds.b_attention(64, 128, 64, 64, 256, 256))],
-    "lightning_indexer": [Spec("T=S=8192 Hi=32 Di=128", ds.b_indexer(8192, 8192, 32, 128),
-                               ds.b_indexer(128, 512, 32, 128))],
-    "indexer_topk": [Spec("T=S=8192 Hi=32 Di=128 top-2048",
-                          ds.b_indexer(8192, 8192, 32, 128, 2048),
-                          ds.b_indexer(64, 4096, 32, 128, 2048))],
-    "paged_indexer_topk": [Spec("decode B=32 L=32768 page=64 top-2048",
-                                ds.b_paged(32, 32768, 32, 128, 2048, 64, False),
-                                ds.b_paged(4, 4096, 32, 128, 2048, 64, False))],
-    "moe_experts": [Spec("T=2048 k=8 E=64 D=6144 I=2048", ds.b_moe(2048, 8, 64, 6144, 2048),
-                         ds.b_moe(64, 8, 16, 512, 256))],
-    "quant_linear": _QL,
-    "rms_norm": [Spec("T=4096 D=6144", ds.b_norm(4096, 6144), ds.b_norm(64, 6144))],
-    "token_logprobs": [Spec("T=256 D=6144 V=154880", ds.b_logprobs(256, 6144, 154880),
-                            ds.b_logprobs(8, 256, 4096))],
-}
+
+def specs(tp: int = 1) -> dict[str, list[Spec]]:
+    """GLM-5's shapes as one of ``tp`` tensor-parallel ranks runs them (bench/gpu_suite.py
+    times the tp = 1 ones): attention heads, the column-parallel linears' outputs and the
+    vocabulary split ``tp`` ways, as `glm5 plan` lays them out; the indexer (replicated), the
+    norms and the routed experts (split by expert parallelism, not by tp) as at tp = 1."""
+    if tp not in TP_CHOICES:
+        raise ValueError(f"glm5 tune: tp expected one of {TP_CHOICES} (a divisor of GLM-5's "
+                         f"{HEADS} heads), got {tp}")
+    H, N, V = HEADS // tp, HIDDEN // tp, VOCAB // tp
+    return {
+        "sparse_attention": [
+            Spec(f"prefill T=4096 S=8192 K=2048 H={H} 576/512",
+                 ds.b_sparse(4096, 8192, 2048, H, 1, 576, 512),
+                 ds.b_sparse(8, 512, 256, H, 1, 576, 512)),
+            Spec(f"decode T=64 S=8192 K=2048 H={H} 576/512",
+                 ds.b_sparse(64, 8192, 2048, H, 1, 576, 512),
+                 ds.b_sparse(2, 512, 256, H, 1, 576, 512))],
+        "attention": [Spec(f"prefill T=S=4096 H={H} 256/256",
+                           ds.b_attention(4096, 4096, H, H, 256, 256),
+                           ds.b_attention(64, 128, H, H, 256, 256))],
+        "lightning_indexer": [Spec("T=S=8192 Hi=32 Di=128",
+                                   ds.b_indexer(8192, 8192, 32, 128),
+                                   ds.b_indexer(128, 512, 32, 128))],
+        "indexer_topk": [Spec("T=S=8192 Hi=32 Di=128 top-2048",
+                              ds.b_indexer(8192, 8192, 32, 128, 2048),
+                              ds.b_indexer(64, 4096, 32, 128, 2048))],
+        "paged_indexer_topk": [Spec("decode B=32 L=32768 page=64 top-2048",
+                                    ds.b_paged(32, 32768, 32, 128, 2048, 64, False),
+                                    ds.b_paged(4, 4096, 32, 128, 2048, 64, False))],
+        "moe_experts": [Spec("T=2048 k=8 E=64 D=6144 I=2048",
+                             ds.b_moe(2048, 8, 64, 6144, 2048), ds.b_moe(64, 8, 16, 512, 256))],
+        "quant_linear": [Spec(f"{s} M={m} K={HIDDEN} N={N}",
+                              ds.b_quant_linear(m, HIDDEN, N, s),
+                              ds.b_quant_linear(m, 512, 384, s))
+                         for m in (512, 1) for s in ("w4a8", "w8a8", "w8a16", "w6a12")],
+        "rms_norm": [Spec("T=4096 D=6144", ds.b_norm(4096, HIDDEN), ds.b_norm(64, HIDDEN))],
+        "token_logprobs": [Spec(f"T=256 D=6144 V={V}", ds.b_logprobs(256, HIDDEN, V),
+                                ds.b_logprobs(8, 256, 4096))],
+    }
+
+
+SPECS = specs(1)
 
 # The same procedure at sizes the Triton interpreter runs in seconds (emulation).
 TINY: dict[str, list[Spec]] = {
@@ -174,19 +189,19 @@ class Prepared:
     timed: list[tuple]
 
 
-def prepare(op: str, specs: list[Spec], device: torch.device, dtype: torch.dtype = BF
+def prepare(op: str, op_specs: list[Spec], device: torch.device, dtype: torch.dtype = BF
             ) -> Prepared:
     from glm5.ir.catalog import OPS
 
     o = OPS[op]
     checks, timed = [], []
-    for s in specs:
+    for s in op_specs:
         with ds.on("cpu"):
             checks.append(o.validate((), s.check(dtype))[0])
         with ds.on(str(device)):
             values = o.validate((), s.timed(dtype))[0]
         timed.append(tuple(values[n] for n in o.param_names))
-    return Prepared(op, [s.label for s in specs], checks, timed)
+    return Prepared(op, [s.label for s in op_specs], checks, timed)
 
 
 def trial(p: Prepared, entry: dict[str, Any], device: torch.device, clock: Clock,
@@ -268,19 +283,22 @@ def fixed_keys(table_path: str | Path) -> tuple[str, ...]:
 
 def run(backend: Any, ops: list[str] | None, device: torch.device, *, emulate: bool = False,
         budget_s: float = 600.0, per_measure_s: float = 0.15, min_gain: float = 0.05,
-        fresh: bool = False, write_cache: bool = True,
+        fresh: bool = False, write_cache: bool = True, tp: int = 1,
         say: Callable[[str], None] = print) -> dict[str, Any]:
     """Tune ``backend``'s Triton kernels for ``ops`` (default: every op with shapes here) on
-    ``device``; returns the report (what was tried, what was kept, where it was written)."""
+    ``device`` at the shapes of one of ``tp`` tensor-parallel ranks (`specs`); returns the
+    report (what was tried, what was kept, where it was written)."""
     from glm5.backends import tuning_cache as tc
     from glm5.backends.vendor import tuning_for
 
-    specs = TINY if emulate else SPECS
-    ops = list(specs) if not ops else ops
-    unknown = [o for o in ops if o not in specs]
+    if emulate and tp != 1:
+        raise ValueError("glm5 tune: tp applies to the device shapes, not to the emulated ones")
+    shapes = TINY if emulate else specs(tp)
+    ops = list(shapes) if not ops else ops
+    unknown = [o for o in ops if o not in shapes]
     if unknown:
         raise ValueError(f"glm5 tune: no {'emulation' if emulate else 'tuning'} shapes for "
-                         f"{unknown}; ops with shapes: {', '.join(specs)}")
+                         f"{unknown}; ops with shapes: {', '.join(shapes)}")
     table_path = backend.settings.get("tuning_table") or ""
     table = tuning_for(table_path)
     fixed = fixed_keys(table_path)
@@ -296,7 +314,7 @@ def run(backend: Any, ops: list[str] | None, device: torch.device, *, emulate: b
             continue
         base = table(op)
         start = {**base, **cached.get(op, {})}
-        prepared = prepare(op, specs[op], device)
+        prepared = prepare(op, shapes[op], device)
         r = search(prepared, start, device, clock, deadline, per_measure_s, fixed=fixed)
         if "ms" not in r["start"] and op in cached:
             # the cached entry no longer passes here (e.g. another Triton): start over from
@@ -312,10 +330,10 @@ def run(backend: Any, ops: list[str] | None, device: torch.device, *, emulate: b
         results.append(r)
         say(_line(r))
     report = {"backend": backend.name, "device": name, "device_key": key, "emulated": emulate,
-              "results": results, "kept": keep, "cache": None}
+              "tp": tp, "results": results, "kept": keep, "cache": None}
     report["dropped"] = drop
-    report["cache"] = save(path, keep, lambda: _meta(backend.name, name, key, results),
-                           write_cache, say, drop)
+    report["cache"] = save(path, keep, lambda: {**_meta(backend.name, name, key, results),
+                                                "tp": tp}, write_cache, say, drop)
     return report
 
 
