@@ -105,7 +105,7 @@ def test_cpu_backend_serves_the_fp8_ops(op, monkeypatch):
     with glm5.use_backend("cpu"):
         plan = selection.resolve(OPS[op], "cpu", torch.bfloat16)
         assert plan.mode == mode and (mode != "native" or plan.served_by == "cpu"), plan
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):  # fp16: widened, exact
             for i in range(6):
                 vals = example(op, dtype, 3, i, "smoke")
                 got = getattr(glm5.ops, op)(**vals)

@@ -560,6 +560,7 @@ def paged_indexer_topk_fp8(context: Callable[[], Any], q, k, k_scale, w, block_t
     """`paged_indexer_topk_fp8` (docs/ops.md): q quantized per row as the op defines it
     (`fp8_rows.e4m3_rows`, exact), the pool's rows dequantized batch by batch as the selection
     reads them: the scores are those of the op's definition, in fp32."""
+    q, w = _quantizable(q), _quantizable(w)
     return paged_indexer_topk(context, e4m3_rows(context, q), k, w, block_table, seq, k_len,
                               page_size, topk, k_scale=k_scale)
 
@@ -568,11 +569,18 @@ def indexer_topk_fp8(context: Callable[[], Any], q, k, w, k_start, k_end, topk: 
                      ) -> torch.Tensor:
     """`indexer_topk_fp8` (docs/ops.md): q and k quantized per row as the op defines it
     (`fp8_rows.e4m3_rows`: one TVM pass each, exact in bf16), then `indexer_topk` on them."""
+    q, k, w = _quantizable(q), _quantizable(k), _quantizable(w)
     return indexer_topk(context, e4m3_rows(context, q), e4m3_rows(context, k), w, k_start,
                         k_end, topk)
 
 
-FP8_DTYPES = (torch.float32, torch.bfloat16)  # what fp8_rows.e4m3_rows reads
+def _quantizable(x: torch.Tensor) -> torch.Tensor:
+    """fp16 widened to fp32 (exact) for `fp8_rows.e4m3_rows`, which reads fp32 and bf16: the
+    op's quantizer widens to fp32 first too, so the codes are the same."""
+    return x.float() if x.dtype == torch.float16 else x
+
+
+FP8_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _fp8_supports(q, k, w, k_start, k_end, *rest) -> bool:
