@@ -1,11 +1,12 @@
 """`glm5 tune`: a tile search for a backend's Triton kernels on the device at hand.
 
-For each op (`SPECS`: GLM-5's shapes on a device; `TINY`: the interpreter's), one pass of
-coordinate descent over the op's launch parameters, starting from what the backend runs now
-(its tuning table, and this device's cache unless ``fresh``): every power-of-two ``BLOCK_*``
-tile as half / same / double, ``num_warps`` 4 / 8, ``num_stages`` 1-4, the split targets
-(`SPLIT_KEYS`) half / double, boolean path switches both ways; regime-prefixed keys
-(``MHA_BLOCK_N``, ``decode_num_warps``) like the plain ones. Every candidate is first judged by
+For each op (`specs`: GLM-5's shapes on a device, as one of ``tp`` tensor-parallel ranks runs
+them; `TINY`: the interpreter's), one pass of coordinate descent over the op's launch
+parameters, starting from what the backend runs now (its tuning table, and this device's cache
+unless ``fresh``): every power-of-two ``BLOCK_*`` tile as half / same / double, ``num_warps``
+halved / doubled, ``num_stages`` 1-4, the split targets (`SPLIT_KEYS`) half / double, boolean
+path switches both ways; regime-prefixed keys (``MHA_BLOCK_N``, ``decode_num_warps``) like the
+plain ones; a backend table's ``_tune.fixed`` keys never. Every candidate is first judged by
 the conformance kit against the float64 oracle at each check shape of the op (small shapes of
 the same regimes: head counts, head dims, decode vs prefill), then timed at each timing shape;
 one that fails to compile (e.g. out of shared memory) or fails the verdict is recorded and
@@ -191,6 +192,8 @@ class Prepared:
 
 def prepare(op: str, op_specs: list[Spec], device: torch.device, dtype: torch.dtype = BF
             ) -> Prepared:
+    """Build ``op``'s check examples (CPU) and timing arguments (``device``), each validated
+    against the op's signature."""
     from glm5.ir.catalog import OPS
 
     o = OPS[op]
