@@ -3,11 +3,9 @@
 
 1. Parity: every op the "cuda" backend (glm5.get_registry()) claims, every claimed dtype, a few
    generated examples each, judged against the float64 oracle by glm5.testing.parity.run_parity
-   (no emulation). The parity generators build CPU tensors and run_parity hands them to the
-   kernel as they are, so each kernel is called through a thin adapter that copies the inputs'
-   storages to the GPU (strides, offsets and aliasing such as v = k[..., :Dv] preserved), runs the
-   kernel on the GPU, copies the storages back (ops that write in place, the mla_prolog cache) and
-   returns the outputs on the CPU.
+   (no emulation): the kit copies each example to the GPU as it was laid out (strides, offsets
+   and aliasing such as v = k[..., :Dv] kept: `glm5.testing.compare.to_device`), runs the kernel
+   there and judges its outputs and in-place updates (the mla_prolog cache) on the CPU.
 2. Ceilings measured in the same run: a large bf16 matmul (TFLOP/s) and a device-to-device copy
    (GB/s), next to the H200 datasheet roofline (989 TFLOP/s dense bf16/fp16, 67 TFLOP/s fp32
    without tensor cores, 1979 TOP/s int8, 4.8 TB/s HBM3e).
@@ -19,10 +17,14 @@
 Prints a table, writes bench/results/gpu_suite_<timestamp>.json and exits 1 if any parity row
 fails. Without a CUDA device it says "no CUDA device: nothing to time", then checks every GPU
 shape below against its op's signature on the meta device (no data, no GPU) and exits 0 unless
-a shape is malformed.
+a shape is malformed. ``--device cpu`` runs the whole sequence (parity, ceilings, timings,
+table, JSON) on the CPU with the cuda backend's kernels through the Triton interpreter, at the
+tiny shapes of ``SMOKE_SHAPES`` and the kit's smoke profile: a test of this script
+(tests/test_bench_gpu_suite.py), so that a GPU session is not spent finding its bugs; its
+numbers say nothing about a GPU.
 
     python bench/gpu_suite.py [--examples 3] [--ops rms_norm,quant_linear] [--skip-parity]
-                              [--skip-reference] [--budget-s 450]
+                              [--skip-reference] [--budget-s 450] [--device cpu]
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from glm5.testing import device_shapes as shp  # noqa: E402
+from glm5.testing.tune import Clock  # noqa: E402
 from glm5.testing.device_shapes import (  # noqa: E402
     _qweight,
     b_attention,
@@ -68,7 +71,6 @@ from glm5.testing.device_shapes import (  # noqa: E402
 PEAK_FLOPS = {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "int8": 1979e12,
               "fp8": 1979e12}
 PEAK_HBM = 4.8e12
-FLUSH_BYTES = 256 * 2**20  # > the H200's 60 MB L2
 
 
 # --------------------------------------------------------------------------- helpers
@@ -77,98 +79,29 @@ def _dtname(dt: torch.dtype) -> str:
 
 
 def _sync() -> None:
-    torch.cuda.synchronize()
+    if shp.DEV != "cpu":
+        torch.cuda.synchronize()
 
 
-class Timer:
-    """Median GPU time of fn() with CUDA events, the L2 flushed before each call."""
-
-    def __init__(self) -> None:
-        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=shp.DEV)
-
-    def __call__(self, fn: Callable[[], Any], budget_s: float = 0.4, max_iters: int = 50,
-                 flush: bool = True) -> float:
-        fn()  # warm-up: JIT compile, allocator, autotune caches
-        _sync()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if flush:
-            self.flush.zero_()
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        first = s.elapsed_time(e) / 1e3
-        n = int(min(max_iters, max(0, budget_s / max(first, 1e-7))))
-        if n < 2:
-            return first
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        for i in range(n):
-            if flush:
-                self.flush.zero_()
-            starts[i].record()
-            fn()
-            ends[i].record()
-        _sync()
-        return statistics.median(a.elapsed_time(b) / 1e3 for a, b in zip(starts, ends))
+def _empty_cache() -> None:
+    if shp.DEV != "cpu":
+        torch.cuda.empty_cache()
 
 
-def measure_ceilings(timer: Timer) -> dict[str, float]:
-    n = 8192
+def measure_ceilings(timer: Clock, n: int = 8192, nbytes: int = 2**30) -> dict[str, float]:
+    """A bf16 [n, n] matmul's FLOP rate and an nbytes device-to-device copy's bytes moved per
+    second (read + write), in this run."""
     a = torch.randn(n, n, device=shp.DEV, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=shp.DEV, dtype=torch.bfloat16)
     t_mm = timer(lambda: torch.matmul(a, b), budget_s=0.5, max_iters=20, flush=False)
     del a, b
-    nbytes = 2**30
     src = torch.empty(nbytes, dtype=torch.uint8, device=shp.DEV).fill_(1)
     dst = torch.empty_like(src)
     t_cp = timer(lambda: dst.copy_(src), budget_s=0.5, max_iters=20, flush=False)
     del src, dst
-    torch.cuda.empty_cache()
+    _empty_cache()
     return {"bf16_matmul_flops": 2.0 * n**3 / t_mm, "copy_bytes_per_s": 2.0 * nbytes / t_cp,
             "bf16_matmul_shape": n, "copy_bytes": 2 * nbytes}
-
-
-# --------------------------------------------------------------------------- device adapter
-def on_device(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Call a device kernel with CPU arguments: storages copied to the GPU (layout and aliasing
-    kept), outputs and in-place updates copied back."""
-
-    def call(*args: Any) -> Any:
-        storages: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        dev_args = []
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.device.type == "cpu":
-                st = a.untyped_storage()
-                key = (st.data_ptr(), a.dtype)
-                if key not in storages:
-                    n = st.nbytes() // a.element_size()
-                    host = torch.empty(0, dtype=a.dtype).set_(st, 0, (n,), (1,))
-                    storages[key] = (host, host.to(shp.DEV))
-                dflat = storages[key][1]
-                dev_args.append(dflat.as_strided(a.shape, a.stride(), a.storage_offset()))
-            else:
-                dev_args.append(a)
-        out = fn(*dev_args)
-        _sync()
-        for host, dflat in storages.values():
-            host.copy_(dflat.cpu())
-        if isinstance(out, tuple):
-            return tuple(o.cpu() if isinstance(o, torch.Tensor) else o for o in out)
-        return out.cpu() if isinstance(out, torch.Tensor) else out
-
-    call.__name__ = getattr(fn, "__name__", "kernel")
-    return call
-
-
-def device_proxy(backend: Any) -> Any:
-    from glm5.backends.api import Backend
-
-    proxy = Backend(backend.name, vendor=backend.vendor, device_type=backend.device_type,
-                    description=f"{backend.name} kernels called on {shp.DEV} tensors")
-    for op, e in backend.kernels.items():
-        proxy.kernel(op, dtypes=e.dtypes, supports=e.supports)(on_device(e.fn))
-    return proxy
 
 
 def bl_quant_linear(a: dict[str, Any]) -> tuple[str, Callable[[], Any]]:
@@ -273,6 +206,22 @@ SHAPES: dict[str, list[tuple[str, Callable, tuple, Callable | None]]] = {
 }
 
 
+# --device cpu: the same sequence through the Triton interpreter at tiny shapes (each regime the
+# suite's rows reach: a baseline, the dequantized-linear baseline, decode and prefill, an
+# in-place cache write, the MQA view v = k[..., :Dv])
+SMOKE_SHAPES: dict[str, list[tuple[str, Callable, tuple, Callable | None]]] = {
+    "rms_norm": [("T=4 D=64", b_norm(4, 64), (BF, F32), None)],
+    "sparse_attention": [("decode T=2 S=64 K=16 H=4 MQA 64/32",
+                          b_sparse(2, 64, 16, 4, 1, 64, 32), (BF,), None)],
+    "attention": [("prefill T=S=16 H=2 32/32 causal", b_attention(16, 16, 2, 2, 32, 32), (BF,),
+                   bl_attention)],
+    "mla_prolog": [("decode T=2 (absorb)",
+                    b_mla(2, True, D=64, Rq=32, H=2, Dn=16, Dr=16, Rkv=32), (BF,), None)],
+    "quant_linear": [("w8a8 M=2 K=N=64", b_quant_linear(2, 64, 64, "w8a8"), (BF,),
+                      bl_quant_linear)],
+}
+
+
 def peak_class(op: str, args: dict[str, Any], dt: torch.dtype) -> str:
     scheme = args.get("scheme")
     if op in ("quant_linear", "moe_experts_quant") and scheme in ("w8a8", "w4a8", "w6a12"):
@@ -283,20 +232,25 @@ def peak_class(op: str, args: dict[str, Any], dt: torch.dtype) -> str:
 
 
 # --------------------------------------------------------------------------- the suite
-def run_parity_rows(backend: Any, ops: list[str] | None, examples: int, deadline: float):
+def run_parity_rows(backend: Any, ops: list[str] | None, examples: int, deadline: float,
+                    emulate: bool = False, profile: str | None = None):
+    """The kit's parity rows for every op ``backend`` serves (``ops``: only those), one op at a
+    time until ``deadline``. On the device the kit copies each example there as it was laid
+    out (`glm5.testing.compare.to_device`: views and aliasing kept) and the outputs and
+    in-place updates back; ``emulate``: the kernels on CPU tensors (the interpreter)."""
     from glm5.ir.catalog import OPS
     from glm5.testing.parity import Row, run_parity
 
-    proxy = device_proxy(backend)
+    kw = {} if profile is None else {"profile": profile}
     rows = []
-    for name in [o for o in OPS if o in proxy.kernels and (ops is None or o in ops)]:
+    for name in [o for o in OPS if o in backend.kernels and (ops is None or o in ops)]:
         if time.time() > deadline:
             rows.append(Row(backend.name, name, "skip", "-", 0.0, 0.0, "", 0,
                             "time budget of the suite spent"))
             continue
         t0 = time.time()
         try:
-            got = run_parity(proxy, [name], examples=examples, seed=0, emulate=False)
+            got = run_parity(backend, [name], examples=examples, seed=0, emulate=emulate, **kw)
         except Exception as e:  # the runner itself broke: count it as a failure
             got = [Row(backend.name, name, "fail", "-", 0.0, 0.0, "", 0,
                        f"run_parity raised {type(e).__name__}: {e}")]
@@ -308,7 +262,7 @@ def run_parity_rows(backend: Any, ops: list[str] | None, examples: int, deadline
     return rows
 
 
-def time_op(timer: Timer, entry: Any, name: str, label: str, build: Callable,
+def time_op(timer: Clock, entry: Any, name: str, label: str, build: Callable,
             dt: torch.dtype, baseline: Callable | None, ceil: dict[str, float],
             with_reference: bool, budget_s: float) -> dict[str, Any]:
     import glm5
@@ -338,7 +292,7 @@ def time_op(timer: Timer, entry: Any, name: str, label: str, build: Callable,
                 row["note"] = "reference: out of GPU memory"
             except Exception as e:
                 row["note"] = f"reference raised {type(e).__name__}: {str(e)[:120]}"
-            torch.cuda.empty_cache()
+            _empty_cache()
         if baseline is not None:
             try:
                 bname, bfn = baseline(values)
@@ -419,13 +373,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-measure-s", type=float, default=0.3,
                     help="timing budget of one measurement (default 0.3)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: the whole sequence through the Triton interpreter at tiny shapes "
+                         "(a test of this script; no GPU numbers)")
     a = ap.parse_args(argv)
 
-    if not torch.cuda.is_available():
+    smoke = a.device == "cpu"
+    if smoke:
+        # the interpreter is chosen when the kernel modules are imported: before any is
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            print("--device cpu needs TRITON_INTERPRET=1 before Triton is imported")
+            return 2
+        os.environ["TRITON_INTERPRET"] = "1"
+        shp.DEV = "cpu"
+    elif not torch.cuda.is_available():
         print("no CUDA device: nothing to time")
         return dry_run(ops=[o.strip() for o in a.ops.split(",") if o.strip()] or None)
     # Real kernels, not the interpreter (it is read when the kernel modules are imported).
-    if os.environ.pop("TRITON_INTERPRET", None) == "1":
+    elif os.environ.pop("TRITON_INTERPRET", None) == "1":
         print("note: TRITON_INTERPRET=1 was set; unset for this run (compiled kernels)")
 
     start = time.time()
@@ -433,17 +398,19 @@ def main(argv: list[str] | None = None) -> int:
     import glm5
     from glm5.ir.catalog import OPS
 
-    ops = [o.strip() for o in a.ops.split(",") if o.strip()] or None
+    shapes_of = SMOKE_SHAPES if smoke else SHAPES
+    ops = [o.strip() for o in a.ops.split(",") if o.strip()] or (
+        list(SMOKE_SHAPES) if smoke else None)
     reg = glm5.get_registry()
     try:
         backend = reg.get("cuda")
     except KeyError as e:
         print(f"{e}; plugin errors: {[(p.name, p.message) for p in reg.errors()]}")
         return 1
-    ok, reason = backend.is_available()
-    dev_name = torch.cuda.get_device_name(0)
-    print(f"device: {dev_name} | torch {torch.__version__} | cuda backend available: {ok} "
-          f"({reason})")
+    ok, reason = backend.can_emulate() if smoke else backend.is_available()
+    dev_name = "cpu (Triton interpreter)" if smoke else torch.cuda.get_device_name(0)
+    print(f"device: {dev_name} | torch {torch.__version__} | cuda backend "
+          f"{'emulated' if smoke else 'available'}: {ok} ({reason})")
     print(f"cuda backend serves: {', '.join(o for o in OPS if o in backend.kernels)}")
     if not ok:
         print("the cuda backend is not available here: nothing to check")
@@ -460,15 +427,16 @@ def main(argv: list[str] | None = None) -> int:
     if not a.skip_parity:
         print(f"\n== parity: {a.examples} examples per op and dtype (kernels on {shp.DEV}) ==",
               flush=True)
-        parity_rows = run_parity_rows(backend, ops, a.examples, start + 0.45 * a.budget_s)
+        parity_rows = run_parity_rows(backend, ops, a.examples, start + 0.45 * a.budget_s,
+                                      emulate=smoke, profile="smoke" if smoke else None)
         from glm5.testing.parity import format_table
 
         print(format_table(parity_rows))
     n_fail = sum(r.status == "fail" for r in parity_rows)
 
     # ---- 2. ceilings
-    timer = Timer()
-    ceil = measure_ceilings(timer)
+    timer = Clock(shp.DEV)
+    ceil = measure_ceilings(timer, *((128, 2**20) if smoke else ()))
     print(f"\n== ceilings: bf16 matmul {ceil['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s "
           f"(datasheet {PEAK_FLOPS['bf16'] / 1e12:.0f}), device copy "
           f"{ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s (datasheet {PEAK_HBM / 1e9:.0f}) ==",
@@ -480,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         entry = backend.kernels.get(name)
         if entry is None or (ops is not None and name not in ops):
             continue
-        shapes = SHAPES.get(name)
+        shapes = shapes_of.get(name)
         if not shapes:
             timings.append({"op": name, "shape": "-", "dtype": "-", "ms": None,
                             "reference_ms": None, "speedup_vs_reference": None, "baseline": "",
@@ -517,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                          "roofline_pct": None, "measured_roofline_pct": None,
                          "note": f"kernel raised {type(e).__name__}: {str(e)[:160]}",
                          "traceback": traceback.format_exc(limit=4)}
-                torch.cuda.empty_cache()
+                _empty_cache()
                 ms = "-" if r["ms"] is None else f"{r['ms']:.3f} ms"
                 print(f"  time {name:18s} {label:45s} {_dtname(dt):9s} {ms} "
                       f"({time.time() - t0:.1f}s) {r['note']}", flush=True)
@@ -534,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     path = out_dir / f"gpu_suite_{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({
         "device": dev_name, "host": platform.node(), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "triton": triton_version,
+        "cuda": torch.version.cuda, "triton": triton_version, "smoke": smoke,
         "datasheet": {"flops": PEAK_FLOPS, "hbm_bytes_per_s": PEAK_HBM},
         "measured": ceil, "parity_examples": a.examples,
         "parity": [r.as_dict() for r in parity_rows], "timings": timings,

@@ -197,6 +197,29 @@ def _to(x: Any, device: torch.device) -> Any:
     return x.to(device) if isinstance(x, torch.Tensor) else x
 
 
+def to_device(values: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    """``values`` with every tensor copied to ``device`` as the caller laid it out: each storage
+    copied once (a copy even where ``device`` is the tensor's own) and every tensor rebuilt as
+    the same view of the copy (shape, strides, offset). A per-tensor ``.to()`` would make
+    ``v = k[..., :Dv]`` a second, contiguous tensor, and a kernel's path for that aliasing or
+    layout would never run on the device."""
+    dev = torch.device(device)
+    copies: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    out: dict[str, Any] = {}
+    for name, x in values.items():
+        if not isinstance(x, torch.Tensor):
+            out[name] = x
+            continue
+        st = x.untyped_storage()
+        key = (st.data_ptr(), x.dtype)
+        if key not in copies:
+            flat = torch.empty(0, dtype=x.dtype, device=x.device).set_(
+                st, 0, (st.nbytes() // x.element_size(),), (1,))
+            copies[key] = flat.to(dev, copy=True)
+        out[name] = copies[key].as_strided(x.shape, x.stride(), x.storage_offset())
+    return out
+
+
 def check_example(op: OpDef, kernel: Any, values: dict[str, Any], dtype: torch.dtype,
                   device: torch.device | str | None = None) -> Verdict:
     """Run ``kernel`` (a backend's KernelEntry, whose implementation labels are recorded in
@@ -209,7 +232,7 @@ def check_example(op: OpDef, kernel: Any, values: dict[str, Any], dtype: torch.d
     o64 = upcast(values)  # before the kernel runs: a kernel that writes its inputs is caught
     kin = clone_inputs(values, op.mutates)
     if device is not None and torch.device(device).type != "cpu":
-        kin = {k: _to(x, torch.device(device)) for k, x in kin.items()}
+        kin = to_device(kin, device)
     args = tuple(kin[n] for n in op.param_names)
     try:
         if isinstance(kernel, KernelEntry):

@@ -148,15 +148,21 @@ def op_fn(op: str, entry: dict[str, Any]) -> Callable[..., Any]:
 
 class Clock:
     """Median seconds of fn() on ``device``: its events around each call, a 256 MiB buffer
-    rewritten before it; perf_counter on CPU."""
+    rewritten before it (the L2 starts cold); perf_counter on CPU."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.mod = None if device.type == "cpu" else getattr(torch, device.type)
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.mod = None if self.device.type == "cpu" else getattr(torch, self.device.type)
         self.flush = None if self.mod is None else torch.empty(FLUSH_BYTES, dtype=torch.int8,
-                                                               device=device)
+                                                               device=self.device)
 
-    def __call__(self, fn: Callable[[], Any], budget_s: float, max_iters: int = 50) -> float:
+    def __call__(self, fn: Callable[[], Any], budget_s: float, max_iters: int = 50,
+                 flush: bool = True) -> float:
+        """At least 3 calls after a warm-up, as many as ``budget_s`` allows up to
+        ``max_iters``. ``flush``: rewrite the buffer before each call (off where a cold L2 is
+        not the point: a peak matmul or copy). On a device the calls are queued back to back
+        with one synchronisation at the end, so the host's launch cost does not leak into a
+        short kernel's time."""
         fn()  # warm-up: compilation, allocator
         if self.mod is None:
             ts = []
@@ -166,17 +172,21 @@ class Clock:
                 ts.append(time.perf_counter() - t)
             return statistics.median(ts)
         self.mod.synchronize()
-        times: list[float] = []
-        t_end = time.perf_counter() + budget_s
-        while len(times) < max(3, max_iters) and (len(times) < 3 or time.perf_counter() < t_end):
-            s, e = self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True)
-            self.flush.zero_()
+        first = self._events(fn, 1, flush)[0]
+        n = int(min(max_iters, max(3, budget_s / max(first, 1e-7))))
+        return statistics.median(self._events(fn, n, flush))
+
+    def _events(self, fn: Callable[[], Any], n: int, flush: bool) -> list[float]:
+        ev = [(self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True))
+              for _ in range(n)]
+        for s, e in ev:
+            if flush:
+                self.flush.zero_()
             s.record()
             fn()
             e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        return statistics.median(times)
+        self.mod.synchronize()
+        return [s.elapsed_time(e) / 1e3 for s, e in ev]
 
 
 @dataclass
