@@ -3,26 +3,45 @@
 # into the image's torch/Triton, run the kernel suite and the model-level run with time budgets
 # that leave room for a rerun, copy the JSON to $OUT (the device tool brings it back).
 #   bash bench/gpu_run.sh [suite-budget-s] [model-budget-s] [tune-budget-s (0: no tile search)]
+# RESULTS=DIR: where the JSON goes (default bench/results). GPU_RUN_SMOKE=1: the same steps on
+# the CPU, the kernels through the Triton interpreter at tiny shapes, nothing installed (a test
+# of this script: tests/test_bench_gpu_suite.py; no GPU numbers).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SUITE_S="${1:-240}"
 MODEL_S="${2:-200}"
 TUNE_S="${3:-0}"
+RES="${RESULTS:-bench/results}"
+STAMP="$(date +%Y%m%d-%H%M%S)"
 export TRITON_DEFAULT_FP_FUSION=1
-python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader || true
+if [ "${GPU_RUN_SMOKE:-0}" = "1" ]; then
+    export TRITON_INTERPRET=1
+    SUITE_ARGS=(--device cpu --examples 1)
+    MODEL_ARGS=(--device cpu --preset tiny --prefill 16 --hf-max 16 --decode-batches 1
+                --decode-prompt 12 --first-steps 1 --decode-steps 2 --profile-len 16
+                --fp8-prefill 16)
+    TUNE_ARGS=(--emulate --ops rms_norm)
+else
+    python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader || true
+    SUITE_ARGS=()
+    MODEL_ARGS=()
+    TUNE_ARGS=()
+fi
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+mkdir -p "$RES"
 rc=0
-python bench/gpu_suite.py --budget-s "$SUITE_S" || rc=$?
-python bench/gpu_model.py --budget-s "$MODEL_S" || rc=$?
+python bench/gpu_suite.py --budget-s "$SUITE_S" --out "$RES" "${SUITE_ARGS[@]}" || rc=$?
+python bench/gpu_model.py --budget-s "$MODEL_S" --out "$RES/gpu_model_$STAMP.json" \
+    "${MODEL_ARGS[@]}" || rc=$?
 if [ "$TUNE_S" != "0" ]; then
-    GLM5_TUNING_CACHE=bench/results/tuning_cache python -m glm5.cli tune --backend cuda \
-        --budget-s "$TUNE_S" --table bench/results/cuda_tuning_candidate.json \
-        --out "bench/results/gpu_tune_$(date +%Y%m%d_%H%M%S).json" || rc=$?
+    GLM5_TUNING_CACHE="$RES/tuning_cache" python -m glm5.cli tune --backend cuda \
+        --budget-s "$TUNE_S" --table "$RES/cuda_tuning_candidate.json" \
+        --out "$RES/gpu_tune_$STAMP.json" "${TUNE_ARGS[@]}" || rc=$?
 fi
 if [ -n "${OUT:-}" ]; then
-    mkdir -p "$OUT" && cp -v bench/results/gpu_suite_*.json bench/results/gpu_model_*.json \
-        bench/results/gpu_tune_*.json bench/results/cuda_tuning_candidate.json "$OUT"/ 2>/dev/null
-    [ -d bench/results/tuning_cache ] && cp -r bench/results/tuning_cache "$OUT"/
+    mkdir -p "$OUT" && cp -v "$RES"/gpu_suite_*.json "$RES"/gpu_model_*.json \
+        "$RES"/gpu_tune_*.json "$RES"/cuda_tuning_candidate.json "$OUT"/ 2>/dev/null
+    [ -d "$RES/tuning_cache" ] && cp -r "$RES/tuning_cache" "$OUT"/
 fi
 exit $rc

@@ -88,3 +88,25 @@ def test_to_device_keeps_views_aliasing_and_layout():
     assert out["scale"] == 0.5
     out["k"][0, 0, 0] = 42.0  # one storage on the device, as on the host; the host untouched
     assert out["v"][0, 0, 0] == 42.0 and k[0, 0, 0] != 42.0
+
+
+def test_gpu_run_sh_smoke_brings_back_every_file(tmp_path):
+    """bench/gpu_run.sh, what a GPU session runs, end to end on the CPU: suite, model run, tile
+    search, and the JSON copied to $OUT."""
+    pytest.importorskip("triton")
+    pytest.importorskip("transformers")
+    out, res = tmp_path / "out", tmp_path / "results"
+    env = {**os.environ, "OUT": str(out), "RESULTS": str(res), "GPU_RUN_SMOKE": "1"}
+    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), "60", "60", "30"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    got = sorted(p.name.split("_2")[0] for p in out.iterdir())
+    assert got == ["cuda_tuning_candidate.json", "gpu_model", "gpu_suite", "gpu_tune",
+                   "tuning_cache"], got
+    (suite,) = out.glob("gpu_suite_*.json")
+    res_suite = json.loads(suite.read_text())
+    assert res_suite["smoke"] and res_suite["parity"] and res_suite["timings"]
+    (model,) = out.glob("gpu_model_*.json")
+    assert json.loads(model.read_text())["decode"]
+    (tune,) = out.glob("gpu_tune_*.json")
+    assert json.loads(tune.read_text())["emulated"] is True
