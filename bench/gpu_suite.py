@@ -34,7 +34,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -76,11 +75,6 @@ PEAK_HBM = 4.8e12
 # --------------------------------------------------------------------------- helpers
 def _dtname(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
-
-
-def _sync() -> None:
-    if shp.DEV != "cpu":
-        torch.cuda.synchronize()
 
 
 def _empty_cache() -> None:
