@@ -37,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
@@ -101,15 +102,26 @@ def prefill_rows(model, hf_path: str | None, lengths: list[int], hf_max: int, cl
                 else:
                     row["glm5_s"] = first
             row["glm5_us_per_token"] = 1e6 * row["glm5_s"] / L
-        except RuntimeError as e:
+        except Exception as e:  # noqa: BLE001 - this length fails, the others still run
+            row["glm5_s"] = "OOM" if _oom(e) else None
             if not _oom(e):
-                raise
-            row["glm5_s"] = "OOM"
+                row["error"] = f"{type(e).__name__}: {e}"
+                print(f"prefill {L}: {row['error']}\n{traceback.format_exc(limit=6)}",
+                      flush=True)
         _free(device)
-        if hf_path is not None and L <= hf_max:
+        if hf is None and hf_path is not None and L <= hf_max:
             try:
-                if hf is None:
-                    hf = load_hf(hf_path, next(model.parameters()).dtype, device)
+                hf = load_hf(hf_path, next(model.parameters()).dtype, device)
+            except (ImportError, AttributeError) as e:  # no transformers with GLM-5 here
+                hf_path = None
+                row["hf_note"] = f"transformers unavailable: {type(e).__name__}: {e}"
+                print(row["hf_note"], flush=True)
+            except RuntimeError as e:
+                if not _oom(e):
+                    raise
+                hf_path, row["hf_s"] = None, "OOM"
+        if hf is not None and L <= hf_max:
+            try:
                 with torch.inference_mode():
                     clock(lambda: hf(ids[:, : min(L, 512)], use_cache=False))  # warm-up
                     row["hf_s"], _ = clock(lambda: hf(ids, use_cache=False))
@@ -328,38 +340,62 @@ def main(argv: list[str] | None = None) -> int:
         result["triton"] = triton.__version__
     except ImportError:
         pass
-    with contextlib.ExitStack() as stack:
-        hf_path = None
-        if a.hf_max > 0 and any(L <= a.hf_max for L in a.prefill):
-            tmp = stack.enter_context(tempfile.TemporaryDirectory())
-            model.save_pretrained(tmp)
-            hf_path = tmp
-        result["prefill"] = prefill_rows(model, hf_path, a.prefill, a.hf_max, clock, a.device,
-                                         a.repeat_below_s, deadline, cfg.vocab_size)
+    out = Path(a.out) if a.out else (ROOT / "bench" / "results" /
+                                    f"gpu_model_{datetime.now():%Y%m%d_%H%M%S}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    errors: dict[str, str] = {}
+
+    def stage(name: str, fn: Callable[[], Any]) -> None:
+        """Run one part of the sequence; an exception is recorded and the rest still runs, and
+        the JSON is rewritten after every part (a run killed at its time limit keeps what it
+        measured)."""
+        try:
+            got = fn()
+            if got is not None:
+                result[name] = got
+        except Exception as e:  # noqa: BLE001 - one broken part must not cost the others
+            errors[name] = f"{type(e).__name__}: {e}"
+            result["errors"] = errors
+            print(f"{name} raised {errors[name]}\n{traceback.format_exc(limit=6)}", flush=True)
+        out.write_text(json.dumps(result, indent=1, default=str))
+
+    def prefill() -> list[dict[str, Any]]:
+        with contextlib.ExitStack() as stack:
+            hf_path = None
+            if a.hf_max > 0 and any(L <= a.hf_max for L in a.prefill):
+                tmp = stack.enter_context(tempfile.TemporaryDirectory())
+                model.save_pretrained(tmp)
+                hf_path = tmp
+            return prefill_rows(model, hf_path, a.prefill, a.hf_max, clock, a.device,
+                                a.repeat_below_s, deadline, cfg.vocab_size)
+
+    stage("prefill", prefill)
     if a.fp8_prefill:
         print("prefill with the fp8 indexer")
-        result["prefill_fp8"] = fp8_prefill_rows(model, a.fp8_prefill, clock, a.device,
-                                                 a.repeat_below_s, deadline, cfg.vocab_size,
-                                                 result["prefill"])
+        stage("prefill_fp8", lambda: fp8_prefill_rows(
+            model, a.fp8_prefill, clock, a.device, a.repeat_below_s, deadline, cfg.vocab_size,
+            result.get("prefill", [])))
     modes = {"auto": [None], "on": [True], "off": [False], "both": [True, False]}[a.graphs]
     if not a.device.startswith("cuda"):
         modes = [None]  # graphs are a CUDA feature (the engine refuses them elsewhere)
     result["decode"] = []
-    for graphs in modes:
+
+    def decode(graphs: bool | None) -> None:
         if graphs is not None:
             print(f"decode with cuda_graphs={graphs}")
         for row in decode_rows(model, a.decode_batches, a.decode_prompt, a.first_steps,
                                a.decode_steps, clock, deadline, cfg.vocab_size,
                                {"cuda_graphs": graphs}):
             result["decode"].append({"cuda_graphs": graphs, **row})
+
+    for graphs in modes:
+        stage("decode" if graphs is None else f"decode_graphs_{graphs}",
+              lambda graphs=graphs: decode(graphs))
     if a.profile_len > 0 and time.monotonic() < deadline:
-        result["profile"] = profile_prefill(model, a.profile_len, a.device, cfg.vocab_size)
-    out = Path(a.out) if a.out else (ROOT / "bench" / "results" /
-                                    f"gpu_model_{datetime.now():%Y%m%d_%H%M%S}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
+        stage("profile", lambda: profile_prefill(model, a.profile_len, a.device,
+                                                 cfg.vocab_size))
     print(f"wrote {out}")
-    return 0
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

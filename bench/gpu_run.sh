@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # One GPU session's measurements (issue 16), for the device machine: install this checkout
 # into the image's torch/Triton, run the kernel suite and the model-level run with time budgets
-# that leave room for a rerun, copy the JSON to $OUT (the device tool brings it back).
+# that leave room for a rerun, the JSON written into $OUT as it is measured (the device tool
+# brings $OUT back, also from a run killed at its time limit).
 #   bash bench/gpu_run.sh [suite-budget-s] [model-budget-s] [tune-budget-s (0: no tile search)]
-# RESULTS=DIR: where the JSON goes (default bench/results). GPU_RUN_SMOKE=1: the same steps on
-# the CPU, the kernels through the Triton interpreter at tiny shapes, nothing installed (a test
-# of this script: tests/test_bench_gpu_suite.py; no GPU numbers).
+# RESULTS=DIR: where the JSON goes (default $OUT when set, else bench/results).
+# GPU_RUN_SMOKE=1: the same steps on the CPU, the kernels through the Triton interpreter at tiny
+# shapes, nothing installed (a test of this script: tests/test_bench_gpu_suite.py; no GPU
+# numbers).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SUITE_S="${1:-240}"
 MODEL_S="${2:-200}"
 TUNE_S="${3:-0}"
-RES="${RESULTS:-bench/results}"
+RES="${RESULTS:-${OUT:-bench/results}}"
 STAMP="$(date +%Y%m%d-%H%M%S)"
 export TRITON_DEFAULT_FP_FUSION=1
 if [ "${GPU_RUN_SMOKE:-0}" = "1" ]; then
@@ -38,10 +40,5 @@ if [ "$TUNE_S" != "0" ]; then
     GLM5_TUNING_CACHE="$RES/tuning_cache" python -m glm5.cli tune --backend cuda \
         --budget-s "$TUNE_S" --table "$RES/cuda_tuning_candidate.json" \
         --out "$RES/gpu_tune_$STAMP.json" "${TUNE_ARGS[@]}" || rc=$?
-fi
-if [ -n "${OUT:-}" ]; then
-    mkdir -p "$OUT" && cp -v "$RES"/gpu_suite_*.json "$RES"/gpu_model_*.json \
-        "$RES"/gpu_tune_*.json "$RES"/cuda_tuning_candidate.json "$OUT"/ 2>/dev/null
-    [ -d "$RES/tuning_cache" ] && cp -r "$RES/tuning_cache" "$OUT"/
 fi
 exit $rc

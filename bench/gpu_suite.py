@@ -416,8 +416,27 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # pragma: no cover
         triton_version = "?"
 
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"gpu_suite_{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    parity_rows: list[Any] = []
+    timings: list[dict[str, Any]] = []
+    ceil: dict[str, float] = {}
+
+    def save() -> None:
+        """The JSON so far: rewritten after each part and each timing row, so a run killed at
+        its time limit keeps what it measured."""
+        path.write_text(json.dumps({
+            "device": dev_name, "host": platform.node(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": triton_version, "smoke": smoke,
+            "datasheet": {"flops": PEAK_FLOPS, "hbm_bytes_per_s": PEAK_HBM},
+            "measured": ceil, "parity_examples": a.examples,
+            "parity": [r.as_dict() for r in parity_rows], "timings": timings,
+            "elapsed_s": time.time() - start,
+        }, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o)
+            else str(o)))
+
     # ---- 1. parity
-    parity_rows = []
     if not a.skip_parity:
         print(f"\n== parity: {a.examples} examples per op and dtype (kernels on {shp.DEV}) ==",
               flush=True)
@@ -427,17 +446,18 @@ def main(argv: list[str] | None = None) -> int:
 
         print(format_table(parity_rows))
     n_fail = sum(r.status == "fail" for r in parity_rows)
+    save()
 
     # ---- 2. ceilings
     timer = Clock(shp.DEV)
-    ceil = measure_ceilings(timer, *((128, 2**20) if smoke else ()))
+    ceil.update(measure_ceilings(timer, *((128, 2**20) if smoke else ())))
+    save()
     print(f"\n== ceilings: bf16 matmul {ceil['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s "
           f"(datasheet {PEAK_FLOPS['bf16'] / 1e12:.0f}), device copy "
           f"{ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s (datasheet {PEAK_HBM / 1e9:.0f}) ==",
           flush=True)
 
     # ---- 3. timings
-    timings: list[dict[str, Any]] = []
     for name in OPS:
         entry = backend.kernels.get(name)
         if entry is None or (ops is not None and name not in ops):
@@ -484,24 +504,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  time {name:18s} {label:45s} {_dtname(dt):9s} {ms} "
                       f"({time.time() - t0:.1f}s) {r['note']}", flush=True)
                 timings.append(r)
+                save()
 
     print("\n" + format_timings(timings))
     elapsed = time.time() - start
     print(f"\nparity: {sum(r.status == 'pass' for r in parity_rows)} passed, {n_fail} failed, "
           f"{sum(r.status == 'skip' for r in parity_rows)} skipped | {len(timings)} timing rows "
           f"| {elapsed:.0f} s")
-
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"gpu_suite_{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({
-        "device": dev_name, "host": platform.node(), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "triton": triton_version, "smoke": smoke,
-        "datasheet": {"flops": PEAK_FLOPS, "hbm_bytes_per_s": PEAK_HBM},
-        "measured": ceil, "parity_examples": a.examples,
-        "parity": [r.as_dict() for r in parity_rows], "timings": timings,
-        "elapsed_s": elapsed,
-    }, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o)))
+    save()
     print(f"wrote {path}")
     return 1 if n_fail else 0
 

@@ -92,11 +92,12 @@ def test_to_device_keeps_views_aliasing_and_layout():
 
 def test_gpu_run_sh_smoke_brings_back_every_file(tmp_path):
     """bench/gpu_run.sh, what a GPU session runs, end to end on the CPU: suite, model run, tile
-    search, and the JSON copied to $OUT."""
+    search, every JSON file written into $OUT (which the device tool brings back)."""
     pytest.importorskip("triton")
     pytest.importorskip("transformers")
-    out, res = tmp_path / "out", tmp_path / "results"
-    env = {**os.environ, "OUT": str(out), "RESULTS": str(res), "GPU_RUN_SMOKE": "1"}
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "RESULTS"}
+    env.update(OUT=str(out), GPU_RUN_SMOKE="1")
     r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), "60", "60", "30"],
                        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
@@ -110,3 +111,24 @@ def test_gpu_run_sh_smoke_brings_back_every_file(tmp_path):
     assert json.loads(model.read_text())["decode"]
     (tune,) = out.glob("gpu_tune_*.json")
     assert json.loads(tune.read_text())["emulated"] is True
+
+
+def test_the_suite_json_is_written_as_it_goes(tmp_path, monkeypatch):
+    """The suite rewrites its JSON after each part and timing row: a run killed at the device
+    tool's time limit still brings back what it measured."""
+    pytest.importorskip("triton")
+    gs = _suite()
+    seen: list[int] = []
+    real = gs.time_op
+
+    def time_op(*a, **k):
+        seen.append(len(json.loads(next(tmp_path.glob("gpu_suite_*.json")).read_text())[
+            "timings"]))
+        return real(*a, **k)
+
+    monkeypatch.setattr(gs, "time_op", time_op)
+    monkeypatch.setattr(gs.shp, "DEV", "cuda")  # main sets "cpu"; restored after the test
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert gs.main(["--device", "cpu", "--examples", "1", "--ops", "rms_norm",
+                    "--out", str(tmp_path)]) == 0
+    assert seen == [0, 1]  # before each row: the parity rows and the rows timed so far on disk
