@@ -177,7 +177,8 @@ def _prefill_line(r: dict[str, Any]) -> str:
     def f(v: Any, nd: int = 3) -> str:
         return f"{v:.{nd}f}" if isinstance(v, float) else str(v if v is not None else "-")
 
-    return (f"prefill {r['tokens']:>7}  glm5 {f(r.get('glm5_s'))} s (first {f(r.get('glm5_first_s'))})"
+    return (f"prefill {r['tokens']:>7}  glm5 {f(r.get('glm5_s'))} s "
+            f"(first {f(r.get('glm5_first_s'))})"
             f"  {f(r.get('glm5_us_per_token'), 1)} us/token  transformers {f(r.get('hf_s'))} s"
             f"  speed-up {f(r.get('speedup'), 2)}")
 
@@ -239,7 +240,8 @@ def decode_rows(model, batches: list[int], prompt: int, first_steps: int, steps:
                 eng.step()
             row["host_reads_per_step"] = int(c.count)
         rows.append(row)
-        print(f"decode batch {B:>3}  first steps {', '.join(f'{x:.1f}' for x in row['first_steps_ms'])} ms"
+        first = ", ".join(f"{x:.1f}" for x in row["first_steps_ms"])
+        print(f"decode batch {B:>3}  first steps {first} ms"
               f"  steady {row['steady_ms']:.2f} ms/step  {row['tokens_per_s']:.0f} tok/s"
               + (f"  host reads/step {row['host_reads_per_step']}"
                  if "host_reads_per_step" in row else ""), flush=True)
