@@ -101,9 +101,9 @@ def test_gpu_run_sh_smoke_brings_back_every_file(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), "60", "60", "30"],
                        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    got = sorted(p.name.split("_2")[0] for p in out.iterdir())
-    assert got == ["cuda_tuning_candidate.json", "gpu_model", "gpu_suite", "gpu_tune",
-                   "tuning_cache"], got
+    # (tuning_cache/ too when the emulated search kept a winner: interpreter times are noise)
+    got = sorted(p.name.split("_2")[0] for p in out.iterdir() if p.name != "tuning_cache")
+    assert got == ["cuda_tuning_candidate.json", "gpu_model", "gpu_suite", "gpu_tune"], got
     (suite,) = out.glob("gpu_suite_*.json")
     res_suite = json.loads(suite.read_text())
     assert res_suite["smoke"] and res_suite["parity"] and res_suite["timings"]
