@@ -4,6 +4,8 @@
 # that leave room for a rerun, the JSON written into $OUT as it is measured (the device tool
 # brings $OUT back, also from a run killed at its time limit).
 #   bash bench/gpu_run.sh [suite-budget-s] [model-budget-s] [tune-budget-s (0: no tile search)]
+# A budget of 0 skips that step: the device tool allows 600 s a command, so a session runs
+# `bash bench/gpu_run.sh 240 200` and, with device time left, `bash bench/gpu_run.sh 0 0 240`.
 # RESULTS=DIR: where the JSON goes (default $OUT when set, else bench/results).
 # GPU_RUN_SMOKE=1: the same steps on the CPU, the kernels through the Triton interpreter at tiny
 # shapes, nothing installed (a test of this script: tests/test_bench_gpu_suite.py; no GPU
@@ -33,9 +35,13 @@ fi
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 mkdir -p "$RES"
 rc=0
-python bench/gpu_suite.py --budget-s "$SUITE_S" --out "$RES" "${SUITE_ARGS[@]}" || rc=$?
-python bench/gpu_model.py --budget-s "$MODEL_S" --out "$RES/gpu_model_$STAMP.json" \
-    "${MODEL_ARGS[@]}" || rc=$?
+if [ "$SUITE_S" != "0" ]; then
+    python bench/gpu_suite.py --budget-s "$SUITE_S" --out "$RES" "${SUITE_ARGS[@]}" || rc=$?
+fi
+if [ "$MODEL_S" != "0" ]; then
+    python bench/gpu_model.py --budget-s "$MODEL_S" --out "$RES/gpu_model_$STAMP.json" \
+        "${MODEL_ARGS[@]}" || rc=$?
+fi
 if [ "$TUNE_S" != "0" ]; then
     GLM5_TUNING_CACHE="$RES/tuning_cache" python -m glm5.cli tune --backend cuda \
         --budget-s "$TUNE_S" --table "$RES/cuda_tuning_candidate.json" \

@@ -132,3 +132,17 @@ def test_the_suite_json_is_written_as_it_goes(tmp_path, monkeypatch):
     assert gs.main(["--device", "cpu", "--examples", "1", "--ops", "rms_norm",
                     "--out", str(tmp_path)]) == 0
     assert seen == [0, 1]  # before each row: the parity rows and the rows timed so far on disk
+
+
+def test_gpu_run_sh_budget_0_skips_a_step(tmp_path):
+    """The tile search as its own command (the device tool allows 600 s a command): budgets of
+    0 skip the suite and the model run."""
+    pytest.importorskip("triton")
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "RESULTS"}
+    env.update(OUT=str(out), GPU_RUN_SMOKE="1")
+    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), "0", "0", "30"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    got = sorted(p.name.split("_2")[0] for p in out.iterdir() if p.name != "tuning_cache")
+    assert got == ["cuda_tuning_candidate.json", "gpu_tune"], got
