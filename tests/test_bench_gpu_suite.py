@@ -90,19 +90,25 @@ def test_to_device_keeps_views_aliasing_and_layout():
     assert out["v"][0, 0, 0] == 42.0 and k[0, 0, 0] != 42.0
 
 
-def test_gpu_run_sh_smoke_brings_back_every_file(tmp_path):
-    """bench/gpu_run.sh, what a GPU session runs, end to end on the CPU: suite, model run, tile
-    search, every JSON file written into $OUT (which the device tool brings back)."""
+def _gpu_run(tmp_path: Path, *budgets: str) -> tuple[Path, list[str]]:
+    """Run ``GPU_RUN_SMOKE=1 bench/gpu_run.sh *budgets`` with ``$OUT`` set: ($OUT, the kinds of
+    file in it). tuning_cache/ is left out: it is there only when the emulated search kept a
+    winner, which interpreter times (noise) decide."""
     pytest.importorskip("triton")
-    pytest.importorskip("transformers")
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "RESULTS"}
     env.update(OUT=str(out), GPU_RUN_SMOKE="1")
-    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), "60", "60", "30"],
+    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), *budgets],
                        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    # (tuning_cache/ too when the emulated search kept a winner: interpreter times are noise)
-    got = sorted(p.name.split("_2")[0] for p in out.iterdir() if p.name != "tuning_cache")
+    return out, sorted(p.name.split("_2")[0] for p in out.iterdir() if p.name != "tuning_cache")
+
+
+def test_gpu_run_sh_smoke_brings_back_every_file(tmp_path):
+    """bench/gpu_run.sh, what a GPU session runs, end to end on the CPU: suite, model run, tile
+    search, every JSON file written into $OUT (which the device tool brings back)."""
+    pytest.importorskip("transformers")
+    out, got = _gpu_run(tmp_path, "60", "60", "30")
     assert got == ["cuda_tuning_candidate.json", "gpu_model", "gpu_suite", "gpu_tune"], got
     (suite,) = out.glob("gpu_suite_*.json")
     res_suite = json.loads(suite.read_text())
@@ -137,12 +143,5 @@ def test_the_suite_json_is_written_as_it_goes(tmp_path, monkeypatch):
 def test_gpu_run_sh_budget_0_skips_a_step(tmp_path):
     """The tile search as its own command (the device tool allows 600 s a command): budgets of
     0 skip the suite and the model run."""
-    pytest.importorskip("triton")
-    out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k != "RESULTS"}
-    env.update(OUT=str(out), GPU_RUN_SMOKE="1")
-    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), "0", "0", "30"],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    got = sorted(p.name.split("_2")[0] for p in out.iterdir() if p.name != "tuning_cache")
+    _, got = _gpu_run(tmp_path, "0", "0", "30")
     assert got == ["cuda_tuning_candidate.json", "gpu_tune"], got
