@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -58,7 +59,8 @@ def _scenarios() -> list[str]:
 
 def test_every_scenario_compiles(report):
     got = {row["op"] for row in report}
-    assert got == set(_scenarios()), f"scenarios without a compiled variant: {set(_scenarios()) - got}"
+    missing = set(_scenarios()) - got
+    assert got == set(_scenarios()), f"scenarios without a compiled variant: {missing}"
 
 
 @pytest.mark.parametrize("label", _scenarios())
@@ -129,8 +131,40 @@ def test_planted_problems_are_detected(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert any("spills" in p for p in got["spill"]), got
+    # the spilled tile is stored and reloaded once per launch: no loop around it
+    assert any(re.search(r"; [1-9]\d* ld/st, 0 in loops, 0 in innermost\)", p)
+               for p in got["spill"]), got
     assert "mma.sync, not wgmma" in got["small_dot"], got
     assert got["big_dot"] == [], got
+
+
+# Hand-written in cuobjdump -sass's format: a loop 0x0040..0x0090 (the backward BRA at 0x0090)
+# around an inner loop 0x0050..0x0070, a forward branch (not a loop), one spill store before the
+# loops, a load in the outer loop only, a store in the inner one (predicated, with a width
+# suffix) and a load after both.
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                /* 0x00000a0000017a02 */
+        /*0010*/                   STL [R1], R56 ;                       /* 0x0000003801007387 */
+        /*0020*/              @!P0 BRA 0x00b0 ;                          /* 0x0000008000008947 */
+        /*0040*/                   LDL.LU R32, [R1] ;                    /* 0x0000000001207983 */
+        /*0050*/                   IMAD R3, R3, 0x2, RZ ;                /* 0x0000000203037824 */
+        /*0060*/              @P1 STL.64 [R1+0x8], R22 ;                 /* 0x0000081601001387 */
+        /*0070*/              @P2 BRA 0x0050 ;                           /* 0xffffffd000002947 */
+        /*0080*/                   ISETP.GE.AND P1, PT, R3, 0x10, PT ;   /* 0x000000100300780c */
+        /*0090*/              @!P1 BRA 0x0040 ;                          /* 0xffffffa000009947 */
+        /*00a0*/                   LDL R14, [R1] ;                       /* 0x00000000010e7983 */
+        /*00b0*/                   EXIT ;                                /* 0x000000000000794d */
+"""
+
+
+def test_spill_ops_counts_loads_stores_and_those_in_loops():
+    from glm5.kernels.triton.static_check import spill_ops
+
+    assert spill_ops(SASS) == (4, 2, 1)
+    # the outer branch made forward: the inner loop alone is left, holding the store
+    assert spill_ops(SASS.replace("BRA 0x0040", "BRA 0x00a0")) == (4, 1, 1)
+    assert spill_ops(SASS.replace("BRA 0x0050", "BRA 0x00a0")) == (4, 2, 2)  # one loop
+    assert spill_ops("") == (0, 0, 0)
 
 
 def test_refuses_the_interpreter():

@@ -64,6 +64,12 @@ class Variant:
     wgmma: bool
     mma_sync: bool
     tma: bool
+    # local-memory loads/stores in the SASS (STL/LDL), those inside a loop and those inside an
+    # innermost one: a stack frame can be a spill read once per launch or one reloaded every
+    # tile (all 0: no frame)
+    spill_ops: int = 0
+    loop_spill_ops: int = 0
+    inner_spill_ops: int = 0
 
     @property
     def spills(self) -> bool:
@@ -90,16 +96,46 @@ _RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 def resources(cubin: bytes) -> dict[str, int]:
     """{regs, stack, shared_static, local} of the single function in ``cubin`` (cuobjdump
     -res-usage)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True,
-                             text=True, check=True).stdout
+    out = _cuobjdump(cubin, "-res-usage")
     m = _RES.search(out)
     if m is None:
         raise RuntimeError(f"glm5 static_check: cuobjdump printed no resource line:\n{out}")
     regs, stack, shared, local = (int(g) for g in m.groups())
     return {"regs": regs, "stack": stack, "shared_static": shared, "local": local}
+
+
+_SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_TARGET = re.compile(r"0x([0-9a-f]+)")
+
+
+def spill_ops(sass: str) -> tuple[int, int, int]:
+    """(local-memory loads and stores, how many of them inside a loop, how many inside an
+    innermost loop) in ``sass`` (cuobjdump -sass of one function). A loop is the address range
+    from a backward branch's target to the branch; an innermost loop holds no other loop: in a
+    kernel's tile loop a spill costs once per tile, in an outer loop once per pass over it."""
+    ins = [(int(m.group(1), 16), m.group(2).split(".")[0], m.group(3))
+           for m in _SASS.finditer(sass)]
+    loops = []
+    for addr, op, rest in ins:
+        t = _TARGET.search(rest) if op == "BRA" else None
+        if t is not None and int(t.group(1), 16) <= addr:
+            loops.append((int(t.group(1), 16), addr))
+    inner = [(lo, hi) for lo, hi in loops
+             if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b in loops)]
+    spills = [addr for addr, op, _ in ins if op in ("STL", "LDL")]
+
+    def within(ranges: list[tuple[int, int]]) -> int:
+        return sum(any(lo <= a <= hi for lo, hi in ranges) for a in spills)
+
+    return len(spills), within(loops), within(inner)
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([_tool("cuobjdump"), flag, f.name], capture_output=True,
+                              text=True, check=True).stdout
 
 
 def compile_variant(kernel: Any, args: tuple, kwargs: dict[str, Any],
@@ -132,13 +168,17 @@ def describe(op: str, compute_bound: bool, name: str, kernel: Any, args: tuple,
     ck = compile_variant(kernel, args, kwargs)
     ptx = ck.asm["ptx"]
     res = resources(ck.asm["cubin"])
+    frame = res["local"] or res["stack"]
+    ops = spill_ops(_cuobjdump(ck.asm["cubin"], "-sass")) if frame else (0, 0, 0)
     const = {k: v for k, v in kwargs.items()
              if k not in ("num_warps", "num_stages") and not isinstance(v, torch.Tensor)}
-    return Variant(op=op, compute_bound=compute_bound, kernel=name, constexprs=",".join(f"{k}={v}" for k, v in const.items()),
+    return Variant(op=op, compute_bound=compute_bound, kernel=name,
+                   constexprs=",".join(f"{k}={v}" for k, v in const.items()),
                    num_warps=int(ck.metadata.num_warps), num_stages=int(ck.metadata.num_stages),
                    regs=res["regs"], local=res["local"], stack=res["stack"],
                    shared=int(ck.metadata.shared), wgmma="wgmma.mma_async" in ptx,
-                   mma_sync="mma.sync" in ptx, tma="cp.async.bulk.tensor" in ptx)
+                   mma_sync="mma.sync" in ptx, tma="cp.async.bulk.tensor" in ptx,
+                   spill_ops=ops[0], loop_spill_ops=ops[1], inner_spill_ops=ops[2])
 
 
 def _no_check(*tensors: Any, **named: Any) -> None:
@@ -365,7 +405,8 @@ def problems(v: Variant) -> list[str]:
     """What keeps a variant from Hopper speed (empty: none of the checked conditions)."""
     bad = []
     if v.spills:
-        bad.append(f"spills (local {v.local} B, stack {v.stack} B)")
+        bad.append(f"spills (local {v.local} B, stack {v.stack} B; {v.spill_ops} ld/st, "
+                   f"{v.loop_spill_ops} in loops, {v.inner_spill_ops} in innermost)")
     if v.shared > SM90_SHARED_LIMIT:
         bad.append(f"shared {v.shared} B > {SM90_SHARED_LIMIT}")
     if v.compute_bound and v.mma_sync and not v.wgmma:
