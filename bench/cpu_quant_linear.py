@@ -89,8 +89,8 @@ def _paths(tier: str, scheme: str, dtype: torch.dtype | None = None) -> list[str
     AMX at every M, is left out; the VNNI GEMM serves what `quant.serves` says)."""
     from glm5.kernels.tvm.quant import serves
 
-    return [p for p in {"amx": ["vnni", "amx", "tvm"],
-                        "vnni": ["vnni", "vgemm", "tvm", "torch:gemm"],
+    return [p for p in {"amx": ["vnni", "amx", "onednn", "tvm"],
+                        "vnni": ["vnni", "vgemm", "onednn", "tvm", "torch:gemm"],
                         "portable": ["tvm", "torch:gemm"]}[tier] if serves(p, scheme, dtype)]
 
 

@@ -84,7 +84,7 @@ def test_builtin_backends_label_their_kernels():
     cpu = reg.get("cpu").kernels
     assert cpu["rms_norm"].impl == "tvm" and cpu["sparse_attention"].impl == "tvm"
     assert cpu["moe_experts"].impl == "tvm|torch:per-expert"
-    assert cpu["quant_linear"].impl == "tvm|tvm:vnni|tvm:vgemm|tvm:amx|torch:gemm"
+    assert cpu["quant_linear"].impl == "tvm|tvm:vnni|tvm:vgemm|tvm:amx|tvm+onednn|torch:gemm"
     assert cpu["moe_experts_quant"].impl == "tvm|tvm:per-expert"
     asc = reg.get("ascend").kernels
     assert asc["sparse_attention"].impl == "torch_npu.npu_sparse_flash_attention|triton"

@@ -60,6 +60,18 @@ def test_crossovers_in_force_move_the_switch(monkeypatch, crossovers):
     assert quant.path("w8a8", 5, "vnni", F32) == "vnni"
 
 
+def test_a_crossover_moves_only_the_first_switch(monkeypatch, crossovers):
+    """w8a16 on bf16 x has three paths on the VNNI tier (GEMV, VNNI GEMM to 128 rows, oneDNN):
+    a measured GEMV / GEMM crossover moves the first switch, the table's second one stays,
+    and a crossover past it hands the GEMV's last row straight to oneDNN."""
+    monkeypatch.setattr(quant_vgemm, "bf16_available", lambda: (True, "t"))
+    for rows, want in ((8, {8: "vnni", 9: "vgemm", 128: "vgemm", 129: "onednn"}),
+                       (0, {1: "vgemm", 128: "vgemm", 129: "onednn"}),
+                       (150, {150: "vnni", 151: "onednn"})):
+        quant.use_crossovers({"vnni/w8a16/bfloat16": rows})
+        assert {m: quant.path("w8a16", m, "vnni", BF16) for m in want} == want, rows
+
+
 @pytest.mark.parametrize("bad", [{"vnni/w8a8": 4}, {"gpu/w8a8/float32": 4},
                                  {"vnni/w9a9/float32": 4}, {"vnni/w8a8/float16": 4},
                                  {"vnni/w8a8/float32": -1}, {"vnni/w8a8/float32": 4.5},

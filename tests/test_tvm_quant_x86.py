@@ -62,23 +62,25 @@ def _case(M: int, K: int, N: int, scheme: str, dtype: torch.dtype, seed: int = 0
     return {"x": x.to(dtype), "w_packed": wp, "w_scale": ws, "scheme": scheme, "bias": None}
 
 
-def _check(got: torch.Tensor, vals: dict, what: str) -> None:
-    """A path's fp32 [M, N] judged as the op's output: rounded once to x's dtype."""
-    assert got.dtype == torch.float32 and got.shape == (vals["x"].shape[0],
-                                                        vals["w_packed"].shape[0]), what
+def _check(got: torch.Tensor, vals: dict, what: str, dtype: torch.dtype = F32) -> None:
+    """A path's [M, N] judged as the op's output: rounded once to x's dtype. ``dtype``: what
+    the path returns (fp32; "onednn": x's dtype, rounded by its GEMM)."""
+    assert got.dtype == dtype and got.shape == (vals["x"].shape[0],
+                                                vals["w_packed"].shape[0]), what
     assert_matches("quant_linear", got.to(vals["x"].dtype), vals, what=what)
 
 
-def _sweep(fn, shapes: tuple, scheme: str, what: str, dtypes: tuple = (F32, BF16)) -> int:
+def _sweep(fn, shapes: tuple, scheme: str, what: str, dtypes: tuple = (F32, BF16),
+           out: torch.dtype | None = F32) -> int:
     """``fn(x, w_packed, w_scale)`` over ``shapes`` (x of each of ``dtypes``, exact-tie rows
-    where M > 1), each result judged by `_check` (raises on a wrong dtype, shape or value).
-    Returns the number of results judged."""
+    where M > 1), each result judged by `_check` (raises on a wrong dtype, shape or value;
+    ``out``: the dtype fn returns, None: x's). Returns the number of results judged."""
     n = 0
     for dtype in dtypes:
         for i, (M, K, N) in enumerate(shapes):
             vals = _case(M, K, N, scheme, dtype, seed=i, halves=M > 1)
             _check(fn(vals["x"], vals["w_packed"], vals["w_scale"]), vals,
-                   f"{what} M={M} K={K} N={N} {dtype}")
+                   f"{what} M={M} K={K} N={N} {dtype}", out or dtype)
             n += 1
     return n
 
@@ -285,6 +287,81 @@ def test_vgemm_serves_w8a16_above_the_gemv_rows(monkeypatch):
         assert quant.path("w8a16", bound + 1, "vnni", dtype) == "vgemm"
 
 
+# (M, K, N): K below one 64-code vector step, not a multiple of it (a scalar tail), whole
+# steps; N of one row
+ONEDNN_SHAPES = ((1, 64, 16), (3, 331, 37), (17, 7, 50), (40, 1000, 33), (130, 129, 1),
+                 (64, 128, 70))
+
+
+@needs_bf16
+@pytest.mark.parametrize("block", [None, 3000])
+def test_onednn_w8a16_matches_oracle(ctx, monkeypatch, block):
+    """w8a16 on bf16 x through oneDNN (weight blocks dequantized to bf16 by TVM), over the
+    boundary shapes: bf16 [M, N] within the op's tolerance, with all rows in one block and
+    with blocks of 3000 codes (3 to 428 rows here: several blocks, a short last one)."""
+    from glm5.kernels.tvm import quant_onednn
+
+    if block:
+        monkeypatch.setattr(quant_onednn, "BLOCK", block)
+    fn = lambda x, wp, ws: quant_onednn.gemm(lambda: ctx, x, wp, ws)  # noqa: E731
+    assert _sweep(fn, ONEDNN_SHAPES, "w8a16", "onednn", (BF16,), None) == len(ONEDNN_SHAPES)
+
+
+@needs_bf16
+def test_onednn_blocks_give_the_whole_product(ctx, monkeypatch):
+    """Weight rows in blocks (here 3 rows, the last one short; one row) give the same bits as
+    one block of all rows: each output column comes from its own row's block."""
+    from glm5.kernels.tvm import quant_onednn
+
+    vals = _case(9, 200, 11, "w8a16", BF16, seed=3)
+    args = (vals["x"], vals["w_packed"], vals["w_scale"])
+    whole = quant_onednn.gemm(lambda: ctx, *args)
+    for rows in (3, 1):
+        monkeypatch.setattr(quant_onednn, "BLOCK", rows * 200)
+        assert torch.equal(quant_onednn.gemm(lambda: ctx, *args), whole), rows
+
+
+@needs_bf16
+def test_onednn_dequantized_rows_round_to_nearest_even(ctx):
+    """The dequantization pass: ``bf16(code · scale)`` with the product in fp32 rounded to
+    nearest even, bit for bit torch's own rounding, over whole 64-code steps and a scalar tail
+    (K = 1000), rows of one step and shorter; scales that put products exactly halfway between
+    two bf16 values (ties) and just above them."""
+    from glm5.kernels.tvm import quant_onednn
+
+    g = torch.Generator().manual_seed(9)
+    for N, K in ((5, 1000), (3, 64), (4, 7)):
+        q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+        s = torch.rand(N, generator=g) * 0.02
+        s[0] = 1.0 + 2.0**-8  # a power-of-two code 2^j times this is 2^j + half its ulp: a tie
+        pw = torch.tensor([1, 2, 4, 8, 16, 32, 64], dtype=torch.int8)
+        q[0, :min(K, 14)] = torch.cat((pw, -pw))[:K]
+        if N > 3:
+            s[1] = 1.0 + 2.0**-8 + 2.0**-20  # just above halfway: rounds up
+        out = torch.empty(N, K, dtype=BF16)
+        quant_onednn.dequantize_rows(lambda: ctx, q, s, out)
+        assert torch.equal(out, (q.float() * s[:, None]).to(BF16)), (N, K)
+
+
+def test_onednn_serves_bf16_w8a16_only(ctx, monkeypatch):
+    """The oneDNN path serves w8a16 on bf16 x where the CPU has AVX-512 BF16; fp32 x is refused
+    by name; the table sends bf16 x to it above the VNNI GEMM's rows (128)."""
+    from glm5.kernels.tvm import quant_onednn
+
+    monkeypatch.setattr(quant_vgemm, "bf16_available", lambda: (True, "t"))
+    assert quant.serves("onednn", "w8a16", BF16) and quant.serves("onednn", "w8a16")
+    assert not quant.serves("onednn", "w8a16", F32)
+    assert not any(quant.serves("onednn", s) for s in ("w8a8", "w4a8", "w6a12"))
+    assert quant.path("w8a16", 128, "vnni", BF16) == "vgemm"
+    assert quant.path("w8a16", 129, "vnni", BF16) == "onednn"
+    assert quant.path("w8a16", 10**5, "vnni", F32) == "vgemm"
+    vals = _case(3, 64, 8, "w8a16", F32)
+    with pytest.raises(ValueError, match=r"onednn path\): argument 'x' expected bfloat16"):
+        quant_onednn.gemm(lambda: ctx, vals["x"], vals["w_packed"], vals["w_scale"])
+    monkeypatch.setattr(quant_vgemm, "bf16_available", lambda: (False, "t"))
+    assert not quant.serves("onednn", "w8a16", BF16)
+
+
 def test_dpbf16_rewrite():
     """The vdpbf16ps rewrite: each stand-in call becomes bitcasts around the intrinsic
     (operands of either form, constants too), its declaration is replaced, and a use it does
@@ -438,6 +515,11 @@ def test_kernels_write_inside_their_buffers(ctx, monkeypatch):
                   GEMV_SHAPES) for mb in (1, 4)]
         runs += [(lambda x, wp, ws, s: quant_vgemm.gemm_vnni(lambda: ctx, x, wp, ws, s)
                   if quant.serves("vgemm", s, x.dtype) else None, VGEMM_SHAPES)]
+    if BF16_DP:  # the dequantized weight blocks (a scratch) and the output
+        from glm5.kernels.tvm import quant_onednn
+
+        runs += [(lambda x, wp, ws, s: quant_onednn.gemm(lambda: ctx, x, wp, ws)
+                  if quant.serves("onednn", s, x.dtype) else None, ONEDNN_SHAPES)]
     if AMX:
         runs += [(lambda x, wp, ws, s: quant_amx.gemm_amx(lambda: ctx, x, wp, ws, s),
                   AMX_SHAPES)]
@@ -490,6 +572,8 @@ for p in sys.argv[2].split(","):
         for M, K, N in ((1, 1000, 9), (5, 1000, 9), (70, 1000, 9), (3, 7, 5), (50, 129, 17)):
             wp, ws = quantize_weight(torch.randn(N, K, generator=g), scheme)
             x = torch.randn(M, K, generator=g)
+            if not quant.serves(p, scheme, x.dtype):  # the oneDNN path: bf16 x only
+                x = x.to(torch.bfloat16)
             want = quant._run(p, lambda: ctx, x, wp, ws, scheme)
             got = quant._run(p, lambda: ctx, at_page_end(x), at_page_end(wp), at_page_end(ws),
                              scheme)
@@ -550,8 +634,10 @@ def test_path_table_boundaries(monkeypatch):
                     assert quant.path(scheme, r, tier, dtype) == p, (tier, scheme, r, dtype)
                     assert quant.path(scheme, r + 1, tier, dtype) == nxt, (tier, scheme, r + 1)
                 assert quant.path(scheme, 10**7, tier, dtype) == entries[-1][1]
-    # w8a16 on the VNNI tier: the GEMV to 16 rows of bf16 x, to 32 of fp32 x (measured)
+    # w8a16 on the VNNI tier: the GEMV to 16 rows of bf16 x, to 32 of fp32 x, the VNNI GEMM
+    # to 128 rows of bf16 x, then oneDNN (measured)
     assert quant.path("w8a16", 17, "vnni", BF16) == "vgemm"
+    assert quant.path("w8a16", 129, "vnni", BF16) == "onednn"
     assert quant.path("w8a16", 32, "vnni", F32) == "vnni"
     assert quant.path("w8a16", 33, "vnni", F32) == "vgemm"
 
@@ -598,8 +684,13 @@ def test_served_op_runs_and_reports_the_tables_path(monkeypatch, tier):
 
 
 def _paths_here() -> list[str]:
-    return [p for p, ok in (("vnni", VNNI), ("vgemm", VNNI), ("amx", AMX), ("tvm", True),
-                            ("torch:gemm", True)) if ok]
+    return [p for p, ok in (("vnni", VNNI), ("vgemm", VNNI), ("amx", AMX), ("onednn", BF16_DP),
+                            ("tvm", True), ("torch:gemm", True)) if ok]
+
+
+def _x_dtype(p: str, scheme: str) -> torch.dtype:
+    """fp32 where path ``p`` serves it, else bf16 (the oneDNN path's only dtype)."""
+    return F32 if quant.serves(p, scheme, F32) else BF16
 
 
 @pytest.fixture(scope="module")
@@ -685,9 +776,9 @@ def test_every_path_takes_strided_inputs(ctx, monkeypatch, p):
     g = torch.Generator().manual_seed(8)
     for scheme in [s for s in SCHEMES if quant.serves(p, s)]:
         for M in (1, 5, 33):
-            vals = _case(M, 200, 40, scheme, F32, seed=M)
+            vals = _case(M, 200, 40, scheme, _x_dtype(p, scheme), seed=M)
             wp, ws = vals["w_packed"], vals["w_scale"]
-            x_s = torch.randn(M, 400, generator=g)[:, ::2]
+            x_s = torch.randn(M, 400, generator=g).to(vals["x"].dtype)[:, ::2]
             x_s.copy_(vals["x"])
             wp_s = torch.zeros(40, wp.shape[1] + 9, dtype=wp.dtype)[:, 5:5 + wp.shape[1]]
             wp_s.copy_(wp)

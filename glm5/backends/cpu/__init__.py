@@ -136,7 +136,7 @@ def _topk_path(scores, k) -> str | None:
 # op -> (the path it takes per call, its static label)
 _CHOOSERS: dict[str, tuple[Callable[..., str | None], str]] = {
     "moe_experts": (_moe_path, "tvm|torch:per-expert"),
-    "quant_linear": (_quant_linear_path, "tvm|tvm:vnni|tvm:vgemm|tvm:amx|torch:gemm"),
+    "quant_linear": (_quant_linear_path, "tvm|tvm:vnni|tvm:vgemm|tvm:amx|tvm+onednn|torch:gemm"),
     "moe_experts_quant": (_moe_quant_path, "tvm|tvm:per-expert"),
     "topk_indices": (_topk_path, "tvm|torch:topk"),
 }

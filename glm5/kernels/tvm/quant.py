@@ -62,18 +62,19 @@ DTYPES = (torch.float32, torch.bfloat16)
 # entries after the first catch-all are fallbacks for calls it does not serve.
 # Paths: "vnni" the VNNI GEMV (`quant_vnni`, MB = 1 row at M = 1, else 4-row blocks), "vgemm"
 # the VNNI register-tiled GEMM (`quant_vgemm`: the activation schemes; w8a16 on fp32 x, and on
-# bf16 x where the CPU has AVX-512 BF16), "amx" the AMX tile GEMM (`quant_amx`), "tvm" the portable GEMV
-# of this module, "torch:gemm" `gemm_torch`. Crossovers measured side by side with
-# bench/cpu_quant_linear.py at K = N = 4096 (docs/performance.md, "CPU quantized linears"; the
-# "vnni" row on an AVX-512 VNNI host without AMX, AMD Zen 5); "portable" is what any other host
-# runs (the earlier measurements of an AVX2 host).
+# bf16 x where the CPU has AVX-512 BF16), "amx" the AMX tile GEMM (`quant_amx`), "onednn" w8a16
+# on bf16 x by torch's bf16 GEMM over weight blocks TVM dequantizes (`quant_onednn`; AVX-512
+# BF16), "tvm" the portable GEMV of this module, "torch:gemm" `gemm_torch`. Crossovers
+# measured side by side with bench/cpu_quant_linear.py at K = N = 4096 (docs/performance.md,
+# "CPU quantized linears"; the "vnni" row on an AVX-512 VNNI host without AMX, AMD Zen 5);
+# "portable" is what any other host runs (the earlier measurements of an AVX2 host).
 PATHS: dict[str, dict[str, tuple[tuple[Any, ...], ...]]] = {
     "amx": {"w8a16": ((4, "vnni"), (None, "amx")),
             "w8a8": ((1, "vnni"), (None, "amx")),
             "w4a8": ((1, "vnni"), (None, "amx")),
             "w6a12": ((2, "vnni"), (None, "amx"))},
-    "vnni": {"w8a16": ((16, "vnni"), (32, "vnni", "float32"), (None, "vgemm"),
-                       (None, "vnni")),
+    "vnni": {"w8a16": ((16, "vnni"), (32, "vnni", "float32"), (128, "vgemm"),
+                       (None, "onednn", "bfloat16"), (None, "vgemm"), (None, "vnni")),
              "w8a8": ((16, "vnni"), (None, "vgemm")),
              "w4a8": ((16, "vnni"), (None, "vgemm")),
              "w6a12": ((16, "vnni"), (None, "vgemm"))},
@@ -83,7 +84,7 @@ PATHS: dict[str, dict[str, tuple[tuple[Any, ...], ...]]] = {
                  "w6a12": ((None, "tvm"),)},
 }
 LABELS = {"tvm": "tvm", "vnni": "tvm:vnni", "vgemm": "tvm:vgemm", "amx": "tvm:amx",
-          "torch:gemm": "torch:gemm"}
+          "onednn": "tvm+onednn", "torch:gemm": "torch:gemm"}
 _tier: list[str] = []
 
 
@@ -103,11 +104,15 @@ def cpu_tier() -> str:
 def serves(p: str, scheme: str, dtype: torch.dtype | None = None) -> bool:
     """Whether path ``p`` computes ``scheme`` for x of ``dtype`` (None: of some dtype) on this
     CPU. The VNNI GEMM: the activation schemes, and w8a16 on fp32 x (fp32 FMAs) and, where the
-    CPU has AVX-512 BF16, on bf16 x (``vdpbf16ps``)."""
-    if p != "vgemm" or SCHEMES[scheme].act_bits is not None or dtype in (None, torch.float32):
-        return True
+    CPU has AVX-512 BF16, on bf16 x (``vdpbf16ps``); "onednn" (`quant_onednn`): w8a16 on bf16
+    x where the CPU has AVX-512 BF16."""
     from glm5.kernels.tvm.quant_vgemm import bf16_available
 
+    if p == "onednn":
+        return (scheme == "w8a16" and dtype in (None, torch.bfloat16)
+                and bf16_available()[0])
+    if p != "vgemm" or SCHEMES[scheme].act_bits is not None or dtype in (None, torch.float32):
+        return True
     return dtype == torch.bfloat16 and bf16_available()[0]
 
 
@@ -137,13 +142,16 @@ def use_crossovers(table: dict[str, int]) -> None:
 
 @functools.lru_cache(maxsize=None)
 def pair(scheme: str, tier: str, dtype: torch.dtype) -> tuple[str, str, int] | None:
-    """(small-M path, large-M path, the most rows `PATHS` gives the small one) for x of
-    ``dtype`` on ``tier``; None where one path serves every row count."""
-    small, large = _table_path(scheme, 1, tier, dtype), _table_path(scheme, 1 << 40, tier, dtype)
-    if small == large:
+    """(small-M path, the path that follows it, the most rows `PATHS` gives the small one) for
+    x of ``dtype`` on ``tier``; None where one path serves every row count. A measured
+    crossover moves only this first boundary; later ones (w8a16 on bf16 x: the VNNI GEMM, then
+    oneDNN) stay the table's."""
+    small = _table_path(scheme, 1, tier, dtype)
+    if small == _table_path(scheme, 1 << 40, tier, dtype):
         return None
     bounds = [e[0] for e in PATHS[tier][scheme] if e[0] is not None]
-    return small, large, max(r for r in bounds if _table_path(scheme, r, tier, dtype) == small)
+    rows = max(r for r in bounds if _table_path(scheme, r, tier, dtype) == small)
+    return small, _table_path(scheme, rows + 1, tier, dtype), rows
 
 
 def path(scheme: str, M: int, tier: str | None = None, dtype: torch.dtype | None = None
@@ -157,7 +165,7 @@ def path(scheme: str, M: int, tier: str | None = None, dtype: torch.dtype | None
         rows = _crossovers.get(crossover_key(tier, scheme, dtype))
         pr = None if rows is None else pair(scheme, tier, dtype)
         if pr is not None:
-            return pr[0] if M <= rows else pr[1]
+            return pr[0] if M <= rows else _table_path(scheme, max(M, pr[2] + 1), tier, dtype)
     return _table_path(scheme, M, tier, dtype)
 
 
@@ -408,7 +416,12 @@ def _w8a16_blocks(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor
 
 def _run(p: str, context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
          w_scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """Path ``p`` of `PATHS` on a non-empty product: fp32 ``[M, N]`` without bias."""
+    """Path ``p`` of `PATHS` on a non-empty product: ``[M, N]`` without bias, fp32 (the
+    "onednn" path: bf16, x's dtype, rounded by its GEMM)."""
+    if p == "onednn":
+        from glm5.kernels.tvm.quant_onednn import gemm
+
+        return gemm(context, x, w_packed, w_scale)
     if p == "vnni":
         from glm5.kernels.tvm.quant_vnni import gemv_vnni
 
