@@ -384,7 +384,7 @@ def _clear_tuning(path: Path | None, what: str) -> int:
 
 
 def _tune_cpu(args: argparse.Namespace, b: Any) -> int:
-    """`glm5 tune --backend cpu`: quant_linear's GEMV / GEMM crossovers on this CPU."""
+    """`glm5 tune --backend cpu`: where quant_linear's paths switch on this CPU."""
     import torch
 
     from glm5.backends import tuning_cache as tc
@@ -999,9 +999,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "candidate checked against the float64 oracle; winners are cached per "
                         "device and used from then on")
     tu.add_argument("--backend",
-                    help="a Triton-library backend (default cuda), or cpu: quant_linear's "
-                         "GEMV / GEMM crossovers on this CPU (--show: every backend's files "
-                         "unless given)")
+                    help="a Triton-library backend (default cuda), or cpu: where "
+                         "quant_linear's paths (GEMV, GEMM, oneDNN) switch on this CPU "
+                         "(--show: every backend's files unless given)")
     tu.add_argument("--ops", default="", help="comma-separated ops (default: all with shapes)")
     tu.add_argument("--budget-s", type=float, default=600.0, help="time for the whole search")
     tu.add_argument("--per-measure-s", type=float, default=0.15,

@@ -31,19 +31,20 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def test_pair_is_the_tables_small_and_large_path(monkeypatch, crossovers):
+def test_chain_is_the_tables_paths_with_their_bounds(monkeypatch, crossovers):
     monkeypatch.setattr(quant_vgemm, "bf16_available", lambda: (True, "t"))
-    quant.use_crossovers({})  # forget pairs computed under other features
-    assert quant.pair("w8a16", "vnni", F32) == ("vnni", "vgemm", 32)
-    assert quant.pair("w8a16", "vnni", BF16) == ("vnni", "vgemm", 16)
-    assert quant.pair("w8a8", "vnni", F32) == ("vnni", "vgemm", 16)
-    assert quant.pair("w8a8", "portable", F32) == ("tvm", "torch:gemm", 384)
-    assert quant.pair("w4a8", "portable", F32) is None  # one path for every row count
-    assert quant.pair("w6a12", "amx", BF16) == ("vnni", "amx", 2)
+    quant.use_crossovers({})  # forget chains computed under other features
+    assert quant.chain("w8a16", "vnni", F32) == (("vnni", 32), ("vgemm", None))
+    assert quant.chain("w8a16", "vnni", BF16) == (("vnni", 16), ("vgemm", 128),
+                                                  ("onednn", None))
+    assert quant.chain("w8a8", "vnni", F32) == (("vnni", 16), ("vgemm", None))
+    assert quant.chain("w8a8", "portable", F32) == (("tvm", 384), ("torch:gemm", None))
+    assert quant.chain("w4a8", "portable", F32) == (("tvm", None),)  # one path for every M
+    assert quant.chain("w6a12", "amx", BF16) == (("vnni", 2), ("amx", None))
     # without AVX-512 BF16 the VNNI tier's w8a16 on bf16 x has the GEMV only
     monkeypatch.setattr(quant_vgemm, "bf16_available", lambda: (False, "t"))
     quant.use_crossovers({})
-    assert quant.pair("w8a16", "vnni", BF16) is None
+    assert quant.chain("w8a16", "vnni", BF16) == (("vnni", None),)
 
 
 def test_crossovers_in_force_move_the_switch(monkeypatch, crossovers):
@@ -60,14 +61,18 @@ def test_crossovers_in_force_move_the_switch(monkeypatch, crossovers):
     assert quant.path("w8a8", 5, "vnni", F32) == "vnni"
 
 
-def test_a_crossover_moves_only_the_first_switch(monkeypatch, crossovers):
+def test_measured_switches_replace_the_tables(monkeypatch, crossovers):
     """w8a16 on bf16 x has three paths on the VNNI tier (GEMV, VNNI GEMM to 128 rows, oneDNN):
-    a measured GEMV / GEMM crossover moves the first switch, the table's second one stays,
-    and a crossover past it hands the GEMV's last row straight to oneDNN."""
+    one measured switch (an int) moves the first switch and the table keeps the second; a list
+    moves both; a switch below the one before it is raised to it (the middle path is then
+    skipped)."""
     monkeypatch.setattr(quant_vgemm, "bf16_available", lambda: (True, "t"))
     for rows, want in ((8, {8: "vnni", 9: "vgemm", 128: "vgemm", 129: "onednn"}),
                        (0, {1: "vgemm", 128: "vgemm", 129: "onednn"}),
-                       (150, {150: "vnni", 151: "onednn"})):
+                       (150, {150: "vnni", 151: "onednn"}),
+                       ([8, 64], {8: "vnni", 9: "vgemm", 64: "vgemm", 65: "onednn"}),
+                       ([12, 12], {12: "vnni", 13: "onednn"}),
+                       ([0, 0], {1: "onednn"})):
         quant.use_crossovers({"vnni/w8a16/bfloat16": rows})
         assert {m: quant.path("w8a16", m, "vnni", BF16) for m in want} == want, rows
 
@@ -75,28 +80,55 @@ def test_a_crossover_moves_only_the_first_switch(monkeypatch, crossovers):
 @pytest.mark.parametrize("bad", [{"vnni/w8a8": 4}, {"gpu/w8a8/float32": 4},
                                  {"vnni/w9a9/float32": 4}, {"vnni/w8a8/float16": 4},
                                  {"vnni/w8a8/float32": -1}, {"vnni/w8a8/float32": 4.5},
-                                 {"vnni/w8a8/float32": True}])
+                                 {"vnni/w8a8/float32": True}, {"vnni/w8a8/float32": []},
+                                 {"vnni/w8a8/float32": [8, 4]},
+                                 {"vnni/w8a8/float32": [4, -1]},
+                                 {"vnni/w8a8/float32": [4, True]}])
 def test_bad_crossovers_are_refused(bad, crossovers):
     with pytest.raises(ValueError, match="glm5 quant_linear crossovers"):
         quant.use_crossovers(bad)
 
 
-def test_crossover_rule():
+def test_switch_rule():
+    """Two paths: the switch under which the rungs cost least in all (a rung: its path's time
+    over the faster one's, 1 within 3%), ties to the larger switch."""
     t = lambda pairs: {m: {"g": a, "G": b} for m, (a, b) in pairs.items()}  # noqa: E731
-    assert tune_cpu.crossover(t({1: (1, 5), 8: (2, 3), 16: (4, 3), 32: (8, 3)}), "g", "G") == 8
-    # a rung where the GEMV wins again above a loss: the switch is above it
-    assert tune_cpu.crossover(t({1: (1, 5), 8: (4, 3), 16: (3, 3.5), 32: (8, 3)}),
-                              "g", "G") == 16
-    assert tune_cpu.crossover(t({1: (5, 1), 8: (6, 1)}), "g", "G") == 0
-    assert tune_cpu.crossover(t({1: (1, 5), 8: (2, 6)}), "g", "G") == 8
+    gG = ["g", "G"]
+    assert tune_cpu.switches(t({1: (1, 5), 8: (2, 3), 16: (4, 3), 32: (8, 3)}), gG) == [8]
+    # the GEMV wins again above a loss: the switch goes above it only if that gains more
+    # (here 33% lost at 8 rows against 17% won at 16: no; 41% won: yes)
+    assert tune_cpu.switches(t({1: (1, 5), 8: (4, 3), 16: (3, 3.5), 32: (8, 3)}), gG) == [1]
+    assert tune_cpu.switches(t({1: (1, 5), 8: (4, 3), 16: (2, 3.5), 32: (8, 3)}), gG) == [16]
+    assert tune_cpu.switches(t({1: (5, 1), 8: (6, 1)}), gG) == [0]
+    assert tune_cpu.switches(t({1: (1, 5), 8: (2, 6)}), gG) == [8]
     # within 3% is a tie, which the GEMV keeps; 4% is not
-    assert tune_cpu.crossover(t({1: (1, 5), 8: (1.029, 1.0), 16: (2, 1)}), "g", "G") == 8
-    assert tune_cpu.crossover(t({1: (1, 5), 8: (1.04, 1.0), 16: (2, 1)}), "g", "G") == 1
+    assert tune_cpu.switches(t({1: (1, 5), 8: (1.029, 1.0), 16: (2, 1)}), gG) == [8]
+    assert tune_cpu.switches(t({1: (1, 5), 8: (1.04, 1.0), 16: (2, 1)}), gG) == [1]
 
 
-def test_tuner_measures_every_pair_and_caches(cache, monkeypatch, crossovers):
-    """On this CPU's tier, at tiny sizes, with a scripted clock that makes the GEMM win from 4
-    rows: every pair the tier has is judged and measured, and the crossovers are cached under
+def test_switch_rule_over_three_paths():
+    """Three paths (GEMV, VNNI GEMM, oneDNN; ms by rows): two-thread Zen 5 times keep the
+    GEMM for 17-128 rows; one-thread times, where oneDNN leads from 12 rows and trails the
+    GEMM by 5% at 64 only, give the GEMM no rows (equal switches); a middle path that never
+    wins gets none either."""
+    t = lambda rows: {m: dict(zip("abc", v)) for m, v in rows.items()}  # noqa: E731
+    two = {16: (3.21, 3.71, 3.17), 24: (4.48, 3.79, 3.73), 32: (5.13, 3.35, 3.45),
+           64: (10.5, 3.67, 4.53), 128: (20.9, 6.75, 7.44), 256: (42.2, 12.7, 12.3)}
+    assert tune_cpu.switches(t(two), list("abc")) == [16, 128]
+    one = {8: (3.18, 6.91, 3.27), 12: (4.59, 6.72, 3.40), 16: (6.30, 6.93, 3.90),
+           64: (20.4, 7.05, 7.40), 128: (41.4, 12.6, 11.7), 256: (83.4, 24.8, 21.3)}
+    assert tune_cpu.switches(t(one), list("abc")) == [8, 8]
+    never = {1: (1, 9, 5), 8: (4, 9, 3), 64: (40, 9, 8)}
+    assert tune_cpu.switches(t(never), list("abc")) == [1, 1]
+    assert tune_cpu.rungs_for((("a", 16), ("b", 128), ("c", None)), (1, 128)) == (
+        1, 128, 192, 256)
+    assert tune_cpu.rungs_for((("a", 16), ("c", None)), (1, 16)) == (1, 16)
+
+
+def test_tuner_measures_every_chain_and_caches(cache, monkeypatch, crossovers):
+    """On this CPU's tier, at tiny sizes, with a scripted clock under which a chain's first
+    path is fastest below 4 rows and its last from 4 rows on (the middle ones between): every
+    chain the tier has is judged and measured path by path, and the switches are cached under
     this CPU's key; a new start of the backend puts them in force."""
     tier = quant.cpu_tier()
     ctx = cpu_backend.context
@@ -105,28 +137,32 @@ def test_tuner_measures_every_pair_and_caches(cache, monkeypatch, crossovers):
     real_run = quant._run
 
     def run(p, context, x, wp, ws, scheme):
-        ran.append((p, x.shape[0]))
+        ran.append((p, x.shape[0], scheme, x.dtype))
         return real_run(p, context, x, wp, ws, scheme)
 
     def scripted(fn, reps):
         fn()
-        p, m = ran[-1]
-        small = p in ("vnni", "tvm")
-        return (1.0 if small else 2.0) if m < 4 else (2.0 if small else 1.0)
+        p, m, scheme, dtype = ran[-1]
+        paths = [q for q, _ in quant.chain(scheme, tier, dtype)]
+        i, n = paths.index(p), len(paths)
+        return 1.0 + (i if m < 4 else n - 1 - i)
 
     monkeypatch.setattr(quant, "_run", run)
     report = tune_cpu.run(ctx, K=256, N=64, reps=1, ladder=(1, 2, 4, 8), clock=scripted,
                           say=lambda s: None)
     pairs = [(s, d) for s in quant.SCHEMES for d in (F32, BF16)
-             if quant.pair(s, tier, d) is not None]
+             if len(quant.chain(s, tier, d)) > 1]
     assert len(report["results"]) == len(pairs)
     key, _ = tc.cpu_key(tier, torch.get_num_threads())
     assert report["device_key"] == key and report["tier"] == tier
     for r in report["results"]:
         assert "error" not in r, r
-        assert r["crossover"] == 2 and set(r["times"]) == {1, 2, 4, 8}
+        # the GEMV (vnni / tvm) wins below 4 rows; every later path ties it above
+        assert r["switches"] == [2] * (len(r["paths"]) - 1) and set(r["times"]) == {1, 2, 4, 8}
+        assert all(set(v) == set(r["paths"]) for v in r["times"].values())
     kept = report["kept"].get("quant_linear", {})
-    assert kept == {quant.crossover_key(tier, s, d): 2 for s, d in pairs}
+    assert kept == {quant.crossover_key(tier, s, d): 2 if len(quant.chain(s, tier, d)) == 2
+                    else [2] * (len(quant.chain(s, tier, d)) - 1) for s, d in pairs}
     if not kept:
         return  # a tier with one path per scheme: nothing to cache
     data = tc.read(tc.path_for("cpu", key))
@@ -136,24 +172,23 @@ def test_tuner_measures_every_pair_and_caches(cache, monkeypatch, crossovers):
     monkeypatch.setattr(cpu_backend, "_ctx", None)
     cpu_backend.context()  # the backend starting: the cache in force
     assert quant._crossovers == kept and "quant_linear" in cpu_backend.tuning_state
-    s, d = pairs[0]
-    small, large, _ = quant.pair(s, tier, d)
-    assert quant.path(s, 2, dtype=d) == small and quant.path(s, 3, dtype=d) == large
+    for s, d in pairs:
+        ch = quant.chain(s, tier, d)
+        assert quant.path(s, 2, dtype=d) == ch[0][0] and quant.path(s, 3, dtype=d) == ch[-1][0]
 
 
 def test_a_wrong_path_is_caught_before_timing(cache, monkeypatch, crossovers):
     tier = quant.cpu_tier()
-    pairs = [(s, d) for s in quant.SCHEMES for d in (F32,) if quant.pair(s, tier, d)]
+    pairs = [(s, d) for s in quant.SCHEMES for d in (F32,) if len(quant.chain(s, tier, d)) > 1]
     if not pairs:
         pytest.skip(f"tier {tier} has one path per scheme")
     s, d = pairs[0]
-    small, large, _ = quant.pair(s, tier, d)
+    paths = [p for p, _ in quant.chain(s, tier, d)]
     real_run = quant._run
-    monkeypatch.setattr(quant, "_run", lambda p, *a: real_run(p, *a) * (1.01 if p == large
+    monkeypatch.setattr(quant, "_run", lambda p, *a: real_run(p, *a) * (1.01 if p == paths[-1]
                                                                            else 1.0))
-    m = tune_cpu.measure(cpu_backend.context, s, d, small, large, (1, 2), 256, 64, 1,
-                         float("inf"))
-    assert m["error"].startswith(f"{large}: verdict")
+    m = tune_cpu.measure(cpu_backend.context, s, d, paths, (1, 2), 256, 64, 1, float("inf"))
+    assert m["error"].startswith(f"{paths[-1]}: verdict")
 
 
 @pytest.mark.parametrize("case", ["stale", "other CPU", "bad entry", "off"])

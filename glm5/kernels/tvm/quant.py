@@ -117,56 +117,74 @@ def serves(p: str, scheme: str, dtype: torch.dtype | None = None) -> bool:
 
 
 # Crossovers measured on this CPU (`glm5 tune --backend cpu`, applied by the cpu backend from
-# the tuning cache): crossover_key -> the most rows the small-M path takes.
-_crossovers: dict[str, int] = {}
+# the tuning cache): crossover_key -> the most rows each path of the `chain` but the last takes
+# (a list, one per switch; an int: the first switch only).
+_crossovers: dict[str, int | list[int]] = {}
 
 
 def crossover_key(tier: str, scheme: str, dtype: torch.dtype) -> str:
     return f"{tier}/{scheme}/{str(dtype).removeprefix('torch.')}"
 
 
-def use_crossovers(table: dict[str, int]) -> None:
-    """Replace the crossovers in force (``{crossover_key: rows}``; {} restores `PATHS`'). A
-    key naming no tier, scheme or dtype, or rows not an int >= 0, raises ValueError."""
+def _rows_ok(v: Any) -> bool:
+    def one(r: Any) -> bool:
+        return isinstance(r, int) and not isinstance(r, bool) and r >= 0
+
+    if isinstance(v, list):
+        return bool(v) and all(one(r) for r in v) and v == sorted(v)
+    return one(v)
+
+
+def use_crossovers(table: dict[str, int | list[int]]) -> None:
+    """Replace the crossovers in force (``{crossover_key: rows}``, rows an int or a
+    non-decreasing list of ints, one per switch of the `chain`; {} restores `PATHS`'). A key
+    naming no tier, scheme or dtype, or other rows, raises ValueError."""
     for k, v in table.items():
         parts = k.split("/")
         ok = (len(parts) == 3 and parts[0] in PATHS and parts[1] in SCHEMES
               and parts[2] in ("float32", "bfloat16"))
-        if not ok or isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        if not ok or not _rows_ok(v):
             raise ValueError(f"glm5 quant_linear crossovers: expected 'tier/scheme/dtype' -> "
-                             f"rows >= 0, got {k!r}: {v!r}")
+                             f"rows >= 0 (an int, or a non-decreasing list of them), got "
+                             f"{k!r}: {v!r}")
     _crossovers.clear()
     _crossovers.update(table)
-    pair.cache_clear()  # PATHS or the CPU's features may have changed since (tests patch them)
+    chain.cache_clear()  # PATHS or the CPU's features may have changed since (tests patch them)
 
 
 @functools.lru_cache(maxsize=None)
-def pair(scheme: str, tier: str, dtype: torch.dtype) -> tuple[str, str, int] | None:
-    """(small-M path, the path that follows it, the most rows `PATHS` gives the small one) for
-    x of ``dtype`` on ``tier``; None where one path serves every row count. A measured
-    crossover moves only this first boundary; later ones (w8a16 on bf16 x: the VNNI GEMM, then
-    oneDNN) stay the table's."""
-    small = _table_path(scheme, 1, tier, dtype)
-    if small == _table_path(scheme, 1 << 40, tier, dtype):
-        return None
-    bounds = [e[0] for e in PATHS[tier][scheme] if e[0] is not None]
-    rows = max(r for r in bounds if _table_path(scheme, r, tier, dtype) == small)
-    return small, _table_path(scheme, rows + 1, tier, dtype), rows
+def chain(scheme: str, tier: str, dtype: torch.dtype) -> tuple[tuple[str, int | None], ...]:
+    """The paths `PATHS` gives x of ``dtype`` on ``tier`` as M grows, each with the most rows
+    it takes (None: the last, every row above), e.g. (("vnni", 16), ("vgemm", 128), ("onednn",
+    None)); one entry where one path serves every row count."""
+    bounds = sorted({e[0] for e in PATHS[tier][scheme] if e[0] is not None})
+    out: list[tuple[str, int | None]] = []
+    cur = _table_path(scheme, 1, tier, dtype)
+    for b in bounds:
+        nxt = _table_path(scheme, b + 1, tier, dtype)
+        if nxt != cur:
+            out.append((cur, b))
+            cur = nxt
+    return (*out, (cur, None))
 
 
 def path(scheme: str, M: int, tier: str | None = None, dtype: torch.dtype | None = None
          ) -> str:
     """The path `quant_linear` takes for ``M`` rows of ``scheme`` on ``tier`` (default: this
-    CPU's), from `PATHS`, or from the crossover measured on this CPU where one is in force
-    (`use_crossovers`); with ``dtype`` (x's), the first entry that `serves` it (without, the
-    entries for one dtype are skipped)."""
+    CPU's), from `PATHS`, or from the crossovers measured on this CPU where they are in force
+    (`use_crossovers`: they replace the `chain`'s first switches, the table keeps the rest; a
+    switch below the one before it skips the path between); with ``dtype`` (x's), the first entry that `serves`
+    it (without, the entries for one dtype are skipped)."""
     tier = tier or cpu_tier()
-    if dtype is not None and _crossovers:
-        rows = _crossovers.get(crossover_key(tier, scheme, dtype))
-        pr = None if rows is None else pair(scheme, tier, dtype)
-        if pr is not None:
-            return pr[0] if M <= rows else _table_path(scheme, max(M, pr[2] + 1), tier, dtype)
-    return _table_path(scheme, M, tier, dtype)
+    rows = _crossovers.get(crossover_key(tier, scheme, dtype)) if dtype is not None else None
+    if rows is None:
+        return _table_path(scheme, M, tier, dtype)
+    ch = chain(scheme, tier, dtype)
+    measured = rows if isinstance(rows, list) else [rows]
+    for i, (p, bound) in enumerate(ch[:-1]):
+        if M <= (measured[i] if i < len(measured) else bound):
+            return p
+    return ch[-1][0]
 
 
 def _table_path(scheme: str, M: int, tier: str, dtype: torch.dtype | None) -> str:
