@@ -173,8 +173,8 @@ def path(scheme: str, M: int, tier: str | None = None, dtype: torch.dtype | None
     """The path `quant_linear` takes for ``M`` rows of ``scheme`` on ``tier`` (default: this
     CPU's), from `PATHS`, or from the crossovers measured on this CPU where they are in force
     (`use_crossovers`: they replace the `chain`'s first switches, the table keeps the rest; a
-    switch below the one before it skips the path between); with ``dtype`` (x's), the first entry that `serves`
-    it (without, the entries for one dtype are skipped)."""
+    switch below the one before it skips the path between); with ``dtype`` (x's), the first
+    entry that `serves` it (without, the entries for one dtype are skipped)."""
     tier = tier or cpu_tier()
     rows = _crossovers.get(crossover_key(tier, scheme, dtype)) if dtype is not None else None
     if rows is None:
