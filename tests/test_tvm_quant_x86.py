@@ -830,6 +830,9 @@ def test_new_kernels_build_once_and_load_from_disk(ctx, tmp_path):
             x = torch.randn(M, K, generator=g).to(BF16)
             vals = {"x": x, "w_packed": wp, "w_scale": ws, "scheme": "w8a16", "bias": None}
             _check(quant._run("vgemm", lambda: c, x, wp, ws, "w8a16"), vals, "w8a16 cached")
+            # the oneDNN path's dequantization pass: n and K are runtime values too
+            _check(quant._run("onednn", lambda: c, x, wp, ws, "w8a16"), vals, "onednn cached",
+                   BF16)
 
     run(c1, 3, 200, 40)
     built = [b["how"] for b in c1.builds]
