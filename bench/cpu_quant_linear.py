@@ -22,7 +22,8 @@ shared: under load, a 2-thread parallel region waits for its slower thread, so c
 ratios from one run, or use ``--threads 1``).
 
 ``--paths`` also times every path `glm5.kernels.tvm.quant.PATHS` can take on this CPU's tier
-(VNNI GEMV, AMX GEMM, portable GEMV, torch), called directly, next to the one the table
+(VNNI GEMV, VNNI GEMM, AMX GEMM, oneDNN over dequantized weight blocks, portable GEMV,
+torch), called directly, next to the one the table
 chooses: the data the table's crossovers come from. The default run takes well under a
 minute once the kernels are built (the first run builds them: a few seconds each).
 """
