@@ -125,13 +125,17 @@ def test_links_planted_by_a_command_are_never_followed(tmp_path):
                      {"path": "d/up/host_secret.txt"}):
             obs = json.loads(env.step(_call("read_file", **args)).observation)[0]
             assert "error" in obs and "host data" not in json.dumps(obs)
-        for path in ("leak.txt", "upd/new.txt", "d/up/host_secret.txt"):
+        for path in ("upd/new.txt", "d/up/host_secret.txt"):  # a link on the way: refused
             obs = json.loads(env.step(_call("write_file", path=path,
                                             content="pwned")).observation)[0]
             assert "error" in obs, obs
-        assert secret.read_text() == "host data\n" and not (tmp_path / "new.txt").exists()
         state = env.state_dict()
         assert "host data" not in json.dumps(state) and "leak.txt" not in state["files"]
         assert env.entries("upd") == [] and env.text("leak.txt") is None
+        # a link as the file itself is replaced by the new file, never written through
+        obs = json.loads(env.step(_call("write_file", path="leak.txt",
+                                        content="pwned")).observation)[0]
+        assert "error" not in obs and env.text("leak.txt") == "pwned"
+        assert secret.read_text() == "host data\n" and not (tmp_path / "new.txt").exists()
     finally:
         env.close()

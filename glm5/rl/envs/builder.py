@@ -14,8 +14,8 @@ pytest's plugin autoload off (plugins of this environment are not the repository
 from __future__ import annotations
 
 import configparser
+import errno
 import re
-import shutil
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -124,10 +124,17 @@ def build_and_test(repo: str | Path, sandbox_config: Any = None, timeout: float 
         return BuildReport(str(r), False, "no test entry found (no pytest settings, tox "
                            "commands, test directories or test files)")
     cfg = sandbox_config or SandboxConfig(cpu_seconds=int(timeout), wall_seconds=timeout,
-                                          memory_bytes=2 << 30, max_processes=128)
+                                          memory_bytes=2 << 30, max_processes=128,
+                                          disk_bytes=1 << 30, tmp_bytes=256 << 20)
     t0 = time.perf_counter()
     with Sandbox(cfg) as sb:
-        shutil.copytree(r, sb.workdir / "repo", ignore=shutil.ignore_patterns(*_SKIP_DIRS - {"docs"}))
+        try:
+            sb.copy_in(r, "repo", ignore=sorted(_SKIP_DIRS - {"docs"}))
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            return BuildReport(str(r), False, f"the repository does not fit the sandbox's "
+                               f"work directory (disk_bytes={cfg.disk_bytes}): {e}")
         cmd = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *entry.paths]
         full = ["env", "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1", f"PYTHONPATH={import_root(r)}",
                 "bash", "-c", 'cd repo && exec "$@"', "_", *cmd]

@@ -1,61 +1,63 @@
-"""Run an episode's commands isolated: bubblewrap namespaces, rlimits, a pids cgroup and a
-seccomp filter.
+"""Run an episode's commands isolated: bubblewrap namespaces, an unprivileged host uid,
+size-capped tmpfs mounts, rlimits, a pids cgroup and a seccomp filter.
 
-`Sandbox(config)` is one session: a private writable work directory (created under a temp
-root, removed by `close()`), in which `run(cmd)` executes commands one at a time and returns a
-`SandboxResult` with the exit status, the captured output (capped; truncation is stated in the
-result), the wall time and a `reason`:
+`Sandbox(config)` is one session: a private work directory, in which `run(cmd)` executes
+commands one at a time and returns a `SandboxResult` with the exit status, the captured output
+(capped; truncation is stated in the result), the wall time and a `reason`:
 
     "ok"                 exit status 0
     "timeout"            the wall-clock limit was reached; every process of the command killed
     "cpu_limit"          RLIMIT_CPU (SIGXCPU, or the hard limit's SIGKILL)
     "memory_limit"       RLIMIT_AS: an allocation failed (MemoryError, ENOMEM, bad_alloc)
     "file_size_limit"    RLIMIT_FSIZE (SIGXFSZ, or EFBIG for a program that ignores it)
+    "disk_limit"         the work directory or /tmp is full (their tmpfs caps: disk_bytes,
+                         tmp_bytes, in bytes or in files), or ENOSPC / EDQUOT otherwise
     "seccomp"            a denied system call ended the command (seccomp_action="kill")
     "killed_signal:<n>"  another signal ended the command
     "error"              any other non-zero exit, or the command could not start
 
 Two modes (`Sandbox.mode`; `Sandbox.capabilities()` and `sandbox_report()` say exactly what is
-enforced, and docs/rl_envs.md has the table):
+guaranteed, and docs/rl_envs.md has the table):
 
-- "bwrap" where `bwrap` is on PATH and works (probed once per process): new user (uid 65534
-  inside), PID, network, IPC, UTS and cgroup namespaces; a read-only system (/usr, /bin, /lib*,
-  the parts of /etc programs need); a private /tmp; the work directory read-write at /work (the
-  working directory); nothing else of the host. rlimits are set before bwrap is exec'd and are
-  inherited; the seccomp filter is handed to bwrap as `--seccomp FD`.
-- "rlimits" without bwrap: rlimits, a new session, the seccomp filter, and a network namespace
-  only when running as root. The host's filesystem stays visible and writable to the command
-  (as the calling user): a weaker mode for development machines, never for untrusted code.
+- "bwrap" where `bwrap` is on PATH and works (probed once per process). Commands run as an
+  unprivileged host uid (never host root: `sandbox_launch`), uid 65534 inside a user
+  namespace (or, as root where user namespaces are refused, the uid itself, dropped inside by
+  setpriv), with no capabilities and no_new_privs; in new PID, network, IPC, UTS and cgroup
+  namespaces; over a read-only system (/usr, /bin, /lib*, the parts of /etc programs need),
+  every mount nosuid; the work directory at /work and /tmp are size-capped tmpfs mounts
+  (`sandbox_stage`) that exist only in a mount namespace this process holds — never on the
+  host's disk, freed by the kernel when the session closes or this process dies. /proc/sys and
+  /proc/sysrq-trigger are host root's: read-only to the command's uid; /sys is absent.
+- "rlimits" without bwrap: rlimits, a new session (no controlling terminal), no_new_privs, the
+  seccomp filter (System V IPC denied too), a network namespace as root. The host's
+  filesystem and processes stay visible to the command: NOT a security boundary. As root it
+  refuses to start unless `SandboxConfig(unsafe_rlimits_as_root=True)`, and then drops to an
+  unprivileged uid as bwrap mode does.
 
 In both modes the number of processes is bounded by a pids cgroup where one is writable (v1 or
-v2), else by RLIMIT_NPROC, which the kernel does not apply to root: as root without a writable
-pids cgroup, `max_processes` is not enforced (reported, and warned about). When a command ends,
-every process it started is killed (bwrap: the PID namespace dies with its init; rlimits: the
-process group and the cgroup).
+v2), else by RLIMIT_NPROC (per host uid: exact for a root trainer's per-session uid). When a
+command ends, every process it started is killed (bwrap: the PID namespace dies with its init;
+rlimits: the process group and the cgroup). Host-side file access (`read_file`, `write_file`,
+`copy_in`, `list_dir`, `walk_files`) never follows a link, never writes through an existing
+inode and refuses files with more than one link (`sandbox_fs`); `close()` never raises for
+what a command left, and reports what it could not remove.
 
-Only the standard library is used: libseccomp through ctypes, bwrap as a program. Nothing is
-probed at import time.
+Only the standard library is used: libseccomp and openat2 through ctypes, bwrap and
+util-linux's nsenter / setpriv / prlimit as programs. Nothing is probed at import time.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import errno
 import fcntl
 import functools
 import glob
 import logging
 import os
-import platform
-import re
-import resource
-import secrets
-import selectors
 import shutil
 import signal
 import socket
-import stat
 import statistics
 import struct
 import subprocess
@@ -64,8 +66,15 @@ import tempfile
 import threading
 import time
 import weakref
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
+
+from glm5.rl.envs import sandbox_fs as fs
+from glm5.rl.envs import sandbox_launch as launch
+from glm5.rl.envs import sandbox_seccomp as seccomp
+from glm5.rl.envs import sandbox_stage as stage
+from glm5.rl.envs.sandbox_cgroup import PidsCgroup, pids_cgroup_parent
+from glm5.rl.envs.sandbox_supervise import supervise
 
 log = logging.getLogger("glm5.rl.envs")
 
@@ -76,32 +85,10 @@ SECCOMP_ACTIONS = ("errno", "kill")
 SANDBOX_WORKDIR = "/work"
 #: Where the running interpreter's virtual environment appears inside the bwrap sandbox.
 SANDBOX_VENV = "/opt/venv"
-#: The uid/gid the command runs as inside bwrap's user namespace ("nobody").
+#: The uid/gid a command has inside bwrap's user namespace ("nobody").
 SANDBOX_UID = 65534
-
-#: System calls the seccomp filter denies. Names the running libseccomp does not know, and
-#: calls this architecture does not have, are skipped (`capabilities()["seccomp_denied"]` lists
-#: what is in force). clone() with a namespace flag is denied too, and clone3() (whose flags a
-#: filter cannot read) answers ENOSYS so that the C library falls back to clone().
-DENIED_SYSCALLS: tuple[str, ...] = (
-    # debugging other processes, reading or writing their memory
-    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd",
-    # mounts, namespaces, root changes
-    "mount", "umount", "umount2", "pivot_root", "chroot", "unshare", "setns", "fsopen",
-    "fsconfig", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr",
-    # the kernel itself: modules, kexec, reboot, swap, BPF, perf, keyrings, sysctl, I/O ports
-    "reboot", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
-    "create_module", "get_kernel_syms", "query_module", "swapon", "swapoff", "bpf",
-    "perf_event_open", "keyctl", "add_key", "request_key", "syslog", "_sysctl", "iopl",
-    "ioperm", "uselib", "nfsservctl", "lookup_dcookie", "vhangup", "vm86", "vm86old",
-    # file handles bypass path permissions; userfaultfd eases kernel exploits
-    "open_by_handle_at", "name_to_handle_at", "userfaultfd", "fanotify_init",
-    # host-wide state: clock, accounting, quotas, names, execution domain
-    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "stime", "acct", "quotactl",
-    "quotactl_fd", "sethostname", "setdomainname", "personality",
-    # io_uring runs operations the filter never sees
-    "io_uring_setup", "io_uring_enter", "io_uring_register",
-)
+#: The rlimits-mode session directories' name prefix (a sweep finds crashed sessions' by it).
+SESSION_PREFIX = "glm5-sandbox-"
 
 # /etc entries programs need (name service, dynamic linker, time zone, TLS roots, Debian's
 # alternatives and Python's config); shadow files, keys and the host's own config stay out.
@@ -113,30 +100,21 @@ _ETC_ENTRIES = (
     "inputrc", "magic", "magic.mime", "python3*")
 _ETC_WITH_NETWORK = ("resolv.conf",)
 
-_CLONE_NS_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
-                   0x40000000, 0x00000080)  # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID,
-#                                              NEWNET, NEWTIME
 _CLONE_NEWNET = 0x40000000
-
-_SCMP_ACT_ALLOW = 0x7FFF0000
-_SCMP_ACT_KILL_PROCESS = 0x80000000
-_SCMP_CMP_MASKED_EQ = 7
-_NR_SCMP_ERROR = -1
-
-
-def _scmp_act_errno(err: int) -> int:
-    return 0x00050000 | (err & 0xFFFF)
-
-
-_LIBSECCOMP = "libseccomp.so.2"
 
 _MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory",
                    "Out of memory")
 _FILE_SIZE_MARKERS = ("File too large", "[Errno 27]")
+_DISK_MARKERS = ("No space left on device", "[Errno 28]", "Disk quota exceeded", "[Errno 122]")
+
+#: The capabilities bwrap keeps (as root, without a user namespace) for setpriv to drop to
+#: the session's uid inside; setpriv then empties every set.
+_SETPRIV_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")
 
 
 class SandboxError(RuntimeError):
-    """The sandbox cannot be set up as configured (a mode or interpreter that is unavailable)."""
+    """The sandbox cannot be set up as configured (a mode or interpreter that is unavailable,
+    rlimits mode as root without the explicit opt-in)."""
 
 
 def _bad(arg: str, expected: str, got: Any) -> ValueError:
@@ -152,9 +130,14 @@ class SandboxConfig:
     wall_seconds: default wall-clock limit of a command (`Sandbox.run(timeout=)` overrides it).
     memory_bytes: address space per process (RLIMIT_AS).
     max_processes: processes and threads the command may have at once (a pids cgroup, else
-        RLIMIT_NPROC; see the module docstring for root).
+        RLIMIT_NPROC).
     file_size_bytes: largest file a process may write (RLIMIT_FSIZE).
     open_files: file descriptors per process (RLIMIT_NOFILE).
+    disk_bytes: the work directory's size (bwrap mode: a tmpfs of this size, with one inode
+        per KiB of it; None: the kernel's default, half of RAM). Held in RAM: see tmp_bytes.
+    tmp_bytes: /tmp's size, the same way (bwrap mode; rlimits mode has no private /tmp).
+        A session can hold up to disk_bytes + tmp_bytes of RAM in these, beyond its
+        processes' memory_bytes each; it is freed when the session closes.
     network: keep the host's network (default False: a private network namespace).
     ro_binds: extra read-only paths, each a host path (visible at the same path) or a
         (host path, path inside) pair; bwrap mode only.
@@ -168,6 +151,12 @@ class SandboxConfig:
         "kill" (it ends the command: reason "seccomp").
     python: expose the running interpreter and its virtual environment read-only inside the
         sandbox (`Sandbox.python` is its path there; `python` on PATH is it).
+    host_uid: the host uid (and gid) a root trainer's commands run as (None: one of their own
+        per session, see `sandbox_launch.HOST_UID_RANGE`; 0 is refused). A non-root trainer's
+        commands always run as its own uid: only None or that uid is accepted.
+    unsafe_rlimits_as_root: let rlimits mode run commands when this process is root. rlimits
+        mode is no security boundary (the host's files and processes stay visible); even so
+        the commands drop to an unprivileged uid.
     """
 
     cpu_seconds: int | None = 10
@@ -176,6 +165,8 @@ class SandboxConfig:
     max_processes: int | None = 64
     file_size_bytes: int | None = 64 << 20
     open_files: int | None = 256
+    disk_bytes: int | None = 256 << 20
+    tmp_bytes: int | None = 64 << 20
     network: bool = False
     ro_binds: tuple[str | tuple[str, str], ...] = ()
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -184,22 +175,27 @@ class SandboxConfig:
     seccomp: bool = True
     seccomp_action: Literal["errno", "kill"] = "errno"
     python: bool = True
+    host_uid: int | None = None
+    unsafe_rlimits_as_root: bool = False
 
     def __post_init__(self) -> None:
         name = "SandboxConfig"
         for field, minimum in (("cpu_seconds", 1), ("memory_bytes", 16 << 20),
                                ("max_processes", 1), ("file_size_bytes", 1),
-                               ("open_files", 16)):
+                               ("open_files", 16), ("disk_bytes", 1 << 20),
+                               ("tmp_bytes", 1 << 20), ("host_uid", 1)):
             v = getattr(self, field)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < minimum):
                 raise _bad(f"{name}.{field}", f"an int >= {minimum} or None", v)
+        if self.host_uid is not None and self.host_uid >= (1 << 32) - 1:
+            raise _bad(f"{name}.host_uid", "a uid below 2**32 - 1", self.host_uid)
         if (isinstance(self.wall_seconds, bool) or not isinstance(self.wall_seconds, (int, float))
                 or not self.wall_seconds > 0):
             raise _bad(f"{name}.wall_seconds", "a number of seconds > 0", self.wall_seconds)
         if (isinstance(self.output_bytes, bool) or not isinstance(self.output_bytes, int)
                 or self.output_bytes < 2):
             raise _bad(f"{name}.output_bytes", "an int >= 2", self.output_bytes)
-        for field in ("network", "seccomp", "python"):
+        for field in ("network", "seccomp", "python", "unsafe_rlimits_as_root"):
             if not isinstance(getattr(self, field), bool):
                 raise _bad(f"{name}.{field}", "a bool", getattr(self, field))
         if self.mode not in MODES:
@@ -233,7 +229,7 @@ def _normalize_bind(b: Any) -> tuple[str, str]:
     dst = os.path.normpath(dst)
     if not os.path.isabs(dst) or dst == "/":
         raise _bad(arg, "an absolute path inside the sandbox other than /", dst)
-    for reserved in (SANDBOX_WORKDIR, "/proc", "/dev"):
+    for reserved in (SANDBOX_WORKDIR, "/proc", "/dev", "/tmp"):
         if dst == reserved or dst.startswith(reserved + "/"):
             raise _bad(arg, f"a path inside the sandbox outside {reserved} (it is the "
                        "sandbox's own)", dst)
@@ -272,72 +268,23 @@ class SandboxResult:
         return self.reason == "ok"
 
 
-class _Capture:
-    """One output stream, capped: the first half of the cap and the last half are kept."""
-
-    def __init__(self, name: str, cap: int) -> None:
-        self.name = name
-        self.head_cap = cap // 2
-        self.tail_cap = cap - self.head_cap
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-
-    def feed(self, chunk: bytes) -> None:
-        self.total += len(chunk)
-        room = self.head_cap - len(self.head)
-        if room > 0:
-            self.head += chunk[:room]
-            chunk = chunk[room:]
-        if chunk:
-            self.tail += chunk
-            if len(self.tail) > self.tail_cap:
-                del self.tail[:len(self.tail) - self.tail_cap]
-
-    @property
-    def truncated(self) -> bool:
-        return self.total > self.head_cap + self.tail_cap
-
-    def text(self) -> str:
-        head = self.head.decode("utf-8", "replace")
-        tail = self.tail.decode("utf-8", "replace")
-        if not self.truncated:
-            return head + tail
-        omitted = self.total - len(self.head) - len(self.tail)
-        return (f"{head}\n[... glm5 sandbox: {omitted} bytes of {self.name} omitted "
-                f"(output_bytes cap) ...]\n{tail}")
-
-
 # ---------------------------------------------------------------------------------------- probes
 @dataclasses.dataclass(frozen=True)
 class _BwrapInfo:
+    """Whether bwrap works here and how a command gets its unprivileged uid (`privilege`):
+    "userns" (bwrap, started as that uid, maps it to 65534 in a user namespace) or "setpriv"
+    (root where user namespaces are refused: bwrap as root keeps only the capabilities
+    setpriv needs, and setpriv drops to the uid inside)."""
     path: str | None
     works: bool
     userns: bool
     version: str
     reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class _SeccompFilter:
-    bpf: bytes
-    denied: tuple[str, ...]
-    skipped: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class _CgroupParent:
-    path: Path | None
-    version: int
-    reason: str
-
-
-# A child for probes that needs nothing from PATH.
-_PROBE_CMD = [sys.executable, "-c", ""]
+    privilege: str = ""
 
 
 def _is_root() -> bool:
-    return os.geteuid() == 0
+    return launch.is_root()
 
 
 def _system_binds(network: bool) -> list[str]:
@@ -357,11 +304,59 @@ def _system_binds(network: bool) -> list[str]:
     return args
 
 
+def _bwrap_argv(bwrap: str, privilege: str, mounts: stage.SessionMounts, network: bool,
+                binds: Sequence[tuple[str, str]]) -> list[str]:
+    """bwrap's options for a session (the command and `--seccomp` follow). `binds`: (path in
+    the stage, path inside) read-only binds."""
+    # bwrap's own init stays PID 1 (it reaps orphans, and the command keeps ordinary
+    # signal semantics: the kernel spares a namespace's init SIGXCPU, SIGXFSZ, SIGPIPE).
+    args = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-ipc",
+            "--unshare-uts", "--unshare-cgroup-try", "--hostname", "glm5-sandbox"]
+    if privilege == "userns":
+        args += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+    else:
+        args += ["--cap-drop", "ALL"]
+        for cap in _SETPRIV_CAPS:
+            args += ["--cap-add", cap]
+    if not network:
+        args.append("--unshare-net")
+    args += _system_binds(network)
+    args += ["--proc", "/proc", "--dev", "/dev", "--bind", mounts.work, SANDBOX_WORKDIR,
+             "--bind", mounts.tmp, "/tmp"]
+    for src, dst in binds:
+        args += ["--ro-bind", src, dst]
+    return args + ["--chdir", SANDBOX_WORKDIR, "--remount-ro", "/"]
+
+
+def _inner_prefix(privilege: str, uid: int, gid: int) -> list[str]:
+    """What runs inside bwrap before the command: setpriv's drop, where bwrap ran as root."""
+    if privilege != "setpriv":
+        return []
+    setpriv = launch.programs()["setpriv"]
+    if setpriv is None:
+        raise SandboxError("bwrap as root without a user namespace needs setpriv "
+                           "(util-linux) to drop to an unprivileged uid")
+    return launch.setpriv_argv(setpriv, uid, gid)
+
+
+def _spawn(argv: list[str], mounts: stage.SessionMounts | None, drop: tuple[int, int] | None,
+           limits: Sequence[launch.Rlimit], cgroup: PidsCgroup | None,
+           **popen: Any) -> subprocess.Popen[bytes]:
+    """Start a bwrap command through the launcher programs, else through preexec_fn."""
+    prefix = launcher = launch.launcher(mounts, drop, limits, cgroup)
+    pre = None
+    if launcher is None:
+        prefix = []
+        pre = launch.preexec(cgroup=cgroup, mounts=mounts, drop=drop, limits=limits)
+    fds = tuple(popen.pop("pass_fds", ())) + (mounts.fds() if mounts is not None else ())
+    return subprocess.Popen([*prefix, *argv], preexec_fn=pre, pass_fds=fds, **popen)
+
+
 @functools.lru_cache(maxsize=None)
 def _bwrap_probe() -> _BwrapInfo:
-    """Find bwrap and check that it can build a sandbox here (a container may forbid
-    namespaces): first with a user namespace, then (root only) without one, capabilities
-    dropped."""
+    """Find bwrap and check that it can build a sandbox here the way sessions do (a container
+    may forbid namespaces): the stage, then bwrap started as an unprivileged uid with a user
+    namespace, then (root only) bwrap as root with setpriv dropping inside."""
     path = shutil.which("bwrap")
     if path is None:
         return _BwrapInfo(None, False, False, "", "bwrap not found on PATH")
@@ -370,183 +365,38 @@ def _bwrap_probe() -> _BwrapInfo:
                                  timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError) as e:
         return _BwrapInfo(path, False, False, "", f"{path} --version failed: {e}")
-    base = [path, *_system_binds(False), "--proc", "/proc", "--dev", "/dev", "--unshare-pid",
-            "--unshare-net", "--unshare-ipc", "--die-with-parent", "--new-session"]
-    attempts = [("userns", ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid",
-                            str(SANDBOX_UID)])]
-    if _is_root():
-        attempts.append(("no userns", ["--cap-drop", "ALL"]))
+    root = _is_root()
+    try:
+        st = stage.stage(userns=not root)
+    except stage.StageError as e:
+        return _BwrapInfo(path, False, False, version,
+                          f"bwrap cannot create a sandbox here (no private mount namespace "
+                          f"for its tmpfs mounts: {e})")
     errors = []
-    for label, extra in attempts:
+    for privilege in ("userns", "setpriv") if root else ("userns",):
+        uid, gid = launch.session_ids(None)
         try:
-            r = subprocess.run([*base, *extra, "--", "true"], capture_output=True, text=True,
-                               timeout=20, stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.SubprocessError) as e:
-            errors.append(f"{label}: {e}")
+            mounts = st.add(uid, gid, 1 << 20, 1 << 20, [])
+        except stage.StageError as e:
+            errors.append(f"{privilege}: {e}")
             continue
-        if r.returncode == 0:
-            return _BwrapInfo(path, True, label == "userns", version, "")
-        errors.append(f"{label}: exit {r.returncode}: {r.stderr.strip()[:200]}")
+        try:
+            argv = [*_bwrap_argv(path, privilege, mounts, False, []), "--",
+                    *_inner_prefix(privilege, uid, gid), "true"]
+            drop = (uid, gid) if root and privilege == "userns" else None
+            proc = _spawn(argv, mounts, drop, [], None, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            _, err = proc.communicate(timeout=20)
+            if proc.returncode == 0:
+                return _BwrapInfo(path, True, privilege == "userns", version, "", privilege)
+            errors.append(f"{privilege}: exit {proc.returncode}: "
+                          f"{err.decode(errors='replace').strip()[:200]}")
+        except (OSError, subprocess.SubprocessError, SandboxError) as e:
+            errors.append(f"{privilege}: {e}")
+        finally:
+            mounts.release()
     return _BwrapInfo(path, False, False, version,
                       "bwrap cannot create a sandbox here (" + "; ".join(errors) + ")")
-
-
-class _ScmpArgCmp(ctypes.Structure):
-    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
-                ("datum_b", ctypes.c_uint64)]
-
-
-class _ScmpVersion(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_uint), ("minor", ctypes.c_uint), ("micro", ctypes.c_uint)]
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-
-@functools.lru_cache(maxsize=None)
-def _libseccomp() -> tuple[ctypes.CDLL | None, str]:
-    """(libseccomp, "") or (None, why it could not be loaded)."""
-    try:
-        lib = ctypes.CDLL(_LIBSECCOMP, use_errno=True)
-    except OSError as e:
-        return None, f"libseccomp could not be loaded ({_LIBSECCOMP}): {e}"
-    try:
-        lib.seccomp_init.restype = ctypes.c_void_p
-        lib.seccomp_init.argtypes = [ctypes.c_uint32]
-        lib.seccomp_release.restype = None
-        lib.seccomp_release.argtypes = [ctypes.c_void_p]
-        lib.seccomp_syscall_resolve_name.restype = ctypes.c_int
-        lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
-        lib.seccomp_rule_add_array.restype = ctypes.c_int
-        lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int,
-                                               ctypes.c_uint, ctypes.POINTER(_ScmpArgCmp)]
-        lib.seccomp_export_bpf.restype = ctypes.c_int
-        lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
-        lib.seccomp_version.restype = ctypes.POINTER(_ScmpVersion)
-        lib.seccomp_version.argtypes = []
-    except AttributeError as e:
-        return None, f"{_LIBSECCOMP} lacks a function glm5 needs: {e}"
-    return lib, ""
-
-
-def _libseccomp_version() -> str | None:
-    lib, _ = _libseccomp()
-    if lib is None:
-        return None
-    v = lib.seccomp_version().contents
-    return f"{v.major}.{v.minor}.{v.micro}"
-
-
-@functools.lru_cache(maxsize=None)
-def _seccomp_filter(action: str) -> _SeccompFilter | str:
-    """The deny-list filter as classic BPF (what `bwrap --seccomp` and PR_SET_SECCOMP take),
-    or why it cannot be built."""
-    lib, why = _libseccomp()
-    if lib is None:
-        return why
-    deny = _scmp_act_errno(errno.EPERM) if action == "errno" else _SCMP_ACT_KILL_PROCESS
-    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
-    if not ctx:
-        return "seccomp_init failed"
-    try:
-        denied, skipped = [], []
-
-        def add(act: int, name: str, cmps: Sequence[_ScmpArgCmp] = ()) -> bool:
-            nr = lib.seccomp_syscall_resolve_name(name.encode())
-            if nr == _NR_SCMP_ERROR:
-                return False
-            arr = (_ScmpArgCmp * max(len(cmps), 1))(*cmps)
-            rc = lib.seccomp_rule_add_array(ctx, act, nr, len(cmps), arr)
-            if rc < 0:
-                raise OSError(-rc, f"seccomp_rule_add({name}): {os.strerror(-rc)}")
-            return nr >= 0  # a negative pseudo-number: the call does not exist on this arch
-
-        for name in DENIED_SYSCALLS:
-            (denied if add(deny, name) else skipped).append(name)
-        # clone()'s flags are its first argument (the second on s390).
-        flags_arg = 1 if platform.machine().startswith("s390") else 0
-        for flag in _CLONE_NS_FLAGS:
-            add(deny, "clone", [_ScmpArgCmp(flags_arg, _SCMP_CMP_MASKED_EQ, flag, flag)])
-        denied.append("clone(namespace flags)")
-        if add(_scmp_act_errno(errno.ENOSYS), "clone3"):
-            denied.append("clone3 (ENOSYS)")
-        with tempfile.TemporaryFile() as f:
-            rc = lib.seccomp_export_bpf(ctx, f.fileno())
-            if rc < 0:
-                return f"seccomp_export_bpf failed: {os.strerror(-rc)}"
-            f.seek(0)
-            bpf = f.read()
-    except OSError as e:
-        return str(e)
-    finally:
-        lib.seccomp_release(ctx)
-    if not bpf or len(bpf) % 8:
-        return f"seccomp_export_bpf wrote {len(bpf)} bytes, not a BPF program"
-    return _SeccompFilter(bpf, tuple(denied), tuple(skipped))
-
-
-def _unescape_mount(s: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)
-
-
-def _find_pids_hierarchy() -> tuple[Path | None, int, str]:
-    """The directory of this process's cgroup in a hierarchy with the pids controller."""
-    try:
-        own = Path("/proc/self/cgroup").read_text().splitlines()
-        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError as e:
-        return None, 0, f"cannot read /proc/self/cgroup or mountinfo: {e}"
-    v1 = v2 = None
-    for line in own:
-        hid, controllers, path = line.split(":", 2)
-        if hid == "0" and controllers == "":
-            v2 = path
-        elif "pids" in controllers.split(","):
-            v1 = path
-    for line in mounts:
-        left, _, right = line.partition(" - ")
-        lf, rf = left.split(), right.split()
-        if len(lf) < 5 or len(rf) < 3:
-            continue
-        root, mnt, fstype, opts = _unescape_mount(lf[3]), _unescape_mount(lf[4]), rf[0], rf[2]
-        for version, own_path, ok in ((1, v1, fstype == "cgroup" and "pids" in opts.split(",")),
-                                      (2, v2, fstype == "cgroup2")):
-            if not ok or own_path is None:
-                continue
-            rel = own_path[len(root):] if own_path.startswith(root) else own_path
-            d = Path(mnt) / rel.lstrip("/")
-            if version == 2:
-                try:
-                    if "pids" not in (d / "cgroup.subtree_control").read_text().split():
-                        continue
-                except OSError:
-                    continue
-            return d, version, ""
-    return None, 0, "no cgroup hierarchy with the pids controller delegated to this process"
-
-
-@functools.lru_cache(maxsize=None)
-def _pids_cgroup_parent() -> _CgroupParent:
-    """A pids cgroup directory this process may create children in, checked by moving a real
-    process into a child (containers often mount cgroups read-only)."""
-    d, version, why = _find_pids_hierarchy()
-    if d is None:
-        return _CgroupParent(None, 0, why)
-    try:
-        cg = _PidsCgroup(d, 8)
-    except OSError as e:
-        return _CgroupParent(None, 0, f"cannot create a cgroup in {d}: {e}")
-    try:
-        r = subprocess.run(_PROBE_CMD, preexec_fn=cg.join, stdin=subprocess.DEVNULL,
-                           capture_output=True, timeout=10)
-        if r.returncode != 0:
-            return _CgroupParent(None, 0, f"a process moved into {cg.path} failed")
-    except (OSError, subprocess.SubprocessError) as e:
-        return _CgroupParent(None, 0, f"cannot move a process into a cgroup under {d}: {e}")
-    finally:
-        cg.remove()
-    return _CgroupParent(d, version, "")
 
 
 def _unshare_net() -> None:
@@ -555,7 +405,7 @@ def _unshare_net() -> None:
     if hasattr(os, "unshare"):
         os.unshare(_CLONE_NEWNET)
     else:
-        libc = _libc()  # cached: loaded by the parent's probe before any child ran this
+        libc = launch.libc()  # cached: loaded by the parent before any child ran this
         if libc.unshare(_CLONE_NEWNET) != 0:
             e = ctypes.get_errno()
             raise OSError(e, f"unshare(CLONE_NEWNET): {os.strerror(e)}")
@@ -567,115 +417,54 @@ def _unshare_net() -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-@functools.lru_cache(maxsize=None)
 def _netns_probe() -> str:
     """"" when this process may give a child its own network namespace (root), else why not."""
     if not _is_root():
         return "a network namespace needs root without bwrap"
-    _libc()  # load it in the parent, so that children only call into it
+    launch.libc()  # load it in the parent, so that children only call into it
     try:
-        r = subprocess.run(_PROBE_CMD, preexec_fn=_unshare_net, stdin=subprocess.DEVNULL,
-                           capture_output=True, timeout=10)
+        r = subprocess.run([sys.executable, "-c", ""], preexec_fn=_unshare_net,
+                           stdin=subprocess.DEVNULL, capture_output=True, timeout=10)
     except (OSError, subprocess.SubprocessError) as e:
         return f"unshare(CLONE_NEWNET) failed: {e}"
     return "" if r.returncode == 0 else f"unshare(CLONE_NEWNET) probe exited {r.returncode}"
 
 
 _WARNED: set[str] = set()
+_SWEPT: set[tuple[int, str]] = set()
 
 
 def reset_probes() -> None:
-    """Forget the cached probes (bwrap, libseccomp, the seccomp filter, cgroups, network
-    namespaces) and the warnings already logged, e.g. after installing bwrap in a running
-    process."""
-    for f in (_bwrap_probe, _libseccomp, _seccomp_filter, _pids_cgroup_parent, _netns_probe):
+    """Forget the cached probes (bwrap, libseccomp, the seccomp filters, cgroups, network
+    namespaces, openat2), the sweeps done and the warnings already logged, e.g. after
+    installing bwrap in a running process."""
+    for f in (_bwrap_probe, pids_cgroup_parent, _netns_probe, fs.openat2_available):
         f.cache_clear()
+    seccomp.reset()
     _WARNED.clear()
+    _SWEPT.clear()
 
 
-# ---------------------------------------------------------------------------------------- cgroup
-class _PidsCgroup:
-    """A session's own pids cgroup: bounds processes + threads, counts refused forks, and lets
-    every process of a command be killed even after it left its process group."""
-
-    def __init__(self, parent: Path, limit: int) -> None:
-        self.path = parent / f"glm5-sandbox-{os.getpid()}-{secrets.token_hex(4)}"
-        self.path.mkdir()
-        try:
-            (self.path / "pids.max").write_text(str(limit))
-        except OSError:
-            self.path.rmdir()
-            raise
-        self.procs_file = str(self.path / "cgroup.procs")
-
-    def join(self) -> None:
-        """Move the calling process in (used in the child between fork and exec)."""
-        fd = os.open(self.procs_file, os.O_WRONLY)
-        try:
-            os.write(fd, str(os.getpid()).encode())
-        finally:
-            os.close(fd)
-
-    def forks_refused(self) -> int:
-        """How many forks the limit has refused so far (pids.events "max N")."""
-        try:
-            for line in (self.path / "pids.events").read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "max":
-                    return int(value)
-        except (OSError, ValueError):
-            pass
-        return 0
-
-    def pids(self) -> list[int]:
-        try:
-            return [int(p) for p in Path(self.procs_file).read_text().split()]
-        except (OSError, ValueError):
-            return []
-
-    def kill_all(self, timeout: float = 5.0) -> bool:
-        """SIGKILL every process in the cgroup until it is empty; False if it did not empty in
-        `timeout` seconds."""
-        kill_file = self.path / "cgroup.kill"
-        end = time.monotonic() + timeout
-        pause = 0.0001  # bwrap's init leaves within a millisecond: poll fast, then back off
-        while True:
-            pids = self.pids()
-            if not pids:
-                return True
-            if kill_file.exists():
-                try:
-                    kill_file.write_text("1")
-                except OSError:
-                    pass
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            if time.monotonic() > end:
-                return False
-            time.sleep(pause)
-            pause = min(2 * pause, 0.01)
-
-    def remove(self) -> None:
-        if not self.path.exists():
-            return
-        if not self.kill_all():
-            log.warning("sandbox: processes left in %s after SIGKILL", self.path)
-        for _ in range(200):
-            try:
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.01)
-        log.warning("sandbox: could not remove cgroup %s", self.path)
+def sweep_sessions(root_dir: str | os.PathLike[str]) -> list[str]:
+    """Remove the session directories in `root_dir` of processes that are gone (a trainer
+    killed mid-session), without recursion; returns what it removed and, "name: problem",
+    what it could not. Runs once per process and directory on its own (Sandbox), or
+    whenever called."""
+    out = []
+    try:
+        dfd = os.open(root_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return out
+    try:
+        for name in os.listdir(dfd):
+            if name.startswith(SESSION_PREFIX) and not stage.owner_alive(name, SESSION_PREFIX):
+                problems = fs.remove_tree(dfd, name)
+                out.extend(problems or [name])
+    finally:
+        os.close(dfd)
+    if out:
+        log.info("sandbox: swept %d leftovers of crashed sessions in %s", len(out), root_dir)
+    return out
 
 
 # ----------------------------------------------------------------------------------- the sandbox
@@ -711,9 +500,14 @@ class Sandbox:
     which removes the work directory (no process outlives its command: `capabilities()`
     "containment" says how).
 
-    `workdir` is the work directory's host path (it is /work inside bwrap); `python` the
-    running interpreter's path as commands see it (in bwrap mode with `python=False`, just
-    "python3": whatever the system has); `mode` "bwrap" or "rlimits"."""
+    `mode` is "bwrap" or "rlimits"; `python` the running interpreter's path as commands see it
+    (in bwrap mode with `python=False`, just "python3": whatever the system has);
+    `host_uid` / `host_gid` the host ids commands run as. `workdir` is a host path to the work
+    directory, valid while the session is open: in bwrap mode it lives in a tmpfs that only
+    this process reaches, and the path goes through one of this process's descriptors
+    (/proc/<pid>/fd/<n>). Move files in and out with `write_file`, `copy_in`, `read_file`,
+    `list_dir`, `walk_files`: they give new files to the sandbox's uid and never follow what
+    a command planted."""
 
     def __init__(self, config: SandboxConfig | None = None,
                  root_dir: str | os.PathLike[str] | None = None) -> None:
@@ -724,39 +518,62 @@ class Sandbox:
         if root_dir is not None and not os.path.isdir(root_dir):
             raise _bad("Sandbox(root_dir)", "an existing directory or None", root_dir)
         self.config = config
+        root = _is_root()
+        if not root and config.host_uid not in (None, os.getuid()):
+            raise _bad("SandboxConfig.host_uid", f"None or this process's own uid "
+                       f"{os.getuid()} (only root can run commands as another uid)",
+                       config.host_uid)
         self.mode, self._bwrap, self._mode_note = _choose_mode(config.mode)
-        # Processes of ours that count against the limit: bwrap's monitor and init.
-        self._helpers = 2 if self.mode == "bwrap" else 0
+        if self.mode == "rlimits" and root and not config.unsafe_rlimits_as_root:
+            raise SandboxError(
+                f"rlimits mode ({self._mode_note}) is not a security boundary (the host's "
+                "files and processes stay visible to commands) and is refused as root: "
+                "install bubblewrap (`apt-get install bubblewrap`) so that the bwrap mode "
+                "works, or set SandboxConfig(unsafe_rlimits_as_root=True) to run commands "
+                "this way anyway, as an unprivileged uid")
+        self.host_uid, self.host_gid = launch.session_ids(config.host_uid)
+        bw = self.mode == "bwrap"
+        self._privilege = self._bwrap.privilege if bw and self._bwrap else ""
+        # root drops to the session's uid before bwrap (userns) or before the command
+        # (rlimits); with privilege "setpriv", setpriv drops inside bwrap
+        self._drop = ((self.host_uid, self.host_gid)
+                      if root and (not bw or self._privilege == "userns") else None)
         self._warnings: list[str] = []
-        if self.mode == "rlimits":
+        if not bw:
             self._warnings.append(
                 f"rlimits mode ({self._mode_note}): no filesystem isolation, the host stays "
-                "visible and writable to commands")
+                "visible to commands (readable, and writable where the command's uid may "
+                "write); no disk or /tmp quota")
+            if root:
+                self._warnings.append(
+                    "rlimits mode as root (unsafe_rlimits_as_root=True): commands run as an "
+                    "unprivileged uid of their own without capabilities, and see the whole "
+                    "host")
             if config.ro_binds:
                 raise _bad("SandboxConfig.ro_binds", "no binds in rlimits mode (it shows the "
                            "whole host filesystem)", config.ro_binds)
 
-        # seccomp
-        self._seccomp: _SeccompFilter | None = None
+        # seccomp (System V IPC too where the host's IPC namespace is shared)
+        self._seccomp: seccomp.SeccompFilter | None = None
         self._seccomp_error = "turned off (SandboxConfig.seccomp=False)"
         if config.seccomp:
-            filt = _seccomp_filter(config.seccomp_action)
+            filt = seccomp.seccomp_filter(config.seccomp_action, not bw)
             if isinstance(filt, str):
                 self._seccomp_error = filt
                 self._warnings.append(f"no seccomp filter: {filt}")
             else:
                 self._seccomp, self._seccomp_error = filt, ""
         self._fprog_buf = self._fprog = None
-        if self._seccomp is not None and self.mode == "rlimits":
+        if self._seccomp is not None and not bw:
             self._fprog_buf = ctypes.create_string_buffer(self._seccomp.bpf,
                                                           len(self._seccomp.bpf))
-            self._fprog = _SockFprog(len(self._seccomp.bpf) // 8,
-                                     ctypes.addressof(self._fprog_buf))
+            self._fprog = seccomp.SockFprog(len(self._seccomp.bpf) // 8,
+                                            ctypes.addressof(self._fprog_buf))
 
         # network
         self._netns = False
         if not config.network:
-            if self.mode == "bwrap":
+            if bw:
                 self._netns = True
             else:
                 why = _netns_probe()
@@ -768,7 +585,7 @@ class Sandbox:
         py_binds: list[tuple[str, str]] = []
         py_bindir = os.path.dirname(sys.executable)
         self.python = sys.executable
-        if self.mode == "bwrap":
+        if bw:
             if config.python:
                 py_binds, self.python, py_bindir = _python_binds()
             else:
@@ -776,129 +593,100 @@ class Sandbox:
 
         # the process limit: a pids cgroup per command (bwrap's init, once the command is
         # done, lingers as an orphan until the host's init reaps it; in a cgroup shared by
-        # the session's commands its charge would pile up), else RLIMIT_NPROC
-        self._cgroup_parent: _CgroupParent | None = None
+        # the session's commands its charge would pile up), else RLIMIT_NPROC of the host uid
+        self._cgroup_parent = None
         self._nproc_rlimit = False
         if config.max_processes is not None:
-            parent = _pids_cgroup_parent()
+            parent = pids_cgroup_parent()
             if parent.path is not None:
                 self._cgroup_parent = parent
             else:
-                self._nproc_rlimit = not _is_root()
-                if not self._nproc_rlimit:
-                    self._warnings.append(
-                        "max_processes not enforced: running as root and no writable pids "
-                        f"cgroup ({parent.reason}); RLIMIT_NPROC does not apply to root")
+                self._nproc_rlimit = True
+        # Processes of ours that count against the limit: bwrap's monitor and init (as the
+        # session's uid only when bwrap is started as it).
+        self._helpers = 2 if bw else 0
+        self._nproc_helpers = 2 if bw and self._privilege == "userns" else 0
 
-        # the session directory
-        self._session_dir = Path(tempfile.mkdtemp(prefix="glm5-sandbox-", dir=root_dir))
-        self.workdir = self._session_dir / "work"
-        self.workdir.mkdir()
-        self._finalizer = weakref.finalize(self, _cleanup, self._session_dir)
+        # leftovers of crashed sessions, once per process and directory
+        base = os.path.realpath(root_dir if root_dir is not None else tempfile.gettempdir())
+        if (os.getpid(), base) not in _SWEPT:
+            _SWEPT.add((os.getpid(), base))
+            sweep_sessions(base)
+
+        # the work directory
+        self._mounts: stage.SessionMounts | None = None
+        if bw:
+            binds = [*py_binds, *config.ro_binds]
+            try:
+                self._mounts = stage.stage(userns=not root).add(
+                    self.host_uid, self.host_gid, config.disk_bytes, config.tmp_bytes,
+                    [src for src, _ in binds])
+            except stage.StageError as e:
+                raise SandboxError(f"Sandbox: {e}") from e
+            self._root_fd = self._mounts.work_fd
+            self.workdir = Path(f"/proc/{os.getpid()}/fd/{self._root_fd}")
+            self._finalizer = weakref.finalize(self, _release_mounts, self._mounts)
+            self._bwrap_args = _bwrap_argv(
+                self._bwrap.path or "bwrap", self._privilege, self._mounts, config.network,
+                list(zip(self._mounts.binds, (dst for _, dst in binds))))
+            self._inner = _inner_prefix(self._privilege, self.host_uid, self.host_gid)
+        else:
+            if root and not stage.traversable_by_all(base):
+                raise _bad("Sandbox(root_dir)", f"a directory every user can traverse (the "
+                           f"commands' uid {self.host_uid} must reach its work directory)",
+                           base)
+            session = Path(tempfile.mkdtemp(prefix=f"{SESSION_PREFIX}{stage.owner_tag()}-",
+                                            dir=base))
+            self.workdir = session / "work"
+            self.workdir.mkdir(mode=0o700)
+            if root:  # the uid may enter, but not rename its work directory
+                os.chmod(session, 0o711)
+                os.chown(self.workdir, self.host_uid, self.host_gid)
+            self._root_fd = os.open(self.workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                                    | os.O_CLOEXEC)
+            self._finalizer = weakref.finalize(self, _remove_session, self._root_fd,
+                                               str(session))
+            self._bwrap_args, self._inner = [], []
 
         env = {"PATH": f"{py_bindir}:{_BASE_PATH}" if config.python else _BASE_PATH,
                "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-        if self.mode == "bwrap":
+        if bw:
             env.update(HOME=SANDBOX_WORKDIR, TMPDIR="/tmp", USER="nobody")
         else:
             env.update(HOME=str(self.workdir), TMPDIR=str(self.workdir))
         env.update(config.env)
         self._env = env
-        self._bwrap_args = self._build_bwrap_args(py_binds) if self.mode == "bwrap" else []
-        self._prlimit = shutil.which("prlimit") if self.mode == "bwrap" else None
         self._lock = threading.Lock()
+        self._fd_lock = threading.RLock()
         self._closed = False
+        self.cleanup_problems: list[str] = []
         for w in self._warnings:
             if w not in _WARNED:  # once per process: an RL run opens thousands of sessions
                 _WARNED.add(w)
                 log.warning("sandbox: %s", w)
 
     # ------------------------------------------------------------------------------- set-up
-    def _build_bwrap_args(self, py_binds: list[tuple[str, str]]) -> list[str]:
+    def _rlimits(self) -> list[launch.Rlimit]:
+        """(prlimit option, resource, soft, hard) of every limit a command starts under."""
         c = self.config
-        assert self._bwrap is not None
-        # bwrap's own init stays PID 1 (it reaps orphans, and the command keeps ordinary
-        # signal semantics: the kernel spares a namespace's init SIGXCPU, SIGXFSZ, SIGPIPE).
-        args = [self._bwrap.path or "bwrap", "--die-with-parent", "--new-session",
-                "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-                "--hostname", "glm5-sandbox"]
-        if self._bwrap.userns:
-            args += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
-        else:
-            args += ["--cap-drop", "ALL"]
-        if not c.network:
-            args.append("--unshare-net")
-        args += _system_binds(c.network)
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-        for src, dst in (*py_binds, *c.ro_binds):
-            args += ["--ro-bind", src, dst]
-        args += ["--bind", str(self.workdir), SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR,
-                 "--remount-ro", "/"]
-        return args
+        nproc = (c.max_processes + self._nproc_helpers
+                 if self._nproc_rlimit and c.max_processes is not None else None)
+        return launch.rlimits(c.cpu_seconds, c.memory_bytes, c.file_size_bytes, c.open_files,
+                              nproc)
 
-    def _rlimits(self) -> list[tuple[str, int, int, int]]:
-        """(prlimit option, resource, soft, hard) of every limit a command starts under; no
-        core dumps ever (a dump of a crashed command lands in its work directory or in the
-        host's crash handler)."""
-        c = self.config
-        out = [("core", resource.RLIMIT_CORE, 0, 0)]
-        if c.cpu_seconds is not None:
-            out.append(("cpu", resource.RLIMIT_CPU, c.cpu_seconds, c.cpu_seconds + 1))
-        for opt, rlim, value in (("as", resource.RLIMIT_AS, c.memory_bytes),
-                                 ("fsize", resource.RLIMIT_FSIZE, c.file_size_bytes),
-                                 ("nofile", resource.RLIMIT_NOFILE, c.open_files)):
-            if value is not None:
-                out.append((opt, rlim, value, value))
-        if self._nproc_rlimit and c.max_processes is not None:
-            n = c.max_processes + self._helpers  # bwrap's monitor runs as the same user
-            out.append(("nproc", resource.RLIMIT_NPROC, n, n))
-        return out
-
-    def _launcher(self, cgroup: _PidsCgroup | None) -> list[str] | None:
-        """The argv prefix that sets a bwrap command up without forking this process:
-        /bin/sh writes its own pid into the cgroup, then execs prlimit, which sets the
-        rlimits and execs bwrap. A plain vfork then starts commands (fork + preexec_fn copies
-        the page tables of a large process: 20-30 ms with torch loaded). None where prlimit
-        is missing: then preexec_fn does the same."""
-        if self.mode != "bwrap" or self._prlimit is None:
+    def _launcher(self, cgroup: PidsCgroup | None) -> list[str] | None:
+        """The argv prefix that starts a bwrap command without forking this process
+        (`sandbox_launch.launcher`); None in rlimits mode, or where a program it needs is
+        missing: then a preexec_fn does the same."""
+        if self.mode != "bwrap":
             return None
-        prefix = []
-        if cgroup is not None:
-            prefix = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', cgroup.procs_file]
-        return [*prefix, self._prlimit,
-                *(f"--{opt}={soft}:{hard}" for opt, _, soft, hard in self._rlimits()), "--"]
-
-    def _preexec(self, cgroup: _PidsCgroup | None) -> Callable[[], None]:
-        """What the child does between fork and exec: join the cgroup, set the rlimits, and in
-        rlimits mode leave the network and install the seccomp filter (bwrap does both
-        itself)."""
-        limits = [(rlim, (soft, hard)) for _, rlim, soft, hard in self._rlimits()]
-        netns = self._netns and self.mode == "rlimits"
-        fprog = self._fprog
-        # Loaded here, not in the child: dlopen after fork can deadlock on the loader's lock.
-        prctl = _libc().prctl if fprog is not None else None
-
-        def preexec() -> None:
-            if cgroup is not None:
-                cgroup.join()
-            for rlim, value in limits:
-                resource.setrlimit(rlim, value)
-            if netns:
-                _unshare_net()
-            if fprog is not None and prctl is not None:
-                pr_set_no_new_privs, pr_set_seccomp, seccomp_mode_filter = 38, 22, 2
-                if prctl(pr_set_no_new_privs, 1, 0, 0, 0) != 0:
-                    raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-                if prctl(pr_set_seccomp, seccomp_mode_filter,
-                         ctypes.c_void_p(ctypes.addressof(fprog)), 0, 0) != 0:
-                    raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
-
-        return preexec
+        return launch.launcher(self._mounts, self._drop, self._rlimits(), cgroup)
 
     # -------------------------------------------------------------------------------- report
     def capabilities(self) -> dict[str, Any]:
-        """What this session enforces: the mode, each isolation (True/False), each limit's
-        mechanism (None: not enforced or turned off), the seccomp filter, and warnings."""
+        """What this session guarantees: the mode, the uids, each isolation (True/False), each
+        limit's mechanism (None: not enforced or turned off), the seccomp filter, what this
+        mode does not guarantee ("gaps") and warnings."""
         c = self.config
         bw = self.mode == "bwrap"
         procs = None
@@ -906,18 +694,71 @@ class Sandbox:
             if self._cgroup_parent is not None:
                 procs = f"cgroup v{self._cgroup_parent.version} pids.max"
             elif self._nproc_rlimit:
-                procs = "RLIMIT_NPROC (counts all of the user's processes)"
+                procs = ("RLIMIT_NPROC of the session's own uid" if _is_root() else
+                         "RLIMIT_NPROC (counts all of the user's processes)")
+
+        def tmpfs(size: int | None) -> str | None:
+            if not bw:
+                return None
+            if size is None:
+                return "tmpfs, the kernel's default size (half of RAM)"
+            return f"tmpfs size={size} nr_inodes={size // stage.BYTES_PER_INODE} (kernel)"
+
+        userns = bool(bw and self._bwrap and self._bwrap.userns)
+        gaps = []
+        if bw:
+            gaps.append("the interpreter and ro_binds are shown whatever their host "
+                        "directories' permissions (their own files' permissions hold)")
+            if not _is_root():
+                gaps.append("commands run as this process's own uid (mapped to 65534): "
+                            "whatever is bound is theirs to read")
+        else:
+            gaps += ["the host's files are readable by the command's uid, and writable where "
+                     "it may write" + ("" if _is_root() else " (all of this user's files)"),
+                     "host processes of the same uid are visible and reachable "
+                     "(/proc/<pid>/environ, fd, mem; signals)",
+                     "path unix sockets on the host are reachable where their permissions "
+                     "allow",
+                     "no disk or /tmp quota (RLIMIT_FSIZE per file only)"]
+            if not self._netns:
+                gaps.append("the host's network")
         return {
             "mode": self.mode,
             "mode_note": self._mode_note,
             "root": _is_root(),
             "bwrap": self._bwrap.path if bw and self._bwrap else None,
-            "user_namespace": bool(bw and self._bwrap and self._bwrap.userns),
+            "user_namespace": userns,
+            "privilege": self._privilege or ("setpriv (preexec)" if self._drop else None),
+            "host_uid": self.host_uid,
+            "host_gid": self.host_gid,
+            "runs_as_host_root": self.host_uid == 0,
+            "uid_inside": SANDBOX_UID if userns else self.host_uid,
+            "capabilities": "none (effective, permitted, inheritable, ambient and bounding "
+                            "sets empty)" if (bw or self._drop) else "none (a non-root uid)",
+            "no_new_privs": True,
             "network_isolated": self._netns,
             "filesystem_isolated": bw,
             "sessions_isolated": bw,
             "pid_namespace": bw,
-            # What is killed when a command ends or times out.
+            "ipc": ("own IPC namespace" if bw else "System V IPC denied by seccomp"
+                    if self._seccomp is not None else "the host's (no seccomp filter)"),
+            "mounts": ("system read-only; every mount nosuid, nodev but /dev's device nodes"
+                       if bw else "the host's, as they are"),
+            "proc_sys": ("read-only: host root's, and the command's uid is not root" if bw
+                         else "the host's; not writable by the command's non-root uid"),
+            "sys": "absent" if bw else "the host's",
+            "controlling_terminal": "none (new session); ioctl TIOCSTI / TIOCLINUX denied"
+                                    if self._seccomp is not None else "none (new session)",
+            "work_dir": ("a tmpfs in a mount namespace only this process holds (never on the "
+                         "host's disk; freed with the session or this process)" if bw else
+                         f"a host directory ({self.workdir})"),
+            "file_io": ("openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS "
+                        "| RESOLVE_NO_XDEV)" if fs.openat2_available() else
+                        "a walk with O_NOFOLLOW and a device check per component")
+            + "; one-link regular files only; writes replace, never write through",
+            "cleanup": ("the session's mounts are detached whole" if bw else
+                        "an iterative removal; crashed sessions' directories are swept by "
+                        "the next Sandbox in the same directory"),
             "containment": ("pid namespace" if bw else "cgroup" if self._cgroup_parent
                             else "process group (a process that calls setsid() escapes)"),
             "limits": {
@@ -926,14 +767,20 @@ class Sandbox:
                 "file_size_bytes": "RLIMIT_FSIZE" if c.file_size_bytes is not None else None,
                 "open_files": "RLIMIT_NOFILE" if c.open_files is not None else None,
                 "max_processes": procs,
+                "disk_bytes": tmpfs(c.disk_bytes),
+                "tmp_bytes": tmpfs(c.tmp_bytes),
                 "wall_seconds": ("SIGKILL to bwrap (the PID namespace dies)" if bw else
                                  "SIGKILL to the process group")
                 + (" and the cgroup" if self._cgroup_parent is not None else ""),
             },
+            # RAM the session's tmpfs mounts may hold, beyond its processes' memory
+            "tmpfs_ram_bytes": ((c.disk_bytes or 0) + (c.tmp_bytes or 0)
+                                if bw and c.disk_bytes and c.tmp_bytes else None),
             "seccomp": self._seccomp is not None,
             "seccomp_action": c.seccomp_action if self._seccomp is not None else None,
             "seccomp_denied": list(self._seccomp.denied) if self._seccomp else [],
             "seccomp_error": self._seccomp_error or None,
+            "gaps": gaps,
             "warnings": list(self._warnings),
         }
 
@@ -966,6 +813,18 @@ class Sandbox:
                 raise RuntimeError("Sandbox.run: the sandbox is closed")
             return self._run_locked(argv, shell, data, float(timeout))
 
+    def _start(self, argv: list[str], cgroup: PidsCgroup | None, stdin: bool,
+               pass_fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
+        popen: dict[str, Any] = dict(
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env=self._env, start_new_session=True, pass_fds=pass_fds)
+        if self.mode == "bwrap":
+            return _spawn(argv, self._mounts, self._drop, self._rlimits(), cgroup, **popen)
+        return subprocess.Popen(argv, preexec_fn=launch.preexec(
+            cgroup=cgroup, mounts=None, drop=self._drop, limits=self._rlimits(),
+            before_drop=_unshare_net if self._netns else None, chdir_fd=self._root_fd,
+            seccomp_prog=self._fprog), **popen)
+
     def _run_locked(self, argv: list[str], shell: bool, data: bytes | None,
                     timeout: float) -> SandboxResult:
         c = self.config
@@ -980,23 +839,16 @@ class Sandbox:
                 os.lseek(seccomp_fd, 0, os.SEEK_SET)
                 pass_fds = (seccomp_fd,)
                 full += ["--seccomp", str(seccomp_fd)]
-            full += ["--", *argv]
+            full += ["--", *self._inner, *argv]
+        full_before = self._disk_full()
         t0 = time.perf_counter()
         cgroup = None
         try:
             if self._cgroup_parent is not None:
                 assert self._cgroup_parent.path is not None and c.max_processes is not None
-                cgroup = _PidsCgroup(self._cgroup_parent.path, c.max_processes + self._helpers)
-            launcher = self._launcher(cgroup)
-            if launcher is not None:
-                full = launcher + full
+                cgroup = PidsCgroup(self._cgroup_parent.path, c.max_processes + self._helpers)
             try:
-                proc = subprocess.Popen(
-                    full, stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    cwd=str(self.workdir) if self.mode == "rlimits" else None, env=self._env,
-                    preexec_fn=self._preexec(cgroup) if launcher is None else None,
-                    start_new_session=True, pass_fds=pass_fds)
+                proc = self._start(full, cgroup, data is not None, pass_fds)
             except (OSError, subprocess.SubprocessError) as e:
                 code = 127 if isinstance(e, FileNotFoundError) else 126
                 return SandboxResult(code, "", str(e), time.perf_counter() - t0, "error",
@@ -1004,8 +856,8 @@ class Sandbox:
             finally:
                 if seccomp_fd is not None:
                     os.close(seccomp_fd)
-            out, err, timed_out, status, rusage = _supervise(proc, data, timeout,
-                                                             c.output_bytes, cgroup)
+            out, err, timed_out, status, rusage = supervise(proc, data, timeout,
+                                                            c.output_bytes, cgroup)
             wall = time.perf_counter() - t0
             forks_refused = cgroup.forks_refused() if cgroup is not None else None
         finally:
@@ -1017,9 +869,12 @@ class Sandbox:
         if sig is None and (self.mode == "bwrap" or shell) and 128 < rc <= 128 + 64:
             sig = rc - 128
         stderr = err.text()
+        # a cap reached by this command (one full before it started is no news)
+        full_now = self._disk_full()
         reason, detail = _classify(timed_out=timed_out, rc=rc, sig=sig, cpu_s=cpu_s,
                                    stderr=stderr, config=c, timeout=timeout,
-                                   bwrap=self.mode == "bwrap")
+                                   bwrap=self.mode == "bwrap",
+                                   disk_full=full_now if full_now != full_before else None)
         if forks_refused:
             detail += f"; the process limit ({c.max_processes}) refused {forks_refused} forks"
         return SandboxResult(
@@ -1028,57 +883,82 @@ class Sandbox:
             stdout_bytes=out.total, stderr_bytes=err.total, stdout_truncated=out.truncated,
             stderr_truncated=err.truncated, forks_refused=forks_refused)
 
+    def _disk_full(self) -> str | None:
+        """Which capped tmpfs is full (no block or no inode left), if any."""
+        if self._mounts is None:
+            return None
+        for what, fd, cap in (("the work directory", self._mounts.work_fd,
+                               self.config.disk_bytes),
+                              ("/tmp", self._mounts.tmp_fd, self.config.tmp_bytes)):
+            v = os.fstatvfs(fd)
+            if v.f_bavail == 0 or (v.f_files and v.f_favail == 0):
+                return f"{what} is full ({'the kernel default' if cap is None else cap} " \
+                       "bytes" + (", every inode used" if v.f_favail == 0 else "") + ")"
+        return None
+
     # ---------------------------------------------------------------------------- files
-    def _open(self, relpath: str | os.PathLike[str], flags: int, create_dirs: bool) -> int:
-        """Open a path inside the work directory without following any symbolic link (a
-        command may plant links to host files)."""
-        parts = PurePosixPath(os.fspath(relpath)).parts
-        if not parts or PurePosixPath(os.fspath(relpath)).is_absolute() or any(
-                p in ("..", ".") for p in parts):
-            raise _bad("Sandbox file path", "a relative path inside the work directory "
-                       "without '..'", os.fspath(relpath))
-        dfd = os.open(self.workdir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            for p in parts[:-1]:
-                if create_dirs:
-                    try:
-                        os.mkdir(p, 0o755, dir_fd=dfd)
-                    except FileExistsError:
-                        pass
-                nfd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
-                os.close(dfd)
-                dfd = nfd
-            return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644, dir_fd=dfd)
-        finally:
-            os.close(dfd)
+    def _fd(self, what: str) -> int:
+        if self._closed:
+            raise RuntimeError(f"Sandbox.{what}: the sandbox is closed")
+        return self._root_fd
 
     def write_file(self, relpath: str | os.PathLike[str], data: str | bytes) -> None:
-        """Write a file into the work directory (parents created), e.g. a task's sources."""
+        """Write a file into the work directory (parents created), e.g. a task's sources. The
+        file is created anew and renamed into place (an existing link is replaced, never
+        written through) and belongs to the commands' uid; an existing file's mode is kept."""
         if not isinstance(data, (str, bytes)):
             raise _bad("Sandbox.write_file(data)", "str or bytes", type(data).__name__)
-        fd = self._open(relpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, create_dirs=True)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+        with self._fd_lock:
+            fs.write_file(self._fd("write_file"), relpath,
+                          data.encode() if isinstance(data, str) else data,
+                          (self.host_uid, self.host_gid))
 
     def read_file(self, relpath: str | os.PathLike[str], limit: int = 16 << 20) -> bytes:
-        """Read a regular file a command left in the work directory (no links followed, at
-        most `limit` bytes: a ValueError beyond)."""
-        fd = self._open(relpath, os.O_RDONLY, create_dirs=False)
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise _bad("Sandbox.read_file(relpath)", "a regular file", os.fspath(relpath))
-            data = f.read(limit + 1)
-        if len(data) > limit:
-            raise _bad("Sandbox.read_file", f"a file of at most {limit} bytes", relpath)
-        return data
+        """Read a regular file a command left in the work directory (no links followed, one
+        link only, at most `limit` bytes: a ValueError beyond)."""
+        with self._fd_lock:
+            return fs.read_file(self._fd("read_file"), relpath, limit)
+
+    def list_dir(self, relpath: str | os.PathLike[str] = "") -> list[str]:
+        """The sorted names in a directory of the work directory ("" for its top); no link is
+        followed."""
+        with self._fd_lock:
+            return fs.list_dir(self._fd("list_dir"), relpath)
+
+    def walk_files(self, skip_dirs: Sequence[str] = (), max_entries: int = 100_000
+                   ) -> list[str]:
+        """Relative paths of the work directory's regular files (links and special files
+        are not followed nor listed; directories named in `skip_dirs` are not entered; at
+        most `max_entries` entries are looked at)."""
+        with self._fd_lock:
+            return list(fs.walk_files(self._fd("walk_files"), frozenset(skip_dirs),
+                                      max_entries))
+
+    def copy_in(self, src: str | os.PathLike[str], dest: str | os.PathLike[str],
+                ignore: Sequence[str] = ()) -> int:
+        """Copy a host file or directory tree into the work directory at `dest` (names in
+        `ignore` skipped; symbolic links copied as links); returns the bytes copied. Over
+        `disk_bytes` it raises OSError (ENOSPC)."""
+        if not os.path.exists(src):
+            raise _bad("Sandbox.copy_in(src)", "an existing host path", os.fspath(src))
+        with self._fd_lock:
+            return fs.copy_in(self._fd("copy_in"), src, dest, (self.host_uid, self.host_gid),
+                              frozenset(ignore))
 
     # --------------------------------------------------------------------------- lifetime
-    def close(self) -> None:
-        """Remove the work directory (a command's processes never outlive it: see
-        `capabilities()["containment"]`); waits for a running command."""
-        with self._lock:
+    def close(self) -> list[str]:
+        """Remove the work directory (waits for a running command; a command's processes
+        never outlive it: see `capabilities()["containment"]`). Never raises for what a
+        command left: returns (and keeps in `cleanup_problems`, and logs) what could not be
+        removed, [] when everything went."""
+        with self._lock, self._fd_lock:
             self._closed = True
-            self._finalizer()
+            problems = self._finalizer() or []
+        if problems:
+            self.cleanup_problems = problems
+            log.warning("sandbox: close() could not remove %d entries: %s", len(problems),
+                        "; ".join(problems[:5]))
+        return problems
 
     @property
     def closed(self) -> bool:
@@ -1094,18 +974,23 @@ class Sandbox:
         return f"Sandbox(mode={self.mode!r}, workdir={str(self.workdir)!r})"
 
 
-def _cleanup(session_dir: Path) -> None:
-    def make_writable(func: Callable[..., Any], path: str, exc: Any) -> None:
-        # A command may leave directories without write permission (matters when not root).
-        try:
-            os.chmod(os.path.dirname(path), 0o700)
-            os.chmod(path, 0o700)
-        except OSError:
-            pass
-        func(path)
+def _release_mounts(mounts: stage.SessionMounts) -> list[str]:
+    mounts.release()
+    return []
 
-    if session_dir.exists():
-        shutil.rmtree(session_dir, onerror=make_writable)
+
+def _remove_session(root_fd: int, session_dir: str) -> list[str]:
+    """Close the work directory's descriptor and remove the session directory."""
+    os.close(root_fd)
+    parent, name = os.path.split(session_dir)
+    try:
+        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        return [f"{parent}: {e.strerror}"]
+    try:
+        return fs.remove_tree(dfd, name, label=session_dir)
+    finally:
+        os.close(dfd)
 
 
 def _choose_mode(requested: str) -> tuple[str, _BwrapInfo | None, str]:
@@ -1119,120 +1004,9 @@ def _choose_mode(requested: str) -> tuple[str, _BwrapInfo | None, str]:
     return "rlimits", None, info.reason
 
 
-def _supervise(proc: subprocess.Popen[bytes], data: bytes | None, timeout: float, cap: int,
-               cgroup: _PidsCgroup | None) -> tuple[_Capture, _Capture, bool, int, Any]:
-    """Feed stdin, capture both streams (capped), enforce the wall-clock limit, and when the
-    command ends kill everything it left; returns (stdout, stderr, timed_out, wait status,
-    rusage of the whole tree)."""
-    out, err = _Capture("stdout", cap), _Capture("stderr", cap)
-    sel = selectors.DefaultSelector()
-    streams = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}  # type: ignore[union-attr]
-    for fd in streams:
-        os.set_blocking(fd, False)
-        sel.register(fd, selectors.EVENT_READ)
-    pending = memoryview(data) if data else None
-    stdin_fd = -1
-    if proc.stdin is not None:
-        if pending:
-            stdin_fd = proc.stdin.fileno()
-            os.set_blocking(stdin_fd, False)
-            sel.register(stdin_fd, selectors.EVENT_WRITE)
-        else:
-            proc.stdin.close()
-    pidfd = None
-    if hasattr(os, "pidfd_open"):
-        try:
-            pidfd = os.pidfd_open(proc.pid)
-            sel.register(pidfd, selectors.EVENT_READ)
-        except OSError:
-            pidfd = None
-    deadline = time.monotonic() + timeout
-    timed_out = False
-    status = rusage = None
-    drain_until = None
-
-    def kill_tree() -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def exited() -> bool:
-        res = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        return res is not None and res.si_pid == proc.pid
-
-    try:
-        while True:
-            now = time.monotonic()
-            if status is None:
-                if not timed_out and now >= deadline:
-                    timed_out = True
-                    kill_tree()
-                    if cgroup is not None:
-                        cgroup.kill_all(timeout=0)
-                if exited():
-                    kill_tree()  # what the command left in its process group
-                    _, status, rusage = os.wait4(proc.pid, 0)
-                    proc.returncode = os.waitstatus_to_exitcode(status)
-                    if cgroup is not None:
-                        cgroup.kill_all()
-                    # killed processes close their pipes at once; only an escaped one
-                    # (rlimits mode without a cgroup) would hold them longer
-                    drain_until = time.monotonic() + 0.5
-                    if pidfd is not None:
-                        sel.unregister(pidfd)
-                        os.close(pidfd)
-                        pidfd = None
-            if status is not None and (not streams or time.monotonic() > drain_until):
-                break
-            if status is None:
-                wait = max(0.0, deadline - now) if not timed_out else 0.05
-                if pidfd is None:
-                    wait = min(wait, 0.01)
-            else:
-                wait = max(0.0, drain_until - time.monotonic())
-            for key, _ in sel.select(wait):
-                fd = key.fd
-                if fd == pidfd:
-                    continue
-                if fd == stdin_fd:
-                    try:
-                        n = os.write(fd, pending[:65536])
-                        pending = pending[n:]
-                    except BlockingIOError:
-                        continue
-                    except (BrokenPipeError, OSError):
-                        pending = pending[:0]
-                    if not len(pending):
-                        sel.unregister(fd)
-                        proc.stdin.close()  # type: ignore[union-attr]
-                        stdin_fd, pending = -1, None
-                    continue
-                try:
-                    chunk = os.read(fd, 65536)
-                except BlockingIOError:
-                    continue
-                if chunk:
-                    streams[fd].feed(chunk)
-                else:
-                    sel.unregister(fd)
-                    del streams[fd]
-    finally:
-        sel.close()
-        if pidfd is not None:
-            os.close(pidfd)
-        for f in (proc.stdin, proc.stdout, proc.stderr):
-            if f is not None and not f.closed:
-                f.close()
-        if status is None:  # an exception escaped: leave nothing running
-            kill_tree()
-            _, status, rusage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(status)
-    return out, err, timed_out, status, rusage
-
-
 def _classify(*, timed_out: bool, rc: int, sig: int | None, cpu_s: float | None, stderr: str,
-              config: SandboxConfig, timeout: float, bwrap: bool) -> tuple[str, str]:
+              config: SandboxConfig, timeout: float, bwrap: bool,
+              disk_full: str | None = None) -> tuple[str, str]:
     """(reason, detail) of a finished command."""
     if timed_out:
         return "timeout", (f"the wall-clock limit of {timeout:g} s was reached; every process "
@@ -1259,6 +1033,9 @@ def _classify(*, timed_out: bool, rc: int, sig: int | None, cpu_s: float | None,
     if config.file_size_bytes is not None and any(m in tail for m in _FILE_SIZE_MARKERS):
         return "file_size_limit", (f"a write failed at the file size limit of "
                                    f"{config.file_size_bytes} bytes (exit status {rc})")
+    if disk_full is not None or any(m in tail for m in _DISK_MARKERS):
+        return "disk_limit", (f"no space left: {disk_full or 'a write failed with ENOSPC'} "
+                              f"(exit status {rc})")
     if bwrap and rc == 1 and stderr.startswith("bwrap: "):
         return "error", f"bwrap could not start the command: {stderr.splitlines()[0]}"
     return "error", f"exit status {rc}"
@@ -1266,30 +1043,41 @@ def _classify(*, timed_out: bool, rc: int, sig: int | None, cpu_s: float | None,
 
 # --------------------------------------------------------------------------------- reporting
 def sandbox_report() -> dict[str, Any]:
-    """What a default sandbox would enforce on this machine, and why anything is missing
-    (for `glm5 doctor`): bwrap, libseccomp, the pids cgroup, network namespaces."""
+    """What a default sandbox would guarantee on this machine, and why anything is missing
+    (for `glm5 doctor`): bwrap, libseccomp, the pids cgroup, network namespaces, and whether
+    rlimits mode would be refused (root without the opt-in)."""
     bw = _bwrap_probe()
-    cg = _pids_cgroup_parent()
-    lib, lib_error = _libseccomp()
-    with Sandbox(SandboxConfig()) as sb:
+    cg = pids_cgroup_parent()
+    lib, lib_error = seccomp.libseccomp()
+    # the report describes the mode even where a default config would refuse to run it
+    with Sandbox(SandboxConfig(unsafe_rlimits_as_root=True)) as sb:
         caps = sb.capabilities()
+    refused = caps["mode"] == "rlimits" and _is_root()
+    warnings = [w for w in caps["warnings"] if not w.startswith("rlimits mode as root")]
+    if refused:
+        warnings.append("rlimits mode as root is refused: commands will not run unless "
+                        "SandboxConfig(unsafe_rlimits_as_root=True)")
     return {
         "mode": caps["mode"],
+        "refused_as_root": refused,
         "bwrap": {"path": bw.path, "works": bw.works, "user_namespace": bw.userns,
-                  "version": bw.version or None, "problem": bw.reason or None},
-        "libseccomp": {"loaded": lib is not None, "version": _libseccomp_version(),
+                  "privilege": bw.privilege or None, "version": bw.version or None,
+                  "problem": bw.reason or None},
+        "libseccomp": {"loaded": lib is not None, "version": seccomp.libseccomp_version(),
                        "problem": lib_error or None},
         "pids_cgroup": {"path": str(cg.path) if cg.path else None,
                         "version": cg.version or None, "problem": cg.reason or None},
+        "openat2": fs.openat2_available(),
         "root": _is_root(),
         "enforced": caps,
-        "warnings": caps["warnings"],
+        "warnings": warnings,
     }
 
 
 def measure_overhead(runs: int = 20, config: SandboxConfig | None = None) -> dict[str, float]:
     """Median wall time (ms) of `true` run directly by subprocess and through a sandbox in
-    each mode that works here, and each mode's overhead over the direct run."""
+    each mode that works here, and each mode's overhead over the direct run; `session_*`:
+    the median time to open and close a session."""
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
         raise _bad("measure_overhead(runs)", "an int >= 1", runs)
     config = config or SandboxConfig()
@@ -1307,7 +1095,9 @@ def measure_overhead(runs: int = 20, config: SandboxConfig | None = None) -> dic
     out = {"direct_ms": median_ms(lambda: subprocess.run([true], check=True))}
     modes = ["rlimits"] + (["bwrap"] if _bwrap_probe().works else [])
     for mode in modes:
-        with Sandbox(dataclasses.replace(config, mode=mode)) as sb:
+        # `true` harms nothing: rlimits mode's root opt-in is given for the measurement
+        cfg = dataclasses.replace(config, mode=mode, unsafe_rlimits_as_root=True)
+        with Sandbox(cfg) as sb:
             def one() -> None:
                 r = sb.run([true])
                 if not r.ok:
@@ -1315,6 +1105,7 @@ def measure_overhead(runs: int = 20, config: SandboxConfig | None = None) -> dic
                                        f"{r.detail}: {r.stderr[:200]}")
             out[f"{mode}_ms"] = median_ms(one)
         out[f"{mode}_overhead_ms"] = out[f"{mode}_ms"] - out["direct_ms"]
+        out[f"{mode}_session_ms"] = median_ms(lambda: Sandbox(cfg).close())
     return out
 
 

@@ -6,11 +6,9 @@ tasks checked by the state they leave). Every command of an episode runs in the 
 
 from __future__ import annotations
 
-import os
 import random
 import re
-import stat
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any, Callable
 
 from glm5.rl.envs.base import register_env
@@ -18,6 +16,8 @@ from glm5.rl.envs.checks import syntax_check
 from glm5.rl.envs.tools import ToolEnv, ToolError, tool_call
 
 MAX_FILE_CHARS = 20_000
+#: Entries a checkpoint's walk of the work directory looks at, at most.
+MAX_STATE_ENTRIES = 10_000
 
 
 class WorkspaceEnv(ToolEnv):
@@ -56,15 +56,10 @@ class WorkspaceEnv(ToolEnv):
 
     def entries(self, path: str = "") -> list[str]:
         """Names in a directory of the work directory (not followed through links)."""
-        d = Path(self.sandbox.workdir)
-        for part in PurePosixPath(self._check_path(path)).parts if path else ():
-            d = d / part
-            try:
-                if not stat.S_ISDIR(os.lstat(d).st_mode):
-                    return []
-            except OSError:
-                return []
-        return sorted(os.listdir(d))
+        try:
+            return self.sandbox.list_dir(self._check_path(path) if path else "")
+        except (OSError, ValueError):
+            return []
 
     def read_file(self, path: str) -> str:
         """The text of a file of the work directory."""
@@ -102,14 +97,12 @@ class WorkspaceEnv(ToolEnv):
         """The episode's counters and the work directory's regular files (links and special
         files are not state: they are never followed)."""
         files: dict[str, str] = {}
-        root = str(self.sandbox.workdir)
-        for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-            dirnames[:] = [d for d in dirnames if d not in ("__pycache__", ".pytest_cache")]
-            for name in filenames:
-                rel = os.path.relpath(os.path.join(dirpath, name), root)
-                text = self.text(rel)
-                if text is not None:
-                    files[rel] = text
+        # no recursion, bounded: a command may have built a tree thousands deep or wide
+        for rel in self.sandbox.walk_files(skip_dirs=("__pycache__", ".pytest_cache"),
+                                           max_entries=MAX_STATE_ENTRIES):
+            text = self.text(rel)
+            if text is not None:
+                files[rel] = text
         return {"seed": self.seed, "turns": self.turns, "done": self.done, "files": files}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
