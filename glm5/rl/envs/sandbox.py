@@ -320,9 +320,20 @@ def _bwrap_argv(bwrap: str, privilege: str, mounts: stage.SessionMounts, network
             args += ["--cap-add", cap]
     if not network:
         args.append("--unshare-net")
-    args += _system_binds(network)
+    # /etc holds the system binds' files: world-traversable (bwrap as root makes the
+    # directories it needs 0700, closed to the uid setpriv drops to)
+    args += ["--perms", "0755", "--dir", "/etc", *_system_binds(network)]
     args += ["--proc", "/proc", "--dev", "/dev", "--bind", mounts.work, SANDBOX_WORKDIR,
              "--bind", mounts.tmp, "/tmp"]
+    # the binds' parent directories, made world-traversable (a bwrap running as root would
+    # make them 0700: the dropped uid could not reach the interpreter)
+    parents: list[str] = []
+    for _, dst in binds:
+        for p in reversed(Path(dst).parents[:-1]):
+            if str(p) not in parents:
+                parents.append(str(p))
+    for p in parents:
+        args += ["--perms", "0755", "--dir", p]
     for src, dst in binds:
         args += ["--ro-bind", src, dst]
     return args + ["--chdir", SANDBOX_WORKDIR, "--remount-ro", "/"]
@@ -376,7 +387,8 @@ def _bwrap_probe() -> _BwrapInfo:
     for privilege in ("userns", "setpriv") if root else ("userns",):
         uid, gid = launch.session_ids(None)
         try:
-            mounts = st.add(uid, gid, 1 << 20, 1 << 20, [])
+            mounts = st.add(uid, gid, 1 << 20, 1 << 20, [],
+                            "0711" if privilege == "setpriv" else "0700")
         except stage.StageError as e:
             errors.append(f"{privilege}: {e}")
             continue
@@ -439,7 +451,7 @@ def reset_probes() -> None:
     namespaces, openat2), the sweeps done and the warnings already logged, e.g. after
     installing bwrap in a running process."""
     for f in (_bwrap_probe, pids_cgroup_parent, _netns_probe, fs.openat2_available):
-        f.cache_clear()
+        getattr(f, "cache_clear", lambda: None)()  # (a test may have replaced one)
     seccomp.reset()
     _WARNED.clear()
     _SWEPT.clear()
@@ -492,6 +504,19 @@ def _python_binds() -> tuple[list[tuple[str, str]], str, str]:
 
 
 _BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+def _reachable_by_all(executable: str) -> bool:
+    """Whether any user may run `executable`: every directory on its real path (and on the
+    path of the installation it belongs to) lets others through, and the file lets them
+    read and execute it."""
+    real = os.path.realpath(executable)
+    try:
+        mode = os.stat(real).st_mode
+    except OSError:
+        return False
+    return (mode & 0o005 == 0o005 and stage.traversable_by_all(os.path.dirname(real))
+            and stage.traversable_by_all(os.path.realpath(sys.prefix)))
 
 
 class Sandbox:
@@ -590,6 +615,12 @@ class Sandbox:
                 py_binds, self.python, py_bindir = _python_binds()
             else:
                 self.python = "python3"
+        elif self._drop is not None and config.python and not _reachable_by_all(
+                sys.executable):
+            self._warnings.append(
+                f"rlimits mode as root: the interpreter {os.path.realpath(sys.executable)} "
+                "is not reachable by other users (a directory on its path is closed to "
+                "them), so the commands' uid cannot run it")
 
         # the process limit: a pids cgroup per command (bwrap's init, once the command is
         # done, lingers as an orphan until the host's init reaps it; in a cgroup shared by
@@ -620,7 +651,8 @@ class Sandbox:
             try:
                 self._mounts = stage.stage(userns=not root).add(
                     self.host_uid, self.host_gid, config.disk_bytes, config.tmp_bytes,
-                    [src for src, _ in binds])
+                    [src for src, _ in binds],
+                    "0711" if self._privilege == "setpriv" else "0700")
             except stage.StageError as e:
                 raise SandboxError(f"Sandbox: {e}") from e
             self._root_fd = self._mounts.work_fd

@@ -336,16 +336,18 @@ class Stage:
 
     # ------------------------------------------------------------------------ sessions
     def add(self, uid: int, gid: int, disk_bytes: int | None, tmp_bytes: int | None,
-            binds: Sequence[str]) -> SessionMounts:
+            binds: Sequence[str], work_mode: str = "0700") -> SessionMounts:
         """Mount a new session's work and /tmp tmpfs (capped at disk_bytes / tmp_bytes, None:
-        the kernel's default, half of RAM) owned by uid:gid, and its read-only binds."""
+        the kernel's default, half of RAM) owned by uid:gid, and its read-only binds.
+        `work_mode`: the work directory's permissions ("0711" lets a bwrap running as root
+        without capabilities chdir into it)."""
         sid = secrets.token_hex(8)
 
         def tmpfs(name: str, size: int | None, mode: str) -> list[Any]:
             return [name, size or 0, (size // BYTES_PER_INODE) if size else 0, mode]
 
         rep = self._request({"op": "add", "sid": sid, "uid": uid, "gid": gid,
-                             "tmpfs": [tmpfs("work", disk_bytes, "0700"),
+                             "tmpfs": [tmpfs("work", disk_bytes, work_mode),
                                        tmpfs("tmp", tmp_bytes, "1777")],
                              "binds": list(binds)})
         if "error" in rep:
