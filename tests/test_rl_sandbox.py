@@ -48,7 +48,8 @@ from glm5.rl.envs.sandbox import Sandbox, SandboxConfig, SandboxError
 REPO = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 ROOT = os.geteuid() == 0
-MODES = ["bwrap", "bwrap-setpriv", "rlimits"]
+# bwrap runs as root (and setpriv drops inside) only where the trainer is root
+MODES = ["bwrap", "bwrap-setpriv", "rlimits"] if ROOT else ["bwrap", "rlimits"]
 
 
 def require_bwrap() -> None:
@@ -89,7 +90,8 @@ def session_root(tmp_path):
     """Where rlimits-mode sessions go: as root, a directory every user can traverse (the
     commands' uid must reach its work directory; pytest's own tmp_path is root's, 0700)."""
     if not ROOT:
-        return tmp_path
+        yield tmp_path
+        return
     d = tempfile.mkdtemp(prefix="glm5-test-sessions-")
     os.chmod(d, 0o711)
     yield d
@@ -635,16 +637,26 @@ def test_rlimits_host_processes_are_out_of_reach_as_root(make, monkeypatch):
 
 
 def test_rlimits_gaps_are_what_capabilities_say(make):
-    """As non-root, rlimits mode cannot hide the user's own processes: it says so, and the
-    gap is real (the open side of the root test above)."""
+    """As non-root, rlimits mode cannot hide the user's own processes entirely: it says
+    what it leaves open, and that is what is open (the twin of the root test above)."""
+    if ROOT:
+        pytest.skip("as root the commands' uid is not this process's")
     sb = make("rlimits")
     caps = sb.capabilities()
     assert caps["mode"] == "rlimits" and not caps["filesystem_isolated"]
-    assert any("host processes" in g for g in caps["gaps"])
-    if ROOT:
-        pytest.skip("as root the commands' uid is not this process's")
     r = sb.run([sb.python, "-c", _HOST_PROBE, str(os.getpid())])
-    assert "environ open" in r.stdout, r
+    reachable = any("/proc/<pid>/environ" in g for g in caps["gaps"])
+    assert ("environ open" in r.stdout) == reachable, (caps["gaps"], r)
+    if caps["network_isolated"]:  # a user namespace of its own: ptrace-class access closed
+        assert not reachable and "environ PermissionError" in r.stdout
+    victim = subprocess.Popen(["sleep", "30"])
+    try:  # signals reach the user's own processes: said so
+        assert any("signalled" in g or "signals" in g for g in caps["gaps"])
+        assert sb.run(f"kill -9 {victim.pid}").ok
+        assert victim.wait(timeout=5) == -9
+    finally:
+        victim.kill()
+        victim.wait()
 
 
 _TIOCSTI = r"""
@@ -846,6 +858,18 @@ def test_many_commands_in_one_session(mode, make):
     assert all(r.ok for r in results), [r for r in results if not r.ok][:1]
 
 
+def _reap_escaped(sb: Sandbox, marker: str) -> int:
+    """Kill what a command left running that carries `marker`; 0 where the mode's
+    containment holds. Only rlimits mode without a pids cgroup lets a setsid() child escape
+    (its capabilities say so): there the escapee is killed and 0 returned too."""
+    left = procs_with(marker)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    if sb.capabilities()["containment"].startswith("process group"):
+        return 0
+    return len(left)
+
+
 def test_work_dir_is_private_and_removed_on_close(mode, make, session_root):
     sb = make(mode)
     assert sb.workdir.is_dir()
@@ -865,7 +889,8 @@ def test_work_dir_is_private_and_removed_on_close(mode, make, session_root):
     r = sb.run(f"setsid sleep {marker} >/dev/null 2>&1 & sleep 0.3; echo started")
     assert r.ok and r.stdout == "started\n" and time.monotonic() - t < 5
     time.sleep(0.1)
-    assert procs_with(marker) == []
+    escaped = _reap_escaped(sb, marker)
+    assert escaped == 0, escaped
     # one that keeps writing to the output pipe is killed when the command ends, not waited
     # for: nothing of it follows the command's last line
     marker = f"glm5-ticker-{uuid.uuid4().hex[:8]}"
@@ -873,9 +898,10 @@ def test_work_dir_is_private_and_removed_on_close(mode, make, session_root):
     r = sb.run(f"setsid sh -c 'while :; do echo tick; sleep 0.01; done # {marker}' & "
                "sleep 0.3; echo started")
     assert r.ok and "tick\n" in r.stdout and time.monotonic() - t < 1.5, r
-    assert r.stdout.split("started\n")[1].count("tick") <= 1, r.stdout
+    if not sb.capabilities()["containment"].startswith("process group"):  # (it escaped)
+        assert r.stdout.split("started\n")[1].count("tick") <= 1, r.stdout
     time.sleep(0.1)
-    assert procs_with(marker) == []
+    assert _reap_escaped(sb, marker) == 0
     # and without a pids cgroup (max_processes=None), the process group's members are
     marker = f"7{uuid.uuid4().int % 10**6}.5"
     r = make(mode, max_processes=None).run(f"sleep {marker} >/dev/null 2>&1 & echo started")
@@ -934,7 +960,9 @@ def test_network_is_cut(mode, make):
     port = server.getsockname()[1]
     try:
         sb = make(mode)
-        assert sb.capabilities()["network_isolated"]
+        if not sb.capabilities()["network_isolated"]:  # no namespaces at all: said so
+            assert any("network not isolated" in w for w in sb.capabilities()["warnings"])
+            pytest.skip("no network namespace can be made here")
         r = sb.run([sb.python, "-c", _connect_program(port)])
         assert r.returncode == 7 and r.reason == "error" and "blocked" in r.stdout, r
         with pytest.raises(BlockingIOError):
@@ -960,6 +988,9 @@ def test_writing_outside_the_work_dir_fails(mode, make, tmp_path):
                Path(sys.base_prefix) / name]
     for t in targets:
         r = sb.run(f"echo x > '{t}'")
+        assert not t.exists(), t
+        if str(t).startswith("/tmp/"):  # the sandbox's own /tmp: a file there stays there
+            continue
         assert r.reason == "error" and r.returncode != 0, (t, r)
         assert ("Read-only file system" in r.stderr or "nonexistent" in r.stderr
                 or "No such file" in r.stderr or "Permission denied" in r.stderr), (t, r)
@@ -1017,7 +1048,7 @@ def test_rlimits_mode_reports_what_it_does_not_enforce(make, caplog):
     assert not caps["sessions_isolated"] and not caps["pid_namespace"]
     assert any("no filesystem isolation" in w for w in caps["warnings"])
     assert "no filesystem isolation" in caplog.text
-    assert caps["network_isolated"] == ROOT
+    assert caps["network_isolated"] == (S._netns_probe() == "")
     assert caps["ipc"] == "System V IPC denied by seccomp"
     assert a.run("echo visible > f.txt").ok
     r = b.run(f"cat '{a.workdir}/f.txt'")
@@ -1062,6 +1093,12 @@ def test_a_fork_bomb_is_bounded_and_killed(mode, make):
             peak[0] = max(peak[0], len(procs_with(marker)))
             time.sleep(0.02)
 
+    # RLIMIT_NPROC (no pids cgroup, non-root) counts the user's other tasks too: what they
+    # were when the command started is the command's extra room
+    others = 0
+    if limit.startswith("RLIMIT_NPROC") and not ROOT:
+        skip = os.readlink("/proc/self/ns/user") if mode.startswith("bwrap") else None
+        others = sandbox_launch.tasks_of(sb.host_uid, skip)
     sampler = threading.Thread(target=sample)
     sampler.start()
     t = time.monotonic()
@@ -1074,7 +1111,7 @@ def test_a_fork_bomb_is_bounded_and_killed(mode, make):
     assert time.monotonic() - t < 10
     if limit.startswith("cgroup"):  # the cgroup counts what it refused: reported
         assert r.forks_refused > 0 and f"refused {r.forks_refused} forks" in r.detail, r
-    assert 6 <= peak[0] <= 12, peak
+    assert 6 <= peak[0] <= 12 + others, (peak, others)
     time.sleep(0.1)
     assert procs_with(marker) == []  # nothing left on the host
     assert sb.run(["true"]).ok  # and the session still works

@@ -95,7 +95,8 @@ def find_test_entry(repo: str | Path) -> TestEntry | None:
              if p.is_dir() and p.parent.name not in _SKIP_DIRS]
     if dirs:
         return TestEntry("pytest", dirs, "conventional test directories")
-    files = sorted(p.name for p in r.glob("test_*.py")) + sorted(p.name for p in r.glob("*_test.py"))
+    files = (sorted(p.name for p in r.glob("test_*.py"))
+             + sorted(p.name for p in r.glob("*_test.py")))
     if files:
         return TestEntry("pytest", files, "top-level test files")
     return None

@@ -50,16 +50,13 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import fcntl
 import functools
 import glob
 import logging
 import os
 import shutil
 import signal
-import socket
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -412,34 +409,26 @@ def _bwrap_probe() -> _BwrapInfo:
 
 
 def _unshare_net() -> None:
-    """unshare(CLONE_NEWNET) and bring the new namespace's loopback up (bwrap does the same),
-    so that a command can still talk to itself on 127.0.0.1."""
-    if hasattr(os, "unshare"):
-        os.unshare(_CLONE_NEWNET)
-    else:
-        libc = launch.libc()  # cached: loaded by the parent before any child ran this
-        if libc.unshare(_CLONE_NEWNET) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"unshare(CLONE_NEWNET): {os.strerror(e)}")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
-        req = fcntl.ioctl(s, siocgifflags, struct.pack("16sh14x", b"lo", 0))
-        flags = struct.unpack("16sh14x", req)[1]
-        fcntl.ioctl(s, siocsifflags, struct.pack("16sh14x", b"lo", flags | iff_up))
+    """unshare(CLONE_NEWNET) (root) and bring the new namespace's loopback up."""
+    if launch.libc().unshare(_CLONE_NEWNET) != 0:  # libc loaded by the parent
+        e = ctypes.get_errno()
+        raise OSError(e, f"unshare(CLONE_NEWNET): {os.strerror(e)}")
+    launch.loopback_up()
 
 
 @functools.lru_cache(maxsize=None)
 def _netns_probe() -> str:
-    """"" when this process may give a child its own network namespace (root), else why not."""
-    if not _is_root():
-        return "a network namespace needs root without bwrap"
+    """"" when this process may give a rlimits-mode child a network namespace of its own
+    (root: directly; non-root: inside a user namespace of its own), else why not."""
     launch.libc()  # load it in the parent, so that children only call into it
+    how = _unshare_net if _is_root() else launch.unshare_user_net
     try:
-        r = subprocess.run([sys.executable, "-c", ""], preexec_fn=_unshare_net,
+        r = subprocess.run([sys.executable, "-c", ""], preexec_fn=how,
                            stdin=subprocess.DEVNULL, capture_output=True, timeout=10)
     except (OSError, subprocess.SubprocessError) as e:
-        return f"unshare(CLONE_NEWNET) failed: {e}"
-    return "" if r.returncode == 0 else f"unshare(CLONE_NEWNET) probe exited {r.returncode}"
+        return f"a network namespace could not be made: {e}"
+    return "" if r.returncode == 0 else \
+        f"a network namespace could not be made (probe exited {r.returncode})"
 
 
 _WARNED: set[str] = set()
@@ -701,8 +690,17 @@ class Sandbox:
     def _rlimits(self) -> list[launch.Rlimit]:
         """(prlimit option, resource, soft, hard) of every limit a command starts under."""
         c = self.config
-        nproc = (c.max_processes + self._nproc_helpers
-                 if self._nproc_rlimit and c.max_processes is not None else None)
+        nproc = None
+        if self._nproc_rlimit and c.max_processes is not None:
+            # RLIMIT_NPROC counts the uid's tasks where the command's user namespaces meet
+            # the others: on the host (root; rlimits mode), or in the stage's user namespace
+            # (a non-root bwrap: the other sessions' commands). What runs there already is
+            # added to the command's allowance (nothing, for a root trainer's own uid).
+            skip = None
+            if self.mode == "bwrap" and not _is_root():
+                skip = os.readlink("/proc/self/ns/user")
+            nproc = (c.max_processes + self._nproc_helpers
+                     + launch.tasks_of(self.host_uid, skip))
         return launch.rlimits(c.cpu_seconds, c.memory_bytes, c.file_size_bytes, c.open_files,
                               nproc)
 
@@ -747,9 +745,15 @@ class Sandbox:
         else:
             gaps += ["the host's files are readable by the command's uid, and writable where "
                      "it may write" + ("" if _is_root() else " (all of this user's files)"),
-                     "host processes of the same uid are visible and reachable "
-                     "(/proc/<pid>/environ, fd, mem; signals)",
-                     "path unix sockets on the host are reachable where their permissions "
+                     "host processes are listed, with their command lines"]
+            if _is_root():
+                pass  # a uid of its own: no host process shares it
+            elif self._netns:  # in a user namespace of its own: no ptrace-class access
+                gaps.append("host processes of this user can be signalled")
+            else:
+                gaps.append("host processes of this user are reachable (/proc/<pid>/environ, "
+                            "fd, mem; signals)")
+            gaps += ["path unix sockets on the host are reachable where their permissions "
                      "allow",
                      "no disk or /tmp quota (RLIMIT_FSIZE per file only)"]
             if not self._netns:
@@ -854,7 +858,9 @@ class Sandbox:
             return _spawn(argv, self._mounts, self._drop, self._rlimits(), cgroup, **popen)
         return subprocess.Popen(argv, preexec_fn=launch.preexec(
             cgroup=cgroup, mounts=None, drop=self._drop, limits=self._rlimits(),
-            before_drop=_unshare_net if self._netns else None, chdir_fd=self._root_fd,
+            before_drop=(None if not self._netns else _unshare_net if self._drop is not None
+                         or _is_root() else launch.unshare_user_net),
+            chdir_fd=self._root_fd,
             seccomp_prog=self._fprog), **popen)
 
     def _run_locked(self, argv: list[str], shell: bool, data: bytes | None,

@@ -398,6 +398,11 @@ def remove_tree(parent_fd: int, name: str, label: str | None = None) -> list[str
 
     def enter(fd: int, dname: str) -> None:
         s = os.fstat(fd)
+        if s.st_mode & 0o700 != 0o700 and s.st_uid == os.geteuid():
+            try:  # a directory a command made read-only: its entries need write permission
+                os.fchmod(fd, stat.S_IMODE(s.st_mode) | 0o700)
+            except OSError:
+                pass
         names: list[str] = []
         frames.append((dname, (s.st_dev, s.st_ino), names))
         try:

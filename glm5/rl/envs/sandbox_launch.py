@@ -18,6 +18,7 @@ after a fork (slower, same result).
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import grp
 import os
@@ -25,6 +26,8 @@ import pwd
 import resource
 import secrets
 import shutil
+import socket
+import struct
 from typing import Callable, Sequence
 
 from glm5.rl.envs.sandbox_cgroup import PidsCgroup
@@ -38,6 +41,7 @@ HOST_UID_RANGE = (1_879_048_192, 1 << 24)
 
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNS = 0x00020000
+_CLONE_NEWNET = 0x40000000
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_SECCOMP = 22
 _PR_CAPBSET_DROP = 24
@@ -81,6 +85,58 @@ def libc() -> ctypes.CDLL:
 def programs() -> dict[str, str | None]:
     """The helper programs' paths (None: missing)."""
     return {p: shutil.which(p) for p in ("nsenter", "setpriv", "prlimit")}
+
+
+def tasks_of(uid: int, skip_userns: str | None = None) -> int:
+    """Tasks (processes and threads) whose real uid is `uid`, what RLIMIT_NPROC counts; those
+    in the user namespace `skip_userns` (a /proc/<pid>/ns/user link) left out."""
+    n = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status", "rb") as f:
+                real = threads = None
+                for line in f:
+                    if line.startswith(b"Uid:"):
+                        real = int(line.split()[1])
+                    elif line.startswith(b"Threads:"):
+                        threads = int(line.split()[1])
+                        break
+            if real != uid or (skip_userns is not None
+                               and os.readlink(f"/proc/{pid}/ns/user") == skip_userns):
+                continue
+        except (OSError, ValueError, IndexError):
+            continue
+        n += threads or 1
+    return n
+
+
+def unshare_user_net() -> None:
+    """In a child about to exec: a new user namespace mapping only its own uid and gid, and
+    a network namespace with loopback up (rlimits mode, non-root: no host network)."""
+    uid, gid = os.getuid(), os.getgid()
+    if libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"unshare(CLONE_NEWUSER | CLONE_NEWNET): {os.strerror(e)}")
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                       ("gid_map", f"{gid} {gid} 1")):
+        fd = os.open(f"/proc/self/{name}", os.O_WRONLY)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+    loopback_up()
+
+
+def loopback_up() -> None:
+    """Bring `lo` up in this (new) network namespace, so that a command can still talk to
+    itself on 127.0.0.1 (bwrap does the same)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+        req = fcntl.ioctl(s, siocgifflags, struct.pack("16sh14x", b"lo", 0))
+        flags = struct.unpack("16sh14x", req)[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack("16sh14x", b"lo", flags | iff_up))
 
 
 def setpriv_argv(setpriv: str, uid: int, gid: int) -> list[str]:
@@ -138,10 +194,10 @@ def preexec(*, cgroup: PidsCgroup | None, mounts: SessionMounts | None,
             before_drop: Callable[[], None] | None = None, chdir_fd: int | None = None,
             seccomp_prog: ctypes.Structure | None = None) -> Callable[[], None]:
     """What the child does between fork and exec, in this order: join the cgroup, enter the
-    stage's namespaces, `before_drop` (e.g. leave the network, as root), drop to `drop`
+    stage's namespaces, the rlimits, `before_drop` (e.g. leave the network), drop to `drop`
     (bounding set emptied, groups cleared, gid and uid set: the permitted capabilities go
-    with uid 0), the rlimits, fchdir to `chdir_fd`, no_new_privs, and the seccomp filter
-    (`seccomp_prog`, a struct sock_fprog)."""
+    with uid 0), fchdir to `chdir_fd`, no_new_privs, and the seccomp filter (`seccomp_prog`,
+    a struct sock_fprog)."""
     lib = libc()
     setns, prctl = lib.setns, lib.prctl
     ns = []
@@ -162,6 +218,9 @@ def preexec(*, cgroup: PidsCgroup | None, mounts: SessionMounts | None,
         for fd, nstype in ns:
             if setns(fd, nstype) != 0:
                 fail("setns")
+        # the limits before any new user namespace: it takes RLIMIT_NPROC as its own cap
+        for rlim, value in limit_values:
+            resource.setrlimit(rlim, value)
         if before_drop is not None:
             before_drop()
         if drop is not None:
@@ -171,8 +230,6 @@ def preexec(*, cgroup: PidsCgroup | None, mounts: SessionMounts | None,
             os.setgroups([])
             os.setresgid(drop[1], drop[1], drop[1])
             os.setresuid(drop[0], drop[0], drop[0])
-        for rlim, value in limit_values:
-            resource.setrlimit(rlim, value)
         if chdir_fd is not None:
             os.fchdir(chdir_fd)
         if prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
