@@ -119,11 +119,14 @@ def optional_deps() -> list[dict[str, Any]]:
 
 def _weaker_mode_warning(sb: dict[str, Any]) -> dict[str, str]:
     enforced, bw = sb["enforced"], sb["bwrap"]
-    who = "root" if sb["root"] else "the calling user"
-    missing = [f"no mount namespace: the whole host filesystem is visible and writable (as "
-               f"{who}), the system included",
-               "another session's files are readable",
-               "no PID, IPC, UTS or user namespaces: host processes are visible"]
+    missing = ["no mount namespace: the host's filesystem is visible, and writable where the "
+               "commands' uid may write"]
+    if sb["root"]:
+        missing.insert(0, "as root it is refused unless SandboxConfig(unsafe_rlimits_as_root="
+                          "True), and then commands run as an unprivileged uid of their own")
+    else:
+        missing.append("another session's files are readable (commands run as this user)")
+    missing.append("no PID, IPC or UTS namespace: host processes are visible")
     if not enforced["network_isolated"]:
         missing.append("no network namespace: commands reach the host's network")
     why = bw["problem"] or enforced.get("mode_note") or "bwrap not used"
@@ -282,10 +285,15 @@ def format_report(r: dict[str, Any], table: Any) -> str:
     else:
         e, bw, lib, cg = sb["enforced"], sb["bwrap"], sb["libseccomp"], sb["pids_cgroup"]
         kv("mode", "bwrap (namespaces, read-only system)" if sb["mode"] == "bwrap" else
-           "rlimits (WEAKER: no filesystem or process isolation)")
+           "rlimits (WEAKER: no filesystem or process isolation)"
+           + ("; REFUSED as root unless unsafe_rlimits_as_root=True"
+              if sb.get("refused_as_root") else ""))
         if bw["works"]:
+            how = ("the uid starts bwrap, which maps it in a user namespace"
+                   if bw.get("privilege") == "userns" else
+                   "bwrap runs as root, setpriv drops to the uid inside")
             kv("bwrap", f"{bw['path']}: {bw['version']}, works; user namespace "
-                        f"{_yes(bw['user_namespace'])}")
+                        f"{_yes(bw['user_namespace'])} ({how})")
         else:
             kv("bwrap", f"not usable: {bw['problem']}")
         kv("libseccomp", f"{lib['version']}, loaded" if lib["loaded"] else
@@ -294,6 +302,11 @@ def format_report(r: dict[str, Any], table: Any) -> str:
                       f"denied" if e["seccomp"] else f"off: {e['seccomp_error']}")
         kv("pids cgroup", f"{cg['path']} (v{cg['version']})" if cg["path"] else
            f"none: {cg['problem']}")
+        kv("runs as", f"host uid {e['host_uid']}"
+           + (" (one of their own per session)" if sb["root"] else " (this user's)")
+           + f", uid {e['uid_inside']} inside; no capabilities, no_new_privs")
+        kv("work dir", e["work_dir"])
+        kv("file access", e["file_io"])
         kv("network", "own namespace (loopback only)" if e["network_isolated"] else
            "HOST NETWORK shared with commands")
         kv("isolation", f"filesystem {_yes(e['filesystem_isolated'])}, sessions "
@@ -302,6 +315,8 @@ def format_report(r: dict[str, Any], table: Any) -> str:
                         f"{e['containment']}")
         for i, (k, v) in enumerate(e["limits"].items()):
             kv("limits" if i == 0 else "", f"{k}: {v or 'NOT ENFORCED'}")
+        for i, gap in enumerate(e.get("gaps", [])):
+            kv("not covered" if i == 0 else "", gap)
         kv("running as", "root" if sb["root"] else "a non-root user")
 
     out += ["", "Warnings"]

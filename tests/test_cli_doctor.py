@@ -5,6 +5,7 @@ dependency imported to report it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -50,6 +51,13 @@ def test_text_has_every_section(capsys):
         assert any(ln.split()[:1] == [name] for ln in lines), f"{name} not listed:\n{out}"
     mode = sandbox.sandbox_report()["mode"]
     assert any(ln.startswith(f"  mode         {mode}") for ln in lines), out
+    # who commands run as, and what the mode leaves open, are stated
+    runs = next(ln for ln in lines if ln.startswith("  runs as      host uid "))
+    assert "no capabilities, no_new_privs" in runs
+    assert ("one of their own per session" in runs) == (os.geteuid() == 0)
+    assert any(ln.startswith("  file access  ") for ln in lines), out
+    if mode == "bwrap":
+        assert "  work dir     a tmpfs in a mount namespace" in out
 
 
 def test_json_is_one_object_with_every_section(capsys):
@@ -82,7 +90,10 @@ def test_weaker_sandbox_mode_warns_with_what_is_missing_and_the_fix(capsys, monk
     w = warning[0]
     assert "weaker rlimits mode (bwrap not found on PATH)" in w
     assert "no mount namespace" in w and "writable" in w
-    assert "no PID, IPC, UTS or user namespaces" in w
+    assert "no PID, IPC or UTS namespace" in w
+    if os.geteuid() == 0:  # refused by default, and said so where the mode is shown
+        assert "unsafe_rlimits_as_root" in w
+        assert "; REFUSED as root unless unsafe_rlimits_as_root=True" in out
     fix = out.splitlines()[out.splitlines().index(w) + 1]
     assert fix.startswith("    fix: install bubblewrap (`apt-get install bubblewrap`")
     # the sandbox's own terse line is replaced by this one, not repeated

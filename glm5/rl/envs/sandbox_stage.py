@@ -27,6 +27,7 @@ built costs nothing to remove: the mount is detached whole.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -458,3 +459,6 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+# at a normal exit the stages' (empty) mount points go too; after a crash, the next stage
+# sweeps them
+atexit.register(close_stages)
