@@ -66,3 +66,17 @@ def test_build_and_test_counts_in_the_sandbox(tmp_path):
     assert (r.passed, r.failed, r.skipped) == (1, 2, 1)  # the escape attempt fails, sandboxed
     assert not os.path.exists("/etc/glm5-escape")
     assert r.command[:3] == ["python", "-m", "pytest"] and r.seconds > 0
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None and os.environ.get("CI") != "true",
+                    reason="bubblewrap (bwrap) is not installed (CI installs it)")
+def test_a_repository_larger_than_the_sandbox_is_reported(tmp_path):
+    from glm5.rl.envs.sandbox import SandboxConfig
+
+    repo = _repo(tmp_path, {"tests/test_a.py": "def test_a():\n    pass\n",
+                            "blob.bin": "x" * (3 << 20)})
+    r = build_and_test(repo, sandbox_config=SandboxConfig(mode="bwrap", disk_bytes=1 << 20))
+    assert not r.ok and "does not fit the sandbox's work directory" in r.reason, r
+    assert "disk_bytes=1048576" in r.reason
+    r = build_and_test(repo, sandbox_config=SandboxConfig(mode="bwrap", disk_bytes=8 << 20))
+    assert r.ok and r.passed == 1, r  # the open twin: room enough
