@@ -548,6 +548,43 @@ def test_a_killed_trainer_leaves_nothing(mode, session_root):
         assert not session.exists()
 
 
+def test_a_killed_stage_costs_no_session(make):
+    """SIGKILL the helper that made the mounts: open sessions keep their mounts (they hold
+    the namespace) and run and close as before; the next session starts a new helper."""
+    require_bwrap()
+    sb = make("bwrap")
+    assert sb.run("echo before > f").ok
+    old = sandbox_stage.stage(userns=not ROOT)
+    os.kill(old._proc.pid, signal.SIGKILL)
+    old._proc.wait()
+    r = sb.run("cat f; echo after >> f; df -k /work | tail -1")
+    assert r.ok and r.stdout.startswith("before\n"), r
+    assert sb.read_file("f") == b"before\nafter\n"
+    other = make("bwrap")
+    assert sandbox_stage.stage(userns=not ROOT) is not old
+    assert other.run("true").ok and sb.close() == []
+
+
+def test_a_forked_trainer_gets_its_own_stage(make):
+    """multiprocessing's fork start method: the child makes sandboxes of its own (a new
+    helper), and the parent's keep working."""
+    require_bwrap()
+    sb = make("bwrap")
+    assert sb.run("true").ok
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery, only an exit status
+        code = 1
+        try:
+            with Sandbox(SandboxConfig(mode="bwrap")) as child_sb:
+                r = child_sb.run("echo child > f && cat f")
+                code = 0 if r.ok and r.stdout == "child\n" else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert sb.run("echo parent").stdout == "parent\n"
+
+
 def test_sweeps_leave_live_owners_alone(session_root):
     mine = Path(session_root) / f"{S.SESSION_PREFIX}{sandbox_stage.owner_tag()}-abc"
     mine.mkdir()

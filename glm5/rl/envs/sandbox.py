@@ -457,10 +457,9 @@ def sweep_sessions(root_dir: str | os.PathLike[str]) -> list[str]:
     except OSError:
         return out
     try:
-        for name in os.listdir(dfd):
-            if name.startswith(SESSION_PREFIX) and not stage.owner_alive(name, SESSION_PREFIX):
-                problems = fs.remove_tree(dfd, name)
-                out.extend(problems or [name])
+        for name in stage.left_by_the_dead(root_dir, SESSION_PREFIX):
+            problems = fs.remove_tree(dfd, name)
+            out.extend(problems or [name])
     finally:
         os.close(dfd)
     if out:

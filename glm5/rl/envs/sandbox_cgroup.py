@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from glm5.rl.envs.sandbox_stage import owner_alive, owner_tag
+from glm5.rl.envs.sandbox_stage import left_by_the_dead, owner_tag
 
 log = logging.getLogger("glm5.rl.envs")
 
@@ -106,18 +106,13 @@ def pids_cgroup_parent() -> CgroupParent:
 def sweep(parent: Path) -> list[str]:
     """Kill what is left in, and remove, the cgroups of processes that are gone."""
     removed = []
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return removed
-    for name in names:
-        if name.startswith(PREFIX) and not owner_alive(name, PREFIX):
-            cg = PidsCgroup.__new__(PidsCgroup)
-            cg.path = parent / name
-            cg.procs_file = str(cg.path / "cgroup.procs")
-            cg.remove()
-            if not cg.path.exists():
-                removed.append(name)
+    for name in left_by_the_dead(parent, PREFIX):
+        cg = PidsCgroup.__new__(PidsCgroup)
+        cg.path = parent / name
+        cg.procs_file = str(cg.path / "cgroup.procs")
+        cg.remove()
+        if not cg.path.exists():
+            removed.append(name)
     return removed
 
 

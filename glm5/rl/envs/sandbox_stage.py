@@ -208,20 +208,25 @@ def stage_parent() -> str:
                      "mounts")
 
 
-def sweep_stage_dirs(parent: str) -> list[str]:
-    """Remove the (empty) mount points of stages whose process is gone; returns them."""
-    removed = []
+def left_by_the_dead(parent: str | os.PathLike[str], prefix: str) -> list[str]:
+    """The names in `parent` that start with `prefix` and carry the tag (`owner_tag`) of a
+    process that is gone: what a crashed process left."""
     try:
         names = os.listdir(parent)
     except OSError:
-        return removed
-    for name in names:
-        if name.startswith(_STAGE_PREFIX) and not owner_alive(name, _STAGE_PREFIX):
-            try:
-                os.rmdir(os.path.join(parent, name))
-                removed.append(name)
-            except OSError:
-                pass
+        return []
+    return sorted(n for n in names if n.startswith(prefix) and not owner_alive(n, prefix))
+
+
+def sweep_stage_dirs(parent: str) -> list[str]:
+    """Remove the (empty) mount points of stages whose process is gone; returns them."""
+    removed = []
+    for name in left_by_the_dead(parent, _STAGE_PREFIX):
+        try:
+            os.rmdir(os.path.join(parent, name))
+            removed.append(name)
+        except OSError:
+            pass
     return removed
 
 
