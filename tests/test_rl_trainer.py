@@ -205,7 +205,10 @@ def test_distillation_kl_zero_against_itself_and_teacher_refresh():
     b = pack(trajs[:2])
     from glm5.rl.trainer import completion_hidden
     with torch.no_grad():
-        tr.teacher.lm_head.weight.add_(0.05)
+        # a perturbation that differs across the vocabulary (a constant one shifts every
+        # logit alike: the softmax, and so the KL, would not move, leaving fp32 noise)
+        w = tr.teacher.lm_head.weight
+        w.add_(0.05 * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
         h = completion_hidden(m, b)
         got = float(tr.distill_loss(h, b))
         t = torch.log_softmax(completion_hidden(tr.teacher, b) @ tr.teacher.lm_head.weight.T
