@@ -795,6 +795,7 @@ class Sandbox:
                         "an iterative removal; crashed sessions' directories are swept by "
                         "the next Sandbox in the same directory"),
             "containment": ("pid namespace" if bw else "cgroup" if self._cgroup_parent
+                            else "the command's own user namespace" if self._own_userns()
                             else "process group (a process that calls setsid() escapes)"),
             "limits": {
                 "cpu_seconds": "RLIMIT_CPU" if c.cpu_seconds is not None else None,
@@ -848,19 +849,40 @@ class Sandbox:
                 raise RuntimeError("Sandbox.run: the sandbox is closed")
             return self._run_locked(argv, shell, data, float(timeout))
 
+    def _own_userns(self) -> bool:
+        """Whether each rlimits-mode command gets a user namespace of its own (non-root,
+        where user namespaces work): then its processes are found by it at its end."""
+        return self.mode == "rlimits" and self._netns and not _is_root()
+
     def _start(self, argv: list[str], cgroup: PidsCgroup | None, stdin: bool,
-               pass_fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
+               pass_fds: tuple[int, ...]) -> tuple[subprocess.Popen[bytes], str | None]:
+        """The started command and, where it has a user namespace of its own, its link."""
         popen: dict[str, Any] = dict(
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, env=self._env, start_new_session=True, pass_fds=pass_fds)
         if self.mode == "bwrap":
-            return _spawn(argv, self._mounts, self._drop, self._rlimits(), cgroup, **popen)
-        return subprocess.Popen(argv, preexec_fn=launch.preexec(
-            cgroup=cgroup, mounts=None, drop=self._drop, limits=self._rlimits(),
-            before_drop=(None if not self._netns else _unshare_net if self._drop is not None
-                         or _is_root() else launch.unshare_user_net),
-            chdir_fd=self._root_fd,
-            seccomp_prog=self._fprog), **popen)
+            return _spawn(argv, self._mounts, self._drop, self._rlimits(), cgroup,
+                          **popen), None
+        rd = wr = None
+        if self._own_userns():
+            rd, wr = os.pipe()
+        try:
+            proc = subprocess.Popen(argv, preexec_fn=launch.preexec(
+                cgroup=cgroup, mounts=None, drop=self._drop, limits=self._rlimits(),
+                before_drop=(None if not self._netns else _unshare_net if _is_root()
+                             else launch.unshare_user_net),
+                chdir_fd=self._root_fd, seccomp_prog=self._fprog, report_userns_fd=wr),
+                **popen)
+        finally:
+            if wr is not None:
+                os.close(wr)
+        ns = None
+        if rd is not None:
+            try:
+                ns = os.read(rd, 256).decode() or None
+            finally:
+                os.close(rd)
+        return proc, ns
 
     def _run_locked(self, argv: list[str], shell: bool, data: bytes | None,
                     timeout: float) -> SandboxResult:
@@ -885,7 +907,7 @@ class Sandbox:
                 assert self._cgroup_parent.path is not None and c.max_processes is not None
                 cgroup = PidsCgroup(self._cgroup_parent.path, c.max_processes + self._helpers)
             try:
-                proc = self._start(full, cgroup, data is not None, pass_fds)
+                proc, userns = self._start(full, cgroup, data is not None, pass_fds)
             except (OSError, subprocess.SubprocessError) as e:
                 code = 127 if isinstance(e, FileNotFoundError) else 126
                 return SandboxResult(code, "", str(e), time.perf_counter() - t0, "error",
@@ -893,8 +915,9 @@ class Sandbox:
             finally:
                 if seccomp_fd is not None:
                     os.close(seccomp_fd)
+            reap = (lambda: launch.kill_userns(userns)) if userns else None
             out, err, timed_out, status, rusage = supervise(proc, data, timeout,
-                                                            c.output_bytes, cgroup)
+                                                            c.output_bytes, cgroup, reap)
             wall = time.perf_counter() - t0
             forks_refused = cgroup.forks_refused() if cgroup is not None else None
         finally:

@@ -26,8 +26,10 @@ import pwd
 import resource
 import secrets
 import shutil
+import signal
 import socket
 import struct
+import time
 from typing import Callable, Sequence
 
 from glm5.rl.envs.sandbox_cgroup import PidsCgroup
@@ -112,6 +114,34 @@ def tasks_of(uid: int, skip_userns: str | None = None) -> int:
     return n
 
 
+def kill_userns(ns_link: str, timeout: float = 5.0) -> int:
+    """SIGKILL every process in the user namespace `ns_link` (a /proc/<pid>/ns/user link)
+    until none is left; how many were found. What a rlimits-mode command left, wherever it
+    went (a setsid() daemon included): the namespace is the command's alone."""
+    killed = 0
+    end = time.monotonic() + timeout
+    while True:
+        found = 0
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                if os.readlink(f"/proc/{pid}/ns/user") != ns_link:
+                    continue
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+                if state in (b"Z", b"X"):  # dead already, waiting for its parent
+                    continue
+                os.kill(int(pid), signal.SIGKILL)
+                found += 1
+            except (OSError, ValueError, IndexError):
+                continue
+        killed += found
+        if not found or time.monotonic() > end:
+            return killed
+        time.sleep(0.001)
+
+
 def unshare_user_net() -> None:
     """In a child about to exec: a new user namespace mapping only its own uid and gid, and
     a network namespace with loopback up (rlimits mode, non-root: no host network)."""
@@ -192,9 +222,11 @@ def launcher(mounts: SessionMounts | None, drop: tuple[int, int] | None,
 def preexec(*, cgroup: PidsCgroup | None, mounts: SessionMounts | None,
             drop: tuple[int, int] | None, limits: Sequence[Rlimit],
             before_drop: Callable[[], None] | None = None, chdir_fd: int | None = None,
-            seccomp_prog: ctypes.Structure | None = None) -> Callable[[], None]:
+            seccomp_prog: ctypes.Structure | None = None,
+            report_userns_fd: int | None = None) -> Callable[[], None]:
     """What the child does between fork and exec, in this order: join the cgroup, enter the
-    stage's namespaces, the rlimits, `before_drop` (e.g. leave the network), drop to `drop`
+    stage's namespaces, the rlimits, `before_drop` (e.g. leave the network; then the user
+    namespace's link is written to `report_userns_fd`), drop to `drop`
     (bounding set emptied, groups cleared, gid and uid set: the permitted capabilities go
     with uid 0), fchdir to `chdir_fd`, no_new_privs, and the seccomp filter (`seccomp_prog`,
     a struct sock_fprog)."""
@@ -223,6 +255,9 @@ def preexec(*, cgroup: PidsCgroup | None, mounts: SessionMounts | None,
             resource.setrlimit(rlim, value)
         if before_drop is not None:
             before_drop()
+        if report_userns_fd is not None:  # which user namespace the command lives in
+            os.write(report_userns_fd, os.readlink("/proc/self/ns/user").encode())
+            os.close(report_userns_fd)
         if drop is not None:
             for cap in range(64):
                 if prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:

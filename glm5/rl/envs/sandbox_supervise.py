@@ -9,7 +9,7 @@ import selectors
 import signal
 import subprocess
 import time
-from typing import Any
+from typing import Any, Callable
 
 from glm5.rl.envs.sandbox_cgroup import PidsCgroup
 
@@ -51,10 +51,12 @@ class Capture:
 
 
 def supervise(proc: subprocess.Popen[bytes], data: bytes | None, timeout: float, cap: int,
-              cgroup: PidsCgroup | None) -> tuple[Capture, Capture, bool, int, Any]:
+              cgroup: PidsCgroup | None, reap: Callable[[], Any] | None = None
+              ) -> tuple[Capture, Capture, bool, int, Any]:
     """Feed stdin, capture both streams (capped), enforce the wall-clock limit, and when the
-    command ends kill everything it left; returns (stdout, stderr, timed_out, wait status,
-    rusage of the whole tree)."""
+    command ends kill everything it left (its process group, its `cgroup`, and whatever
+    `reap` finds); returns (stdout, stderr, timed_out, wait status, rusage of the whole
+    tree)."""
     out, err = Capture("stdout", cap), Capture("stderr", cap)
     sel = selectors.DefaultSelector()
     streams = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}  # type: ignore[union-attr]
@@ -101,12 +103,16 @@ def supervise(proc: subprocess.Popen[bytes], data: bytes | None, timeout: float,
                     kill_tree()
                     if cgroup is not None:
                         cgroup.kill_all(timeout=0)
+                    if reap is not None:
+                        reap()
                 if exited():
                     kill_tree()  # what the command left in its process group
                     _, status, rusage = os.wait4(proc.pid, 0)
                     proc.returncode = os.waitstatus_to_exitcode(status)
                     if cgroup is not None:
                         cgroup.kill_all()
+                    if reap is not None:
+                        reap()
                     # killed processes close their pipes at once; only an escaped one
                     # (rlimits mode without a cgroup) would hold them longer
                     drain_until = time.monotonic() + 0.5
