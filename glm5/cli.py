@@ -602,6 +602,24 @@ def _listen_socket(host: str, port: int):
     return sock
 
 
+_SERVE_LIMIT_OPTIONS = ("max_body_bytes", "header_timeout", "body_timeout", "timeout_keep_alive",
+                        "max_header_bytes", "max_connections", "stream_backlog",
+                        "stall_timeout", "graceful_timeout", "send_buffer_bytes")
+
+
+def _serve_limits(args: argparse.Namespace):
+    """The `ServeLimits` of the command line (an error names the option)."""
+    from glm5.serve.limits import ServeLimits
+
+    given = {k: getattr(args, k) for k in _SERVE_LIMIT_OPTIONS if getattr(args, k) is not None}
+    try:
+        return ServeLimits(**given)
+    except ValueError as e:
+        msg = str(e).removeprefix("glm5 ServeLimits: ")
+        raise UsageError(re.sub(r"argument '(\w+)'", lambda m: "--" + m[1].replace("_", "-"),
+                                msg)) from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
@@ -624,6 +642,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         msg = str(e).removeprefix("glm5 EngineConfig: ")
         raise UsageError(re.sub(r"argument '(\w+)'", lambda m: "--" + m[1].replace("_", "-"),
                                 msg)) from None
+    limits = _serve_limits(args)
     _config_from(args.model_dir, "MODEL_DIR")
     if args.backend:
         b = _registry().get(args.backend)
@@ -631,6 +650,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not ok:
             raise UsageError(f"--backend {b.name} is unavailable here: {reason}")
     name = args.served_model_name or Path(args.model_dir).resolve().name
+    from glm5.serve.limits import raise_descriptor_limit
+
+    raise_descriptor_limit()  # before the connection cap is derived from it
     sock = _listen_socket(args.host, args.port)
     try:
         from glm5.core.checkpoint import load_model
@@ -638,6 +660,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from glm5.engine.engine import LLMEngine
         from glm5.engine.llm import load_tokenizer
         from glm5.serve.app import build_app
+        from glm5.serve.http import make_server
 
         print(f"glm5 serve: loading {args.model_dir}", flush=True)
         model = load_model(args.model_dir, getattr(torch, args.dtype) if args.dtype else None,
@@ -655,16 +678,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(str(e).removeprefix("glm5 engine: ")) from None
         app = build_app(AsyncEngine(engine), name, tokenizer,
-                        allow_weight_updates=args.allow_weight_updates)
+                        allow_weight_updates=args.allow_weight_updates, limits=limits)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         print(f"glm5 serve: {name} at http://{shown}:{port}/v1 ({engine.allocator.num_pages} "
               f"pages of {engine_config.page_size} tokens, backend "
               f"{args.backend or 'auto'}; Ctrl-C or SIGTERM drains and stops)", flush=True)
         # uvicorn handles SIGINT / SIGTERM: it stops accepting connections, lets the open ones
-        # finish, then the app's lifespan drains the engine (a second Ctrl-C forces the exit).
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
-        server.run(sockets=[sock])
+        # finish (for up to --graceful-timeout s: then what is left gets a final error), then
+        # the app's lifespan drains the engine (a second Ctrl-C forces the exit).
+        make_server(app, log_level=args.log_level).run(sockets=[sock])
     finally:
         sock.close()
     return 0
@@ -1122,6 +1145,33 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--allow-weight-updates", action="store_true",
                     help="accept RL weight updates at POST /glm5/v1/weights (an RL rollout "
                          "engine; never on a public server)")
+    lim = sv.add_argument_group("client limits", "what one client may cost the server (see "
+                                "README, Serving: limits; vLLM sets none of these but keep-alive)")
+    lim.add_argument("--max-body-bytes", type=int,
+                     help="request body size; over it: 413 before it is read (8388608)")
+    lim.add_argument("--header-timeout", type=float,
+                     help="s for a request's line and headers to arrive (10)")
+    lim.add_argument("--body-timeout", type=float,
+                     help="s for a request's body to arrive; then 408 (30)")
+    lim.add_argument("--timeout-keep-alive", type=float,
+                     help="s an idle keep-alive connection stays open (5)")
+    lim.add_argument("--max-header-bytes", type=int,
+                     help="request line + headers size; over it: 400 (65536)")
+    lim.add_argument("--max-connections", type=int,
+                     help="open connections; over it: 503 and closed (default: the descriptor "
+                          "limit, raised to its hard limit, less 256)")
+    lim.add_argument("--stream-backlog", type=int,
+                     help="outputs per choice a client may leave unread before its request is "
+                          "aborted (256)")
+    lim.add_argument("--stall-timeout", type=float,
+                     help="s a client may leave its socket unwritable (not reading) before it "
+                          "is dropped (30)")
+    lim.add_argument("--graceful-timeout", type=float,
+                     help="s after SIGTERM before open streams get a final error event and the "
+                          "server exits (30)")
+    lim.add_argument("--send-buffer-bytes", type=int,
+                     help="each connection's kernel send buffer (SO_SNDBUF; default: the "
+                          "kernel's autotuning)")
     sv.add_argument("--log-level", default="info", type=str.lower,
                     choices=("critical", "error", "warning", "info", "debug"),
                     help="uvicorn's log level (default info: one line per request)")

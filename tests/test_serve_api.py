@@ -33,7 +33,6 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-import uvicorn  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from glm5.core.config import preset  # noqa: E402
@@ -43,6 +42,7 @@ from glm5.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from glm5.serve.app import build_app  # noqa: E402
 from glm5.serve.chat import parse_chat_output  # noqa: E402
 from glm5.testing.assets import build_tokenizer  # noqa: E402
+from serve_util import LiveServer  # noqa: E402
 
 NAME = "glm5-tiny-test"
 VOCAB = 512
@@ -80,28 +80,6 @@ class _TestEngine(LLMEngine):
                 k = len(req.output_ids)
                 out[i] = [(self.script[k] if k < len(self.script) else self.eos, toks[0][1])]
         return out, fails
-
-
-class LiveServer:
-    """uvicorn serving ``app`` on a free port of 127.0.0.1, in a background thread."""
-
-    def __init__(self, app) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        assert httpx.get(self.url + "/health").status_code == 200
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,9 @@
 One thread owns the `LLMEngine` and steps it while it has work; coroutines add requests and
 receive each request's outputs through an asyncio queue. A caller that stops listening (a
 client that disconnects mid-stream) aborts its request, which frees its pages in the next step.
+A caller that stops reading (a stalled stream) is bounded: with ``max_backlog``, a request
+whose undelivered outputs reach that many is aborted (counted in ``stalled``), so generation
+never runs more than ``max_backlog`` steps ahead of its reader.
 `shutdown` stops taking requests and lets the running ones finish (drain).
 """
 
@@ -20,15 +23,27 @@ from glm5.engine.sampling import SamplingParams
 T = TypeVar("T")
 
 
+class _Listener:
+    """Where one request's outputs go: a queue on the caller's loop, and its backlog bound."""
+
+    __slots__ = ("loop", "queue", "max_backlog", "on_stall", "stalled")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue,
+                 max_backlog: int | None, on_stall: Callable[[], None] | None) -> None:
+        self.loop, self.queue, self.max_backlog, self.on_stall = loop, queue, max_backlog, on_stall
+        self.stalled: str | None = None  # the abort's reason, once the reader fell behind
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._lock = threading.Lock()  # one thread in the engine at a time
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[str, _Listener] = {}
         self._wake = threading.Event()
         self._stop = False
         self._accepting = True
         self.step_errors = 0
+        self.stalled = 0  # requests aborted because their reader fell max_backlog behind
         self._thread = threading.Thread(target=self._loop, name="glm5-engine", daemon=True)
         self._thread.start()
 
@@ -66,11 +81,30 @@ class AsyncEngine:
     def _deliver(self, o: RequestOutput) -> None:
         entry = self._queues.get(o.request_id)
         if entry is not None:
-            loop, q = entry
             try:
-                loop.call_soon_threadsafe(q.put_nowait, o)
+                entry.loop.call_soon_threadsafe(self._put, entry, o)
             except RuntimeError:  # the caller's loop is closed: nobody listens
                 pass
+
+    def _put(self, entry: "_Listener", o: RequestOutput) -> None:
+        """On the caller's loop: queue ``o``, unless the reader is ``max_backlog`` behind; then
+        the request is aborted (once) and only its final output is still queued."""
+        if entry.stalled:
+            if o.finished:
+                o.error = entry.stalled
+                entry.queue.put_nowait(o)
+            return
+        if (entry.max_backlog is not None and not o.finished
+                and entry.queue.qsize() >= entry.max_backlog):
+            entry.stalled = (f"glm5 engine: request {o.request_id!r} aborted: its reader fell "
+                             f"{entry.max_backlog} outputs behind (a client that stopped "
+                             f"reading its stream)")
+            self.stalled += 1
+            self.abort(o.request_id)
+            if entry.on_stall is not None:
+                entry.on_stall()
+            return
+        entry.queue.put_nowait(o)
 
     def between_steps(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the calling thread while no step runs (e.g. a weight update
@@ -80,10 +114,20 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ callers
     async def generate(self, request_id: str, prompt: str | Sequence[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, *, output_kind: str = "cumulative",
+                       max_backlog: int | None = None,
+                       on_stall: Callable[[], None] | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """The outputs of one request, the last with ``finished`` set. Raises `RequestRejected`
         before the first output when the request is not taken. Closing the iterator early
-        (a disconnected client) aborts the request."""
+        (a disconnected client) aborts the request. ``output_kind``: see
+        `LLMEngine.add_request`. ``max_backlog``: abort the request once this many of its
+        outputs wait unread (its final output, finish_reason "abort", says so in ``error``), and
+        call ``on_stall()`` (on the caller's loop) when it does."""
+        if max_backlog is not None and (isinstance(max_backlog, bool)
+                                        or not isinstance(max_backlog, int) or max_backlog < 1):
+            raise ValueError(f"glm5 AsyncEngine.generate: max_backlog expected None or an int "
+                             f">= 1, got {max_backlog!r}")
         if not self._accepting:
             raise RequestRejected(503, "glm5 engine: the server is shutting down")
         loop = asyncio.get_running_loop()
@@ -91,11 +135,12 @@ class AsyncEngine:
         if request_id in self._queues:
             raise RequestRejected(400, f"glm5 engine: request id {request_id!r} is already in use",
                                   param="request_id")
-        self._queues[request_id] = (loop, q)
+        self._queues[request_id] = _Listener(loop, q, max_backlog, on_stall)
         finished = False
         # The add runs to its end even when the caller is cancelled meanwhile: an abort sent
         # before the request is in the engine would be lost (and the request run unheard).
-        add = asyncio.ensure_future(asyncio.to_thread(self._add, request_id, prompt, params))
+        add = asyncio.ensure_future(asyncio.to_thread(self._add, request_id, prompt, params,
+                                                      output_kind))
         try:
             await asyncio.shield(add)
             self._wake.set()
@@ -113,9 +158,9 @@ class AsyncEngine:
                 else:
                     add.add_done_callback(lambda _: self.abort(request_id))
 
-    def _add(self, request_id: str, prompt, params: SamplingParams) -> None:
+    def _add(self, request_id: str, prompt, params: SamplingParams, output_kind: str) -> None:
         with self._lock:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, output_kind=output_kind)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)  # a list append: safe from any thread
@@ -131,7 +176,11 @@ class AsyncEngine:
                     "cached_pages": e.radix.num_cached_pages,
                     "prefix_queried_tokens": s.prompt_tokens_queried,
                     "prefix_hit_tokens": s.prompt_tokens_hit, "prefill_tokens": s.prefill_tokens,
-                    "preemptions": s.preemptions, **vars(e.stats)}
+                    "preemptions": s.preemptions, "stalled": self.stalled, **vars(e.stats)}
+
+    def stop_accepting(self) -> None:
+        """From now on `generate` refuses new requests (503); running ones go on."""
+        self._accepting = False
 
     async def shutdown(self, timeout: float = 60.0) -> bool:
         """Stop taking requests, wait (up to ``timeout`` s) for the running ones to finish,

@@ -21,7 +21,7 @@ from glm5.core.model import GLM5ForCausalLM
 from glm5.engine.graphs import (DEFAULT_BUCKETS, Capture, CudaGraphCapture, DecodeGraphs,
                                 check_buckets)
 from glm5.engine.kv_pool import KVPool
-from glm5.engine.outputs import RequestOutput, TokenLogprob
+from glm5.engine.outputs import OUTPUT_KINDS, RequestOutput, TokenLogprob
 from glm5.engine.pages import PageAllocator
 from glm5.engine.radix import RadixCache
 from glm5.engine.request import Request, Status
@@ -207,12 +207,18 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int],
-                    params: SamplingParams | None = None) -> None:
-        """Queue a request; raises `RequestRejected` (nothing queued) when it cannot be served."""
+                    params: SamplingParams | None = None, *,
+                    output_kind: str = "cumulative") -> None:
+        """Queue a request; raises `RequestRejected` (nothing queued) when it cannot be served.
+        ``output_kind``: "cumulative" (every output carries the tokens and text so far) or
+        "delta" (only the final output does; see `RequestOutput`)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"glm5 engine: params expected SamplingParams, got "
                             f"{type(params).__name__}")
+        if output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"glm5 engine add_request: output_kind expected one of "
+                             f"{OUTPUT_KINDS}, got {output_kind!r}")
         if request_id in self.requests:
             raise self._reject(400, f"glm5 engine: request id {request_id!r} is already in use",
                                "request_id")
@@ -243,7 +249,7 @@ class LLMEngine:
                else make_generator(int(torch.randint(0, 2**62, (1,), generator=self._gen)),
                                    "cpu"))
         dec = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None
-        req = Request(request_id, ids, params, gen, time.monotonic(), dec)
+        req = Request(request_id, ids, params, gen, time.monotonic(), dec, output_kind)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.stats.prompt_tokens += n
@@ -259,7 +265,11 @@ class LLMEngine:
                 raise self._reject(400, "glm5 engine: a text prompt needs a tokenizer (the model "
                                    "directory's tokenizer.json); pass token ids instead",
                                    "prompt")
-            ids = self.tokenizer.encode(prompt)
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except (TypeError, ValueError, UnicodeError) as e:  # e.g. a lone surrogate
+                raise self._reject(400, f"glm5 engine: the prompt cannot be tokenized: "
+                                   f"{type(e).__name__}: {e}", "prompt") from None
         else:
             try:
                 ids = [int(t) for t in prompt]
@@ -626,13 +636,20 @@ class LLMEngine:
         if not new_ids and not new_text and not finished:
             return
         new_lp = req.logprobs[req.sent_tokens:] if req.logprobs is not None else None
+        new_versions = req.output_versions[req.sent_tokens:]
         req.sent_tokens, req.sent_text = len(req.output_ids), upto
-        self._outputs.append(RequestOutput(
-            req.request_id, req.prompt_ids, list(req.output_ids), new_ids, req.text[:upto],
-            new_text, list(req.logprobs) if req.logprobs is not None else None, new_lp,
-            finished, req.finish_reason if finished else None,
-            req.stop_reason if finished else None, req.error, req.metrics,
-            token_versions=list(req.output_versions)))
+        if finished or req.output_kind == "cumulative":
+            self._outputs.append(RequestOutput(
+                req.request_id, req.prompt_ids, list(req.output_ids), new_ids, req.text[:upto],
+                new_text, list(req.logprobs) if req.logprobs is not None else None, new_lp,
+                finished, req.finish_reason if finished else None,
+                req.stop_reason if finished else None, req.error, req.metrics,
+                token_versions=list(req.output_versions), new_token_versions=new_versions))
+        else:  # "delta": what was sent before is not copied again (a stalled stream's backlog)
+            self._outputs.append(RequestOutput(
+                req.request_id, req.prompt_ids, [], new_ids, "", new_text,
+                None, new_lp, False, None, None, req.error, req.metrics,
+                new_token_versions=new_versions))
 
     # ------------------------------------------------------------------ offline
     def run_to_completion(self) -> list[RequestOutput]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+OUTPUT_KINDS = ("cumulative", "delta")
+
 
 @dataclass
 class TokenLogprob:
@@ -30,7 +32,12 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A request's state after an engine step: ``new_*`` since its previous output."""
+    """A request's state after an engine step: ``new_*`` since its previous output.
+
+    A request added with ``output_kind="delta"`` (what a streaming server wants: each queued
+    output is O(new tokens), not O(tokens so far)) gets outputs whose cumulative fields
+    (``token_ids``, ``text``, ``logprobs``, ``token_versions``) are empty until the final
+    one, which carries them all; ``new_*`` fields are always set."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -46,3 +53,4 @@ class RequestOutput:
     error: str | None = None
     metrics: RequestMetrics | None = None
     token_versions: list[int] = field(default_factory=list)  # weights version per token_ids[i]
+    new_token_versions: list[int] = field(default_factory=list)  # per new_token_ids[i]

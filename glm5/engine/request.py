@@ -24,7 +24,8 @@ class Request:
     prompt and the tokens generated so far are recomputed (nothing is lost)."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator, arrival: float, decoder: Any = None) -> None:
+                 generator: torch.Generator, arrival: float, decoder: Any = None,
+                 output_kind: str = "cumulative") -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
@@ -47,6 +48,7 @@ class Request:
         self.sent_tokens = 0  # outputs already reported
         self.sent_text = 0
         self.aborted = False
+        self.output_kind = output_kind  # "cumulative" | "delta" (see RequestOutput)
 
     @property
     def num_tokens(self) -> int:

@@ -49,13 +49,18 @@ def _is_real(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+# torch's CPU generator takes its seed modulo 2**63 (2**63 seeds like 0): seeds at or above it
+# would alias smaller ones, so they are refused.
+SEED_LIMIT = 2**63
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples (see the module docstring for the exact definitions).
 
     ``max_tokens`` >= 1 tokens are generated at most. ``temperature`` >= 0 (0: greedy);
     ``top_p`` in (0, 1]; ``top_k`` 0 or -1 is off, else >= 1; ``min_p`` in [0, 1) (0: off).
-    ``seed``: None draws a fresh generator from OS entropy, an int in [0, 2**64) makes the
+    ``seed``: None draws a fresh generator from OS entropy, an int in [0, 2**63) makes the
     request reproducible. ``stop`` strings (a str or a sequence of them, stored as a tuple) and
     ``stop_token_ids`` end the request; ``ignore_eos`` keeps going past the EOS token;
     ``include_stop_str_in_output`` keeps the matched stop string in the text. ``logprobs``:
@@ -99,8 +104,8 @@ class SamplingParams:
             raise bad("min_p", "in [0, 1)")
         put("min_p", float(self.min_p))
         if self.seed is not None:
-            if not _is_int(self.seed) or not 0 <= self.seed < 2**64:
-                raise bad("seed", "None or an int in [0, 2**64)")
+            if not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT:
+                raise bad("seed", "None or an int in [0, 2**63)")
             put("seed", int(self.seed))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
@@ -129,9 +134,9 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     """A ``torch.Generator`` on ``device``, seeded with ``seed`` or from fresh OS entropy when
     None. A CPU generator works with logits on any device (one uniform per row is copied over)
     and gives the same draws on every machine, so "cpu" is the recommended device."""
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < SEED_LIMIT):
         raise ValueError(f"glm5 make_generator: argument 'seed' expected None or an int in "
-                         f"[0, 2**64), got {seed!r}")
+                         f"[0, 2**63), got {seed!r}")
     g = torch.Generator(device=torch.device(device))
     if seed is None:
         g.seed()

@@ -29,6 +29,7 @@ import math
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Sequence
 
@@ -40,11 +41,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from glm5.engine.async_engine import AsyncEngine
 from glm5.engine.engine import RequestRejected
 from glm5.engine.outputs import RequestOutput
-from glm5.engine.sampling import SamplingParams
+from glm5.engine.sampling import SEED_LIMIT, SamplingParams
 from glm5.serve.chat import ChatParser, ChatEvent
+from glm5.serve.http import STALLED, BodyLimit
+from glm5.serve.limits import ServeLimits, min_tokens
 from glm5.serve.metrics import ServerMetrics
 from glm5.serve.protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs,
-                                 completion_logprobs, error_body, field_name)
+                                 completion_logprobs, error_body, field_name, lone_surrogate)
+
+# Threads that tokenize and render chat templates (a pool of the server's own).
+TOKENIZER_THREADS = 2
 
 
 class APIError(Exception):
@@ -99,27 +105,54 @@ class _Choices:
     """The engine requests of one API request (``n`` per prompt), their outputs merged into one
     stream of ``(choice index, RequestOutput)``. `start` waits until every choice has its
     first output (or raises the `APIError` of one the engine refused, aborting the others);
-    `close` aborts whatever has not finished."""
+    `close` aborts whatever has not finished and counts the HTTP request as aborted (by
+    ``reason``, see `ServerMetrics.abort`) unless it completed or failed.
 
-    def __init__(self, engine: AsyncEngine, subs: Sequence[tuple[str, Any, SamplingParams]]):
-        self._q: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
-        self._gens = [engine.generate(rid, prompt, sp) for rid, prompt, sp in subs]
+    Memory is bounded per choice: the engine sends deltas (``output_kind="delta"``), the merge
+    queue holds at most ``n`` outputs, and a choice whose unread outputs reach ``backlog`` is
+    aborted by the engine (`AsyncEngine.generate`'s ``max_backlog``): a client that stops
+    reading never makes generation run further ahead of it."""
+
+    def __init__(self, srv: "_Server", subs: Sequence[tuple[str, Any, SamplingParams]],
+                 scope: dict) -> None:
+        self.n = len(subs)
+        self._srv, self._scope = srv, scope
+        self._q: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue(
+            maxsize=max(1, self.n))
+        self.backlogged = False  # a choice was aborted: its reader fell `backlog` behind
+        self._gens = [srv.engine.generate(rid, prompt, sp, output_kind="delta",
+                                          max_backlog=srv.limits.stream_backlog,
+                                          on_stall=self._on_stall)
+                      for rid, prompt, sp in subs]
         self._tasks = [asyncio.create_task(self._pump(i, g)) for i, g in enumerate(self._gens)]
         self._buf: list[tuple[int, RequestOutput]] = []
-        self.n = len(subs)
+        self.stop: APIError | None = None  # set at the graceful timeout: ends the response
+        self.ended: str | None = None  # "done" | "failed" once the response has its end
+        self._closed = False
+        srv.open_choices.add(self)
 
     async def _pump(self, i: int, gen: AsyncIterator[RequestOutput]) -> None:
         try:
             async for out in gen:
-                self._q.put_nowait((i, out))
+                await self._q.put((i, out))
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which answers it
-            self._q.put_nowait((i, e))
+            await self._q.put((i, e))
+
+    def end(self, error: APIError) -> None:
+        """End the response with ``error`` (the server is shutting down); the consumer sees it
+        at its next output, or now if it waits for one."""
+        self.stop = error
+        try:
+            self._q.put_nowait((-1, error))
+        except asyncio.QueueFull:
+            pass  # the consumer is not waiting: it checks `stop` after each output
 
     async def start(self) -> None:
         started: set[int] = set()
         while len(started) < self.n:
             i, x = await self._q.get()
             if isinstance(x, BaseException):
+                self.ended = "failed"
                 await self.close()
                 raise _engine_error(x)
             started.add(i)
@@ -129,22 +162,45 @@ class _Choices:
         done = 0
         buf, self._buf = self._buf, []
         while done < self.n:
+            if self.stop is not None:
+                raise self.stop
             if buf:
                 i, x = buf.pop(0)
             else:
                 i, x = await self._q.get()
             if isinstance(x, BaseException):
+                if i >= 0:
+                    self.ended = "failed"
                 raise _engine_error(x)
             if x.finished:
                 done += 1
+                if x.finish_reason == "error" or (x.finish_reason == "abort"
+                                                  and not x.error):
+                    self.ended = "failed"
             yield i, x
+        if self.ended is None:
+            self.ended = "done"
 
     async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._srv.open_choices.discard(self)
+        # Counted before any await: a response cancelled by a disconnect (anyio cancels
+        # again at every await of its cancelled scope) may not get past the first one.
+        if self.ended is None or self.stop is not None:
+            reason = ("shutdown" if self.stop is not None
+                      else "stalled" if self._scope.get(STALLED) or self.backlogged
+                      else "client_gone")
+            self._srv.metrics.abort(reason)
         for t in self._tasks:
             t.cancel()  # a generator cancelled while waiting aborts its request
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for g in self._gens:
             await g.aclose()  # one never started (or suspended at a yield) aborts here
+
+    def _on_stall(self) -> None:
+        self.backlogged = True
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -171,9 +227,10 @@ async def _unless_disconnected(request: Request, work) -> Any:
 
 def _check_failed(out: RequestOutput) -> None:
     if out.finish_reason == "error":
-        raise APIError(500, f"glm5 serve: generation failed: {out.error}")
+        raise APIError(500, f"glm5 serve: generation failed in the engine: {out.error}")
     if out.finish_reason == "abort":
-        raise APIError(500, "glm5 serve: the request was aborted by the engine")
+        raise APIError(500, f"glm5 serve: the request was aborted by the engine"
+                       f"{': ' + out.error if out.error else ''}")
 
 
 _ARG = re.compile(r"argument '(\w+)'")
@@ -210,11 +267,57 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str,
 
 
 class _Server:
-    def __init__(self, engine: AsyncEngine, model_name: str, tokenizer: Any) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, tokenizer: Any,
+                 limits: ServeLimits) -> None:
         self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
+        self.limits = limits
         self.metrics = ServerMetrics(engine.stats)
         self.created = int(time.time())
         self.max_model_len = engine.engine.max_model_len
+        self.open_choices: set[_Choices] = set()
+        # Tokenizing and rendering run here, never on the event loop (a long prompt takes
+        # seconds); a pool of their own, so they cannot starve the engine's add / metrics.
+        self._text_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="glm5-tok")
+        self._longest_token: int | None = None
+
+    # ------------------------------------------------------------------ shutdown
+    def begin_shutdown(self) -> None:
+        """Shutdown has begun (SIGTERM): no new requests; what is still open at
+        ``limits.graceful_timeout`` ends with a 503 (an error event, in a stream)."""
+        self.engine.stop_accepting()
+        asyncio.get_running_loop().call_later(self.limits.graceful_timeout, self._end_open)
+
+    def _end_open(self) -> None:
+        for c in list(self.open_choices):
+            c.end(APIError(503, f"glm5 serve: the server is shutting down and its graceful "
+                           f"timeout ({self.limits.graceful_timeout:g} s) has passed: the "
+                           f"response ends here"))
+
+    # ------------------------------------------------------------------ text
+    async def _in_text_pool(self, fn, *args) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._text_pool, fn, *args)
+
+    def _encode(self, text: str, field: str) -> list[int]:
+        """``text`` tokenized (call it in the text pool); a text that cannot fit the context
+        by its bytes alone is refused before tokenizing, any tokenizer error is a 400 naming
+        ``field``."""
+        if self._longest_token is None:
+            self._longest_token = self.tokenizer.longest_token_bytes
+        n_bytes = len(text.encode("utf-8"))
+        if min_tokens(n_bytes, self._longest_token) >= self.max_model_len:
+            raise APIError(400, f"{field}: {n_bytes} bytes of text are at least "
+                           f"{min_tokens(n_bytes, self._longest_token)} tokens; this model's "
+                           f"context is {self.max_model_len} tokens (prompt + at least 1 "
+                           f"generated)", field)
+        try:
+            return self.tokenizer.encode(text)
+        except Exception as e:  # noqa: BLE001 - the tokenizer's own errors: bad input
+            raise APIError(400, f"{field}: the text cannot be tokenized: "
+                           f"{type(e).__name__}: {e}", field) from None
+
+    def _encode_prompts(self, prompts: list) -> list:
+        return [self._encode(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+                if isinstance(p, str) else p for i, p in enumerate(prompts)]
 
     # ------------------------------------------------------------------ shared
     def _check(self, req: Any) -> None:
@@ -224,6 +327,15 @@ class _Server:
         bad = req.unsupported()
         if bad is not None:
             raise APIError(400, bad[1], bad[0])
+        bad = lone_surrogate(req)
+        if bad is not None:
+            field = bad[0]
+            if isinstance(req, CompletionRequest) and len(req.prompt) == 1:
+                field = field.replace("prompt[0]", "prompt", 1)  # one prompt: named as sent
+            bad = (field, bad[1])
+            raise APIError(400, f"{bad[0]}: expected valid Unicode text, got a lone surrogate "
+                           f"(U+{ord(bad[1]):04X}; JSON escapes of a UTF-16 pair must come in "
+                           f"pairs)", bad[0])
         limit = self.engine.engine.config.max_num_seqs
         if not 1 <= req.n <= limit:
             raise APIError(400, f"n expected an int in [1, {limit}] (the server's "
@@ -238,7 +350,12 @@ class _Server:
         return max(1, min(self.max_model_len, room) - n_prompt)
 
     def _seeds(self, seed: int | None, n: int) -> list[int | None]:
-        return [None if seed is None else (seed + j) % 2**64 for j in range(n)]
+        """Choice j samples with seed + j; each must be a seed of its own (< 2**63: above,
+        torch's generator aliases smaller seeds)."""
+        if seed is not None and seed + n - 1 >= SEED_LIMIT:
+            raise APIError(400, f"seed: with n={n}, choice j samples with seed + j, so seed "
+                           f"expected an int in [0, 2**63 - {n - 1}), got {seed}", "seed")
+        return [None if seed is None else seed + j for j in range(n)]
 
     def _finish_reason(self, out: RequestOutput) -> str:
         return out.finish_reason or "stop"
@@ -253,10 +370,13 @@ class _Server:
         # return_token_ids needs the sampled tokens' logprobs even without a logprobs block
         engine_lp = 0 if lp is None and tok else lp
         params = [_sampling(req, max_tokens, engine_lp, s, {}) for s in seeds]
+        prompts = req.prompt
+        if self.tokenizer is not None and any(isinstance(p, str) for p in prompts):
+            prompts = await self._in_text_pool(self._encode_prompts, prompts)
         cid = f"cmpl-{uuid.uuid4().hex}"
         subs = [(f"{cid}-{p * req.n + j}", prompt, params[j])
-                for p, prompt in enumerate(req.prompt) for j in range(req.n)]
-        choices = _Choices(self.engine, subs)
+                for p, prompt in enumerate(prompts) for j in range(req.n)]
+        choices = _Choices(self, subs, http.scope)
         head = {"id": cid, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         try:
@@ -279,7 +399,8 @@ class _Server:
                 "logprobs": (completion_logprobs(self.tokenizer, out.logprobs or [], 0)
                              if lp is not None else None),
                 "finish_reason": self._finish_reason(out), "stop_reason": out.stop_reason,
-                **(_token_fields(out, out.token_ids, out.logprobs) if tok else {})})
+                **(_token_fields(out.token_ids, out.logprobs, out.token_versions)
+                   if tok else {})})
         firsts = finals[::req.n]  # one per prompt: its tokens are counted once
         usage = _usage(sum(len(o.prompt_token_ids) for o in firsts),
                        sum(len(o.token_ids) for o in finals),
@@ -320,12 +441,13 @@ class _Server:
                             "logprobs": block if logprobs else None,
                             "finish_reason": self._finish_reason(out) if out.finished else None,
                             "stop_reason": out.stop_reason if out.finished else None,
-                            **(_token_fields(out, ids, out.new_logprobs) if token_ids
-                               else {})}]})
+                            **(_token_fields(ids, out.new_logprobs, out.new_token_versions)
+                               if token_ids else {})}]})
                     if out.finished:
                         self.metrics.observe(out)
                         finals[i] = out
             except APIError as e:
+                self.metrics.error(e.status)
                 yield _sse(error_body(e.status, e.message, e.param))
                 yield _DONE
                 return
@@ -362,14 +484,14 @@ class _Server:
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools,
                                                       enable_thinking=thinking, **kw)
-        except (ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - a template (untrusted) may raise anything
             msg = str(e).removeprefix("Tokenizer.apply_chat_template: ")
             raise APIError(400, f"the conversation cannot be rendered: {msg}", "messages") from None
-        return self.tokenizer.encode(text), thinking, tools
+        return self._encode(text, "messages"), thinking, tools
 
     async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
         self._check(req)
-        ids, thinking, tools = self._chat_prompt(req)
+        ids, thinking, tools = await self._in_text_pool(self._chat_prompt, req)
         if req.max_completion_tokens is not None:
             max_tokens, mt_name = req.max_completion_tokens, "max_completion_tokens"
         else:
@@ -380,7 +502,8 @@ class _Server:
         names = {"max_tokens": mt_name, "logprobs": "top_logprobs"}
         params = [_sampling(req, max_tokens, lp, s, names) for s in self._seeds(req.seed, req.n)]
         cid = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = _Choices(self.engine, [(f"{cid}-{j}", ids, params[j]) for j in range(req.n)])
+        choices = _Choices(self, [(f"{cid}-{j}", ids, params[j]) for j in range(req.n)],
+                           http.scope)
         head = {"id": cid, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name}
         try:
@@ -476,6 +599,7 @@ class _Server:
                         self.metrics.observe(out)
                         finals[i] = out
             except APIError as e:
+                self.metrics.error(e.status)
                 yield _sse(error_body(e.status, e.message, e.param))
                 yield _DONE
                 return
@@ -490,12 +614,11 @@ class _Server:
             await choices.close()
 
 
-def _token_fields(out: RequestOutput, ids: list[int], lps: list | None) -> dict[str, Any]:
-    """``return_token_ids``: the ids ``ids`` (the last ``len(ids)`` tokens of ``out``), the
-    engine's logprob of each and the weights version each was sampled with."""
-    k = len(out.token_ids) - len(ids)
+def _token_fields(ids: list[int], lps: list | None, versions: list[int]) -> dict[str, Any]:
+    """``return_token_ids``: the ids ``ids``, the engine's logprob of each and the weights
+    version each was sampled with."""
     return {"token_ids": list(ids), "token_logprobs": [x.logprob for x in lps or []],
-            "token_versions": list(out.token_versions[k:])}
+            "token_versions": list(versions)}
 
 
 def _fold(events: list[ChatEvent], parse_tools: bool) -> list[ChatEvent]:
@@ -513,13 +636,16 @@ def _tool_call(e: ChatEvent) -> dict[str, Any]:
 
 
 def build_app(engine: AsyncEngine, model_name: str, tokenizer: Any = None,
-              drain_timeout: float = 60.0, allow_weight_updates: bool = False) -> FastAPI:
+              drain_timeout: float = 60.0, allow_weight_updates: bool = False,
+              limits: ServeLimits | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as model ``model_name``. ``tokenizer`` (a
     `glm5.serve.tokenizer.Tokenizer`; None: token-id prompts only, no chat) renders chat
     prompts and shows tokens in logprobs. When the app shuts down (uvicorn's lifespan, after
     SIGINT / SIGTERM) the engine drains its running requests (up to ``drain_timeout`` s).
     ``allow_weight_updates``: serve the weight endpoints (`_weight_routes`); without it they
-    are 404s."""
+    are 404s. ``limits``: what clients may do (`glm5.serve.limits.ServeLimits`; default: its
+    defaults); the body limits apply under any ASGI server, the connection limits under
+    `glm5.serve.http.make_server`."""
     if not isinstance(engine, AsyncEngine):
         raise TypeError(f"glm5 build_app: engine expected an AsyncEngine, got "
                         f"{type(engine).__name__}")
@@ -529,18 +655,27 @@ def build_app(engine: AsyncEngine, model_name: str, tokenizer: Any = None,
     if not isinstance(allow_weight_updates, bool):
         raise TypeError(f"glm5 build_app: allow_weight_updates expected a bool, got "
                         f"{allow_weight_updates!r}")
-    srv = _Server(engine, model_name, tokenizer)
+    if limits is None:
+        limits = ServeLimits()
+    if not isinstance(limits, ServeLimits):
+        raise TypeError(f"glm5 build_app: limits expected a ServeLimits, got "
+                        f"{type(limits).__name__}")
+    srv = _Server(engine, model_name, tokenizer, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         await engine.shutdown(drain_timeout)
+        srv._text_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="glm5", lifespan=lifespan)
     app.state.server = srv
+    app.add_middleware(BodyLimit, limits=limits, metrics=srv.metrics,
+                       exempt=(WEIGHTS_PATH,) if allow_weight_updates else ())
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        srv.metrics.error(400)
         errors = exc.errors()
         if not errors:
             return APIError(400, "the request body is not valid").response()
@@ -560,12 +695,22 @@ def build_app(engine: AsyncEngine, model_name: str, tokenizer: Any = None,
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        srv.metrics.error(exc.status)
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        srv.metrics.error(exc.status_code)
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code,
                             headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        # No request body leads here by design (bad input is a 400, an engine failure a 500
+        # that says so): this is a bug, answered in the API's format and counted.
+        srv.metrics.error(500)
+        return JSONResponse(error_body(500, f"glm5 serve: internal error (a bug in glm5 "
+                                       f"serve): {type(exc).__name__}: {exc}"), 500)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

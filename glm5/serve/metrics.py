@@ -30,6 +30,18 @@ glm5_requests_total{outcome}               counter    finished | failed | aborte
 glm5_time_to_first_token_seconds           histogram  arrival to first generated token
 glm5_time_per_output_token_seconds         histogram  (finish - first token) / (tokens - 1)
 glm5_e2e_request_latency_seconds           histogram  arrival to finish
+glm5_requests_aborted_total{reason}        counter    HTTP requests ended early: client_gone (it
+                                                      disconnected), stalled (it stopped reading
+                                                      its stream), too_large (413), timeout (its
+                                                      headers or body did not arrive in time: 408),
+                                                      shutdown (open at the graceful timeout)
+glm5_http_errors_total{code}               counter    error responses by status (400, 404, 408,
+                                                      413, 429, 500, 503); a 500 is an engine
+                                                      failure or a bug, and says which
+glm5_http_connections_open                 gauge      HTTP connections open now
+glm5_http_connections_refused_total        counter    connections over max_connections (a 503)
+glm5_stream_backlog_aborts_total           counter    engine requests aborted because their
+                                                      reader fell stream_backlog outputs behind
 =========================================  =========  ===========================================
 """
 
@@ -37,8 +49,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+ABORT_REASONS = ("client_gone", "stalled", "too_large", "timeout", "shutdown")
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -96,6 +110,8 @@ class _EngineCollector:
         yield counter("glm5_num_preemptions", "Requests preempted (recomputed later).",
                       s["preemptions"])
         yield counter("glm5_engine_steps", "Engine steps run.", s["steps"])
+        yield counter("glm5_stream_backlog_aborts", "Engine requests aborted because their "
+                      "reader fell stream_backlog outputs behind.", s.get("stalled", 0))
         c = CounterMetricFamily("glm5_requests", "Requests by outcome (rejected: refused by "
                                 "the engine at admission).", labels=["outcome"])
         for outcome in ("finished", "failed", "aborted", "rejected"):
@@ -118,6 +134,29 @@ class ServerMetrics:
         self.e2e = Histogram("glm5_e2e_request_latency_seconds",
                              "Time from arrival to finish.", buckets=E2E_BUCKETS,
                              registry=self.registry)
+        self.aborted = Counter("glm5_requests_aborted", "HTTP requests ended before their "
+                               "response was complete, by reason.", ["reason"],
+                               registry=self.registry)
+        for reason in ABORT_REASONS:
+            self.aborted.labels(reason)
+        self.http_errors = Counter("glm5_http_errors", "Error responses by HTTP status.",
+                                   ["code"], registry=self.registry)
+        self.connections_open = Gauge("glm5_http_connections_open", "HTTP connections open.",
+                                      registry=self.registry)
+        self.connections_refused = Counter("glm5_http_connections_refused", "Connections "
+                                           "refused over max_connections.",
+                                           registry=self.registry)
+
+    def abort(self, reason: str) -> None:
+        """Count an HTTP request that ended early (``reason`` one of `ABORT_REASONS`)."""
+        if reason not in ABORT_REASONS:
+            raise ValueError(f"glm5 ServerMetrics.abort: reason expected one of "
+                             f"{ABORT_REASONS}, got {reason!r}")
+        self.aborted.labels(reason).inc()
+
+    def error(self, status: int) -> None:
+        """Count an error response with HTTP ``status``."""
+        self.http_errors.labels(str(status)).inc()
 
     def observe(self, output: Any) -> None:
         """Record a finished `RequestOutput` (stopped or at its length; not aborted/failed)."""

@@ -9,6 +9,10 @@ keep working; known fields glm5 cannot honour (``presence_penalty`` != 0, ``logi
 ``response_format`` other than text) are refused with a 400 naming them rather than ignored.
 Value ranges (temperature >= 0, top_p in (0, 1], ...) are checked once, by
 `glm5.engine.sampling.SamplingParams`; its errors become 400s naming the request field.
+Integers are bounded here, before any arithmetic on them: ``seed`` in [0, 2**63) (choice j
+samples with seed + j, so seed + n - 1 < 2**63 too), every other integer field (and each token id) in [-2**31, 2**31).
+Text must be valid Unicode: a lone UTF-16 surrogate (a JSON ``"\ud800"`` escape without
+its pair) anywhere in the body is a 400 naming the field (`lone_surrogate`).
 """
 
 from __future__ import annotations
@@ -16,10 +20,19 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from glm5.engine.sampling import SEED_LIMIT
 
 # Strict types (no "1" for 1, no 1 for true); fields this server does not know are ignored.
 _STRICT = ConfigDict(strict=True, extra="ignore")
+
+INT_LIMIT = 2**31
+# An integer request field: bounded before anything computes with it.
+Int32 = Annotated[int, Field(ge=-INT_LIMIT, lt=INT_LIMIT)]
+Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 
 
 class StreamOptions(BaseModel):
@@ -32,11 +45,11 @@ class _SamplingFields(BaseModel):
 
     model_config = _STRICT
     model: str
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
-    seed: int | None = None
+    n: Int32 = 1
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -45,10 +58,10 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extensions (``extra_body`` in the openai client)
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int32] | None = None
     include_stop_str_in_output: bool = False
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -72,10 +85,10 @@ class CompletionRequest(_SamplingFields):
     carry those of their new tokens."""
 
     prompt: Any = Field(...)
-    logprobs: int | None = None
+    logprobs: Int32 | None = None
     return_token_ids: bool = False
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int32 | None = None
     suffix: str | None = None
 
     @field_validator("prompt", mode="before")
@@ -87,14 +100,14 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt expected a string, a list of token ids, or a non-empty "
                              "list of those")
         if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-            return [list(v)]
+            return [_token_ids(v, "prompt")]
         out: list[str | list[int]] = []
         for i, p in enumerate(v):
             if isinstance(p, str):
                 out.append(p)
             elif isinstance(p, list) and p and all(
                     isinstance(t, int) and not isinstance(t, bool) for t in p):
-                out.append(list(p))
+                out.append(_token_ids(p, f"prompt[{i}]"))
             else:
                 raise ValueError(f"prompt[{i}] expected a string or a non-empty list of token "
                                  f"ids (ints), got {type(p).__name__}")
@@ -108,6 +121,39 @@ class CompletionRequest(_SamplingFields):
         if self.suffix:
             return "suffix", "suffix is not supported"
         return super().unsupported()
+
+
+def _token_ids(ids: list[int], where: str) -> list[int]:
+    for j, t in enumerate(ids):
+        if not -INT_LIMIT <= t < INT_LIMIT:
+            raise ValueError(f"{where}[{j}] expected a token id (an int in [-2**31, 2**31)), "
+                             f"got {t}")
+    return list(ids)
+
+
+def lone_surrogate(req: BaseModel) -> tuple[str, str] | None:
+    """(field path, the surrogate) of the first string in ``req`` (fields it ignores not
+    included) holding a lone UTF-16 surrogate, which no tokenizer can take; else None."""
+    stack: list[tuple[str, Any]] = [("", req.model_dump(exclude_none=True))]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    return path, v[e.start]
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if isinstance(k, str) and not k.isascii():
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError as e:
+                        return (f"{path}.{k!a}" if path else f"{k!a}"), k[e.start]
+                stack.append((f"{path}.{k}" if path else str(k), x))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((f"{path}[{i}]", x) for i, x in enumerate(v))
+    return None
 
 
 class FunctionDef(BaseModel):
@@ -154,8 +200,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: Int32 | None = None
+    max_completion_tokens: Int32 | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -209,7 +255,10 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     of a longer UTF-8 character shows as U+FFFD), or ``token_id:N`` without a tokenizer."""
     if tokenizer is None:
         return f"token_id:{token_id}"
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+    try:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+    except Exception:  # noqa: BLE001 - an id the tokenizer lacks (the model's vocab is larger)
+        return f"token_id:{token_id}"
 
 
 def completion_logprobs(tokenizer: Any, lps: list[Any], offset: int) -> dict[str, Any]:

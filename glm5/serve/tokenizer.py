@@ -70,6 +70,18 @@ class Tokenizer:
         pad = self.special_tokens.get("pad_token")
         self.pad_token_id: int | None = None if pad is None else backend.token_to_id(pad)
 
+    @property
+    def longest_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token covers: the longest entry of
+        the vocabulary (added tokens included) in UTF-8 (a byte-level BPE entry is a char per
+        byte, 1 or 2 bytes of UTF-8 each, so this over-counts: a safe bound)."""
+        cached = getattr(self, "_longest", None)
+        if cached is None:
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            cached = self._longest = max((len(k.encode("utf-8", "surrogatepass"))
+                                          for k in vocab), default=1)
+        return cached
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
         """Load the tokenizer of a Hugging Face-layout model directory (see the module
