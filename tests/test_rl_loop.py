@@ -232,7 +232,7 @@ def test_ray_worker_killed_is_replaced(tmp_path, ray_local):
 
 def test_http_transport_trains_against_an_engine_server(tmp_path):
     pytest.importorskip("fastapi")
-    from test_serve_api import LiveServer
+    from serve_util import LiveServer
 
     from glm5.engine.async_engine import AsyncEngine
     from glm5.engine.engine import EngineConfig, LLMEngine

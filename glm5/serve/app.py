@@ -19,6 +19,13 @@ fails gets a 500 (non-streaming) or an SSE ``{"error": ...}`` event before ``[DO
 non-streaming request is generating) aborts its engine requests, which frees their pages in
 the engine's next step. The app's lifespan ends with ``AsyncEngine.shutdown``: running requests
 finish (drain) before the engine thread stops.
+
+What a client may cost is bounded by a `glm5.serve.limits.ServeLimits` (body size and
+timeouts here, through `glm5.serve.http.BodyLimit`; connections, header timeout and stalled
+sockets in `glm5.serve.http.make_server`'s protocol): streams carry deltas and a choice whose
+client stops reading is aborted after ``stream_backlog`` unread outputs; text is tokenized on a
+thread pool of its own; at ``graceful_timeout`` after shutdown begins, what is still open ends
+with a 503. Aborted requests are counted by reason in ``/metrics``.
 """
 
 from __future__ import annotations
