@@ -657,3 +657,16 @@ def test_limits_are_checked():
     with pytest.raises(ValueError, match="max_connections"):
         ServeLimits(max_connections=True)
     assert ServeLimits(max_connections=None).connection_cap() >= 16
+
+
+def test_headers_over_the_limit_are_a_400_and_closed(srv):
+    s = socket.create_connection(("127.0.0.1", srv.port))
+    try:
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (2 * LIMITS.max_header_bytes))
+        head = _read_all(s, 5)
+        assert head.startswith(b"HTTP/1.1 400"), head
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # closed while the rest was still being sent: refused all the same
+    finally:
+        s.close()
+    assert httpx.get(srv.url + "/health").status_code == 200
