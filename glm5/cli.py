@@ -602,9 +602,26 @@ def _listen_socket(host: str, port: int):
     return sock
 
 
-_SERVE_LIMIT_OPTIONS = ("max_body_bytes", "header_timeout", "body_timeout", "timeout_keep_alive",
-                        "max_header_bytes", "max_connections", "stream_backlog",
-                        "stall_timeout", "graceful_timeout", "send_buffer_bytes")
+# `glm5 serve`'s client-limit flags: (ServeLimits field, type, help); defaults in the help are
+# ServeLimits' (README "Serving" has the same table, with vLLM's).
+_SERVE_LIMIT_FLAGS = (
+    ("max_body_bytes", int, "request body size; over it: 413 before it is read (8388608)"),
+    ("header_timeout", float, "s for a request's line and headers to arrive (10)"),
+    ("body_timeout", float, "s for a request's body to arrive; then 408 (30)"),
+    ("timeout_keep_alive", float, "s an idle keep-alive connection stays open (5)"),
+    ("max_header_bytes", int, "request line + headers size; over it: 400 (65536)"),
+    ("max_connections", int, "open connections; over it: 503 and closed (default: the "
+                             "descriptor limit, raised to its hard limit, less 256)"),
+    ("stream_backlog", int, "outputs per choice a client may leave unread before its request "
+                            "is aborted (256)"),
+    ("stall_timeout", float, "s a client may leave its socket unwritable (not reading) before "
+                             "it is dropped (30)"),
+    ("graceful_timeout", float, "s after SIGTERM before open streams get a final error event "
+                                "and the server exits (30)"),
+    ("send_buffer_bytes", int, "each connection's kernel send buffer (SO_SNDBUF; default: the "
+                               "kernel's autotuning)"),
+)
+_SERVE_LIMIT_OPTIONS = tuple(name for name, _, _ in _SERVE_LIMIT_FLAGS)
 
 
 def _serve_limits(args: argparse.Namespace):
@@ -623,7 +640,7 @@ def _serve_limits(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as e:
         raise CommandError(f"needs the serve extra ({e.name} is not installed): "
                            f"pip install 'glm5[serve]'") from None
@@ -1147,31 +1164,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "engine; never on a public server)")
     lim = sv.add_argument_group("client limits", "what one client may cost the server (see "
                                 "README, Serving: limits; vLLM sets none of these but keep-alive)")
-    lim.add_argument("--max-body-bytes", type=int,
-                     help="request body size; over it: 413 before it is read (8388608)")
-    lim.add_argument("--header-timeout", type=float,
-                     help="s for a request's line and headers to arrive (10)")
-    lim.add_argument("--body-timeout", type=float,
-                     help="s for a request's body to arrive; then 408 (30)")
-    lim.add_argument("--timeout-keep-alive", type=float,
-                     help="s an idle keep-alive connection stays open (5)")
-    lim.add_argument("--max-header-bytes", type=int,
-                     help="request line + headers size; over it: 400 (65536)")
-    lim.add_argument("--max-connections", type=int,
-                     help="open connections; over it: 503 and closed (default: the descriptor "
-                          "limit, raised to its hard limit, less 256)")
-    lim.add_argument("--stream-backlog", type=int,
-                     help="outputs per choice a client may leave unread before its request is "
-                          "aborted (256)")
-    lim.add_argument("--stall-timeout", type=float,
-                     help="s a client may leave its socket unwritable (not reading) before it "
-                          "is dropped (30)")
-    lim.add_argument("--graceful-timeout", type=float,
-                     help="s after SIGTERM before open streams get a final error event and the "
-                          "server exits (30)")
-    lim.add_argument("--send-buffer-bytes", type=int,
-                     help="each connection's kernel send buffer (SO_SNDBUF; default: the "
-                          "kernel's autotuning)")
+    for name, kind, what in _SERVE_LIMIT_FLAGS:
+        lim.add_argument("--" + name.replace("_", "-"), type=kind, help=what)
     sv.add_argument("--log-level", default="info", type=str.lower,
                     choices=("critical", "error", "warning", "info", "debug"),
                     help="uvicorn's log level (default info: one line per request)")

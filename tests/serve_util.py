@@ -7,8 +7,21 @@ import threading
 import time
 
 import httpx
+import torch
 
+from glm5.core.config import preset
+from glm5.core.model import GLM5ForCausalLM
 from glm5.serve.http import make_server
+from glm5.testing.assets import build_tokenizer
+
+
+def tiny_model_and_tokenizer(tok_dir, vocab: int):
+    """The ``tiny`` preset (float32, random weights, seed 0) with ``vocab`` entries, and a
+    tokenizer of that size trained on the spot in ``tok_dir``."""
+    tok = build_tokenizer(tok_dir, vocab)
+    torch.manual_seed(0)
+    model = GLM5ForCausalLM(preset("tiny").replace(vocab_size=vocab)).float().eval()
+    return model, tok
 
 
 class LiveServer:

@@ -35,14 +35,12 @@ httpx = pytest.importorskip("httpx")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from glm5.core.config import preset  # noqa: E402
-from glm5.core.model import GLM5ForCausalLM  # noqa: E402
 from glm5.engine.async_engine import AsyncEngine  # noqa: E402
 from glm5.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from glm5.serve.app import build_app  # noqa: E402
 from glm5.serve.chat import parse_chat_output  # noqa: E402
 from glm5.testing.assets import build_tokenizer  # noqa: E402
-from serve_util import LiveServer  # noqa: E402
+from serve_util import LiveServer, tiny_model_and_tokenizer  # noqa: E402
 
 NAME = "glm5-tiny-test"
 VOCAB = 512
@@ -84,10 +82,7 @@ class _TestEngine(LLMEngine):
 
 @pytest.fixture(scope="module")
 def model_and_tok(tmp_path_factory):
-    tok = build_tokenizer(tmp_path_factory.mktemp("tok"), VOCAB)
-    torch.manual_seed(0)
-    model = GLM5ForCausalLM(preset("tiny").replace(vocab_size=VOCAB)).float().eval()
-    return model, tok
+    return tiny_model_and_tokenizer(tmp_path_factory.mktemp("tok"), VOCAB)
 
 
 def _engine(model, tok, cls=LLMEngine, **cfg) -> LLMEngine:

@@ -20,7 +20,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -31,14 +30,12 @@ from hypothesis import strategies as st  # noqa: E402
 from prometheus_client import generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from glm5.core.config import preset  # noqa: E402
-from glm5.core.model import GLM5ForCausalLM  # noqa: E402
 from glm5.engine.async_engine import AsyncEngine  # noqa: E402
 from glm5.engine.engine import EngineConfig, LLMEngine, RequestRejected  # noqa: E402
 from glm5.serve.app import build_app  # noqa: E402
 from glm5.serve.limits import ServeLimits, min_tokens  # noqa: E402
 from glm5.testing.assets import build_tokenizer  # noqa: E402
-from serve_util import LiveServer  # noqa: E402
+from serve_util import LiveServer, tiny_model_and_tokenizer  # noqa: E402
 
 NAME = "tiny"
 VOCAB = 512
@@ -51,10 +48,7 @@ LIMITS = ServeLimits(max_body_bytes=64 * 1024, header_timeout=1.0, body_timeout=
 
 @pytest.fixture(scope="module")
 def model_and_tok(tmp_path_factory):
-    tok = build_tokenizer(tmp_path_factory.mktemp("tok"), VOCAB)
-    torch.manual_seed(0)
-    model = GLM5ForCausalLM(preset("tiny").replace(vocab_size=VOCAB)).float().eval()
-    return model, tok
+    return tiny_model_and_tokenizer(tmp_path_factory.mktemp("tok"), VOCAB)
 
 
 def _engine(model, tok, context: int = CONTEXT) -> LLMEngine:
@@ -330,13 +324,21 @@ def test_16_stalled_streams_cost_bounded_memory(model_and_tok):
 def test_a_client_that_leaves_mid_stream_is_counted(srv):
     _idle(srv)
     gone0 = _metric(srv, "glm5_requests_aborted_total", reason="client_gone")
+    stalled0 = _metric(srv, "glm5_requests_aborted_total", reason="stalled")
+    aborted0 = srv.engine.stats.aborted
     with httpx.stream("POST", srv.url + "/v1/completions", timeout=30, json={
             "model": NAME, "prompt": "hi", "max_tokens": 500, "stream": True,
             "ignore_eos": True}) as r:
-        next(r.iter_lines())
+        assert next(r.iter_lines()).startswith("data: ")
     _idle(srv)
-    _wait(lambda: _metric(srv, "glm5_requests_aborted_total", reason="client_gone")
-          == gone0 + 1, 10, "the disconnect was not counted")
+    assert srv.engine.stats.aborted == aborted0 + 1  # the engine stopped it ...
+    deadline = time.monotonic() + 10
+    while (_metric(srv, "glm5_requests_aborted_total", reason="client_gone") == gone0
+           and time.monotonic() < deadline):
+        time.sleep(0.02)
+    # ... and it is counted once, as a client that left (not as a stalled one)
+    assert _metric(srv, "glm5_requests_aborted_total", reason="client_gone") == gone0 + 1
+    assert _metric(srv, "glm5_requests_aborted_total", reason="stalled") == stalled0
 
 
 # --------------------------------------------------------------------------- bodies
