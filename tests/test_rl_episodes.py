@@ -183,6 +183,42 @@ def test_episodes_interleave_turns_and_observations_token_for_token(tok):
     del obs_id
 
 
+def test_the_reward_gets_every_turns_text_and_the_tool_results(tok):
+    """The staged reward of an episode reads what the policy wrote in each turn and what the
+    environment answered (tests/test_rl_reward.py has the loop's wiring for single turns)."""
+    from glm5.rl.reward import CompositeReward, RewardContext
+
+    d, task, _, out, _ = _play(tok, turns=3)
+    stops = set(d.stop_token_ids)
+    for t in out:
+        ep = t.meta["episode"]
+        assert ep["observations"] == ["result 1", "result 2", "result 3"]
+        assert ep["observation_role"] == "tool"
+        ctx = RewardContext.from_trajectory(t, task.score(t.meta, t.completion_ids), task=task)
+        # each sampled run (mask 1), decoded on its own, then the environment's answer to it
+        runs, cur = [], []
+        for x, m in zip(t.completion_ids + [None], t.mask + [0]):
+            if m:
+                cur.append(x)
+            elif cur:
+                runs.append(tok.decode([i for i in cur if i not in stops], True))
+                cur = []
+        assert len(runs) == 3
+        assert ctx.turns == [{"role": "assistant", "text": runs[0]},
+                             {"role": "tool", "text": "result 1"},
+                             {"role": "assistant", "text": runs[1]},
+                             {"role": "tool", "text": "result 2"},
+                             {"role": "assistant", "text": runs[2]},
+                             {"role": "tool", "text": "result 3"}]
+        assert ctx.text == "\n".join(runs) and "result" not in ctx.text
+        total, parts = CompositeReward()(ctx)
+        assert set(parts) == {"correctness", "reasoning_steps", "clarity"}
+        assert parts["correctness"] == 1.0 and 0.6 <= total <= 1.0
+    # a long environment answer is kept as the policy saw it: cut, and the cut said
+    text = "word " * 400
+    assert d.cut(text).endswith(TRUNCATED.format(n=len(tok.encode(text)) - 256))
+
+
 def test_episode_limits_and_errors_end_episodes_with_their_reason(tok):
     _, _, _, out, _ = _play(tok, EpisodeLimits(max_turns=2, max_episode_tokens=400), turns=5)
     assert {t.meta["episode"]["ended"] for t in out} == {"max_steps"}
@@ -277,10 +313,22 @@ def test_the_rl_loop_trains_on_a_mixture_of_five_environment_types(tmp_path, mod
     trajs = [json.loads(x)["traj"] for x in (tmp_path / JOURNAL).read_text().splitlines()
              if json.loads(x)["kind"] == "traj"]
     assert {t["task_type"] for t in trajs} == set(ENV_TYPES)
+    from glm5.rl.reward import DEFAULT_WEIGHTS, RewardContext
+
+    assert run.reward.weights == DEFAULT_WEIGHTS  # the example's staged reward
     for t in trajs:
         ep = t["meta"]["episode"]
         assert ep["ended"] in ("done", "max_steps", "length") and ep["turns"] >= 1
         assert len(t["mask"]) == len(t["completion_ids"]) and sum(t["mask"]) >= 1
+        # the reward's text: every turn the policy wrote, each with the environment's answer
+        assert len(ep["observations"]) == ep["turns"]
+        traj, task = Trajectory.from_dict(t), run.tasks[t["task_type"]]
+        ctx = RewardContext.from_trajectory(traj, task.score(traj.meta, traj.completion_ids),
+                                            task=task)
+        assert [x["role"] for x in ctx.turns] == ["assistant", ep["observation_role"]] * \
+            ep["turns"]
+        assert ctx.text == "\n".join(x["text"] for x in ctx.turns[::2])
+        assert 0.0 <= run.reward(ctx)[0] <= 1.0
     # countdown gives feedback and another try: multi-turn episodes with masked feedback
     multi = [t for t in trajs if t["meta"]["episode"]["turns"] == 2]
     assert multi and all(0 in t["mask"] for t in multi)

@@ -15,6 +15,7 @@ import torch
 from glm5.rl.config import RLConfig
 from glm5.rl.loop import CHECKPOINT, JOURNAL, RLRun
 from glm5.rl.services import ServiceDied, WorkerService
+from glm5.rl.trajectory import Trajectory
 
 MODEL = {"preset": "tiny", "overrides": {"vocab_size": 19, "num_hidden_layers": 1,
                                          "indexer_types": ["full"], "index_topk": 16,
@@ -49,7 +50,7 @@ def _journal(path):
         rec = json.loads(line)
         if rec["kind"] == "group":
             groups[rec["group"]["group_id"]] = rec["group"]
-        else:
+        elif rec["kind"] == "traj":
             t = rec["traj"]
             assert t["traj_id"] not in trajs, "a trajectory was journaled twice"
             trajs[t["traj_id"]] = t
@@ -160,19 +161,30 @@ def test_crash_and_resume_loses_nothing(tmp_path, pool, use_ray, request):
     del run
     st = torch.load(tmp_path / CHECKPOINT, weights_only=False)
     assert st["step"] == 2
-    after = {tid for tid, t in trajs.items()}
+    tail = {tid for tid in trajs if _journal_offset_of(tmp_path, tid) >= st["journal_offset"]}
+
+    def newest(d):  # the newest weights version that sampled one of its tokens
+        t = Trajectory.from_dict(d)
+        return max((t.versions[i] for i in t.sampled), default=t.min_version)
+
+    # sampled by weights published after the checkpoint: the resumed trainer never made them
+    newer = {tid for tid in tail if newest(trajs[tid]) > st["version"]}
     resumed = RLRun(cfg, resume=True, use_ray=use_ray)
     try:
         assert resumed.step == 2 and [r["reward"] for r in resumed.history] == hist[:2]
         groups2, trajs2 = _journal(tmp_path)
-        assert set(trajs2) == after  # the journal still holds every finished trajectory once
+        # the journal holds every finished trajectory once, less the newer ones
+        assert set(trajs2) == set(trajs) - newer
         pooled, open_ = _accounted(resumed)
-        # everything journaled after the checkpoint is back: pooled or in an open group
-        lost = [tid for tid in trajs if tid not in pooled | open_
-                and _journal_offset_of(tmp_path, tid) >= st["journal_offset"]]
+        # everything else journaled after the checkpoint is back: pooled or in an open group
+        lost = [tid for tid in tail - newer if tid not in pooled | open_]
         assert not lost, lost[:5]
-        # unfinished members of open groups are queued again
+        assert not newer & (pooled | open_)
+        # unfinished members of open groups (the discarded newer ones too) are queued again
         queued = {(g.group_id, m) for g in resumed._queue for m in g.pending}
+        for tid in newer:
+            gid, m = tid.split("/")
+            assert (gid, int(m)) in queued, tid
         for gid, g in resumed._groups.items():
             for m in range(g.size):
                 assert m in resumed._done[gid] or (gid, m) in queued

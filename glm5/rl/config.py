@@ -291,6 +291,10 @@ def _validate(c: RLConfig) -> None:
                             f"index_topk)")
     if not c.reward.components:
         raise RLConfigError("glm5 rl config: reward.components expected at least one component")
+    from glm5.rl.reward import text_component_error  # the registries load on first use
+
+    if err := text_component_error(c.reward.components, [t.name for t in c.tasks]):
+        raise RLConfigError(f"glm5 rl config: {err}")
     if c.rollout.max_observation_tokens < 8:
         raise RLConfigError(f"glm5 rl config: rollout.max_observation_tokens expected a value "
                             f">= 8, got {c.rollout.max_observation_tokens}")

@@ -10,6 +10,11 @@ episode, token in, token out. An episode ends when the environment says done, af
 ``max_turns`` turns, when its tokens reach ``max_episode_tokens``, after
 ``episode_timeout_s``, or when the environment raises (recorded with the reason; the turns
 before are kept). Each episode is checkpointed every 5 steps by `EpisodeRunner`.
+
+An environment task has text: the trajectory's ``meta["episode"]`` keeps the environment's
+answer to each turn as the policy was shown it (``observations``, cut to
+``max_observation_tokens``, and their ``observation_role``), and `EnvTask.transcript` rebuilds
+the conversation from them and the sampled turns for the reward (`glm5.rl.reward`).
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ class EnvTask:
     observation (the environment is reset once to see it, then closed); ``score`` reads the
     episode's result the rollout worker put in the trajectory's meta: "correctness" (the
     total reward, clipped to [0, 1]), "exact" (1 when it reached 1) and "format" (the share of
-    turns the environment accepted without an error)."""
+    turns the environment accepted without an error); ``transcript`` gives the episode's turns
+    as text (`glm5.rl.tasks.Task`)."""
 
     def __init__(self, name: str, params: dict[str, Any] | None, dialogue: Any,
                  limits: EpisodeLimits = EpisodeLimits()) -> None:
@@ -94,10 +100,47 @@ class EnvTask:
         return {"correctness": min(max(total, 0.0), 1.0), "exact": float(total >= SUCCESS),
                 "format": 1.0 - ep["errors"] / turns}
 
+    def transcript(self, meta: dict[str, Any], completion_ids: Sequence[int],
+                   mask: Sequence[int]) -> list[dict[str, Any]]:
+        """The episode's turns after the first prompt: each sampled turn (a run of mask 1) as
+        an "assistant" turn (`Dialogue.turn_text`), each followed by the environment's answer
+        to it (meta["episode"]["observations"], role "tool" or "user"); the answer to the last
+        turn is included though the policy never saw it. The environment's tokens between
+        turns (its answer rendered in the chat template) are not decoded: the answers are
+        taken as the environment gave them, cut as the policy saw them."""
+        ep = meta.get("episode")
+        if ep is None:
+            raise ValueError(f"glm5 rl EnvTask.transcript ({self.name!r}): meta expected an "
+                             f"episode result (meta['episode']), got keys {sorted(meta)}")
+        if mask and len(mask) != len(completion_ids):
+            raise ValueError(f"glm5 rl EnvTask.transcript ({self.name!r}): mask expected "
+                             f"{len(completion_ids)} values (or none), got {len(mask)}")
+        runs: list[list[int]] = []
+        prev = 0
+        for tok, m in zip(completion_ids, mask or [1] * len(completion_ids)):
+            if m:
+                if not prev:
+                    runs.append([])
+                runs[-1].append(tok)
+            prev = m
+        obs = ep.get("observations", [])  # absent in trajectories from before it was kept
+        role = ep.get("observation_role", "user")
+        turns: list[dict[str, Any]] = []
+        for i in range(max(len(runs), len(obs))):
+            if i < len(runs):
+                turns.append({"role": "assistant", "text": self.dialogue.turn_text(runs[i])})
+            if i < len(obs):
+                turns.append({"role": role, "text": obs[i]})
+        return turns
+
 
 def _tools(env: Any, limits: EpisodeLimits) -> list[dict[str, Any]] | None:
     specs = getattr(env, "tool_specs", None)
     return specs() if callable(specs) and limits.declare_tools else None
+
+
+def _observation_role(env: Any) -> str:
+    return getattr(env, "observation_role", "user")
 
 
 def _close(env: Any) -> None:
@@ -123,6 +166,7 @@ class _Episode:
     turn_len: int = 0  # sampled ids of the current turn
     errors: int = 0
     tool_calls: int = 0
+    observations: list[str] = field(default_factory=list)  # as the policy is shown them
     future: cf.Future | None = None
 
     @property
@@ -229,11 +273,11 @@ class EpisodePlayer:
             if "error" in r.info:
                 ep.errors += 1
             ep.tool_calls += len(r.info.get("tool_calls", ()))
+            ep.observations.append(self.dialogue.cut(r.observation))
             reason = self._ended(ep, r)
             if reason is None:
                 obs = self.dialogue.observation_ids(
-                    r.observation, getattr(ep.env, "observation_role", "user"),
-                    ep.ids[-1] if ep.ids else None)
+                    r.observation, _observation_role(ep.env), ep.ids[-1] if ep.ids else None)
                 if len(ep.ids) + len(obs) >= self.limits.max_episode_tokens:
                     reason = "length"
                 else:
@@ -286,7 +330,9 @@ class EpisodePlayer:
         meta = {**ep.group.meta, "episode": {
             "rewards": rewards, "ended": episode.ended, "turns": ep.turn, "errors": ep.errors,
             "tool_calls": ep.tool_calls,
-            "env_seconds": round(sum(s.seconds for s in episode.steps), 6)}}
+            "env_seconds": round(sum(s.seconds for s in episode.steps), 6),
+            "observations": ep.observations,
+            "observation_role": _observation_role(ep.env)}}
         g = ep.group
         return Trajectory(traj_id=ep.traj_id, group_id=g.group_id, task_type=g.task_type,
                           prompt_ids=list(g.prompt_ids), completion_ids=ep.ids,

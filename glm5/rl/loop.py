@@ -15,13 +15,17 @@ every `sync.interval` steps publishes the changed weights to every worker.
 
 Checkpoints every `run.checkpoint_every` steps hold the trainer (policy, optimizers, published
 snapshot), the pool, the sampler, the orchestrator's groups in flight and the journal offset;
-a resumed run replays the journal past that offset, so a trajectory finished before a crash is
-never lost and unfinished group members are re-queued. A worker that dies mid-episode is
+a resumed run reads the journal past that offset: in sync mode every later step is re-run
+whole (its groups re-queued: the same steps, bit for bit, as without the crash); in async mode a
+trajectory sampled with weights no newer than the checkpoint's version is replayed into the
+pool, a newer one (weights the restored trainer never made) discarded and its member re-queued.
+Each step's `train` journal record names what it trained, so no trajectory is trained twice. A worker that dies mid-episode is
 replaced; its finished trajectories were already delivered, its unfinished members re-queued.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -35,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from glm5 import ops
+from glm5.rl import crash_points
 from glm5.rl.config import RLConfig
 from glm5.rl.rollout import PromptGroup
 from glm5.rl.services import (LocalHandle, RayHandle, ServiceDied, TrainerService, WorkerService,
@@ -132,6 +137,8 @@ class RLRun:
         self._journal = open(self.out / JOURNAL, "a+b" if state is not None else "w+b")
         if state is not None:
             self._restore(state)
+        else:  # the weights every trajectory until the first publish is sampled with
+            self._write({"kind": "publish", "version": self.version})
 
     # ------------------------------------------------------------------ services
     def _handle(self, factory: Callable, *args: Any, name: str = "", **kwargs: Any) -> Any:
@@ -178,8 +185,13 @@ class RLRun:
             return [self._make_group(t) for t in self.sampler.choose(n)]
 
     def _write(self, rec: dict[str, Any]) -> None:
+        line = (json.dumps(rec) + "\n").encode()
         self._journal.seek(0, os.SEEK_END)
-        self._journal.write((json.dumps(rec) + "\n").encode())
+        if crash_points.armed("journal"):
+            self._journal.write(line[: len(line) // 2])
+            self._journal.flush()
+            crash_points.die()
+        self._journal.write(line)
         self._journal.flush()
 
     def _deliver(self, trajs: list[Trajectory]) -> None:
@@ -209,9 +221,8 @@ class RLRun:
         successes = []
         for t in trajs:
             score = task.score(t.meta, t.completion_ids)
-            ctx = RewardContext(task_type=t.task_type, prompt_ids=t.prompt_ids,
-                                completion_ids=t.completion_ids, text=None, task_score=score,
-                                meta=t.meta)
+            # the decoded text and turns when the task has text (glm5.rl.reward)
+            ctx = RewardContext.from_trajectory(t, score, task=task)
             t.reward, t.reward_components = self.reward(ctx)
             t.reward_components = {**score, **t.reward_components}
             successes.append(score.get("exact", t.reward))
@@ -279,6 +290,7 @@ class RLRun:
         self._deliver(done)
         if failed:
             self._requeue_failed(failed)
+        crash_points.reached("rollout")
         return w.call("num_open")
 
     def _push_update(self, data: bytes) -> None:
@@ -308,10 +320,18 @@ class RLRun:
         if keep:
             m = self.trainer.call("train_step", [t for t, _ in keep], [x for _, x in keep])
         self.step += 1
+        with self._lock:  # which trajectories this step consumed: at most once, checkable
+            self._write({"kind": "train", "step": self.step,
+                         "trained": [t.traj_id for t, _ in keep],
+                         "dropped": [t.traj_id for t, x in zip(trajs, w) if x <= 0]})
+        crash_points.reached("train")
         if self.step % sc.interval == 0:
             self.version, data = self.trainer.call("publish")
-            if data is not None:
+            if data is not None:  # a new version (None: no weight changed, the same version)
+                with self._lock:  # before any worker samples with it: the journal's order
+                    self._write({"kind": "publish", "version": self.version})
                 self._push_update(data)
+            crash_points.reached("publish")
         self.sampler.step()  # every sampler.update_every steps: ratios from recent success
         rewards = [t.reward for t in trajs]
         exact = [t.reward_components.get("exact", t.reward) for t in trajs]
@@ -485,6 +505,11 @@ class RLRun:
             }
         path = self.out / CHECKPOINT
         tmp = path.with_suffix(".tmp")
+        if crash_points.armed("checkpoint"):
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            tmp.write_bytes(buf.getvalue()[: buf.tell() // 2])
+            crash_points.die()
         torch.save(state, tmp)
         os.replace(tmp, path)
         return path
@@ -502,27 +527,24 @@ class RLRun:
         self._done = {gid: {int(m): Trajectory.from_dict(t) for m, t in ms.items()}
                       for gid, ms in st["done"].items()}
         queued = [PromptGroup.from_dict(g) for g in st["queue"]]
-        # Replay what was journaled after the checkpoint: groups started and trajectories
-        # finished before the crash.
-        self._journal.seek(st["journal_offset"])
-        finished: list[Trajectory] = []
-        for line in self._journal.read().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by the crash
-            if rec["kind"] == "group":
-                g = PromptGroup.from_dict(rec["group"])
-                self._groups[g.group_id] = g
-                self._done.setdefault(g.group_id, {})
-                self._next_group = max(self._next_group, int(g.group_id[1:]) + 1)
-            elif rec["kind"] == "traj":
-                finished.append(Trajectory.from_dict(rec["traj"]))
+        groups, finished = self._read_journal_tail(st["journal_offset"])
         self._journal.truncate(st["journal_offset"])
         self._journal.seek(0, os.SEEK_END)
+        kept, discarded = self._replayable(groups, finished)
+        if discarded:  # a persistent pool tier may hold them already
+            self.pool.call("discard", [t.traj_id for t in discarded])
+        for g in groups if self.cfg.run.mode != "sync" else []:
+            self._groups[g.group_id] = g
+            self._done.setdefault(g.group_id, {})
+            self._write({"kind": "group", "group": g.to_dict()})
+            self._next_group = max(self._next_group, int(g.group_id[1:]) + 1)
+        if self._next_group != st["next_group"]:
+            # Groups made after the checkpoint drew from the task RNG past its saved state; a
+            # fresh stream keeps the resumed run from drawing the same prompts again.
+            self._rng.seed(f"{self.cfg.run.seed}/resumed/{self._next_group}")
         self._replaying = True
         try:
-            self._deliver(finished)  # journaled again, so a second crash loses nothing either
+            self._deliver(kept)  # journaled again, so a second crash loses nothing either
         finally:
             self._replaying = False
         # Unfinished members of every incomplete group are re-queued.
@@ -534,8 +556,46 @@ class RLRun:
             if missing:
                 queued.append(PromptGroup(**{**g.to_dict(), "pending": missing}))
         self._queue = queued
-        log.info("glm5 rl: resumed at step %d (version %d), replayed %d trajectories, "
-                 "%d groups re-queued", self.step, self.version, len(finished), len(queued))
+        log.info("glm5 rl: resumed at step %d (version %d): %d journaled trajectories kept, %d "
+                 "discarded (sampled by weights newer than the checkpoint's%s), %d groups "
+                 "re-queued", self.step, self.version, len(kept), len(discarded),
+                 ", or a sync step re-run whole" if self.cfg.run.mode == "sync" else "",
+                 len(queued))
+
+    def _read_journal_tail(self, offset: int) -> tuple[list[PromptGroup], list[Trajectory]]:
+        """The groups started and the trajectories finished after the checkpoint (a line cut
+        by the crash is skipped; train records past the checkpoint are undone with it)."""
+        self._journal.seek(offset)
+        groups: list[PromptGroup] = []
+        finished: list[Trajectory] = []
+        for line in self._journal.read().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec["kind"] == "group":
+                groups.append(PromptGroup.from_dict(rec["group"]))
+            elif rec["kind"] == "traj":
+                finished.append(Trajectory.from_dict(rec["traj"]))
+        return groups, finished
+
+    def _replayable(self, groups: list[PromptGroup], finished: list[Trajectory]
+                    ) -> tuple[list[Trajectory], list[Trajectory]]:
+        """(kept, discarded) of the trajectories finished after the checkpoint.
+
+        A token sampled by weights newer than the checkpoint's came from a trainer the resumed
+        run never was: its trajectory is discarded and the member re-queued. Sync mode goes
+        further and discards everything after the checkpoint: the steps after it run again
+        from the checkpoint's state (the same groups, seeds and weights give the same tokens),
+        so a resumed sync run is the uninterrupted run, bit for bit.
+        """
+        if self.cfg.run.mode == "sync":
+            return [], finished
+        kept, discarded = [], []
+        for t in finished:
+            newest = max((t.versions[i] for i in t.sampled), default=t.min_version)
+            (discarded if newest > self.version else kept).append(t)
+        return kept, discarded
 
     # ------------------------------------------------------------------ checks
     def weights_in_sync(self) -> bool:

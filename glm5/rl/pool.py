@@ -787,6 +787,16 @@ class ExperiencePool:
             self._check_open("contains")
             return set().union(*(s.contains(ids) for s in self._tiers))
 
+    def discard(self, traj_ids: Iterable[str]) -> int:
+        """Remove the given trajectories from every tier where present (a resumed run drops
+        what was pooled after its checkpoint by weights it never made); returns how many."""
+        ids = list(traj_ids)
+        if not all(isinstance(i, str) for i in ids):
+            raise TypeError("ExperiencePool.discard: traj_ids expected strings")
+        with self._lock:
+            self._check_open("discard")
+            return sum(len(tier.remove(ids)) for tier in self._tiers)
+
     def evict_older_than(self, min_version: int) -> int:
         """Remove every trajectory with a token sampled by a weights version below
         ``min_version`` (`Trajectory.min_version`): the trainer would drop it as stale, and

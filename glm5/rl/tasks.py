@@ -8,6 +8,11 @@ A task's `score` returns components in [0, 1]: "correctness" (the position-wise 
 answer, over the longer of answer and output, so a missing or extra token costs its share),
 "exact" (1 only for the exact answer followed by EOS) and "format" (digits only, then EOS).
 Environments with tools (glm5/rl/envs) register here too.
+
+Text. A task type is registered with ``has_text`` (default False): whether its completions are
+text the task can decode, which the text reward components (`glm5.rl.reward`: reasoning_steps,
+clarity) need. A task with text implements ``transcript``; the digit tasks have no text, every
+environment task (`glm5.rl.episodes.EnvTask`) has (`task_has_text`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
+
+from glm5.rl.envs.base import env_known
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,12 @@ class TaskInstance:
 
 
 class Task(Protocol):
+    """A task type. One registered with ``has_text=True`` also has ``transcript(inst_meta,
+    completion_ids, mask) -> list[dict]`` (and no other has one): the conversation after the
+    prompt, ``[{"role": "assistant" | "tool" | "user", "text": str}, ...]``
+    (`glm5.rl.reward.RewardContext.turns`); a single-turn task returns one assistant turn, its
+    completion decoded (stop token dropped). ``mask``: the trajectory's (empty: all sampled)."""
+
     name: str
     stop_token_ids: list[int]  # the engine ends a completion on any of them
 
@@ -126,13 +139,31 @@ class DigitTask:
 
 TASKS: dict[str, Callable[..., Task]] = {name: (lambda n=name, **p: DigitTask(n, **p))
                                          for name in DIGIT_TASKS}
+TEXT_TASKS: set[str] = set()  # task types registered with has_text=True
 
 
-def register_task(name: str, factory: Callable[..., Task]) -> None:
-    """Make ``name`` usable in a config's tasks list (``factory(**params)`` builds it)."""
+def register_task(name: str, factory: Callable[..., Task], *, has_text: bool = False) -> None:
+    """Make ``name`` usable in a config's tasks list (``factory(**params)`` builds it).
+
+    ``has_text``: its completions are text, decoded by the task's ``transcript`` (see `Task`);
+    False: token ids only, and a config weighting a text reward component on it is an
+    error."""
     if name in TASKS:
         raise ValueError(f"glm5 rl register_task: task type {name!r} is already registered")
+    if not isinstance(has_text, bool):
+        raise TypeError(f"glm5 rl register_task({name!r}): has_text expected True or False, "
+                        f"got {has_text!r}")
     TASKS[name] = factory
+    if has_text:
+        TEXT_TASKS.add(name)
+
+
+def task_has_text(name: str) -> bool | None:
+    """Whether task type ``name`` has text: its registration's ``has_text`` for a registered
+    task, True for an environment type (`glm5.rl.episodes.is_env_task`), None when unknown."""
+    if name in TASKS:
+        return name in TEXT_TASKS
+    return True if env_known(name) else None
 
 
 def make_task(name: str, params: dict[str, Any] | None = None) -> Task:
@@ -142,6 +173,13 @@ def make_task(name: str, params: dict[str, Any] | None = None) -> Task:
         raise ValueError(f"glm5 rl: unknown task type {name!r}; registered: "
                          f"{sorted(TASKS)}") from None
     try:
-        return factory(**(params or {}))
+        task = factory(**(params or {}))
     except TypeError as e:
         raise ValueError(f"glm5 rl task {name!r}: bad params {params!r}: {e}") from None
+    has_text = name in TEXT_TASKS
+    if callable(getattr(task, "transcript", None)) != has_text:
+        raise ValueError(f"glm5 rl make_task({name!r}): a task registered with has_text="
+                         f"{has_text} expected {'a' if has_text else 'no'} transcript(meta, "
+                         f"completion_ids, mask) method, got {type(task).__name__} "
+                         f"{'without' if has_text else 'with'} one")
+    return task

@@ -61,7 +61,7 @@ class Dialogue:
         """The episode's first prompt: [system], the first observation as the user message, the
         tools declared, the generation prompt."""
         msgs = ([{"role": "system", "content": system}] if system else []) + \
-            [{"role": "user", "content": self._cut(observation)}]
+            [{"role": "user", "content": self.cut(observation)}]
         return self.tok.encode(self._render(msgs, True, tools))
 
     def observation_ids(self, observation: str, role: str,
@@ -73,7 +73,7 @@ class Dialogue:
         if role not in OBSERVATION_ROLES:
             raise ValueError(f"glm5 Dialogue.observation_ids: role expected one of "
                              f"{list(OBSERVATION_ROLES)}, got {role!r}")
-        text = self._render([{"role": role, "content": self._cut(observation)}], True)
+        text = self._render([{"role": role, "content": self.cut(observation)}], True)
         if not text.startswith(self._head):  # pragma: no cover - a template without the head
             raise ValueError("glm5 Dialogue: the chat template does not start every "
                              "conversation with the same head; cannot render a segment")
@@ -82,13 +82,18 @@ class Dialogue:
             ids = ids[1:]
         return ids
 
+    def turn_text(self, turn_ids: Sequence[int]) -> str:
+        """A sampled turn decoded: stop tokens and special tokens dropped; reasoning and
+        tool-call markup kept (what the reward's text components read)."""
+        return self.tok.decode([i for i in turn_ids if i not in self.stop_token_ids],
+                               skip_special_tokens=True)
+
     def action(self, turn_ids: Sequence[int]) -> tuple[str, str | None]:
         """(action, reasoning) of a sampled turn: the text the environment acts on — the
         content and the tool-call markup, reasoning removed — and the reasoning (None)."""
         from glm5.serve.chat import ChatParser
 
-        text = self.tok.decode([i for i in turn_ids if i not in self.stop_token_ids],
-                               skip_special_tokens=True)
+        text = self.turn_text(turn_ids)
         parser = ChatParser(thinking=self.thinking)
         events = parser.feed(text) + parser.finish()
         reasoning = "".join(e.text for e in events if e.kind == "reasoning") or None
@@ -104,7 +109,8 @@ class Dialogue:
         body = "</think>" + action if self.thinking else action
         return self.tok.encode(body) + [self.tok.token_to_id(stop)]
 
-    def _cut(self, text: str) -> str:
+    def cut(self, text: str) -> str:
+        """``text`` as the policy is shown it: cut to max_observation_tokens, the cut said."""
         if not isinstance(text, str):
             raise TypeError(f"glm5 Dialogue: an observation must be text, got "
                             f"{type(text).__name__}")
