@@ -4,9 +4,9 @@ Each call validates its arguments at the boundary (errors name the op, the argum
 expected), then
 - under tracing (`torch.compile`, `torch.export`, fake tensors) calls `torch.ops.glm5.<name>`
   so the graph holds one node per op;
-- when autograd needs the op, calls `torch.ops.glm5.<name>` (backward = the backend's or the
-  vjp of the reference); a mutating composite (`mla_prolog`) runs its decomposition instead,
-  whose parts are differentiable;
+- when autograd needs the op, calls `torch.ops.glm5.<name>` (backward = that of the kernel
+  that served the forward where it registered one, else the vjp of the reference); a mutating
+  composite (`mla_prolog`) runs its decomposition instead, whose parts are differentiable;
 - otherwise (eager inference) calls the selected kernel directly, skipping the ~40 µs of the
   torch.library dispatcher.
 """
@@ -25,7 +25,8 @@ from glm5.ir.opdef import OpDef, has_data
 
 # This module is the namespace composite ops decompose over (``OpDef.decompose(ops, ...)``).
 _NS = sys.modules[__name__]
-_torch_ops = library.bind_all(lambda op, values: selection.call(op, values, _NS))
+_torch_ops = library.bind_all(lambda op, values: selection.call(op, values, _NS),
+                              backward_for=selection.backward_for)
 
 
 def _tracing(values: dict[str, Any], op: OpDef) -> bool:

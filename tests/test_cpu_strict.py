@@ -1,7 +1,10 @@
 """The cpu backend serves every op the model calls on CPU: under GLM5_STRICT=1 (a reference
-fallback is an error) the model's forward and generate run, in both DSA selection modes."""
+fallback is an error) the model's forward and generate run, in both DSA selection modes, and an
+RL trainer step runs with the RL ops' backward kernels."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -86,3 +89,45 @@ def test_cpu_kernels_take_misaligned_tensors(strict, dtype):
     for S in (100, 2000):  # the torch.topk and the radix-select paths
         v = {"scores": _misaligned(30, S, dtype=dtype), "k": 40}
         assert_matches("topk_indices", ops.topk_indices(**v), v)
+
+
+def test_rl_trainer_step_strict_on_cpu(strict, monkeypatch):
+    """One GRPO step (two PPO epochs over two micro-batches, advantages from float64 rewards)
+    on the tiny model: every op, the RL ones included, served by the cpu backend, and the
+    gradients of token_logprobs and policy_loss from the cpu kernels' own backwards."""
+    from glm5 import ops
+    from glm5.kernels.tvm import rl
+    from glm5.rl.config import TrainerConfig
+    from glm5.rl.trainer import GRPOTrainer
+    from glm5.rl.trajectory import Trajectory
+
+    calls: dict[str, int] = {}
+    for name in ("token_logprobs", "token_logprobs_backward", "policy_loss",
+                 "policy_loss_backward", "grpo_advantages"):
+        def counted(*args, _real=getattr(rl, name), _name=name):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args)
+
+        monkeypatch.setattr(rl, name, counted)
+    torch.manual_seed(0)
+    cfg = preset("tiny").replace(vocab_size=32, num_hidden_layers=2,
+                                 indexer_types=["full", "shared"], index_topk=16)
+    m = GLM5ForCausalLM(cfg, with_mtp=False)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 2.0], dtype=torch.float64)
+    adv = ops.grpo_advantages(rewards, 4, True)  # a reference fallback would raise
+    comps = [[4, 5, 6], [8, 9], [5, 5, 7, 3], [11]]
+    trajs = [Trajectory(f"t{i}", "g", "copy", [1, 2, 3 + i], c,
+                        [-2.0 - 0.1 * j for j in range(len(c))], [0] * len(c),
+                        advantage=float(a), temperature=0.8)
+             for i, (c, a) in enumerate(zip(comps, adv))]
+    head = m.lm_head.weight.detach().clone()
+    tr = GRPOTrainer(m, TrainerConfig(ppo_epochs=2, micro_batch_size=2))
+    s = tr.train_step(trajs)
+    assert all(math.isfinite(v) for v in s.values()), s
+    assert not torch.equal(m.lm_head.weight.detach(), head), "the step did not move lm_head"
+    # each of the 2 epochs x 2 micro-batches differentiates one policy_loss and the logprobs
+    # under it through the cpu kernels' backwards (the old logprobs: forwards only)
+    assert calls.get("grpo_advantages") == 1, calls
+    assert calls.get("policy_loss", 0) >= 4 and calls.get("token_logprobs", 0) >= 4, calls
+    assert calls.get("policy_loss_backward") == calls["policy_loss"], calls
+    assert calls.get("token_logprobs_backward") == calls["policy_loss"], calls

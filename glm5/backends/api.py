@@ -182,7 +182,7 @@ def _check_label(label: Any, where: str) -> None:
 class KernelEntry:
     """One kernel of a backend: serves ``op`` for ``dtypes`` (None = any) when ``supports``
     (None = always) accepts the call's arguments. ``impl`` labels the implementation (default:
-    `default_impl` of ``fn``)."""
+    `default_impl` of ``fn``); ``backward`` is the kernel's own backward, if it has one."""
 
     op: str
     fn: Callable[..., Any]
@@ -190,6 +190,8 @@ class KernelEntry:
     dtypes: frozenset[torch.dtype] | None = None
     supports: Callable[..., bool] | None = None
     impl: str = ""
+    # The kernel's own backward (see `Backend.kernel`); None: the vjp of the op's reference.
+    backward: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.impl:
@@ -245,6 +247,7 @@ class Backend:
         dtypes: Iterable[torch.dtype] | None = None,
         supports: Callable[..., bool] | None = None,
         impl: str | None = None,
+        backward: Callable[..., Any] | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator: register ``fn`` as this backend's kernel for ``op``.
 
@@ -253,6 +256,14 @@ class Backend:
         "tvm", "torch", "torch_npu.npu_lightning_indexer", ...); None derives it from ``fn``
         (`default_impl`). A kernel that chooses among implementations per call reports the
         one it ran with `report_impl`.
+
+        ``backward`` (optional, API 1.x): the gradient of the op for calls this kernel serves,
+        ``backward(grads, outputs, needs, *args) -> tuple``: ``grads`` one gradient per op
+        output (None for an output marked not differentiable), ``outputs`` what the kernel
+        returned, ``needs`` one bool per op argument (its gradient is wanted), ``args`` the
+        op's arguments as the kernel got them; it returns one entry per op argument, a
+        gradient shaped like the argument (cast to its dtype) or None. Without it, autograd
+        takes the vjp of the op's reference.
         """
         from glm5.ir.catalog import OPS
 
@@ -273,6 +284,14 @@ class Backend:
 
         if impl is not None:
             _check_label(impl, f"Backend({self.name!r}).kernel({op!r})")
+        if backward is not None and not callable(backward):
+            raise BackendError(f"glm5.Backend({self.name!r}).kernel({op!r}): backward expected "
+                               f"a callable or None, got {backward!r}")
+        from glm5.ir.catalog import get_op
+
+        if backward is not None and not get_op(op).differentiable:
+            raise BackendError(f"glm5.Backend({self.name!r}).kernel({op!r}): backward given "
+                               f"for an op that is not differentiable")
 
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
             if op in self.kernels:
@@ -280,7 +299,7 @@ class Backend:
                     f"glm5.Backend({self.name!r}): a kernel for {op!r} is already registered"
                 )
             label = impl if impl is not None else default_impl(fn, self.name)
-            self.kernels[op] = KernelEntry(op, fn, self, dts, supports, label)
+            self.kernels[op] = KernelEntry(op, fn, self, dts, supports, label, backward)
             return fn
 
         return deco

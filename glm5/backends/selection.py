@@ -360,6 +360,18 @@ def call(op: OpDef, values: dict[str, Any], ops: Any) -> Any:
     return api.call_impl(api.FALLBACK_REFERENCE, _fallback(plan, tried).fn, *args)
 
 
+def backward_for(op: OpDef, args: tuple) -> Callable[..., Any] | None:
+    """The backward of the kernel that serves this call (``args``: the op's arguments,
+    positionally), or None where that kernel has none, or the call falls back to the reference
+    or decomposes (autograd then takes the vjp of the reference)."""
+    values = dict(zip(op.param_names, args))
+    plan = resolve(op, op.device(values).type, op.dispatch_dtype(values))
+    for entry in plan.candidates:
+        if entry.accepts(args):
+            return entry.backward
+    return None
+
+
 def kernel_for(op: OpDef, values: dict[str, Any]) -> tuple[str, str]:
     """(backend name, mode) that would serve this call: for diagnostics and tests."""
     args = tuple(values[n] for n in op.param_names)

@@ -1,8 +1,9 @@
 """The torch.library binding: every op is `torch.ops.glm5.<name>`, with the OpDef shape
-function as its fake (meta) kernel and, for differentiable ops without a backward kernel, a
-backward from the vjp of the reference.
+function as its fake (meta) kernel and, for differentiable ops, a backward: the backward of the
+kernel that served the forward where it has one, else the vjp of the reference.
 
-The IR does not know about backends: `bind_all(call)` receives the dispatcher from glm5.ops.
+The IR does not know about backends: `bind_all(call, backward_for)` receives the dispatcher and
+the backward lookup from glm5.ops.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from glm5.ir.catalog import OPS
-from glm5.ir.opdef import OpDef
+from glm5.ir.opdef import OpDef, has_data
 
 NAMESPACE = "glm5"
 _bound: dict[str, Any] = {}
@@ -38,13 +39,34 @@ def _fresh(t: torch.Tensor, args: tuple) -> torch.Tensor:
     return t
 
 
-def vjp_backward(op: OpDef) -> tuple[Callable, Callable]:
-    """(setup_context, backward) computing input gradients by the vjp of op.reference."""
+# backward_for(op, args) -> the backward of the kernel that serves this call, or None (the
+# reference's vjp); glm5.ops passes glm5.backends.selection.backward_for.
+BackwardFor = Callable[[OpDef, tuple], Callable[..., Any] | None]
+
+
+def _traced(inputs: tuple) -> bool:
+    """Fake tensors or a compiler tracing: a kernel's backward cannot run there."""
+    if torch.compiler.is_compiling():
+        return True
+    return any(isinstance(v, torch.Tensor) and not has_data(v) for v in inputs)
+
+
+def vjp_backward(op: OpDef, backward_for: BackwardFor | None = None
+                 ) -> tuple[Callable, Callable]:
+    """(setup_context, backward) computing input gradients by the backward of the kernel that
+    served the call (``backward_for``; its outputs are saved for it), else by the vjp of
+    op.reference (when tracing, always the vjp)."""
     tensor_pos = [i for i, p in enumerate(op.params) if p.is_tensor]
     diff_out = [i for i, o in enumerate(op.outputs) if o.differentiable]
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.save_for_backward(*[inputs[i] for i in tensor_pos])
+        kernel_bwd = None
+        if backward_for is not None and not _traced(inputs):
+            kernel_bwd = backward_for(op, tuple(inputs))
+        ctx.kernel_bwd = kernel_bwd
+        outs = (output if isinstance(output, tuple) else (output,)) if kernel_bwd else ()
+        ctx.n_out = len(outs)
+        ctx.save_for_backward(*[inputs[i] for i in tensor_pos], *outs)
         ctx.scalars = {i: v for i, v in enumerate(inputs) if i not in tensor_pos}
         ctx.n = len(inputs)
 
@@ -55,9 +77,11 @@ def vjp_backward(op: OpDef) -> tuple[Callable, Callable]:
             inputs[i] = t
         for i, v in ctx.scalars.items():
             inputs[i] = v
+        if ctx.kernel_bwd is not None:
+            return _kernel_backward(op, ctx, inputs, saved[len(tensor_pos):], grads)
         want = [
             i for i in tensor_pos
-            if inputs[i] is not None and inputs[i].is_floating_point() and ctx.needs_input_grad[i]
+            if inputs[i] is not None and inputs[i].is_floating_point() and _needs_grad(ctx, i)
         ]
         with torch.enable_grad():
             leaves = list(inputs)
@@ -83,8 +107,32 @@ def vjp_backward(op: OpDef) -> tuple[Callable, Callable]:
     return setup_context, backward
 
 
-def bind_all(call: Callable[[OpDef, dict[str, Any]], Any]) -> dict[str, Any]:
-    """Define `torch.ops.glm5.<name>` for every op (idempotent)."""
+def _needs_grad(ctx: Any, i: int) -> bool:
+    # torch.library's needs_input_grad stops at the last tensor argument (trailing scalars and
+    # None tensors have no entry): an index past its end needs no gradient.
+    n = ctx.needs_input_grad
+    return i < len(n) and bool(n[i])
+
+
+def _kernel_backward(op: OpDef, ctx: Any, inputs: list, outs: tuple, grads: tuple) -> tuple:
+    """Input gradients from the serving kernel's backward (see `Backend.kernel`)."""
+    g = tuple(gr if o.differentiable else None for o, gr in zip(op.outputs, grads))
+    needs = tuple(
+        _needs_grad(ctx, i) and isinstance(v, torch.Tensor) and v.is_floating_point()
+        for i, v in enumerate(inputs))
+    if not any(needs):
+        return (None,) * ctx.n
+    res = tuple(ctx.kernel_bwd(g, tuple(outs), needs, *inputs))
+    if len(res) != ctx.n:
+        raise RuntimeError(f"glm5.{op.name}: the kernel's backward returned {len(res)} "
+                           f"gradients, expected {ctx.n} (one per argument)")
+    return tuple(r if needs[i] else None for i, r in enumerate(res))
+
+
+def bind_all(call: Callable[[OpDef, dict[str, Any]], Any],
+             backward_for: BackwardFor | None = None) -> dict[str, Any]:
+    """Define `torch.ops.glm5.<name>` for every op (idempotent). ``backward_for``: the
+    backward of the kernel serving a call (None: always the vjp of the reference)."""
     for op in OPS.values():
         if op.name in _bound:
             continue
@@ -96,7 +144,7 @@ def bind_all(call: Callable[[OpDef, dict[str, Any]], Any]) -> dict[str, Any]:
         )
         cop.register_fake(op.meta)
         if op.differentiable and not op.mutates:
-            setup, bwd = vjp_backward(op)
+            setup, bwd = vjp_backward(op, backward_for)
             cop.register_autograd(bwd, setup_context=setup)
         _bound[op.name] = cop
     return _bound

@@ -171,7 +171,9 @@ GRPO_ADVANTAGES = OpDef(
 # --------------------------------------------------------------------------- policy_loss
 def policy_loss_ref(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.25, rollout_logp=None,
                     tis_cap=2.0):
-    acc = acc_of(logp)
+    # the contract's accumulation dtype (OpDef.acc_dtype): float64 when any input is
+    acc = max((acc_of(t) for t in (logp, old_logp, adv, mask, rollout_logp)
+               if t is not None and t.is_floating_point()), key=lambda d: d.itemsize)
     lp, olp, A = logp.to(acc), old_logp.to(acc), adv.to(acc)
     m = mask.to(acc)
     ratio = torch.exp(lp - olp)

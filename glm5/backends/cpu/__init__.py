@@ -4,12 +4,15 @@ on a machine without accelerators. Registered through glm5's `glm5.backends` ent
 Kernel sources live in glm5/kernels/tvm; this module owns the build context (cache directory,
 target) and declares which ops and dtypes it serves: every op the model calls on CPU (norms,
 rope, silu_mul, the DSA indexer and selection, attention, MoE routing and experts, quantized
-linears), so a model run makes no reference fallback. Four kernels choose per call between
+linears) and the RL trainer's ops (token_logprobs and policy_loss with backward kernels of
+their own, grpo_advantages), so a model run or an RL step makes no reference fallback. Four
+kernels choose per call between
 paths (`moe_experts` above ``moe.ROWS_TVM`` routed rows, `quant_linear` per CPU tier, scheme
 and row count from ``quant.PATHS``, `moe_experts_quant` per CPU tier, `topk_indices` below
 ``topk.RADIX_MIN`` scores a row); they are registered with a wrapper that reports the path
 taken (`glm5.backends.api.report_impl`): "tvm", "tvm:vnni", "tvm:vgemm", "tvm:amx",
-"tvm:per-expert", "torch:per-expert", "torch:gemm" or "torch:topk".
+"tvm:per-expert", "torch:per-expert", "torch:gemm" or "torch:topk". token_logprobs is labelled
+"tvm+torch:mm" (torch.mm logits, TVM softmax passes).
 """
 
 from __future__ import annotations
@@ -142,6 +145,11 @@ _CHOOSERS: dict[str, tuple[Callable[..., str | None], str]] = {
 }
 
 
+# op -> label, where the kernel is not TVM's alone: token_logprobs' logits are torch.mm (MKL /
+# oneDNN) GEMMs, its softmax passes TVM.
+_LABELS = {"token_logprobs": "tvm+torch:mm"}
+
+
 def _reporting(fn: Callable[..., Any], path: Callable[..., str | None]) -> Callable[..., Any]:
     def kernel(*args: Any) -> Any:
         label = path(*args)
@@ -157,12 +165,14 @@ def _register_kernels(b: Backend) -> None:
     """Each kernel module adds its kernels; a module not yet written is simply absent."""
     from glm5.kernels.tvm import registry
 
+    backwards = registry.backwards(context)
     for op, fn, dtypes, supports in registry.kernels(context):
-        impl = None
+        impl = _LABELS.get(op)
         if op in _CHOOSERS:
             path, impl = _CHOOSERS[op]
             fn = _reporting(fn, path)
-        b.kernel(op, dtypes=dtypes, supports=supports, impl=impl)(fn)
+        b.kernel(op, dtypes=dtypes, supports=supports, impl=impl,
+                 backward=backwards.get(op))(fn)
 
 
 @hookimpl
