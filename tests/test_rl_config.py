@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from glm5.rl.config import RLConfig, RLConfigError
+from glm5.rl.config import RLConfig, RLConfigError, sync_warnings
 
 
 def test_defaults_are_the_seeds():
     c = RLConfig()
     assert (c.trainer.clip_low, c.trainer.clip_high) == (0.2, 0.25)  # ratio in [0.8, 1.25]
-    assert c.sync.interval == 50 and c.pool.decay == 0.2 and c.pool.decay_period_s == 4 * 3600
+    assert c.pool.decay == 0.2 and c.pool.decay_period_s == 4 * 3600
     assert c.pool.min_task_types == 5 and c.trainer.freeze_indexer
     assert (c.trainer.distill.temperature, c.trainer.distill.weight,
             c.trainer.distill.refresh_every) == (0.7, 0.3, 1000)
@@ -53,3 +53,31 @@ def test_yaml_round_trip(tmp_path):
         RLConfig.from_yaml(p)
     with pytest.raises(RLConfigError, match="is not a file"):
         RLConfig.from_yaml(tmp_path / "missing.yaml")
+
+
+def test_defaults_that_are_not_the_seeds_learn():
+    """Weights pushed every step (the seed's 50 leaves small-model rollouts up to 49 updates
+    behind: docs/rl.md), completion length from the tasks."""
+    c = RLConfig()
+    assert c.sync.interval == 1 and c.sync.max_staleness == 2
+    assert c.rollout.max_tokens is None
+    assert sync_warnings(c) == []
+    assert sync_warnings(RLConfig.from_dict({"run": {"mode": "sync"}})) == []
+
+
+def test_sync_settings_that_cost_data_are_said():
+    (w,) = sync_warnings(RLConfig.from_dict({"sync": {"interval": 50}}))
+    assert "sync.interval 50" in w and "up to 49 trainer updates old" in w
+    (w,) = sync_warnings(RLConfig.from_dict({"sync": {"max_staleness": 0}}))
+    assert "sync.max_staleness 0 in async mode" in w and "dropped" in w
+    # sync mode trains each batch before the next push: nothing waits, nothing is dropped
+    assert sync_warnings(RLConfig.from_dict({"sync": {"max_staleness": 0},
+                                             "run": {"mode": "sync"}})) == []
+    assert sync_warnings(RLConfig.from_dict({"sync": {"max_staleness": 0,
+                                                      "stale_policy": "downweight"}})) == []
+
+
+def test_max_tokens_none_is_accepted_and_a_number_must_be_positive():
+    assert RLConfig.from_dict({"rollout": {"max_tokens": None}}).rollout.max_tokens is None
+    with pytest.raises(RLConfigError, match="rollout.max_tokens expected a value > 0"):
+        RLConfig.from_dict({"rollout": {"max_tokens": 0}})

@@ -2,9 +2,13 @@
 (an unknown key, a wrong type or an out-of-range value is an error naming the key).
 
 The defaults are GLM-5's where the seed gives one: clip [0.8, 1.25] (clip_low 0.2,
-clip_high 0.25), weight sync every 50 steps, pool decay 20% per 4 h, at least 5 task types per
+clip_high 0.25), pool decay 20% per 4 h, at least 5 task types per
 batch, distillation at temperature 0.7 with weight 0.3 and the teacher refreshed every 1000
-steps, the DSA indexer frozen.
+steps, the DSA indexer frozen. Two are not, so that a config naming only its tasks and steps
+learns: the weights are published after every trainer step (`sync.interval` 1; GLM-5 pushes
+every 50 steps across a fleet, where a push is expensive — here it is an in-process delta, and
+at 50 the rollouts sample from a policy up to 49 updates behind the trainer), and a
+completion's length defaults to the tasks' own answer length (`rollout.max_tokens` None).
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ class TaskConfig:
     params: dict[str, Any] = field(default_factory=dict)
 
 
+DEFAULT_MAX_TOKENS = 16  # rollout.max_tokens when a task does not say how long its answers are
+
+
 @dataclass
 class RolloutConfig:
     num_workers: int = 1
@@ -51,7 +58,9 @@ class RolloutConfig:
     groups_per_step: int = 8  # prompt groups per trainer step
     temperature: float = 1.0
     top_p: float = 1.0
-    max_tokens: int = 16
+    # per completion (one turn of an environment task); None: the tasks' longest answer where
+    # every task declares one (`max_answer_tokens`), else DEFAULT_MAX_TOKENS
+    max_tokens: int | None = None
     max_num_seqs: int = 128  # engine batch
     transport: str = "inprocess"  # "inprocess" | "http"
     urls: list[str] = field(default_factory=list)  # engine servers when transport == "http"
@@ -105,8 +114,8 @@ class TrainerConfig:
 
 @dataclass
 class SyncConfig:
-    interval: int = 50  # trainer steps between weight pushes
-    max_staleness: int = 2  # versions a token may lag the trainer
+    interval: int = 1  # trainer steps between weight pushes (module docstring: why not 50)
+    max_staleness: int = 2  # versions (weight pushes) a token may lag the trainer
     stale_policy: str = "drop"  # "drop" | "downweight" (weight 0.5 ** excess versions)
     mode: str = "xor"  # delta encoding: "xor" (bit-exact) | "sub" (new - old, float)
 
@@ -212,6 +221,7 @@ _CHOICES = {
     "run.mode": ("async", "sync"),
     "model.dtype": ("float32", "float64", "bfloat16"),
 }
+_OPTIONAL = ("rollout.max_tokens",)  # None: a default resolved when the run starts
 _POSITIVE = ("rollout.num_workers", "rollout.group_size", "rollout.groups_per_step",
              "rollout.max_tokens", "rollout.max_num_seqs", "rollout.in_flight_groups",
              "trainer.micro_batch_size", "trainer.ppo_epochs", "sync.interval",
@@ -239,6 +249,8 @@ def _validate(c: RLConfig) -> None:
             raise RLConfigError(f"glm5 rl config: {key} expected one of {list(allowed)}, got "
                                 f"{v!r}")
     for key in _POSITIVE:
+        if key in _OPTIONAL and _get(c, key) is None:
+            continue
         if not _get(c, key) > 0:
             raise RLConfigError(f"glm5 rl config: {key} expected a value > 0, got {_get(c, key)}")
     for key in _NONNEG:
@@ -312,10 +324,36 @@ def _validate(c: RLConfig) -> None:
             raise RLConfigError(f"glm5 rl config: environment tasks ({envs[0]!r}) run on "
                                 f"in-process or Ray rollout workers; rollout.transport: http "
                                 f"serves single-turn tasks only")
-        if c.rollout.max_tokens >= c.rollout.max_episode_tokens:
+        turn = c.rollout.max_tokens or DEFAULT_MAX_TOKENS
+        if turn >= c.rollout.max_episode_tokens:
             raise RLConfigError(f"glm5 rl config: rollout.max_tokens (one turn) expected less "
-                                f"than rollout.max_episode_tokens, got {c.rollout.max_tokens} >= "
+                                f"than rollout.max_episode_tokens, got {turn} >= "
                                 f"{c.rollout.max_episode_tokens}")
+
+
+# Stale-data warnings (`sync_warnings`, and the loop's own measured one): the numbers quoted
+# are docs/rl.md's "Sync interval and staleness" runs (digit sort, 150 / 40 steps).
+DROP_WARN_FRACTION = 0.5  # the loop warns when more than this share of a window is dropped
+DROP_WARN_WINDOW = 10  # trainer steps
+
+
+def sync_warnings(c: RLConfig) -> list[str]:
+    """What the sync settings cost in data or freshness, said before the run starts (empty for
+    the defaults): sync.interval > 1 makes rollouts sample from weights up to interval - 1
+    updates behind the trainer; sync.max_staleness 0 in async mode drops every trajectory
+    that waited for a push in the pool."""
+    out = []
+    sc = c.sync
+    if sc.interval > 1:
+        out.append(f"sync.interval {sc.interval}: rollouts sample from weights up to "
+                   f"{sc.interval - 1} trainer updates old (on the digit sort task, reward 0.15 "
+                   f"at interval 50 against 0.27 at interval 1 after 150 sync steps); keep 1 "
+                   f"unless a weight push is expensive")
+    if c.run.mode == "async" and sc.stale_policy == "drop" and sc.max_staleness == 0:
+        out.append("sync.max_staleness 0 in async mode with stale_policy drop: a trajectory "
+                   "that waits in the pool across a weight push is dropped (2/3 of the "
+                   "trajectories on the digit sort task at sync.interval 1); 2 kept 4/5")
+    return out
 
 
 def _build(cls: type, d: Any, where: str) -> Any:

@@ -75,7 +75,8 @@ class RLRun:
         from glm5.rl.pool import ExperiencePool
         from glm5.rl.reward import CompositeReward
         from glm5.rl.sampler import DynamicRatioSampler
-        from glm5.rl.tasks import make_task
+        from glm5.rl.config import DEFAULT_MAX_TOKENS, sync_warnings
+        from glm5.rl.tasks import answer_limit, make_task
 
         self.cfg = cfg
         self.out = Path(out_dir or cfg.run.out_dir)
@@ -84,6 +85,8 @@ class RLRun:
         from glm5.rl.episodes import (EnvTask, env_task_names, episode_limits, load_dialogue,
                                       resolve_tokenizer)
 
+        for msg in sync_warnings(cfg):
+            log.warning("glm5 rl: %s", msg)
         envs = env_task_names(cfg)
         if envs:
             cfg = self.cfg = RLConfig.from_dict(copy_config(cfg))  # the caller's stays as given
@@ -93,6 +96,9 @@ class RLRun:
                       else make_task(t.name, t.params) for t in cfg.tasks}
         if len(self.tasks) != len(cfg.tasks):
             raise ValueError("glm5 rl: tasks lists a task type twice")
+        if cfg.rollout.max_tokens is None:  # the tasks' own answer length (config.py)
+            cfg = self.cfg = RLConfig.from_dict(copy_config(cfg))  # the caller's stays as given
+            cfg.rollout.max_tokens = answer_limit(self.tasks.values()) or DEFAULT_MAX_TOKENS
         self.reward = CompositeReward(cfg.reward.components)
         self.sampler = DynamicRatioSampler([t.name for t in cfg.tasks],
                                            {t.name: t.weight for t in cfg.tasks}, cfg.sampler,
@@ -111,6 +117,9 @@ class RLRun:
         self.trainer_idle_s = 0.0
         self.replaced_workers = 0
         self.dropped_stale = 0
+        self._dropped_now = 0  # this step's stale drops (pool evictions and batch weights 0)
+        self._drop_window: list[tuple[int, int]] = []  # (dropped, trained) of recent steps
+        self._drop_warned = False
         self._tokens = 0
         self._errors: list[BaseException] = []
         self._replaying = False
@@ -316,6 +325,8 @@ class RLRun:
         stale = [self.version - t.min_version for t in trajs]  # versions behind the trainer
         keep = [(t, x) for t, x in zip(trajs, w) if x > 0]
         self.dropped_stale += len(trajs) - len(keep)
+        self._dropped_now += len(trajs) - len(keep)
+        self._watch_drops(len(keep))
         m: dict[str, float] = {}
         if keep:
             m = self.trainer.call("train_step", [t for t, _ in keep], [x for _, x in keep])
@@ -338,7 +349,8 @@ class RLRun:
         row = {"step": self.step, "time": time.perf_counter() - self._t0,
                "version": self.version, "reward": sum(rewards) / len(rewards),
                "exact": sum(exact) / len(exact), "batch": len(trajs), "trained": len(keep),
-               "staleness": sum(stale) / len(stale), "trainer_wait_s": t_wait,
+               "staleness": sum(stale) / len(stale), "dropped_stale": self._dropped_now,
+               "trainer_wait_s": t_wait,
                "trainer_idle_frac": self.trainer_idle_s / max(time.perf_counter() - self._t0,
                                                               1e-9),
                "rollout_tokens": self._tokens, "task_types": len({t.task_type for t in trajs})}
@@ -349,6 +361,7 @@ class RLRun:
         for name, r in self.sampler.ratios().items():
             row[f"ratio/{name}"] = r
         row.update({k: v for k, v in m.items()})
+        self._dropped_now = 0
         self.history.append(row)
         if self.metrics is not None:
             self.metrics.log(self.step, row)
@@ -361,8 +374,27 @@ class RLRun:
         """With stale_policy drop, trajectories past the staleness bound leave the pool."""
         sc = self.cfg.sync
         if sc.stale_policy == "drop":
-            self.dropped_stale += self.pool.call("evict_older_than",
-                                                 self.version - sc.max_staleness)
+            n = self.pool.call("evict_older_than", self.version - sc.max_staleness)
+            self.dropped_stale += n
+            self._dropped_now += n
+
+    def _watch_drops(self, trained: int) -> None:
+        """Warn once when most of the recent data was dropped as stale (measured, not
+        estimated: the share over the last DROP_WARN_WINDOW steps)."""
+        from glm5.rl.config import DROP_WARN_FRACTION, DROP_WARN_WINDOW
+
+        self._drop_window = [*self._drop_window, (self._dropped_now, trained)][-DROP_WARN_WINDOW:]
+        dropped = sum(d for d, _ in self._drop_window)
+        total = dropped + sum(t for _, t in self._drop_window)
+        if (not self._drop_warned and len(self._drop_window) == DROP_WARN_WINDOW and total
+                and dropped / total > DROP_WARN_FRACTION):
+            self._drop_warned = True
+            sc = self.cfg.sync
+            log.warning("glm5 rl: %.0f%% of the trajectories of the last %d steps were dropped "
+                        "as stale (sync.max_staleness %d versions, sync.interval %d steps): "
+                        "raise sync.max_staleness or use sync.stale_policy: downweight",
+                        100 * dropped / total, DROP_WARN_WINDOW, sc.max_staleness,
+                        sc.interval)
 
     def _wait_batch(self, stop: threading.Event) -> tuple[list[Trajectory], float]:
         t0 = time.perf_counter()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from glm5.rl.envs.base import env_known
 
@@ -63,7 +63,10 @@ class Task(Protocol):
     completion_ids, mask) -> list[dict]`` (and no other has one): the conversation after the
     prompt, ``[{"role": "assistant" | "tool" | "user", "text": str}, ...]``
     (`glm5.rl.reward.RewardContext.turns`); a single-turn task returns one assistant turn, its
-    completion decoded (stop token dropped). ``mask``: the trajectory's (empty: all sampled)."""
+    completion decoded (stop token dropped). ``mask``: the trajectory's (empty: all sampled).
+
+    Optional: ``max_answer_tokens`` (int), the longest answer in tokens with its stop token;
+    when every task of a run has it, it is the run's default `rollout.max_tokens`."""
 
     name: str
     stop_token_ids: list[int]  # the engine ends a completion on any of them
@@ -113,7 +116,8 @@ class DigitTask:
 
     @property
     def max_answer_tokens(self) -> int:
-        return self.hi + 1  # digits + EOS
+        """The longest answer, EOS included (the default `rollout.max_tokens`)."""
+        return len(self._answer([0] * self.hi)) + 1
 
     def sample(self, rng: random.Random) -> TaskInstance:
         n = rng.randint(self.lo, self.hi)
@@ -164,6 +168,15 @@ def task_has_text(name: str) -> bool | None:
     if name in TASKS:
         return name in TEXT_TASKS
     return True if env_known(name) else None
+
+
+def answer_limit(tasks: Iterable[Any]) -> int | None:
+    """The longest answer (tokens, stop token included) over ``tasks``, where every one declares
+    ``max_answer_tokens``; None when one does not (its completions' length is not known)."""
+    limits = [getattr(t, "max_answer_tokens", None) for t in tasks]
+    if not limits or any(n is None for n in limits):
+        return None
+    return max(limits)
 
 
 def make_task(name: str, params: dict[str, Any] | None = None) -> Task:
