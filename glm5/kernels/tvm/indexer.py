@@ -74,7 +74,7 @@ HB_MAX = 4  # heads per register block where the CPU is not known (heads_per_blo
 TILE_T = 64  # queries per block: the block's [TILE_T, kb + TILE_S] int64 keys (4 MiB) stay in
 # cache for the selection passes (256 made them 16 MiB and the T=1024, S=8192 call 1.4x slower)
 TILE_S = 8192  # keys per streamed tile (indexer_topk); a multiple of NS
-REV = 9  # bump when the kernel source changes (part of the on-disk cache key)
+REV = 10  # bump when the kernel source changes (part of the on-disk cache key)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # q/k dtypes served
 INT64_MIN = -(2**63)
@@ -127,7 +127,7 @@ def _generic_score_tile(mode: str, HB: int = HB_MAX, direct: str | None = None) 
     def score_tile(q_h: T.handle, kp_h: T.handle, rows_h: T.handle, w_h: T.handle,
                    ks_h: T.handle, ke_h: T.handle, out_h: T.handle, t0: T.int32, s0: T.int32,
                    ncols: T.int32, coff: T.int32, clear: T.int32, Hi: T.int32, Di: T.int32):
-        T.func_attr({"global_symbol": "score_tile", "tir.noalias": True})
+        T.func_attr({"global_symbol": "score_tile", "tirx.noalias": True})
         Tn = T.int32()
         NC = T.int32()
         Tb = T.int32()
@@ -261,7 +261,7 @@ def build_decode() -> Any:
 
     @T.prim_func
     def decode(keys_h: T.handle, idx_h: T.handle, t0: T.int32, n: T.int32):
-        T.func_attr({"global_symbol": "decode", "tir.noalias": True})
+        T.func_attr({"global_symbol": "decode", "tirx.noalias": True})
         Tb = T.int32()
         K = T.int32()
         Tn = T.int32()
