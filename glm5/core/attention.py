@@ -26,6 +26,7 @@ from glm5.core.block_select import block_select
 from glm5.core.config import GLM5Config
 from glm5.core.index_cache import FP8Keys, IndexKeys, write_index_keys
 from glm5.core.layers import LayerNorm, QuantLinear, RMSNorm, apply_linear, linear
+from glm5.ir.paging import pool_rows
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (transformers: RMSNorm default eps)
 INDEXER_NORM_EPS = 1e-6  # indexer k_norm (LayerNorm)
@@ -49,7 +50,8 @@ def _chunks(n: int) -> list[tuple[int, int]]:
 class Pages:
     """A paged cache's layout for one forward (the serving engine's): the caches are pools of
     pages of ``page_size`` rows; sequence b's logical position j lives in physical row
-    ``block_table[b, j // page_size] * page_size + j % page_size``."""
+    `glm5.ir.paging.pool_rows` (``block_table[b, j // page_size] * page_size + j %
+    page_size``)."""
 
     block_table: torch.Tensor  # [B, P] int32 page ids (-1: not allocated)
     seq: torch.Tensor  # [N] int32: the block_table row of each query
@@ -63,8 +65,7 @@ class Pages:
         """[N, width] int32 physical rows of logical keys 0 .. width - 1 of each query, -1 past
         k_len: the selection when every query attends to all its keys (context <= top-k)."""
         j = torch.arange(width, device=self.seq.device)
-        page = self.block_table[self.seq.long()][:, j // self.page_size].long()
-        rows = page * self.page_size + j % self.page_size
+        rows = pool_rows(self.block_table, self.seq[:, None], j, self.page_size)
         return torch.where(j[None, :] < self.k_len[:, None], rows, -1).to(torch.int32)
 
 

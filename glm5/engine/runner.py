@@ -12,14 +12,14 @@ from glm5.core.model import GLM5ForCausalLM
 from glm5.engine.graphs import DecodeGraphs
 from glm5.engine.kv_pool import KVPool
 from glm5.engine.scheduler import Item
+from glm5.ir.paging import pool_rows
 
 
 def slots_of(block_table: torch.Tensor, positions: torch.Tensor, seq: torch.Tensor,
              page_size: int) -> torch.Tensor:
     """Physical rows [N] int64 of logical ``positions`` [N] of the sequences ``seq`` [N] (rows
     of ``block_table`` [B, P] int32)."""
-    page = block_table[seq.long(), positions // page_size].long()
-    return page * page_size + positions % page_size
+    return pool_rows(block_table, seq, positions, page_size)
 
 
 @dataclass

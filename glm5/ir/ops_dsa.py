@@ -12,6 +12,7 @@ import torch
 from glm5.ir.fp8 import dequantize_rows_e4m3, e4m3_rows
 from glm5.ir.numerics import ErrorTerms, Selection, SelectionRows, sqrt_n
 from glm5.ir.opdef import OpDef, check_index_range, has_data, require, value_checks
+from glm5.ir.paging import pool_rows
 from glm5.ir.ops_norm import _bytes, acc_of
 from glm5.ir.signature import FLOAT_DTYPES, INDEX_DTYPES, OpInputError, OutArg, TensorArg, scalar
 
@@ -248,13 +249,12 @@ INDEXER_TOPK_FP8 = OpDef(
 
 # --------------------------------------------------------------------------- paged_indexer_topk
 # The paged form of indexer_topk: keys live in a pool of pages of `page_size` rows; sequence b's
-# logical key j is pool row block_table[b, j // page_size] * page_size + j % page_size, and
+# logical key j is pool row `glm5.ir.paging.pool_rows`, and
 # query t (of sequence seq[t]) sees logical keys 0 .. k_len[t] - 1.
 def paged_logical_rows(block_table: torch.Tensor, page_size: int, b: int, n: int) -> torch.Tensor:
     """[n] int64: the pool rows of sequence ``b``'s logical keys 0 .. n-1 (a page id of -1, an
     unallocated page, gives negative rows: the caller masks them)."""
-    j = torch.arange(n, device=block_table.device)
-    return block_table[b].long()[j // page_size] * page_size + j % page_size
+    return pool_rows(block_table, b, torch.arange(n, device=block_table.device), page_size)
 
 
 def paged_compact_rows(block_table: torch.Tensor, seq: torch.Tensor, k_len: torch.Tensor,
@@ -275,8 +275,7 @@ def paged_compact_rows(block_table: torch.Tensor, seq: torch.Tensor, k_len: torc
     c = torch.arange(C, device=seq.device)
     b = torch.searchsorted(ends, c, right=True)
     j = c - first[b]
-    rows = block_table.long()[b, j // page_size] * page_size + j % page_size
-    return rows, first[seq.long()]
+    return pool_rows(block_table, b, j, page_size), first[seq.long()]
 
 
 def paged_indexer_topk_ref(q, k, w, block_table, seq, k_len, page_size, topk):
@@ -324,7 +323,7 @@ def paged_reachable(block_table: torch.Tensor, seq: torch.Tensor, k_len: torch.T
     if T == 0 or P == 0:
         return out
     j = torch.arange(P * page_size, device=seq.device)
-    rows = block_table.long()[seq.long()][:, j // page_size] * page_size + j % page_size
+    rows = pool_rows(block_table, seq[:, None], j, page_size)
     ok = j[None, :] < k_len.long()[:, None]
     t = torch.arange(T, device=seq.device)[:, None].expand_as(rows)
     out[t[ok], rows[ok]] = True

@@ -67,6 +67,7 @@ from typing import Any, Callable
 import torch
 
 from glm5.kernels.tvm import select
+from glm5.ir.paging import pool_rows
 from glm5.kernels.tvm.fp8_rows import dequantized_rows, e4m3_rows
 
 NS = 16  # keys per chunk (two AVX2 fp32 vectors)
@@ -509,7 +510,7 @@ def paged_indexer_topk(context: Callable[[], Any], q, k, w, block_table, seq, k_
     c = torch.arange(C)
     g = torch.searchsorted(ends, c, right=True)
     j = c - first[g]
-    rows = block_table.long()[uniq[g], j // page_size] * page_size + j % page_size
+    rows = pool_rows(block_table, uniq[g], j, page_size)
     ks64 = first[gid]
     qs = q if order is None else q[order]
     wc = (w if order is None else w[order]).to(torch.float32).contiguous()
