@@ -343,3 +343,11 @@ def test_cli_info_bad_config_exit_1_and_usage_exit_2(tmp_path, capsys):
         assert cli_main(argv) == 2  # argparse's errors: one line, exit 2, no SystemExit
         err = capsys.readouterr().err
         assert err.startswith("glm5 info: ") and err.count("\n") == 1
+
+
+def test_the_dense_sparse_rule_at_its_boundary():
+    from glm5.core.config import attends_densely
+
+    # a range of exactly index_topk keys: the selection would keep them all, so dense
+    assert attends_densely(2048, 2048) and attends_densely(1, 2048)
+    assert not attends_densely(2049, 2048)

@@ -23,7 +23,7 @@ from torch import nn
 from glm5 import ops
 from glm5.core import hadamard
 from glm5.core.block_select import block_select
-from glm5.core.config import GLM5Config
+from glm5.core.config import GLM5Config, attends_densely
 from glm5.core.index_cache import FP8Keys, IndexKeys, write_index_keys
 from glm5.core.layers import LayerNorm, QuantLinear, RMSNorm, apply_linear, linear
 from glm5.ir.paging import pool_rows
@@ -248,7 +248,7 @@ class Attention(nn.Module):
         c = self.cfg
         H, Dn = c.num_attention_heads, c.qk_nope_head_dim
         w_uk, w_uv = self._w_kv()
-        dense = st.max_range <= c.index_topk
+        dense = attends_densely(st.max_range, c.index_topk)
         # A paged cache is read through the block table by sparse attention in MQA (absorbed)
         # mode, as FlashMLA's paged kernels do; the MHA mode's row gather assumes flat rows.
         absorb = st.pages is not None or self.use_absorbed(

@@ -226,6 +226,14 @@ _POSITIVE = (
 _NON_NEGATIVE = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")
 
 
+def attends_densely(max_range: int, index_topk: int) -> bool:
+    """The dense/sparse rule, decided here only: a step whose longest causal range (keys a query
+    may see) fits in ``index_topk`` attends to every key, since DSA's selection would keep them
+    all; a longer one takes the indexer's top-k. The model's attention, the engine's decode
+    graphs (one per side) and the planner's costs all ask this."""
+    return max_range <= index_topk
+
+
 def _indexer_types_from_schedule(d: dict[str, Any], n_layers: int) -> list[str]:
     """`indexer_types` for a config.json that has none, derived as transformers does.
 

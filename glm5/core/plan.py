@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from glm5.core.chips import Chip, get_chip
-from glm5.core.config import GLM5Config
+from glm5.core.config import GLM5Config, attends_densely
 from glm5.core.info import KV_DTYPES, count_params, index_key_row_bytes, kv_cache_per_token
 from glm5.core.quant_policy import is_quantized
 from glm5.ir.catalog import get_op
@@ -277,7 +277,7 @@ class _Coster:
         ops: list[OpCost] = sync_ops(c.hidden_size, c.rms_norm_eps, lay.tp, T, self.comm,
                                      "input_layernorm", count)
         rows = sequences * c_len
-        sparse = c_len > c.index_topk
+        sparse = not attends_densely(c_len, c.index_topk)
         # the model's own choice; 2-byte (bf16) cache elements
         absorb = attn.use_absorbed(T, rows, sparse, 2)
         # MLA prolog: the fused op when nothing is quantized, its parts otherwise

@@ -34,6 +34,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from glm5.core.config import attends_densely
+
 log = logging.getLogger("glm5")
 
 # The outputs of one captured forward: (logits [Bb, V] fp32, normed hidden [Bb, D]).
@@ -169,7 +171,7 @@ class DecodeGraphs:
         """(bucket, dense) of a decode of ``n`` sequences whose longest causal range is
         ``max_range``, or None when no bucket holds ``n``."""
         b = bucket_for(n, self.buckets)
-        return None if b is None else (b, max_range <= self.index_topk)
+        return None if b is None else (b, attends_densely(max_range, self.index_topk))
 
     def _bound(self, dense: bool) -> int:
         """The range bound a path is laid out with (same side of index_topk as the step)."""
