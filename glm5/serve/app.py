@@ -38,7 +38,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -427,29 +427,25 @@ class _Server:
             await choices.close()
         return finals  # type: ignore[return-value]
 
-    async def _stream_completion(self, choices: _Choices, head: dict, logprobs: bool,
-                                 include_usage: bool, n: int,
-                                 token_ids: bool = False) -> AsyncIterator[str]:
-        offsets = [0] * choices.n
+    async def _stream(self, choices: _Choices, head: dict,
+                      emit: Callable[[int, RequestOutput], Iterable[str]],
+                      usage: Callable[[list], dict] | None,
+                      prelude: Sequence[str] = ()) -> AsyncIterator[str]:
+        """The SSE tail both endpoints share: ``prelude``, then each output's chunks
+        (``emit(i, out)``, after a failed request's check) with a finished output observed in
+        the metrics, then the usage chunk (``usage(finals)``; None: not asked) and [DONE]. An
+        APIError mid-stream becomes an error event and [DONE]; the choices are closed whatever
+        happens (a client gone included)."""
         finals: list[RequestOutput | None] = [None] * choices.n
         try:
+            for c in prelude:
+                yield c
             try:
                 async for i, out in choices.events():
                     if out.finished:
                         _check_failed(out)
-                    block = None
-                    if logprobs and out.new_logprobs:
-                        block = completion_logprobs(self.tokenizer, out.new_logprobs, offsets[i])
-                        offsets[i] += sum(len(t) for t in block["tokens"])
-                    ids = out.new_token_ids if token_ids else []
-                    if out.new_text or block is not None or ids or out.finished:
-                        yield _sse({**head, "choices": [{
-                            "index": i, "text": out.new_text,
-                            "logprobs": block if logprobs else None,
-                            "finish_reason": self._finish_reason(out) if out.finished else None,
-                            "stop_reason": out.stop_reason if out.finished else None,
-                            **(_token_fields(ids, out.new_logprobs, out.new_token_versions)
-                               if token_ids else {})}]})
+                    for c in emit(i, out):
+                        yield c
                     if out.finished:
                         self.metrics.observe(out)
                         finals[i] = out
@@ -458,17 +454,41 @@ class _Server:
                 yield _sse(error_body(e.status, e.message, e.param))
                 yield _DONE
                 return
-            if include_usage:
-                done = [o for o in finals if o is not None]
-                firsts = finals[::n]
-                usage = _usage(sum(len(o.prompt_token_ids) for o in firsts if o),
-                               sum(len(o.token_ids) for o in done),
-                               sum(o.metrics.num_cached_prompt_tokens for o in firsts
-                                   if o and o.metrics))
-                yield _sse({**head, "choices": [], "usage": usage})
+            if usage is not None:
+                yield _sse({**head, "choices": [], "usage": usage(finals)})
             yield _DONE
         finally:
             await choices.close()
+
+    def _stream_completion(self, choices: _Choices, head: dict, logprobs: bool,
+                           include_usage: bool, n: int,
+                           token_ids: bool = False) -> AsyncIterator[str]:
+        offsets = [0] * choices.n
+
+        def emit(i: int, out: RequestOutput) -> Iterable[str]:
+            block = None
+            if logprobs and out.new_logprobs:
+                block = completion_logprobs(self.tokenizer, out.new_logprobs, offsets[i])
+                offsets[i] += sum(len(t) for t in block["tokens"])
+            ids = out.new_token_ids if token_ids else []
+            if out.new_text or block is not None or ids or out.finished:
+                yield _sse({**head, "choices": [{
+                    "index": i, "text": out.new_text,
+                    "logprobs": block if logprobs else None,
+                    "finish_reason": self._finish_reason(out) if out.finished else None,
+                    "stop_reason": out.stop_reason if out.finished else None,
+                    **(_token_fields(ids, out.new_logprobs, out.new_token_versions)
+                       if token_ids else {})}]})
+
+        def usage(finals: list) -> dict:
+            done = [o for o in finals if o is not None]
+            firsts = finals[::n]
+            return _usage(sum(len(o.prompt_token_ids) for o in firsts if o),
+                          sum(len(o.token_ids) for o in done),
+                          sum(o.metrics.num_cached_prompt_tokens for o in firsts
+                              if o and o.metrics))
+
+        return self._stream(choices, head, emit, usage if include_usage else None)
 
     # ------------------------------------------------------------------ chat
     def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], bool, list | None]:
@@ -556,12 +576,11 @@ class _Server:
                        m0.num_cached_prompt_tokens if m0 else 0)
         return JSONResponse({**head, "choices": body_choices, "usage": usage})
 
-    async def _stream_chat(self, choices: _Choices, head: dict, thinking: bool,
-                           tools: list | None, parse_tools: bool, logprobs: bool,
-                           include_usage: bool, n_prompt: int) -> AsyncIterator[str]:
+    def _stream_chat(self, choices: _Choices, head: dict, thinking: bool,
+                     tools: list | None, parse_tools: bool, logprobs: bool,
+                     include_usage: bool, n_prompt: int) -> AsyncIterator[str]:
         parsers = [ChatParser(thinking=thinking, tools=tools) for _ in range(choices.n)]
         n_calls = [0] * choices.n
-        finals: list[RequestOutput | None] = [None] * choices.n
 
         def chunk(i: int, delta: dict, lps: list | None = None, finish: str | None = None,
                   stop_reason: Any = None) -> str:
@@ -572,53 +591,39 @@ class _Server:
                 c["stop_reason"] = stop_reason
             return _sse({**head, "choices": [c]})
 
-        try:
-            for i in range(choices.n):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            try:
-                async for i, out in choices.events():
-                    if out.finished:
-                        _check_failed(out)
-                    events = parsers[i].feed(out.new_text) if out.new_text else []
-                    if out.finished:
-                        events += parsers[i].finish()
-                    deltas = []
-                    for e in _fold(events, parse_tools):
-                        if e.kind == "tool_call":
-                            deltas.append({"tool_calls": [{"index": n_calls[i],
-                                                           **_tool_call(e)}]})
-                            n_calls[i] += 1
-                        elif e.kind == "reasoning":
-                            deltas.append({"reasoning_content": e.text})
-                        else:
-                            deltas.append({"content": e.text})
-                    lps = (chat_logprobs(self.tokenizer, out.new_logprobs)
-                           if logprobs and out.new_logprobs else None)
-                    if lps is not None and not deltas:
-                        deltas.append({})
-                    for k, d in enumerate(deltas):
-                        yield chunk(i, d, lps if k == 0 else None)
-                    if out.finished:
-                        reason = self._finish_reason(out)
-                        if n_calls[i] and reason == "stop":
-                            reason = "tool_calls"
-                        yield chunk(i, {}, finish=reason, stop_reason=out.stop_reason)
-                        self.metrics.observe(out)
-                        finals[i] = out
-            except APIError as e:
-                self.metrics.error(e.status)
-                yield _sse(error_body(e.status, e.message, e.param))
-                yield _DONE
-                return
-            if include_usage:
-                done = [o for o in finals if o is not None]
-                m0 = done[0].metrics if done else None
-                yield _sse({**head, "choices": [], "usage": _usage(
-                    n_prompt, sum(len(o.token_ids) for o in done),
-                    m0.num_cached_prompt_tokens if m0 else 0)})
-            yield _DONE
-        finally:
-            await choices.close()
+        def emit(i: int, out: RequestOutput) -> Iterable[str]:
+            events = parsers[i].feed(out.new_text) if out.new_text else []
+            if out.finished:
+                events += parsers[i].finish()
+            deltas = []
+            for e in _fold(events, parse_tools):
+                if e.kind == "tool_call":
+                    deltas.append({"tool_calls": [{"index": n_calls[i], **_tool_call(e)}]})
+                    n_calls[i] += 1
+                elif e.kind == "reasoning":
+                    deltas.append({"reasoning_content": e.text})
+                else:
+                    deltas.append({"content": e.text})
+            lps = (chat_logprobs(self.tokenizer, out.new_logprobs)
+                   if logprobs and out.new_logprobs else None)
+            if lps is not None and not deltas:
+                deltas.append({})
+            for k, d in enumerate(deltas):
+                yield chunk(i, d, lps if k == 0 else None)
+            if out.finished:
+                reason = self._finish_reason(out)
+                if n_calls[i] and reason == "stop":
+                    reason = "tool_calls"
+                yield chunk(i, {}, finish=reason, stop_reason=out.stop_reason)
+
+        def usage(finals: list) -> dict:
+            done = [o for o in finals if o is not None]
+            m0 = done[0].metrics if done else None
+            return _usage(n_prompt, sum(len(o.token_ids) for o in done),
+                          m0.num_cached_prompt_tokens if m0 else 0)
+
+        roles = [chunk(i, {"role": "assistant", "content": ""}) for i in range(choices.n)]
+        return self._stream(choices, head, emit, usage if include_usage else None, roles)
 
 
 def _token_fields(ids: list[int], lps: list | None, versions: list[int]) -> dict[str, Any]:
