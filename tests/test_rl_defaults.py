@@ -9,7 +9,7 @@ import pytest
 
 from glm5.rl.config import DEFAULT_MAX_TOKENS, RLConfig
 from glm5.rl.loop import RLRun
-from glm5.rl.tasks import answer_limit, make_task
+from glm5.rl.tasks import TASKS, answer_limit, make_task, register_task
 
 LEARN_STEPS = 140
 LEARN_TARGET = 0.6  # the issue's bar: mean reward of the last LAST steps
@@ -48,7 +48,30 @@ def test_max_tokens_defaults_to_the_tasks_answer_length(tmp_path):
         assert given.cfg.rollout.max_tokens == 7
     finally:
         given.close()
-    assert DEFAULT_MAX_TOKENS == 16
+
+
+class _NoLimit:
+    """A task of a user's own that does not say how long its answers are."""
+
+    def __init__(self) -> None:
+        self._t = make_task("reverse", {"length": 2})
+        self.name, self.stop_token_ids = "no_limit", self._t.stop_token_ids
+
+    def sample(self, rng):
+        return self._t.sample(rng)
+
+    def score(self, meta, completion_ids):
+        return self._t.score(meta, completion_ids)
+
+
+def test_max_tokens_falls_back_when_a_task_does_not_say(tmp_path):
+    if "no_limit" not in TASKS:
+        register_task("no_limit", _NoLimit)
+    run = _run(tmp_path, {"tasks": [{"name": "no_limit"}], "run": {"steps": 1}})
+    try:
+        assert run.cfg.rollout.max_tokens == DEFAULT_MAX_TOKENS
+    finally:
+        run.close()
 
 
 def test_most_data_dropped_is_measured_and_warned(tmp_path, caplog):

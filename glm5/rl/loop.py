@@ -40,7 +40,8 @@ import torch
 
 from glm5 import ops
 from glm5.rl import crash_points
-from glm5.rl.config import RLConfig
+from glm5.rl.config import (DEFAULT_MAX_TOKENS, DROP_WARN_FRACTION, DROP_WARN_WINDOW, RLConfig,
+                             sync_warnings)
 from glm5.rl.rollout import PromptGroup
 from glm5.rl.services import (LocalHandle, RayHandle, ServiceDied, TrainerService, WorkerService,
                               copy_config)
@@ -75,7 +76,6 @@ class RLRun:
         from glm5.rl.pool import ExperiencePool
         from glm5.rl.reward import CompositeReward
         from glm5.rl.sampler import DynamicRatioSampler
-        from glm5.rl.config import DEFAULT_MAX_TOKENS, sync_warnings
         from glm5.rl.tasks import answer_limit, make_task
 
         self.cfg = cfg
@@ -381,8 +381,6 @@ class RLRun:
     def _watch_drops(self, trained: int) -> None:
         """Warn once when most of the recent data was dropped as stale (measured, not
         estimated: the share over the last DROP_WARN_WINDOW steps)."""
-        from glm5.rl.config import DROP_WARN_FRACTION, DROP_WARN_WINDOW
-
         self._drop_window = [*self._drop_window, (self._dropped_now, trained)][-DROP_WARN_WINDOW:]
         dropped = sum(d for d, _ in self._drop_window)
         total = dropped + sum(t for _, t in self._drop_window)
