@@ -44,7 +44,7 @@ import glm5  # noqa: F401,I001  (before torch: it sets OMP_WAIT_POLICY for torch
 import torch
 import torch.nn.functional as F
 
-from glm5.testing.measure import cpu_features, cpu_model
+from glm5.perf.measure import cpu_features, cpu_model
 
 SCHEMES = ("w8a16", "w8a8", "w4a8", "w6a12")
 DENSE = ("fp32", "bf16", "int8")

@@ -1,4 +1,4 @@
-"""Communication of the model across processes (glm5.dist, gloo on this CPU), in one run:
+"""Communication of the model across processes (glm5.parallel, gloo on this CPU), in one run:
 
     python bench/dist_comm.py [--preset small] [--tp 2,4] [--tokens 8,512] [--repeat 5]
         [--procs 1,2,4] [--skip comm,scaling,plan] [--out bench/results/dist_comm.json]
@@ -9,9 +9,9 @@
   partial outputs, at a decode token count (``--tokens`` first entry: that many sequences, one
   new token each, after ``--decode-context`` tokens of context) and a prefill token count
   (second entry: one sequence of that many tokens), at each ``--tp`` (a world of that many
-  processes). ``glm5.dist.comm``'s functions are wrapped while the forward runs (the model
+  processes). ``glm5.parallel.comm``'s functions are wrapped while the forward runs (the model
   calls them through the module): each call adds its wall time (on this rank, including the
-  wait for the slowest rank) and its `glm5.dist.link_bytes` to its kind (``all_gather_int8``:
+  wait for the slowest rank) and its `glm5.parallel.link_bytes` to its kind (``all_gather_int8``:
   the quantized gathers); the totals of one forward are divided by the number of layers (a
   FlashComm forward also gathers the residual stream once at the end: included). Also the
   whole forward's time (the slowest rank's, without the wrappers), and the logits' deviation
@@ -23,7 +23,7 @@
   greedy steps after ``--decode-context`` tokens). One torch thread per process. Time = the
   slowest rank's; tokens/s = global tokens / time; median over ``--repeat``.
 * **plan** — the planner's predicted communication for GLM-5 (w4a8, context 8192; decode at
-  batch 64, prefill batch 1) on 8 x H200 and 16 x Ascend 910B (`glm5.core.plan.plan`, the
+  batch 64, prefill batch 1) on 8 x H200 and 16 x Ascend 910B (`glm5.deploy.plan.plan`, the
   layouts of docs/planner.md), beside the measurements.
 
 The machine (CPU model, core count, load average before and after each part), the date and the
@@ -63,9 +63,9 @@ PLAN_LAYOUTS = {"h200": [(8, 1), (8, 8), (4, 8), (2, 8), (1, 8)],
 
 # --------------------------------------------------------------------------- instrumentation
 class CommMeter:
-    """While active, every call of glm5.dist.comm's all_reduce / reduce_scatter / all_gather /
+    """While active, every call of glm5.parallel.comm's all_reduce / reduce_scatter / all_gather /
     all_to_all adds (calls, wall seconds, link bytes) to its kind in ``self.totals``. The model
-    reaches the collectives as ``comm.<name>`` (glm5.dist.parallel), so patching the module's
+    reaches the collectives as ``comm.<name>`` (glm5.parallel.layouts), so patching the module's
     attributes sees every call; the link bytes are computed outside the timed region."""
 
     def __init__(self, keep_calls: bool = False) -> None:
@@ -75,7 +75,7 @@ class CommMeter:
         self._saved: dict[str, Any] = {}
 
     def __enter__(self) -> "CommMeter":
-        from glm5.dist import comm
+        from glm5.parallel import comm
 
         for name in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all"):
             orig = getattr(comm, name)
@@ -84,14 +84,14 @@ class CommMeter:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        from glm5.dist import comm
+        from glm5.parallel import comm
 
         for name, orig in self._saved.items():
             setattr(comm, name, orig)
         self._saved.clear()
 
     def _wrap(self, name: str, orig: Any, sig: inspect.Signature) -> Any:
-        from glm5.dist import comm
+        from glm5.parallel import comm
 
         def timed(*args: Any, **kw: Any) -> torch.Tensor:
             t0 = time.perf_counter()
@@ -135,14 +135,14 @@ def replay(ctx: Any, calls: list[tuple[str, Any, tuple, dict]]) -> dict[str, flo
 
 
 def _barrier(ctx: Any) -> None:
-    import glm5.dist as gd
+    import glm5.parallel as gd
 
     gd.all_reduce(torch.zeros(1), ctx.world)
 
 
 def _every(ctx: Any, value: float) -> list[float]:
     """Every rank's ``value``, in rank order (a sum of one-hot slots)."""
-    import glm5.dist as gd
+    import glm5.parallel as gd
 
     if ctx.world_size == 1:
         return [value]
@@ -169,7 +169,7 @@ def comm_task(ctx: Any, preset_name: str, tokens: list[int], repeat: int, contex
               ) -> dict[str, Any]:
     """On every rank of a TP world: per mode and token count, the per-kind totals of one forward
     (medians over ``repeat``) and the forward's time."""
-    from glm5.dist.parallel import ParallelConfig, parallelize
+    from glm5.parallel.layouts import ParallelConfig, parallelize
 
     out: dict[str, Any] = {}
     ref_logits: dict[int, torch.Tensor] = {}
@@ -273,7 +273,7 @@ def run_comm(a: argparse.Namespace) -> list[dict[str, Any]]:
 def scaling_task(ctx: Any, preset_name: str, layout: str, pb: int, pl: int, db: int,
                  steps: int, context: int, repeat: int) -> dict[str, Any]:
     """Prefill and decode times (the slowest rank's, medians) of ``layout`` on this world."""
-    from glm5.dist.parallel import ParallelConfig, parallelize
+    from glm5.parallel.layouts import ParallelConfig, parallelize
 
     P = ctx.world_size
     model = _model(preset_name)
@@ -366,7 +366,7 @@ def run_scaling(a: argparse.Namespace) -> list[dict[str, Any]]:
 def run_plan() -> list[dict[str, Any]]:
     """The planner's communication figures for GLM-5 (the layouts of docs/planner.md)."""
     from glm5.core.config import preset
-    from glm5.core.plan import plan
+    from glm5.deploy.plan import plan
 
     cfg = preset("glm-5")
     rows = []
@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{a.decode_batch} and {P}")
     if "scaling" not in skip and a.procs[0] != 1:
         ap.error("--procs expected to start at 1 (the speed-ups are relative to it)")
-    from glm5.testing.measure import cpu_model
+    from glm5.perf.measure import cpu_model
 
     res: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -43,7 +43,7 @@ import torch
 from glm5.rl.envs import base
 from glm5.rl.envs.sandbox import SandboxConfig, measure_overhead, sandbox_report
 from glm5.rl.envs.tools import tool_call
-from glm5.testing.measure import cpu_model, rss_bytes
+from glm5.perf.measure import cpu_model, rss_bytes
 
 # env type -> the typical step after reset(seed) (the env is passed: some need its task)
 TYPICAL: dict[str, tuple[str, Callable[[Any], str]]] = {

@@ -47,9 +47,9 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from glm5.testing import device_shapes as shp  # noqa: E402
-from glm5.testing.tune import Clock  # noqa: E402
-from glm5.testing.device_shapes import (  # noqa: E402
+from glm5.perf import device_shapes as shp  # noqa: E402
+from glm5.perf.tune import Clock  # noqa: E402
+from glm5.perf.device_shapes import (  # noqa: E402
     _qweight,
     b_attention,
     b_indexer,

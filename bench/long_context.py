@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from glm5.testing.measure import mem_available
+from glm5.perf.measure import mem_available
 
 CHILD = r"""
 import json, logging, sys, time
@@ -39,7 +39,7 @@ which, path, L = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.manual_seed(0)
 ids = torch.randint(0, 4096, (1, L))
 
-from glm5.testing.measure import PeakRSS
+from glm5.perf.measure import PeakRSS
 
 op_time = {}
 if which == "glm5":

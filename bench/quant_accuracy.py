@@ -4,7 +4,7 @@
 
 Ops run on the reference backend (the scheme's own error, whatever kernels serve it here).
 Random weights (tests/hf_oracle.randomize, std = the config's initializer_range, fixed seed),
-the fixed token batch of glm5.core.quantize.accuracy_batch; each scheme is quantized with
+the fixed token batch of glm5.deploy.quantize.accuracy_batch; each scheme is quantized with
 `glm5 quantize`'s code path, loaded with glm5.load_model and compared on logits.
 """
 
@@ -23,7 +23,7 @@ from hf_oracle import randomize  # noqa: E402
 
 from glm5.core.config import preset  # noqa: E402
 from glm5.core.model import GLM5ForCausalLM  # noqa: E402
-from glm5.core.quantize import BUDGETS, accuracy_batch, evaluate_scheme  # noqa: E402
+from glm5.deploy.quantize import BUDGETS, accuracy_batch, evaluate_scheme  # noqa: E402
 
 
 def main() -> None:

@@ -91,7 +91,7 @@ def main() -> int:
     s.update(command=" ".join(sys.argv), date=time.strftime("%Y-%m-%d"),
              machine=platform.machine())
     try:
-        from glm5.testing.measure import cpu_model
+        from glm5.perf.measure import cpu_model
 
         s["cpu"] = cpu_model()
     except Exception:  # noqa: BLE001 - informative only

@@ -127,7 +127,7 @@ def summarize(traces: Sequence[Trace], wall_s: float, cpu_s: float) -> dict[str,
 # ---------------------------------------------------------------------------- measuring
 class PeakMemory:
     """Peak memory over the block in bytes: growth of the resident-set high-water mark on CPU
-    (`glm5.testing.measure.PeakRSS`), the most bytes torch allocated on CUDA."""
+    (`glm5.perf.measure.PeakRSS`), the most bytes torch allocated on CUDA."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -139,7 +139,7 @@ class PeakMemory:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         else:
-            from glm5.testing.measure import PeakRSS
+            from glm5.perf.measure import PeakRSS
 
             self._rss = PeakRSS().__enter__()
         return self

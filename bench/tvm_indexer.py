@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from glm5.testing.measure import mem_available
+from glm5.perf.measure import mem_available
 
 HI, DI, TOPK = 32, 128, 2048
 

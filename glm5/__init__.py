@@ -17,6 +17,11 @@ from glm5 import cpu_threads as _cpu_threads  # noqa: E402  (standard library on
 
 _cpu_threads.quiet_openmp()
 
+# Module paths that moved keep importing, with a DeprecationWarning (glm5/_moved.py).
+from glm5 import _moved  # noqa: E402  (standard library only)
+
+_moved.install()
+
 _LAZY = {
     "ops": ("glm5.ops", None),
     "Backend": ("glm5.backends.api", "Backend"),

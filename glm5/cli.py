@@ -259,7 +259,7 @@ def _billions(n: int) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from glm5.core.info import model_info
+    from glm5.deploy.info import model_info
 
     cfg = _preset(args.preset) if args.preset else _config_from(args.model, "--model")
     info = model_info(cfg)
@@ -311,7 +311,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- bench
 def cmd_bench(args: argparse.Namespace) -> int:
     from glm5.backends.api import REFERENCE
-    from glm5.testing.bench import SHAPES, format_rows, plot_rows, run_bench, write_csv
+    from glm5.perf.bench import SHAPES, format_rows, plot_rows, run_bench, write_csv
 
     from glm5.backends.selection import preferred_backend
 
@@ -389,7 +389,7 @@ def _tune_cpu(args: argparse.Namespace, b: Any) -> int:
 
     from glm5.backends import tuning_cache as tc
     from glm5.backends.cpu import context
-    from glm5.testing.tune_cpu import OP, run
+    from glm5.perf.tune_cpu import OP, run
 
     for opt, given in (("--emulate", args.emulate), ("--table", args.table),
                        ("--fresh", args.fresh), ("--tp", args.tp != 1)):
@@ -423,7 +423,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     import torch
 
     from glm5.backends import tuning_cache as tc
-    from glm5.testing.tune import merge_table, run
+    from glm5.perf.tune import merge_table, run
 
     for opt in ("budget_s", "per_measure_s"):
         if getattr(args, opt) <= 0:
@@ -431,7 +431,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                              f"{getattr(args, opt)}")
     if args.min_gain < 0:
         raise UsageError(f"--min-gain expected a fraction >= 0, got {args.min_gain}")
-    from glm5.testing.tune import TP_CHOICES
+    from glm5.perf.tune import TP_CHOICES
 
     if args.tp not in TP_CHOICES:
         raise UsageError(f"--tp expected one of {', '.join(map(str, TP_CHOICES))} (a divisor "
@@ -481,7 +481,7 @@ def _force_hint(e: Exception) -> UsageError:
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from glm5.core.export import export_onnx
+    from glm5.deploy.export import export_onnx
     from glm5.core.model import GLM5ForCausalLM
     from glm5.core.output import OutputExistsError
 
@@ -515,7 +515,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- plan
 def cmd_plan(args: argparse.Namespace) -> int:
-    from glm5.core.plan import format_plan, plan
+    from glm5.deploy.plan import format_plan, plan
 
     cfg = _preset(args.preset) if args.preset else _config_from(args.model, "--model")
     try:
@@ -538,7 +538,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from glm5.core.config import ConfigError
     from glm5.core.output import OutputExistsError
-    from glm5.core.quantize import DEFAULT_SHARD_BYTES, import_msmodelslim, quantize_checkpoint
+    from glm5.deploy.quantize import DEFAULT_SHARD_BYTES, import_msmodelslim, quantize_checkpoint
 
     if args.max_shard_gb < 0:
         raise UsageError(f"--max-shard-gb expected a positive number of GiB, got "
@@ -890,7 +890,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     argv = launch_argv(args)
     env = dict(os.environ)
-    if args.timeout is not None:  # glm5.dist.init_distributed reads it as its default timeout
+    if args.timeout is not None:  # glm5.parallel.init_distributed reads it as its default timeout
         env["GLM5_DIST_TIMEOUT"] = str(args.timeout)
     return subprocess.call(argv, env=env)
 
@@ -1231,7 +1231,7 @@ def build_parser() -> argparse.ArgumentParser:
 # (module, class): matched only once their module is loaded (an error of a module never
 # imported cannot have been raised), so `main` imports nothing to classify an error.
 _FAILURE_VALUE_ERRORS = (("glm5.core.checkpoint", "CheckpointError"),
-                         ("glm5.core.quantize", "QuantizeError"),
+                         ("glm5.deploy.quantize", "QuantizeError"),
                          ("glm5.backends.policy", "PolicyError"))
 # Prefixes library messages carry (`glm5 quantize: `, `glm5 config: `, `glm5.load_model: `),
 # dropped so the line starts with the command once: `glm5 <command>: what is wrong`.

@@ -64,8 +64,8 @@ def torch_info() -> dict[str, Any]:
 
 def cpu_info() -> dict[str, Any]:
     """The CPU model, core counts, torch's thread count and the features detected at run time
-    (`glm5.testing.measure.cpu_features`: /proc/cpuinfo flags and torch's own checks)."""
-    from glm5.testing.measure import cpu_features, cpu_model
+    (`glm5.perf.measure.cpu_features`: /proc/cpuinfo flags and torch's own checks)."""
+    from glm5.perf.measure import cpu_features, cpu_model
 
     try:
         usable = len(os.sched_getaffinity(0))

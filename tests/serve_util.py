@@ -12,7 +12,7 @@ import torch
 from glm5.core.config import preset
 from glm5.core.model import GLM5ForCausalLM
 from glm5.serve.http import make_server
-from glm5.testing.assets import build_tokenizer
+from glm5.text.bpe import build_tokenizer
 
 
 def tiny_model_and_tokenizer(tok_dir, vocab: int):

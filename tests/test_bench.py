@@ -17,8 +17,8 @@ import torch
 import glm5
 from glm5 import cli
 from glm5.ir.catalog import OPS
-from glm5.testing import bench, measure
-from glm5.testing.measure import PeakRSS, fmt_bytes, fmt_time, peak_allocated, time_it
+from glm5.perf import bench, measure
+from glm5.perf.measure import PeakRSS, fmt_bytes, fmt_time, peak_allocated, time_it
 
 # One op at a tiny shape (a decode-sized row: microseconds), and ceilings measured on small
 # problems, so that a whole `glm5 bench` run takes about a second.

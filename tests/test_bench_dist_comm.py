@@ -26,7 +26,7 @@ def _bench():
 
 
 def _metered(ctx, tokens: int) -> dict:
-    from glm5.dist.parallel import ParallelConfig, parallelize
+    from glm5.parallel.layouts import ParallelConfig, parallelize
 
     b = _bench()
     cfg = ParallelConfig.from_context(ctx, tp=2, flashcomm=True, flashcomm_min_tokens=0,
@@ -38,7 +38,7 @@ def _metered(ctx, tokens: int) -> dict:
         with b.CommMeter(keep_calls=True) as m:
             y = model(ids)
         again = b.replay(ctx, m.calls)
-    from glm5.dist import comm
+    from glm5.parallel import comm
 
     return {"totals": m.totals, "replayed": sorted(again), "restored":
             comm.all_gather.__name__ == "all_gather", "shape": list(y.shape)}
@@ -68,7 +68,7 @@ def test_comm_meter_counts_the_layouts_calls_and_their_link_bytes():
 
 def test_plan_rows_are_the_planners():
     from glm5.core.config import preset
-    from glm5.core.plan import plan
+    from glm5.deploy.plan import plan
 
     rows = _bench().run_plan()
     assert {(r["chip"], r["tp"], r["ep"], r["phase"]) for r in rows} == {

@@ -198,7 +198,7 @@ def test_bad_arguments():
 
 
 def test_glm5_shaped_builds_on_meta():
-    from glm5.core.info import count_params
+    from glm5.deploy.info import count_params
 
     cfg = serving.glm5_shaped_config()
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads) == (2, 6144, 64)

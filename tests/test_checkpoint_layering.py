@@ -1,4 +1,4 @@
-"""glm5/core/checkpoint.py (reads checkpoints) and glm5/core/quantize.py (writes quantized ones)
+"""glm5/core/checkpoint.py (reads checkpoints) and glm5/deploy/quantize.py (writes quantized ones)
 depend one way: quantize imports checkpoint, never the reverse; the format's names stay
 importable from both."""
 
@@ -25,13 +25,13 @@ def _imported_modules(path: Path) -> set[str]:
 
 def test_checkpoint_does_not_import_quantize():
     mods = _imported_modules(ROOT / "checkpoint.py")
-    assert not any(m == "glm5.core.quantize" or m.startswith("glm5.core.quantize.")
+    assert not any(m == "glm5.deploy.quantize" or m.startswith("glm5.deploy.quantize.")
                    for m in mods), sorted(mods)
     assert "glm5.core.checkpoint" in _imported_modules(ROOT / "quantize.py")
 
 
 def test_format_names_are_defined_once_and_importable_from_quantize():
-    from glm5.core import quantize
+    from glm5.deploy import quantize
 
     for name in ("INDEX", "SINGLE", "DESCRIPTION", "METHOD", "FORMAT_VERSION", "FLOAT",
                  "MSMODELSLIM_DESCRIPTION", "CheckpointError", "read_description",

@@ -40,7 +40,7 @@ def test_text_has_every_section(capsys):
     lines = out.splitlines()
     for s in SECTIONS:
         assert s in lines, f"section {s!r} missing:\n{out}"
-    from glm5.testing.measure import cpu_model
+    from glm5.perf.measure import cpu_model
     import torch
 
     assert f"  version      {torch.__version__}" in lines

@@ -13,7 +13,7 @@ import torch
 
 from glm5.cli import main as cli_main
 from glm5.core.config import PRESETS, ConfigError, GLM5Config, preset
-from glm5.core.info import count_params, kv_cache_per_token, model_info
+from glm5.deploy.info import count_params, kv_cache_per_token, model_info
 
 transformers = pytest.importorskip("transformers")
 from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM  # noqa: E402

@@ -1,4 +1,4 @@
-"""glm5.dist collectives and process groups: every collective against its float64 reference
+"""glm5.parallel collectives and process groups: every collective against its float64 reference
 (glm5.ir.ops_comm) at 2 and 4 processes (gloo) — sums, rank order, uneven all_to_all counts
 with zeros, dims other than 0, sub-groups (tp=2 inside a world of 4), a raw ProcessGroup, int8
 all_gather within its stated bound — and planted bugs (a chunk to the wrong rank, a reversed
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import glm5.dist as gd
-from glm5.dist import comm
+import glm5.parallel as gd
+from glm5.parallel import comm
 from glm5.ir import ops_comm
 from glm5.ir.ops_comm import COMM_OPS, int8_gather_bound, sum_bound
 from glm5.testing.dist import DistPool, RankError, values
@@ -362,7 +362,7 @@ def test_collective_backend_comes_from_the_device_backends_settings(tmp_path, mo
 
 def test_argument_errors_name_the_function_and_argument():
     g = gd.Group("tp", (0, 1), 0, pg=object())  # never reached: input is checked first
-    with pytest.raises(TypeError, match=r"glm5.dist.all_reduce: argument 'x' expected a "
+    with pytest.raises(TypeError, match=r"glm5.parallel.all_reduce: argument 'x' expected a "
                                         r"torch.Tensor, got list"):
         gd.all_reduce([1.0], g)
     with pytest.raises(gd.CommArgumentError, match=r"reduce_scatter: argument 'dim' expected "
@@ -385,7 +385,7 @@ def test_argument_errors_name_the_function_and_argument():
     with pytest.raises(gd.CommArgumentError, match=r"'recv_counts' expected \[4\] for a group "
                                                    "of one rank"):
         gd.all_to_all(torch.zeros(4, 2), [4], [3], None)
-    with pytest.raises(TypeError, match="argument 'group' expected a glm5.dist Group"):
+    with pytest.raises(TypeError, match="argument 'group' expected a glm5.parallel Group"):
         gd.all_reduce(torch.zeros(2), "world")
     with pytest.raises(KeyError, match="argument 'name' expected one of all_reduce"):
         gd.register_collective("broadcast", lambda x, g: x, backend="cpu")
@@ -405,7 +405,7 @@ def test_link_bytes_by_hand():
     assert COMM_OPS["all_to_all"].link_bytes((10, 16), f32, 4, send_counts=[1, 2, 3, 4],
                                              rank=1) == 512.0
     assert COMM_OPS["all_reduce"].link_bytes((8, 16), torch.bfloat16, 2) == 256.0
-    # Through glm5.dist: the group's size and rank; a group of one moves nothing.
+    # Through glm5.parallel: the group's size and rank; a group of one moves nothing.
     g = gd.Group("ep", (0, 1, 2, 3), 1, pg=object())
     x = torch.zeros(10, 16)
     assert gd.link_bytes("all_to_all", x, g, send_counts=[1, 2, 3, 4]) == 512.0
@@ -454,7 +454,7 @@ def test_docs_list_every_collective_with_its_call_and_cost():
     assert m, "docs/ops.md has no '## Communication' section"
     sec = m.group(0)
     for name, op in COMM_OPS.items():
-        assert f"\n### `glm5.dist.{name}`\n" in sec, name
+        assert f"\n### `glm5.parallel.{name}`\n" in sec, name
         assert f"`{op.call_text()}`" in sec, op.call_text()
         assert f"`{op.cost_text}`" in sec, (name, op.cost_text)
     assert "glm5.ir.catalog.OPS" in sec  # says why the catalog is separate
@@ -534,5 +534,5 @@ def test_explicit_init_and_an_adopted_process_group(tmp_path):
     for r, o in enumerate(outs):
         assert o == {"explicit": (r, 2, "gloo", 20.0), "sum1": 3.0, "destroyed": True,
                      "released": (True, True, False),
-                     "after": "glm5.dist.DistContext.all_reduce: the context was destroyed",
+                     "after": "glm5.parallel.DistContext.all_reduce: the context was destroyed",
                      "adopted": (r, 2, "gloo"), "sum2": 3.0, "kept": True}

@@ -1,6 +1,6 @@
 """A rank that dies or hangs never hangs the others: in a 4-process world (gloo), rank 3 exits
 (os._exit) or sleeps before an all_reduce, and ranks 0-2 fail within the collective timeout +
-a few seconds with a `glm5.dist.CollectiveError` naming the collective, their rank, the group's
+a few seconds with a `glm5.parallel.CollectiveError` naming the collective, their rank, the group's
 ranks, the timeout and rank 3. The harness bounds every run and reaps every child."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import torch
 
-import glm5.dist as gd
+import glm5.parallel as gd
 from glm5.testing.dist import DistPool, RankError, run_multiprocess
 
 TIMEOUT_S = 3.0  # the collectives' timeout in these worlds
@@ -38,7 +38,7 @@ def _check(out: dict, rank: int) -> None:
     assert out["elapsed"] <= TIMEOUT_S + GRACE_S, out
     assert out["attrs"] == ("all_reduce", rank, (0, 1, 2, 3), TIMEOUT_S)
     msg = out["msg"]
-    assert msg.startswith(f"glm5.dist.all_reduce "), msg
+    assert msg.startswith(f"glm5.parallel.all_reduce "), msg
     assert f"on rank {rank} (group world of ranks [0, 1, 2, 3]" in msg, msg
     assert f"timeout {TIMEOUT_S:g} s" in msg, msg
     assert out["missing"] == [3], msg

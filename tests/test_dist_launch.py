@@ -17,7 +17,7 @@ from glm5.cli import build_parser, launch_argv, main
 ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = """
-import sys, torch, glm5.dist as gd
+import sys, torch, glm5.parallel as gd
 ctx = gd.init_distributed()
 y = gd.all_reduce(torch.tensor([float(ctx.rank + 1)]), ctx.world)
 print(f"rank={ctx.rank} world={ctx.world_size} backend={ctx.backend} timeout={ctx.timeout_s:g} "

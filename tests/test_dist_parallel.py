@@ -25,7 +25,7 @@ def _model(preset_name: str, seed: int = 0):
 def _check(ctx, preset_name: str, tp: int, ep: int, dp_attention: bool, flashcomm: bool,
            comm_quant: str | None, batch: int, seq: int, new: int) -> dict:
     """On every rank: the whole model's logits / greedy tokens, then this rank's part's."""
-    from glm5.dist.parallel import ParallelConfig, parallelize
+    from glm5.parallel.layouts import ParallelConfig, parallelize
 
     torch.set_num_threads(1)
     m = _model(preset_name)
@@ -153,8 +153,8 @@ def test_flashcomm_int8_gathers_are_per_token_int8_and_within_budget(world2):
 
 def _loaded(ctx, path: str, tp: int, ep: int, dp_attention: bool) -> dict:
     from glm5.core.checkpoint import load_model
-    from glm5.dist.loading import load_parallel
-    from glm5.dist.parallel import ParallelConfig
+    from glm5.parallel.loading import load_parallel
+    from glm5.parallel.layouts import ParallelConfig
 
     torch.set_num_threads(1)
     cfg = ParallelConfig.from_context(ctx, tp=tp, ep=ep, dp_attention=dp_attention)
@@ -178,7 +178,7 @@ def test_sharded_loading_reads_only_this_ranks_slice(world2, tmp_path):
 
 
 def test_bad_layouts_are_refused():
-    from glm5.dist.parallel import ParallelConfig, ParallelError
+    from glm5.parallel.layouts import ParallelConfig, ParallelError
 
     with pytest.raises(ParallelError, match="flashcomm expected tp > 1"):
         ParallelConfig(flashcomm=True)
@@ -191,7 +191,7 @@ def test_bad_layouts_are_refused():
 def _engine_tp(ctx, tp: int, flashcomm: bool) -> list[list[int]]:
     """Every rank runs the same engine with the same requests (SPMD): the TP model's steps run
     in lockstep and every rank samples the same tokens."""
-    from glm5.dist.parallel import ParallelConfig, parallelize
+    from glm5.parallel.layouts import ParallelConfig, parallelize
     from glm5.engine.engine import EngineConfig, LLMEngine
     from glm5.engine.sampling import SamplingParams
 
@@ -218,9 +218,9 @@ def test_the_serving_engine_runs_a_tensor_parallel_model_in_lockstep(world2, fla
 
 
 def test_flashcomm_threshold_comes_from_the_planner():
-    from glm5.core.chips import get_chip
-    from glm5.core.plan import flashcomm_threshold
-    from glm5.dist.parallel import flashcomm_min_tokens_for
+    from glm5.deploy.chips import get_chip
+    from glm5.deploy.plan import flashcomm_threshold
+    from glm5.parallel.layouts import flashcomm_min_tokens_for
 
     t = flashcomm_min_tokens_for("h200", 6144, 8)
     assert t == flashcomm_threshold(get_chip("h200"), 6144, 8) and 1 < t < 10_000

@@ -460,9 +460,9 @@ def test_stop_token_ids_eos_and_max_tokens(model, monkeypatch):
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory):
     try:
-        from glm5.testing.assets import build_tokenizer
+        from glm5.text.bpe import build_tokenizer
     except ImportError as e:  # pragma: no cover - helper CHAT's module
-        pytest.skip(f"glm5.testing.assets.build_tokenizer is not available: {e}")
+        pytest.skip(f"glm5.text.bpe.build_tokenizer is not available: {e}")
     pytest.importorskip("tokenizers")
     tok = build_tokenizer(tmp_path_factory.mktemp("tok"))
     torch.manual_seed(0)

@@ -200,7 +200,7 @@ def test_checkpoint_llm_and_serve_options(tmp_path, monkeypatch):
 
 
 def test_planner_costs_the_rotation():
-    from glm5.core.plan import plan
+    from glm5.deploy.plan import plan
 
     cfg = preset("glm-5").replace(**FP8_H)
     kw = dict(batch=1, context=32768, tp=8, ep=8, suggest=False)

@@ -12,10 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from glm5.cli import main as cli_main
-from glm5.core.chips import CHIPS, get_chip
+from glm5.deploy.chips import CHIPS, get_chip
 from glm5.core.config import preset
-from glm5.core.info import count_params, kv_cache_per_token
-from glm5.core.plan import (
+from glm5.deploy.info import count_params, kv_cache_per_token
+from glm5.deploy.plan import (
     INDEX_PAGE_SIZE,
     Layout,
     PlanError,

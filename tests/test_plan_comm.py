@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from glm5.cli import main as cli_main
-from glm5.core.chips import Chip, get_chip
+from glm5.deploy.chips import Chip, get_chip
 from glm5.core.config import preset
-from glm5.core.plan import (
+from glm5.deploy.plan import (
     PlanError,
     all_to_all_link_bytes,
     choose_comm,

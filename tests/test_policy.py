@@ -291,7 +291,7 @@ def _bench_pick(monkeypatch, capsys) -> str:
         picked.append(backend.name)
         return {}, []
 
-    monkeypatch.setattr("glm5.testing.bench.run_bench", fake_run_bench)
+    monkeypatch.setattr("glm5.perf.bench.run_bench", fake_run_bench)
     assert cli.main(["bench", "--json"]) == 0
     capsys.readouterr()
     return picked[0]

@@ -20,7 +20,7 @@ from glm5.core.config import preset
 from glm5.core.layers import QuantExperts, QuantLinear
 from glm5.core.model import GLM5ForCausalLM
 from glm5.core.quant_policy import is_quantized
-from glm5.core.quantize import (
+from glm5.deploy.quantize import (
     BUDGETS,
     DESCRIPTION,
     QuantizeError,

@@ -16,7 +16,7 @@ from glm5.rl.envs.base import _BUILTIN, make_env
 from glm5.rl.envs.countdown import evaluate
 from glm5.rl.envs.search import SearchEnv
 from glm5.rl.envs.workspace import BUGS, TERMINAL_TASKS
-from glm5.serve.chat import parse_chat_output
+from glm5.text.chat import parse_chat_output
 
 needs_bwrap = pytest.mark.skipif(
     shutil.which("bwrap") is None and os.environ.get("CI") != "true",

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from glm5.testing.assets import build_tokenizer
+    from glm5.text.bpe import build_tokenizer
 
     return build_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=400)
 

@@ -2,7 +2,7 @@
 ``openai`` client (and httpx where a test needs the raw response).
 
 The model is the ``tiny`` preset (vocabulary 512, random weights, float32) with a tokenizer
-trained on the spot (`glm5.testing.assets.build_tokenizer`). Oracles: ``model.generate``
+trained on the spot (`glm5.text.bpe.build_tokenizer`). Oracles: ``model.generate``
 (greedy) and ``model.forward`` for what the server returns, `parse_chat_output` of the decoded
 greedy continuation for chat turns, and token counts for completeness.
 
@@ -38,8 +38,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from glm5.engine.async_engine import AsyncEngine  # noqa: E402
 from glm5.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from glm5.serve.app import build_app  # noqa: E402
-from glm5.serve.chat import parse_chat_output  # noqa: E402
-from glm5.testing.assets import build_tokenizer  # noqa: E402
+from glm5.text.chat import parse_chat_output  # noqa: E402
+from glm5.text.bpe import build_tokenizer  # noqa: E402
 from serve_util import LiveServer, tiny_model_and_tokenizer  # noqa: E402
 
 NAME = "glm5-tiny-test"

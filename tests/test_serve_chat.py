@@ -1,4 +1,4 @@
-"""Text in, text out (glm5.serve.tokenizer, glm5.serve.chat, glm5.testing.assets): a tokenizer
+"""Text in, text out (glm5.text.tokenizer, glm5.text.chat, glm5.text.bpe): a tokenizer
 trained here on built-in text (nothing from a hub), the GLM-5 chat template against golden
 strings written out by hand, the streaming chat parser against the one-shot parse under any
 chunking, and the clear errors of a broken model directory."""
@@ -20,10 +20,10 @@ pytest.importorskip("jinja2")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from glm5.serve.chat import (  # noqa: E402
+from glm5.text.chat import (  # noqa: E402
     ChatEvent, ChatParser, ParsedChat, ToolCall, packaged_chat_template, parse_chat_output)
-from glm5.serve.tokenizer import Tokenizer  # noqa: E402
-from glm5.testing.assets import EOS_TOKENS, MIN_VOCAB_SIZE, build_tokenizer  # noqa: E402
+from glm5.text.tokenizer import Tokenizer  # noqa: E402
+from glm5.text.bpe import EOS_TOKENS, MIN_VOCAB_SIZE, build_tokenizer  # noqa: E402
 
 TOOL_DECL = ('<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user '
              'query.\n\nYou are provided with function signatures within <tools></tools> XML '
@@ -85,7 +85,7 @@ def test_decode_skips_special_tokens_but_keeps_glm_tags(tok):
 
 def test_build_tokenizer_is_deterministic(tmp_path, tok_dir):
     # another process: a hash seed of its own, so nothing may depend on dict/set order
-    code = ("import sys; from glm5.testing.assets import build_tokenizer; "
+    code = ("import sys; from glm5.text.bpe import build_tokenizer; "
             "build_tokenizer(sys.argv[1], vocab_size=512)")
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True,
                    env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin"})

@@ -34,7 +34,7 @@ from glm5.engine.async_engine import AsyncEngine  # noqa: E402
 from glm5.engine.engine import EngineConfig, LLMEngine, RequestRejected  # noqa: E402
 from glm5.serve.app import build_app  # noqa: E402
 from glm5.serve.limits import ServeLimits, min_tokens  # noqa: E402
-from glm5.testing.assets import build_tokenizer  # noqa: E402
+from glm5.text.bpe import build_tokenizer  # noqa: E402
 from serve_util import LiveServer, tiny_model_and_tokenizer  # noqa: E402
 
 NAME = "tiny"

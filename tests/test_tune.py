@@ -16,8 +16,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 from glm5.backends import tuning_cache as tc  # noqa: E402
 from glm5.cli import main as cli  # noqa: E402
-from glm5.testing import device_shapes as ds  # noqa: E402
-from glm5.testing import tune  # noqa: E402
+from glm5.perf import device_shapes as ds  # noqa: E402
+from glm5.perf import tune  # noqa: E402
 
 CPU = torch.device("cpu")
 

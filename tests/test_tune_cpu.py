@@ -14,7 +14,7 @@ from glm5.backends import cpu as cpu_backend  # noqa: E402
 from glm5.backends import tuning_cache as tc  # noqa: E402
 from glm5.cli import main as cli  # noqa: E402
 from glm5.kernels.tvm import quant, quant_vgemm  # noqa: E402
-from glm5.testing import tune_cpu  # noqa: E402
+from glm5.perf import tune_cpu  # noqa: E402
 
 F32, BF16 = torch.float32, torch.bfloat16
 

@@ -1,4 +1,4 @@
-"""Greedy generation with a GLM-5 model split across processes (glm5.dist), checked against the
+"""Greedy generation with a GLM-5 model split across processes (glm5.parallel), checked against the
 single-process model.
 
     glm5 launch --nproc 2 examples/dist/generate.py --preset tiny --tp 2 [--flashcomm [--int8]]
@@ -6,11 +6,11 @@ single-process model.
     glm5 launch --nproc 2 examples/dist/generate.py --model DIR --tp 2      # sharded loading
     torchrun --nproc-per-node 2 examples/dist/generate.py --preset tiny --tp 2   # the same
 
-Every rank joins the world (`glm5.dist.init_distributed`: torchrun's variables), takes its
+Every rank joins the world (`glm5.parallel.init_distributed`: torchrun's variables), takes its
 groups (`ParallelConfig.from_context`), and gets its part of the model: with ``--model DIR``
-`glm5.dist.loading.load_parallel` reads only its slice of the checkpoint; with ``--preset``
+`glm5.parallel.loading.load_parallel` reads only its slice of the checkpoint; with ``--preset``
 every rank builds the whole preset from ``--seed`` (the same weights everywhere) and cuts it
-(`glm5.dist.parallel.parallelize`). Then greedy decoding of ``--new-tokens`` tokens from a
+(`glm5.parallel.layouts.parallelize`). Then greedy decoding of ``--new-tokens`` tokens from a
 fixed prompt (``--batch`` sequences of ``--prompt-len`` random token ids, ``--prompt-seed``).
 With ``--dp-attention`` each rank decodes its own ``batch / world`` sequences.
 
@@ -131,7 +131,7 @@ def prompt(vocab: int, batch: int, length: int, seed: int) -> torch.Tensor:
 
 def whole_model_bytes(cfg: Any) -> int:
     """Bytes of the whole model (with one MTP block) in float32."""
-    from glm5.core.info import count_params
+    from glm5.deploy.info import count_params
 
     p = count_params(cfg)
     return 4 * (p["total_params"] + p["mtp_params"])
@@ -140,7 +140,7 @@ def whole_model_bytes(cfg: Any) -> int:
 def fits(nbytes: int, copies: int = 1) -> tuple[bool, str]:
     """Whether ``copies`` models of ``nbytes`` fit in this machine's available memory (with a
     quarter spare for activations)."""
-    from glm5.testing.measure import mem_available
+    from glm5.perf.measure import mem_available
 
     avail = mem_available()
     if avail and copies * nbytes > 0.75 * avail:
@@ -174,7 +174,7 @@ def compare(tokens: torch.Tensor, ref_tokens: torch.Tensor, logits: torch.Tensor
 # ---------------------------------------------------------------------------- the run
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    import glm5.dist as gd
+    import glm5.parallel as gd
 
     ctx = gd.init_distributed()
     try:
@@ -196,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(a: argparse.Namespace, ctx: Any) -> int:
     """The parallel generation and (rank 0) the check; the exit status."""
-    import glm5.dist as gd
-    from glm5.dist.parallel import ParallelConfig, parallelize
+    import glm5.parallel as gd
+    from glm5.parallel.layouts import ParallelConfig, parallelize
 
     say = print if ctx.rank == 0 else (lambda *x, **k: None)
     cfg = ParallelConfig.from_context(ctx, tp=a.tp, ep=a.ep, dp_attention=a.dp_attention,
@@ -206,7 +206,7 @@ def run(a: argparse.Namespace, ctx: Any) -> int:
                                       comm_quant="int8" if a.int8 else None)
     t0 = time.perf_counter()
     if a.model is not None:
-        from glm5.dist.loading import load_parallel
+        from glm5.parallel.loading import load_parallel
 
         model = load_parallel(a.model, cfg, dtype=torch.float32, device=ctx.device).eval()
         source = (f"{a.model}: read {model.load_stats['bytes_read'] / 1e6:.2f} of "

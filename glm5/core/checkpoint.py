@@ -9,12 +9,12 @@ Name mapping between the checkpoint and glm5's modules:
   `shared_head.head` are the main model's and are not loaded twice.
 
 A directory with `quant_description.json` (written by `glm5 quantize`, see
-glm5/core/quantize.py and docs/quantization.md) holds `X.weight_packed` + `X.weight_scale` in place
+glm5/deploy/quantize.py and docs/quantization.md) holds `X.weight_packed` + `X.weight_scale` in place
 of each quantized `X.weight`; `load_model` builds those layers as `QuantLinear` / `QuantExperts`
 and offers each quantized weight to the selected backend's repack hook (`repack_model`).
 
 The file names and the description's format are defined here, where checkpoints are read;
-glm5/core/quantize.py, which writes them, imports them from this module (never the reverse).
+glm5/deploy/quantize.py, which writes them, imports them from this module (never the reverse).
 """
 
 from __future__ import annotations

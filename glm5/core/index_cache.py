@@ -14,8 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5.core.info import index_key_row_bytes
 from glm5.ir.fp8 import quantize_rows_e4m3
+
+#: bytes of the one fp32 scale each row of the fp8 index cache carries
+FP8_KEY_SCALE_BYTES = 4
+
+
+def index_key_row_bytes(width: int, element_bytes: int, fp8: bool) -> int:
+    """Bytes one indexer key row of ``width`` values takes: ``width`` e4m3 codes and an fp32
+    scale in the fp8 index cache (``fp8``), else ``width`` elements of ``element_bytes``."""
+    return width + FP8_KEY_SCALE_BYTES if fp8 else width * element_bytes
 
 
 @dataclass

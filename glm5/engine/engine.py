@@ -135,7 +135,7 @@ class EngineStats:
 class LLMEngine:
     """``add_request`` / ``step`` / ``abort`` over one model (any backend the model runs on).
 
-    ``tokenizer`` (a `glm5.serve.tokenizer.Tokenizer`, optional): text prompts, output text,
+    ``tokenizer`` (a `glm5.text.tokenizer.Tokenizer`, optional): text prompts, output text,
     stop strings and the end-of-sequence ids; without one the engine works on token ids and
     stops on the model config's ``eos_token_id``.
     """

@@ -17,7 +17,7 @@ def load_tokenizer(model_dir: Path) -> Any:
     """The directory's tokenizer (tokenizer.json), or None when it has none."""
     if not (model_dir / "tokenizer.json").exists():
         return None
-    from glm5.serve.tokenizer import Tokenizer
+    from glm5.text.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(model_dir)
 

@@ -9,7 +9,7 @@ input and the group size, a **cost in link bytes per rank** (what the planner di
 link's bandwidth), and a float64 **reference over the list of every rank's input** that
 returns every rank's output, so the semantics are checkable in one process. The
 implementations (torch.distributed by default, a backend's own where registered) are in
-glm5.dist.comm. docs/ops.md lists these ops in its "Communication" section (checked against
+glm5.parallel.comm. docs/ops.md lists these ops in its "Communication" section (checked against
 this catalog by tests/test_dist_comm.py).
 
 Link-byte costs are per rank, of ``B`` = the bytes of one rank's input ``x`` (``n`` = group
@@ -66,7 +66,7 @@ class CommOpDef:
 
     def call_text(self) -> str:
         parts = [p.name if not p.has_default else f"{p.name}={p.default!r}" for p in self.params]
-        return f"glm5.dist.{self.name}({', '.join(parts)})"
+        return f"glm5.parallel.{self.name}({', '.join(parts)})"
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> float:

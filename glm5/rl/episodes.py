@@ -405,7 +405,7 @@ def load_dialogue(cfg: Any) -> Any:
     """The `Dialogue` of a config's environment tasks (its tokenizer must fit the model)."""
     from glm5.rl.envs.dialogue import Dialogue
     from glm5.rl.services import model_config
-    from glm5.serve.tokenizer import Tokenizer
+    from glm5.text.tokenizer import Tokenizer
 
     mc = cfg.model
     where = mc.tokenizer or mc.path

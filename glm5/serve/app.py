@@ -49,7 +49,7 @@ from glm5.engine.async_engine import AsyncEngine
 from glm5.engine.engine import RequestRejected
 from glm5.engine.outputs import RequestOutput
 from glm5.engine.sampling import SEED_LIMIT, SamplingParams
-from glm5.serve.chat import ChatParser, ChatEvent
+from glm5.text.chat import ChatParser, ChatEvent
 from glm5.serve.http import STALLED, BodyLimit
 from glm5.serve.limits import ServeLimits, min_tokens
 from glm5.serve.metrics import ServerMetrics
@@ -651,7 +651,7 @@ def build_app(engine: AsyncEngine, model_name: str, tokenizer: Any = None,
               drain_timeout: float = 60.0, allow_weight_updates: bool = False,
               limits: ServeLimits | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as model ``model_name``. ``tokenizer`` (a
-    `glm5.serve.tokenizer.Tokenizer`; None: token-id prompts only, no chat) renders chat
+    `glm5.text.tokenizer.Tokenizer`; None: token-id prompts only, no chat) renders chat
     prompts and shows tokens in logprobs. When the app shuts down (uvicorn's lifespan, after
     SIGINT / SIGTERM) the engine drains its running requests (up to ``drain_timeout`` s).
     ``allow_weight_updates``: serve the weight endpoints (`_weight_routes`); without it they

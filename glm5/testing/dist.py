@@ -8,7 +8,7 @@ time, every child reaped.
         b = pool.run(check_b, y, timeout_s=20)
 
 ``fn`` is a module-level (picklable) function; with ``init=True`` (the default) each rank calls
-``fn(ctx, *args)`` with ``ctx`` its `glm5.dist.DistContext` (backend gloo, device cpu, the
+``fn(ctx, *args)`` with ``ctx`` its `glm5.parallel.DistContext` (backend gloo, device cpu, the
 collective timeout ``comm_timeout_s``); with ``init=False`` it calls ``fn(*args)`` with
 torchrun's variables set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and
 ``fn`` initializes itself. The result is one entry per rank, in rank order: what ``fn``
@@ -17,11 +17,11 @@ rank raised (``.exception`` holds the original where it could be pickled), exite
 finish within ``timeout_s``. `values(results)` returns the values or raises one
 AssertionError listing every rank's failure.
 
-Speed: the children are forked from a forkserver that imported torch and glm5.dist once (the
+Speed: the children are forked from a forkserver that imported torch and glm5.parallel once (the
 first world pays ~3 s for it, later worlds start in well under a second); each child gets the
 parent's environment of the moment and one torch thread. The rendezvous store is hosted by
 this (the parent) process, as torchrun's agent hosts it, so it outlives any rank (the fault
-reports of glm5.dist.faults read it).
+reports of glm5.parallel.faults read it).
 
 Bounds: every wait has a deadline; a pool whose world may be inconsistent (a rank failed,
 exited or timed out) is closed and its `broken` says why; closing terminates, then kills,
@@ -40,7 +40,7 @@ import traceback
 import weakref
 from typing import Any, Callable
 
-PRELOAD = ["torch", "torch.distributed", "glm5.dist", "glm5.testing.dist"]
+PRELOAD = ["torch", "torch.distributed", "glm5.parallel", "glm5.testing.dist"]
 POLL_S = 0.05
 
 
@@ -108,7 +108,7 @@ def _worker(rank: int, world_size: int, port: int, environ: dict[str, str], init
     ctx = None
     try:
         if init:
-            from glm5.dist import init_distributed
+            from glm5.parallel import init_distributed
 
             ctx = init_distributed(backend="gloo", timeout_s=comm_timeout_s, device="cpu")
         _send(results, ("ready", -1, rank, None), rank)

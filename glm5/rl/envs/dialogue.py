@@ -3,7 +3,7 @@
 An episode's tokens are the first prompt (the chat template with the environment's tools and
 its first observation as the user message, ending in the generation prompt), then turns: what
 the policy sampled, verbatim, and what the environment answered, rendered by the same chat
-template the serving engine uses (`glm5.serve.chat`) — a tool result as an ``<|observation|>``
+template the serving engine uses (`glm5.text.chat`) — a tool result as an ``<|observation|>``
 ``<tool_response>`` part, feedback as a ``<|user|>`` message — each followed by the next
 generation prompt. Sampled ids are never re-tokenized: only the environment's text is encoded.
 
@@ -22,7 +22,7 @@ TRUNCATED = " …[truncated {n} tokens]"
 
 
 class Dialogue:
-    """Renders and encodes an episode's turns for one tokenizer (`glm5.serve.tokenizer`).
+    """Renders and encodes an episode's turns for one tokenizer (`glm5.text.tokenizer`).
 
     ``thinking``: the generation prompt opens ``<think>`` (the policy reasons first) or closes
     an empty ``<think></think>`` (it answers at once). ``max_observation_tokens``: an
@@ -50,7 +50,7 @@ class Dialogue:
 
     def _render(self, messages: Sequence[Mapping[str, Any]], generation_prompt: bool,
                 tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-        from glm5.serve.chat import render_chat_template
+        from glm5.text.chat import render_chat_template
 
         return render_chat_template(self.tok.chat_template, messages, tools=tools or None,
                                     add_generation_prompt=generation_prompt,
@@ -91,7 +91,7 @@ class Dialogue:
     def action(self, turn_ids: Sequence[int]) -> tuple[str, str | None]:
         """(action, reasoning) of a sampled turn: the text the environment acts on — the
         content and the tool-call markup, reasoning removed — and the reasoning (None)."""
-        from glm5.serve.chat import ChatParser
+        from glm5.text.chat import ChatParser
 
         text = self.turn_text(turn_ids)
         parser = ChatParser(thinking=self.thinking)
@@ -103,7 +103,7 @@ class Dialogue:
         """Ids of an assistant turn written out (a demonstration), with the stop token the
         policy should end it with: ``<|observation|>`` after a tool call, else
         ``<|user|>``."""
-        from glm5.serve.chat import TOOL_CALL_OPEN
+        from glm5.text.chat import TOOL_CALL_OPEN
 
         stop = "<|observation|>" if TOOL_CALL_OPEN in action else "<|user|>"
         body = "</think>" + action if self.thinking else action
@@ -124,12 +124,12 @@ class Dialogue:
 
 def toy_tokenizer(out_dir: str | Path, vocab_size: int, env_names: Sequence[str] = (),
                   seeds: int = 8) -> Any:
-    """A small GLM-style byte-level BPE (`glm5.testing.assets.build_tokenizer`) trained on its
+    """A small GLM-style byte-level BPE (`glm5.text.bpe.build_tokenizer`) trained on its
     default text plus what episodes of ``env_names`` say: the chat template's tool preamble,
     first observations and demonstrations of ``seeds`` episodes each — so a tiny policy's
     episodes are short. Same arguments, same tokenizer. Returns it loaded."""
-    from glm5.serve.chat import packaged_chat_template, render_chat_template
-    from glm5.testing.assets import DEFAULT_TEXT, build_tokenizer
+    from glm5.text.chat import packaged_chat_template, render_chat_template
+    from glm5.text.bpe import DEFAULT_TEXT, build_tokenizer
 
     from glm5.rl.envs.base import make_env
 

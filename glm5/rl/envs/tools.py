@@ -1,5 +1,5 @@
 """Multi-turn tool use in the GLM-5 chat format: an assistant turn is parsed by the serving
-engine's own parser (`glm5.serve.chat.parse_chat_output`, the module the chat template shares),
+engine's own parser (`glm5.text.chat.parse_chat_output`, the module the chat template shares),
 its tool calls are run and their results come back as the next observation; a turn without a
 tool call is the final answer. A malformed or unknown tool call, or bad arguments, is an error
 observation the agent can correct — never an exception.
@@ -64,7 +64,7 @@ class ToolEnv:
         return out
 
     def step(self, action: str) -> StepResult:
-        from glm5.serve.chat import TOOL_CALL_OPEN, parse_chat_output
+        from glm5.text.chat import TOOL_CALL_OPEN, parse_chat_output
 
         if self.done:
             raise RuntimeError(f"glm5 {type(self).__name__}.step: the episode is over; call "

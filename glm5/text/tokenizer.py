@@ -11,7 +11,7 @@ A model directory holds (the Hugging Face layout; only ``tokenizer.json`` is req
 - ``generation_config.json`` — ``eos_token_id``: an int or a list (GLM stops on
   ``<|endoftext|>``, ``<|user|>`` and ``<|observation|>``).
 
-Without a chat template the packaged GLM-5 one (``glm5/serve/templates/glm5_chat.jinja``) is
+Without a chat template the packaged GLM-5 one (``glm5/text/templates/glm5_chat.jinja``) is
 used. ``tokenizers`` and ``jinja2`` (the ``glm5[serve]`` extra) are imported only here, lazily.
 """
 
@@ -22,7 +22,7 @@ import operator
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from glm5.serve.chat import packaged_chat_template, render_chat_template
+from glm5.text.chat import packaged_chat_template, render_chat_template
 
 _REPLACEMENT = "\ufffd"
 

@@ -11,7 +11,7 @@ for the collective; torch.distributed otherwise.
 
 Conventions:
 
-- ``group`` is a glm5.dist `Group` (from `DistContext.new_groups` or ``ctx.world``), a
+- ``group`` is a glm5.parallel `Group` (from `DistContext.new_groups` or ``ctx.world``), a
   torch.distributed ProcessGroup, or None. **None, or a group of one rank, is the identity**:
   the input is returned as it is (no copy) and torch.distributed is never called — unlike
   torch.distributed, where None means the world. Otherwise the result is a new tensor and
@@ -19,8 +19,8 @@ Conventions:
 - Every rank of the group must make the same calls on it in the same order (as with any
   collective).
 - A collective that does not complete within the context's timeout raises
-  `glm5.dist.CollectiveError` (`CollectiveTimeout`, `PeerLost`) naming the collective, this
-  rank, the group's ranks, the timeout and the ranks that did not take part (glm5.dist.faults).
+  `glm5.parallel.CollectiveError` (`CollectiveTimeout`, `PeerLost`) naming the collective, this
+  rank, the group's ranks, the timeout and the ranks that did not take part (glm5.parallel.faults).
 - Not differentiable: these are inference collectives (autograd does not see them).
 """
 
@@ -33,8 +33,8 @@ from typing import Any, Callable
 
 import torch
 
-from glm5.dist.faults import CollectiveError, collective_failed
-from glm5.dist.groups import Group, as_group
+from glm5.parallel.faults import CollectiveError, collective_failed
+from glm5.parallel.groups import Group, as_group
 from glm5.ir.ops_comm import COMM_OPS
 
 TORCH = "torch.distributed"  # the name of the default implementation (see `collective_impl`)
@@ -58,22 +58,22 @@ def register_collective(name: str, fn: Callable[..., torch.Tensor] | None = None
 
     ``fn`` takes the public function's arguments exactly (``fn(x, group)``,
     ``fn(x, group, dim)``, ``fn(x, group, dim, quant)``,
-    ``fn(x, send_counts, recv_counts, group)``) with ``group`` a glm5.dist `Group` of two or
+    ``fn(x, send_counts, recv_counts, group)``) with ``group`` a glm5.parallel `Group` of two or
     more ranks (``group.pg`` is its torch.distributed group) and the arguments already checked,
     and returns the result as the default implementation would (a new tensor); raising
     RuntimeError on a failed transfer. It serves calls on the devices ``backend`` serves,
     while the backend is available and selected (glm5.backends.selection.ranked)."""
     if name not in COMM_OPS:
-        raise KeyError(f"glm5.dist.register_collective: argument 'name' expected one of "
+        raise KeyError(f"glm5.parallel.register_collective: argument 'name' expected one of "
                        f"{', '.join(COMM_OPS)}, got {name!r}")
     if not isinstance(backend, str) or not backend:
-        raise TypeError(f"glm5.dist.register_collective: argument 'backend' expected a "
+        raise TypeError(f"glm5.parallel.register_collective: argument 'backend' expected a "
                         f"backend name, got {backend!r}")
 
     def deco(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         global _generation
         if not callable(f):
-            raise TypeError(f"glm5.dist.register_collective: argument 'fn' expected a "
+            raise TypeError(f"glm5.parallel.register_collective: argument 'fn' expected a "
                             f"callable, got {type(f).__name__}")
         _impls[(name, backend)] = f
         _generation += 1
@@ -167,7 +167,7 @@ def all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     """The elementwise sum of every rank's ``x`` (any shape and dtype, the same on every rank),
     on every rank. A new tensor; ``x`` is unchanged. Identity for ``group`` None or of size 1.
     Link bytes per rank: 2 (n-1)/n of x's bytes."""
-    where = "glm5.dist.all_reduce"
+    where = "glm5.parallel.all_reduce"
     _check_tensor(x, where)
     g = _trivial(group, where)
     if g is None:
@@ -180,7 +180,7 @@ def reduce_scatter(x: torch.Tensor, group: Any, dim: int = 0) -> torch.Tensor:
     in the group) gets chunk i, of shape x.shape with ``dim`` divided by n. ``x.shape[dim]``
     must be a multiple of the group size (padding is the caller's job). Identity for ``group``
     None or of size 1. Link bytes per rank: (n-1)/n of x's bytes."""
-    where = "glm5.dist.reduce_scatter"
+    where = "glm5.parallel.reduce_scatter"
     _check_tensor(x, where)
     d = _check_dim(x, dim, where)
     g = _trivial(group, where)
@@ -205,7 +205,7 @@ def all_gather(x: torch.Tensor, group: Any, dim: int = 0, quant: str | None = No
     `glm5.ir.ops_comm.int8_gather_bound` (amax of the token / 254, plus rounding) of the
     exact gather, for (K + 4) / (K * itemsize) of the bytes. Link bytes per rank: (n-1) times
     x's bytes; int8: (n-1) (numel + 4 rows)."""
-    where = "glm5.dist.all_gather"
+    where = "glm5.parallel.all_gather"
     _check_tensor(x, where)
     d = _check_dim(x, dim, where)
     if quant is not None and quant != "int8":
@@ -229,7 +229,7 @@ def all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], 
     when they are not known, e.g. with an all_to_all of the counts). Identity for ``group``
     None or of size 1 (both counts then [x.shape[0]]). Link bytes per rank: the rows sent to
     other ranks."""
-    where = "glm5.dist.all_to_all"
+    where = "glm5.parallel.all_to_all"
     _check_tensor(x, where)
     g = as_group(group, where)
     n = 1 if g is None else g.size
@@ -350,7 +350,7 @@ def link_bytes(name: str, x: torch.Tensor, group: Any, **attrs: Any) -> float:
     from glm5.ir.ops_comm import get_comm_op
 
     op = get_comm_op(name)
-    g = as_group(group, f"glm5.dist.link_bytes({name!r})")
+    g = as_group(group, f"glm5.parallel.link_bytes({name!r})")
     if g is None or g.size == 1:
         return 0.0
     if name == "all_to_all":

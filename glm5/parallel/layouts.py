@@ -1,7 +1,7 @@
 """Tensor, expert and data-parallel layouts of a GLM-5 model, and FlashComm.
 
 `parallelize(model, config)` turns a `GLM5ForCausalLM` (built or loaded whole, or a skeleton for
-`glm5.dist.loading`) into this rank's part of a parallel model, in place:
+`glm5.parallel.loading`) into this rank's part of a parallel model, in place:
 
 - **Tensor parallel** over ``layout.tp_group`` (size T): MLA attention heads split T ways
   (q_b_proj and kv_b_proj rows of this rank's heads, o_proj columns: a row-parallel linear whose
@@ -23,7 +23,7 @@
   rank runs the same tokens, owns E/P experts, and the MoE outputs are all-reduced.
 
 Embeddings, the LM head and the final norm are replicated. Quantized layers are refused (not
-split yet). Communication goes through `glm5.dist.comm` (collectives as ops).
+split yet). Communication goes through `glm5.parallel.comm` (collectives as ops).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5 import ops
-from glm5.dist import comm
+from glm5.parallel import comm
 
 FLASHCOMM_MIN_TOKENS = 1000  # vllm-ascend's empirical threshold for dense models (the planner
 # computes one per chip: `glm5 plan`)
@@ -47,12 +47,12 @@ class ParallelError(ValueError):
 
 
 def flashcomm_min_tokens_for(chip: str, hidden_size: int, tp: int, int8: bool = False) -> int:
-    """The planner's token threshold (`glm5.core.plan.flashcomm_threshold`) for ``chip`` (a
+    """The planner's token threshold (`glm5.deploy.flashcomm.flashcomm_threshold`) for ``chip`` (a
     `glm5 plan` chip name): from this many tokens per forward on, FlashComm beats a plain
     all-reduce there. ``2**62`` when it never does (tp 1, or latency-bound up to the planner's
     search limit)."""
-    from glm5.core.chips import get_chip
-    from glm5.core.plan import flashcomm_threshold
+    from glm5.deploy.chips import get_chip
+    from glm5.deploy.flashcomm import flashcomm_threshold
 
     t = flashcomm_threshold(get_chip(chip), hidden_size, tp,
                             "flashcomm-int8" if int8 else "flashcomm")
@@ -60,7 +60,7 @@ def flashcomm_min_tokens_for(chip: str, hidden_size: int, tp: int, int8: bool = 
 
 
 def _size_rank(group: Any) -> tuple[int, int]:
-    from glm5.dist.groups import as_group
+    from glm5.parallel.groups import as_group
 
     g = as_group(group, "glm5 parallelize")
     return (1, 0) if g is None else (g.size, g.rank)
@@ -112,7 +112,7 @@ class ParallelConfig:
     @classmethod
     def from_context(cls, ctx: Any, tp: int = 1, ep: int = 1, dp_attention: bool = False,
                      **kw: Any) -> "ParallelConfig":
-        """The config of sizes ``tp`` / ``ep`` over a `glm5.dist.DistContext`'s groups
+        """The config of sizes ``tp`` / ``ep`` over a `glm5.parallel.DistContext`'s groups
         (`DistContext.new_groups`; collective: every rank calls it alike). ``tp`` > 1: the
         experts are split over the TP group (``ep`` must be 1 or ``tp``); ``tp`` 1, ``ep`` > 1:
         the EP group, with data-parallel attention when ``dp_attention``."""
@@ -300,7 +300,7 @@ def parallelize(model: nn.Module, layout: ParallelConfig) -> nn.Module:
     """Make ``model`` (a GLM5ForCausalLM) this rank's part of ``layout``, in place; returns it.
     Every rank must call it with the same model (same weights) and its own groups. Sets
     ``model.parallel_layout`` and ``model.shard_spec`` ({parameter name: (dim, start, end)} of
-    every parameter cut from the whole model's: what `glm5.dist.loading` reads)."""
+    every parameter cut from the whole model's: what `glm5.parallel.loading` reads)."""
 
     global _spec
 

@@ -1,5 +1,5 @@
 """Operator arguments at GLM-5's sizes built directly on a device (``DEV``): the shapes
-`bench/gpu_suite.py` times and `glm5 tune` (`glm5.testing.tune`) searches tiles on.
+`bench/gpu_suite.py` times and `glm5 tune` (`glm5.perf.tune`) searches tiles on.
 
 Each ``b_*`` returns ``build(dtype) -> dict`` of the op's arguments, made on the device named by
 the module's ``DEV`` at the time of the call (seeded generators on that device: the same

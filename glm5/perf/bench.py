@@ -26,7 +26,7 @@ from glm5.ir.catalog import OPS
 from glm5.ir.fp8 import quantize_rows_e4m3
 from glm5.ir.quant_formats import quantize_weight
 from glm5.progress import progress_bar
-from glm5.testing.measure import (
+from glm5.perf.measure import (
     PeakRSS,
     cpu_features,
     fmt_bytes,

@@ -94,7 +94,7 @@ x = [i * i for i in range(100) if i % 3 == 0]; y = {"k": x, "n": len(x)}
 def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, text: str | None = None):
     """Train a GLM-style byte-level BPE tokenizer and write a model directory's tokenizer files
     into ``out_dir`` (created if missing); return it loaded through
-    ``glm5.serve.tokenizer.Tokenizer.from_dir``.
+    ``glm5.text.tokenizer.Tokenizer.from_dir``.
 
     ``vocab_size``: the largest vocabulary wanted, added tokens included; at least
     ``MIN_VOCAB_SIZE`` (273: 256 byte tokens + 17 GLM added tokens), so a model config used
@@ -104,8 +104,8 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, text: str | None
     (default: ``DEFAULT_TEXT``, a few KB). Same arguments, same bytes."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from glm5.serve.chat import packaged_chat_template
-    from glm5.serve.tokenizer import Tokenizer as Glm5Tokenizer
+    from glm5.text.chat import packaged_chat_template
+    from glm5.text.tokenizer import Tokenizer as Glm5Tokenizer
 
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"build_tokenizer: vocab_size must be an int >= {MIN_VOCAB_SIZE} (256 "

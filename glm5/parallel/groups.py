@@ -6,7 +6,7 @@ Where the world comes from (first match):
 1. explicit ``rank`` and ``world_size`` (and ``init_method``, default ``env://``);
 2. torchrun's variables ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
    ``MASTER_PORT`` (``glm5 launch`` and ``torchrun`` set them);
-3. nothing set: a world of 1 with no process group at all. Every collective of `glm5.dist.comm`
+3. nothing set: a world of 1 with no process group at all. Every collective of `glm5.parallel.comm`
    is then the identity and torch.distributed is never called, so one device runs exactly as
    before.
 
@@ -29,8 +29,8 @@ Rank layout of `DistContext.new_groups(tp, ep, dp)` (``tp * dp == world_size``, 
 Example, world 4, tp=2, ep=4, dp=2: TP groups [0, 1], [2, 3]; DP groups [0, 2], [1, 3]; EP
 group [0, 1, 2, 3].
 
-Layering: glm5.dist reads the device backends' *settings* through glm5.backends' public API
-(registry, selection rule); glm5.core imports only glm5.dist.
+Layering: glm5.parallel reads the device backends' *settings* through glm5.backends' public API
+(registry, selection rule); glm5.core imports only glm5.parallel.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 COLLECTIVES = ("gloo", "nccl", "hccl", "cncl", "mccl")
 TIMEOUT_ENV = "GLM5_DIST_TIMEOUT"  # the default collective timeout (glm5 launch --timeout)
 DEFAULT_TIMEOUT_S = 60.0
-STORE_PREFIX = "glm5/"  # keys glm5.dist writes in the rendezvous store (pids, fault reports)
+STORE_PREFIX = "glm5/"  # keys glm5.parallel writes in the rendezvous store (pids, fault reports)
 
 _current: "DistContext | None" = None
 
@@ -83,14 +83,14 @@ def collective_backend(device: str | torch.device) -> str:
         name = ref.settings.get("collective", "gloo") if ref is not None else "gloo"
         return _check_collective(str(name), f"plugins.toml [backends.{REFERENCE}] collective")
     raise DistConfigError(
-        f"glm5.dist.collective_backend: no backend for device type {dtype!r} records a "
+        f"glm5.parallel.collective_backend: no backend for device type {dtype!r} records a "
         f"collective setting; pass backend= (one of {', '.join(COLLECTIVES)}) to "
         f"init_distributed")
 
 
 def _check_collective(name: str, where: str) -> str:
     if not name or not name.replace("_", "").isalnum():
-        raise DistConfigError(f"glm5.dist: {where} expected a torch.distributed backend name "
+        raise DistConfigError(f"glm5.parallel: {where} expected a torch.distributed backend name "
                               f"such as {', '.join(COLLECTIVES)}, got {name!r}")
     return name
 
@@ -98,7 +98,7 @@ def _check_collective(name: str, where: str) -> str:
 # --------------------------------------------------------------------------- groups
 @dataclass(eq=False)
 class Group:
-    """A process group as glm5.dist uses it: ``ranks`` (global ranks, in group order), this
+    """A process group as glm5.parallel uses it: ``ranks`` (global ranks, in group order), this
     process's index ``rank`` in them, and ``pg`` (the torch.distributed group; None for a group
     of 1, whose collectives are the identity). ``name`` is the role ("world", "tp", "ep",
     "dp") shown in errors."""
@@ -146,7 +146,7 @@ def as_group(group: Any, where: str) -> Group | None:
             raise DistConfigError(f"{where}: argument 'group' is a process group of ranks "
                                   f"{list(ranks)} that does not contain this rank {me}")
         return Group("group", ranks, ranks.index(me), group, _current)
-    raise TypeError(f"{where}: argument 'group' expected a glm5.dist Group, a "
+    raise TypeError(f"{where}: argument 'group' expected a glm5.parallel Group, a "
                     f"torch.distributed ProcessGroup or None, got {type(group).__name__}")
 
 
@@ -169,7 +169,7 @@ def layout_ranks(world_size: int, tp: int, ep: int, dp: int | None = None
                  ) -> dict[str, list[tuple[int, ...]]]:
     """Every group of the layout, by kind ("tp", "ep", "dp"): lists of rank tuples in creation
     order. Checks the sizes; errors name the argument."""
-    where = "glm5.dist.new_groups"
+    where = "glm5.parallel.new_groups"
     for name, v in (("tp", tp), ("ep", ep)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise DistConfigError(f"{where}: argument {name!r} expected a positive int, "
@@ -196,7 +196,7 @@ def layout_ranks(world_size: int, tp: int, ep: int, dp: int | None = None
 class DistContext:
     """This process's place in the world. ``backend`` is the torch.distributed backend name
     (None for a world of 1 without a process group); ``timeout_s`` bounds every collective (a
-    rank that dies or hangs makes the others raise `glm5.dist.CollectiveError` instead of
+    rank that dies or hangs makes the others raise `glm5.parallel.CollectiveError` instead of
     hanging); ``device`` is the device this rank's tensors live on."""
 
     rank: int
@@ -265,7 +265,7 @@ class DistContext:
 
     def _check_alive(self, where: str) -> None:
         if self._destroyed:
-            raise RuntimeError(f"glm5.dist.DistContext.{where}: the context was destroyed")
+            raise RuntimeError(f"glm5.parallel.DistContext.{where}: the context was destroyed")
 
     def destroy(self) -> None:
         """Tear down the process groups this context created (idempotent)."""
@@ -347,7 +347,7 @@ def init_distributed(
     ``glm5 launch --timeout``), else `DEFAULT_TIMEOUT_S`. A process group that already exists
     (made by the caller) is adopted as is."""
     global _current
-    where = "glm5.dist.init_distributed"
+    where = "glm5.parallel.init_distributed"
     if timeout_s is None:
         env = os.environ.get(TIMEOUT_ENV)
         try:
@@ -361,7 +361,7 @@ def init_distributed(
                               f"seconds, got {timeout_s!r}")
     if _current is not None and not _current._destroyed:
         raise RuntimeError(f"{where}: already initialized (rank {_current.rank} of "
-                           f"{_current.world_size}); call glm5.dist.destroy() first")
+                           f"{_current.world_size}); call glm5.parallel.destroy() first")
     explicit = rank is not None or world_size is not None
     if explicit:
         if rank is None or world_size is None:
@@ -435,7 +435,7 @@ def init_distributed(
                             timeout=timeout)
     try:
         # Who is who, for fault reports: a rank that died on this host is told from one that
-        # hangs by its pid (see glm5.dist.faults).
+        # hangs by its pid (see glm5.parallel.faults).
         store.set(f"{STORE_PREFIX}proc/{rank}", f"{socket.gethostname()}:{os.getpid()}")
     except Exception:  # the store is an aid to diagnosis, never a reason to fail
         pass

@@ -1,7 +1,7 @@
 """Loading a checkpoint sharded: each rank reads only its slice of the safetensors.
 
 `load_parallel(path, layout)` builds the model on the meta device, cuts it with
-`glm5.dist.parallel.parallelize` (which records, for every parameter it cuts, the dimension and
+`glm5.parallel.layouts.parallelize` (which records, for every parameter it cuts, the dimension and
 range this rank keeps), and then reads each tensor from the memory-mapped safetensors files —
 the whole of a replicated one, only this rank's rows or columns of a split one (safetensors'
 `get_slice`), and only the routed experts this rank owns. A rank never reads another rank's
@@ -19,13 +19,13 @@ import torch
 def load_parallel(path: str | Path, layout: Any, dtype: torch.dtype | None = None,
                   device: str | torch.device = "cpu") -> torch.nn.Module:
     """This rank's part of the checkpoint at ``path`` under ``layout`` (a
-    `glm5.dist.parallel.ParallelConfig`), as a parallelized GLM5ForCausalLM. ``stats`` on the model:
+    `glm5.parallel.layouts.ParallelConfig`), as a parallelized GLM5ForCausalLM. ``stats`` on the model:
     bytes read by this rank and the checkpoint's total."""
     from glm5.core import checkpoint as ck
     from glm5.core.config import GLM5Config
     from glm5.core.model import GLM5ForCausalLM
     from glm5.core.rope import inv_freq
-    from glm5.dist.parallel import parallelize
+    from glm5.parallel.layouts import parallelize
 
     p = Path(path)
     cfg = GLM5Config.from_pretrained(p)

@@ -63,8 +63,8 @@ def rungs_for(ch: tuple[tuple[str, int | None], ...], ladder: tuple[int, ...]
 
 def best_of(fn: Callable[[], Any], reps: int) -> float:
     """The fastest call (seconds) over at least ``reps`` calls and 20 ms each way
-    (`glm5.testing.measure.best_time`: a descheduled call spoils itself only)."""
-    from glm5.testing.measure import best_time
+    (`glm5.perf.measure.best_time`: a descheduled call spoils itself only)."""
+    from glm5.perf.measure import best_time
 
     return best_time(fn, repeat=reps, min_time=0.02)
 
@@ -111,7 +111,7 @@ def run(context: Callable[[], Any], *, budget_s: float = 600.0, K: int = 4096, N
     from glm5.backends import tuning_cache as tc
     from glm5.ir.quant_formats import SCHEMES
     from glm5.kernels.tvm.quant import chain, cpu_tier, crossover_key
-    from glm5.testing.tune import save, utc_now
+    from glm5.perf.tune import save, utc_now
 
     tier = cpu_tier()
     key, name = tc.cpu_key(tier, torch.get_num_threads())

@@ -1,10 +1,16 @@
-"""glm5.dist: process groups (`init_distributed`, `DistContext`, TP / EP / DP groups),
+"""glm5.parallel: process groups (`init_distributed`, `DistContext`, TP / EP / DP groups),
 collectives as ops (`all_reduce`, `reduce_scatter`, `all_gather`, `all_to_all`, defined in
 glm5.ir.ops_comm, served by torch.distributed or a backend's own implementation) and their
-faults (`CollectiveError`: a rank that dies or hangs never hangs the others). The model and the
-engine use glm5.dist through this module; see docs/distributed.md."""
+faults (`CollectiveError`: a rank that dies or hangs never hangs the others), the model layouts
+that cut a built model over TP / EP / DP-attention ranks (`glm5.parallel.layouts`) and sharded
+checkpoint loading (`glm5.parallel.loading`).
 
-from glm5.dist.comm import (
+A wing above `glm5.core`: it takes a model and cuts it. The model and the engine never import
+it (they run whatever modules it puts in place); it reads the FlashComm token threshold from
+the planner's cost model (`glm5.deploy.flashcomm`). Formerly `glm5.dist`, which still imports
+with a deprecation warning. See docs/distributed.md."""
+
+from glm5.parallel.comm import (
     CommArgumentError,
     all_gather,
     all_reduce,
@@ -15,8 +21,8 @@ from glm5.dist.comm import (
     register_collective,
     unregister_collective,
 )
-from glm5.dist.faults import CollectiveError, CollectiveTimeout, PeerLost
-from glm5.dist.groups import (
+from glm5.parallel.faults import CollectiveError, CollectiveTimeout, PeerLost
+from glm5.parallel.groups import (
     DistConfigError,
     DistContext,
     Group,

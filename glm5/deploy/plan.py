@@ -34,12 +34,16 @@ from typing import Any
 
 import torch
 
-from glm5.core.chips import Chip, get_chip
+from glm5.deploy.chips import Chip, get_chip
+from glm5.deploy.costs import OpCost, PlanError, meta_tensor, op_cost, plan_error  # noqa: F401
+from glm5.deploy.flashcomm import (  # noqa: F401  (the planner's names, importable from here too)
+    COMM_CHOICES, COMM_OPTIONS, PER_POINT_SUMS, THRESHOLD_MAX_TOKENS, all_to_all_link_bytes,
+    choose_comm, collective_seconds, flashcomm_threshold, int8_rows_bytes, link_bytes,
+    padded_tokens, sync_ops, sync_point, tp_collectives)
+from glm5.deploy.plan_text import format_comm, format_plan  # noqa: F401  (importable from here too)
 from glm5.core.config import GLM5Config, attends_densely
-from glm5.core.info import KV_DTYPES, count_params, index_key_row_bytes, kv_cache_per_token
+from glm5.deploy.info import KV_DTYPES, count_params, index_key_row_bytes, kv_cache_per_token
 from glm5.core.quant_policy import is_quantized
-from glm5.ir.catalog import get_op
-from glm5.ir.ops_comm import SCALE_BYTES, get_comm_op
 from glm5.ir.quant_formats import SCHEMES, Scheme
 
 #: the unquantized choice of ``--quant``
@@ -54,16 +58,11 @@ FORMULA = ("op time = max(flops / peak_flops(op dtype), bytes / hbm_bandwidth); 
            "time = sum over ops; collective time = latency + link bytes / link_bw_per_direction, "
            "link bytes per device: all-reduce 2(N-1)/N * B (ring), reduce-scatter, all-gather, "
            "all-to-all (N-1)/N * B; step time = compute + communication (no overlap assumed)")
-#: ``--comm``: how a TP group sums its partial outputs (``auto`` picks between the first two)
-COMM_OPTIONS = ("allreduce", "flashcomm", "flashcomm-int8")
-COMM_CHOICES = (*COMM_OPTIONS, "auto")
 #: ``--indexer-dtype``: the indexer's key cache and selection (None: the model's own)
 INDEXER_DTYPES = ("bf16", "fp8")
 #: rows per page of the fp8 index cache the planner costs: the serving engine's default
 #: (``glm5.engine.EngineConfig.page_size``; a test keeps the two equal)
 INDEX_PAGE_SIZE = 64
-#: the threshold search gives up past this many tokens per TP group (FlashComm never wins)
-THRESHOLD_MAX_TOKENS = 2 ** 40
 
 # Tensors kept in fp32 by the model (the router runs `F.linear(x.float(), weight.float())`, the
 # indexer head weights likewise; quant_policy keeps them out of every scheme).
@@ -72,14 +71,6 @@ _TP_NAMES = ("self_attn.q_b_proj.", "self_attn.kv_b_proj.", "self_attn.o_proj.",
              "mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.", "mlp.shared_experts.",
              "embed_tokens.", "lm_head.")
 _EXPERT_NAMES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-
-
-class PlanError(ValueError):
-    """A planner input is invalid; the message names the argument."""
-
-
-def _err(arg: str, expected: str, got: Any) -> PlanError:
-    return PlanError(f"glm5.plan: argument {arg!r} expected {expected}, got {got!r}")
 
 
 # --------------------------------------------------------------------------- weights
@@ -176,38 +167,6 @@ def weight_bytes(cfg: GLM5Config, scheme: Scheme | None, mtp: bool = False) -> d
 
 
 # --------------------------------------------------------------------------- op costs
-@dataclass
-class OpCost:
-    """One op as one device runs it, ``count`` times per phase."""
-
-    label: str
-    op: str  # OpDef name, or "matmul" / "bmm" for plain torch matmuls
-    flops: float
-    bytes: float
-    dtype: str  # which peak applies: 'bf16', 'int8' or 'fp8'
-    count: float = 1.0
-
-    def seconds(self, chip: Chip) -> float:
-        return self.count * max(self.flops / chip.peak_flops(self.dtype), self.bytes / (
-            chip.hbm_gbs * 1e9))
-
-    def bound(self, chip: Chip) -> str:
-        return "compute" if self.flops / chip.peak_flops(self.dtype) > self.bytes / (
-            chip.hbm_gbs * 1e9) else "memory"
-
-
-def _t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="meta")
-
-
-def op_cost(name: str, **kwargs: Any) -> tuple[float, float]:
-    """``OpDef.cost`` of the catalog op ``name`` for these (meta) arguments, after the op's own
-    signature and shape checks."""
-    op = get_op(name)
-    values, syms = op.validate((), kwargs)
-    return op.cost(values, syms)
-
-
 def _chunks(n: int) -> list[tuple[int, int]]:
     return [(a, min(a + PREFILL_CHUNK, n)) for a in range(0, n, PREFILL_CHUNK)]
 
@@ -248,8 +207,8 @@ class _Coster:
             eb = _hp_bytes(name)
             nbytes = float(N * K * eb + (M * K + M * N) * eb)
             return OpCost(label, "matmul", 2.0 * M * N * K, nbytes, "bf16", count)
-        f, b = op_cost("quant_linear", x=_t(M, K), w_packed=_t(N, sc.packed_k(K),
-                       dtype=sc.weight_dtype()), w_scale=_t(*sc.scale_shape(N, K),
+        f, b = op_cost("quant_linear", x=meta_tensor(M, K), w_packed=meta_tensor(N, sc.packed_k(K),
+                       dtype=sc.weight_dtype()), w_scale=meta_tensor(*sc.scale_shape(N, K),
                        dtype=torch.float32), scheme=sc.name)
         return OpCost(label, "quant_linear", f, b, self.mm_dtype, count)
 
@@ -282,19 +241,19 @@ class _Coster:
         absorb = attn.use_absorbed(T, rows, sparse, 2)
         # MLA prolog: the fused op when nothing is quantized, its parts otherwise
         if self.scheme is None:
-            f, b = op_cost("mla_prolog", x=_t(T, D), w_qa=_t(Rq, D), g_qa=_t(Rq),
-                           w_qb=_t(Hl * (Dn + Dr), Rq), w_kva=_t(R + Dr, D), g_kva=_t(R),
-                           w_uk=_t(Hl, Dn, R), cos=_t(T, Dr // 2), sin=_t(T, Dr // 2),
-                           eps=1e-6, kv_cache=_t(T, R + Dr), slots=_t(T, dtype=torch.int32),
+            f, b = op_cost("mla_prolog", x=meta_tensor(T, D), w_qa=meta_tensor(Rq, D), g_qa=meta_tensor(Rq),
+                           w_qb=meta_tensor(Hl * (Dn + Dr), Rq), w_kva=meta_tensor(R + Dr, D), g_kva=meta_tensor(R),
+                           w_uk=meta_tensor(Hl, Dn, R), cos=meta_tensor(T, Dr // 2), sin=meta_tensor(T, Dr // 2),
+                           eps=1e-6, kv_cache=meta_tensor(T, R + Dr), slots=meta_tensor(T, dtype=torch.int32),
                            absorb=absorb)
             ops.append(OpCost("mla_prolog", "mla_prolog", f, b, "bf16", count))
         else:
             ops.append(self.linear("q_a_proj", a + "q_a_proj.weight", T, Rq, D, count))
-            f, b = op_cost("rms_norm", x=_t(T, Rq), weight=_t(Rq), eps=1e-6)
+            f, b = op_cost("rms_norm", x=meta_tensor(T, Rq), weight=meta_tensor(Rq), eps=1e-6)
             ops.append(OpCost("q_a_layernorm", "rms_norm", f, b, "bf16", count))
             ops.append(self.linear("q_b_proj", a + "q_b_proj.weight", T, Hl * (Dn + Dr), Rq,
                                    count))
-            f, b = op_cost("rope", x=_t(T, Hl, Dr), cos=_t(T, Dr // 2), sin=_t(T, Dr // 2),
+            f, b = op_cost("rope", x=meta_tensor(T, Hl, Dr), cos=meta_tensor(T, Dr // 2), sin=meta_tensor(T, Dr // 2),
                            interleaved=True)
             ops.append(OpCost("q_rope", "rope", f, b, "bf16", count))
             if absorb:
@@ -302,9 +261,9 @@ class _Coster:
                                   2.0 * (Hl * Dn * R + T * Hl * (Dn + R)), "bf16", count))
             ops.append(self.linear("kv_a_proj", a + "kv_a_proj_with_mqa.weight", T, R + Dr, D,
                                    count))
-            f, b = op_cost("rms_norm", x=_t(T, R), weight=_t(R), eps=1e-6)
+            f, b = op_cost("rms_norm", x=meta_tensor(T, R), weight=meta_tensor(R), eps=1e-6)
             ops.append(OpCost("kv_a_layernorm", "rms_norm", f, b, "bf16", count))
-            f, b = op_cost("rope", x=_t(T, Dr), cos=_t(T, Dr // 2), sin=_t(T, Dr // 2),
+            f, b = op_cost("rope", x=meta_tensor(T, Dr), cos=meta_tensor(T, Dr // 2), sin=meta_tensor(T, Dr // 2),
                            interleaved=True)
             ops.append(OpCost("k_rope", "rope", f, b, "bf16", count))
             ops.append(OpCost("latent_cache_write", "copy", 0.0, 2.0 * T * (R + Dr), "bf16",
@@ -325,9 +284,9 @@ class _Coster:
                              c.qk_rope_head_dim)
         x = a + "indexer."
         ops = [self.linear("indexer.wk", x + "wk.weight", T, Di, D, count)]
-        f, b = op_cost("layer_norm", x=_t(T, Di), weight=_t(Di), bias=_t(Di), eps=1e-6)
+        f, b = op_cost("layer_norm", x=meta_tensor(T, Di), weight=meta_tensor(Di), bias=meta_tensor(Di), eps=1e-6)
         ops.append(OpCost("indexer.k_norm", "layer_norm", f, b, "bf16", count))
-        f, b = op_cost("rope", x=_t(T, Dr), cos=_t(T, Dr // 2), sin=_t(T, Dr // 2),
+        f, b = op_cost("rope", x=meta_tensor(T, Dr), cos=meta_tensor(T, Dr // 2), sin=meta_tensor(T, Dr // 2),
                        interleaved=True)
         ops.append(OpCost("indexer.k_rope", "rope", f, b, "bf16", count))
         ops += self.hadamard("indexer.k_hadamard", T, Di, count)
@@ -337,7 +296,7 @@ class _Coster:
         if not sparse:  # every causal range fits in index_topk: dense attention, no selection
             return ops
         ops.append(self.linear("indexer.wq_b", x + "wq_b.weight", T, Hi * Di, Rq, count))
-        f, b = op_cost("rope", x=_t(T, Hi, Dr), cos=_t(T, Dr // 2), sin=_t(T, Dr // 2),
+        f, b = op_cost("rope", x=meta_tensor(T, Hi, Dr), cos=meta_tensor(T, Dr // 2), sin=meta_tensor(T, Dr // 2),
                        interleaved=True)
         ops.append(OpCost("indexer.q_rope", "rope", f, b, "bf16", count))
         ops += self.hadamard("indexer.q_hadamard", T * Hi, Di, count)
@@ -346,21 +305,21 @@ class _Coster:
         for q_rows, keys, n in self._ranges(phase, sequences):
             if fp8:  # the paged engine's fp8 index cache: e4m3 codes + a scale per key row
                 pages = -(-keys // INDEX_PAGE_SIZE)
-                f, b = op_cost("paged_indexer_topk_fp8", q=_t(q_rows, Hi, Di),
-                               k=_t(pages * INDEX_PAGE_SIZE, Di, dtype=torch.float8_e4m3fn),
-                               k_scale=_t(pages * INDEX_PAGE_SIZE, dtype=torch.float32),
-                               w=_t(q_rows, Hi, dtype=torch.float32),
-                               block_table=_t(1, pages, dtype=torch.int32),
-                               seq=_t(q_rows, dtype=torch.int32),
-                               k_len=_t(q_rows, dtype=torch.int32),
+                f, b = op_cost("paged_indexer_topk_fp8", q=meta_tensor(q_rows, Hi, Di),
+                               k=meta_tensor(pages * INDEX_PAGE_SIZE, Di, dtype=torch.float8_e4m3fn),
+                               k_scale=meta_tensor(pages * INDEX_PAGE_SIZE, dtype=torch.float32),
+                               w=meta_tensor(q_rows, Hi, dtype=torch.float32),
+                               block_table=meta_tensor(1, pages, dtype=torch.int32),
+                               seq=meta_tensor(q_rows, dtype=torch.int32),
+                               k_len=meta_tensor(q_rows, dtype=torch.int32),
                                page_size=INDEX_PAGE_SIZE, topk=c.index_topk)
                 ops.append(OpCost("indexer_topk_fp8", "paged_indexer_topk_fp8", f, b, "fp8",
                                   count * n))
                 continue
-            f, b = op_cost("indexer_topk", q=_t(q_rows, Hi, Di), k=_t(keys, Di),
-                           w=_t(q_rows, Hi, dtype=torch.float32),
-                           k_start=_t(q_rows, dtype=torch.int32),
-                           k_end=_t(q_rows, dtype=torch.int32), topk=c.index_topk)
+            f, b = op_cost("indexer_topk", q=meta_tensor(q_rows, Hi, Di), k=meta_tensor(keys, Di),
+                           w=meta_tensor(q_rows, Hi, dtype=torch.float32),
+                           k_start=meta_tensor(q_rows, dtype=torch.int32),
+                           k_end=meta_tensor(q_rows, dtype=torch.int32), topk=c.index_topk)
             ops.append(OpCost("indexer_topk", "indexer_topk", f, b, "bf16", count * n))
         return ops
 
@@ -396,15 +355,15 @@ class _Coster:
             hk, dqk, dv = Hl, Dn + Dr, Dv
         scale = c.softmax_scale
         if sparse:
-            f, b = op_cost("sparse_attention", q=_t(T, Hl, dqk), k=_t(rows, hk, dqk),
-                           v=_t(rows, hk, dv), idx=_t(T, c.index_topk, dtype=torch.int32),
+            f, b = op_cost("sparse_attention", q=meta_tensor(T, Hl, dqk), k=meta_tensor(rows, hk, dqk),
+                           v=meta_tensor(rows, hk, dv), idx=meta_tensor(T, c.index_topk, dtype=torch.int32),
                            scale=scale)
             ops.append(OpCost("sparse_attention", "sparse_attention", f, b, "bf16", count))
         else:
             for q_rows, keys, n in self._ranges(phase, sequences):
-                f, b = op_cost("attention", q=_t(q_rows, Hl, dqk), k=_t(keys, hk, dqk),
-                               v=_t(keys, hk, dv), k_start=_t(q_rows, dtype=torch.int32),
-                               k_end=_t(q_rows, dtype=torch.int32), scale=scale)
+                f, b = op_cost("attention", q=meta_tensor(q_rows, Hl, dqk), k=meta_tensor(keys, hk, dqk),
+                               v=meta_tensor(keys, hk, dv), k_start=meta_tensor(q_rows, dtype=torch.int32),
+                               k_end=meta_tensor(q_rows, dtype=torch.int32), scale=scale)
                 ops.append(OpCost("attention", "attention", f, b, "bf16", count * n))
         if absorb:
             ops.append(OpCost("absorb_w_uv", "bmm", 2.0 * T * Hl * R * Dv,
@@ -418,7 +377,7 @@ class _Coster:
         return [
             self.linear(f"{label}.gate_proj", pre + "gate_proj.weight", T, Il, D, count),
             self.linear(f"{label}.up_proj", pre + "up_proj.weight", T, Il, D, count),
-            OpCost(f"{label}.silu_mul", "silu_mul", *op_cost("silu_mul", x=_t(T, 2 * Il)),
+            OpCost(f"{label}.silu_mul", "silu_mul", *op_cost("silu_mul", x=meta_tensor(T, 2 * Il)),
                    "bf16", count),
             self.linear(f"{label}.down_proj", pre + "down_proj.weight", T, D, Il, count),
         ]
@@ -427,26 +386,26 @@ class _Coster:
         c, lay, sc = self.cfg, self.lay, self.scheme
         D, E, k = c.hidden_size, c.n_routed_experts, c.num_experts_per_tok
         ops = [self.linear("router", pre + "mlp.gate.weight", T, E, D, count)]
-        f, b = op_cost("moe_route", logits=_t(T, E, dtype=torch.float32),
-                       bias=_t(E, dtype=torch.float32), top_k=k, n_group=c.n_group,
+        f, b = op_cost("moe_route", logits=meta_tensor(T, E, dtype=torch.float32),
+                       bias=meta_tensor(E, dtype=torch.float32), top_k=k, n_group=c.n_group,
                        topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
                        routed_scaling=c.routed_scaling_factor)
         ops.append(OpCost("moe_route", "moe_route", f, b, "bf16", count))
         slots, touched = expert_load(E, k, global_tokens, lay.ep)
         Il = c.moe_intermediate_size // lay.expert_tp
-        x, ids, w = (_t(slots, D), _t(slots, 1, dtype=torch.int32),
-                     _t(slots, 1, dtype=torch.float32))
+        x, ids, w = (meta_tensor(slots, D), meta_tensor(slots, 1, dtype=torch.int32),
+                     meta_tensor(slots, 1, dtype=torch.float32))
         if sc is None:
-            f, b = op_cost("moe_experts", x=x, ids=ids, weights=w, w13=_t(touched, 2 * Il, D),
-                           w2=_t(touched, D, Il))
+            f, b = op_cost("moe_experts", x=x, ids=ids, weights=w, w13=meta_tensor(touched, 2 * Il, D),
+                           w2=meta_tensor(touched, D, Il))
             ops.append(OpCost("moe_experts", "moe_experts", f, b, "bf16", count))
         else:
             wd = sc.weight_dtype()
             f, b = op_cost("moe_experts_quant", x=x, ids=ids, weights=w,
-                           w13_packed=_t(touched, 2 * Il, sc.packed_k(D), dtype=wd),
-                           w13_scale=_t(touched, *sc.scale_shape(2 * Il, D), dtype=torch.float32),
-                           w2_packed=_t(touched, D, sc.packed_k(Il), dtype=wd),
-                           w2_scale=_t(touched, *sc.scale_shape(D, Il), dtype=torch.float32),
+                           w13_packed=meta_tensor(touched, 2 * Il, sc.packed_k(D), dtype=wd),
+                           w13_scale=meta_tensor(touched, *sc.scale_shape(2 * Il, D), dtype=torch.float32),
+                           w2_packed=meta_tensor(touched, D, sc.packed_k(Il), dtype=wd),
+                           w2_scale=meta_tensor(touched, *sc.scale_shape(D, Il), dtype=torch.float32),
                            scheme=sc.name)
             ops.append(OpCost("moe_experts_quant", "moe_experts_quant", f, b, self.mm_dtype,
                               count))
@@ -468,187 +427,6 @@ def expert_load(E: int, k: int, tokens: int, ep: int) -> tuple[int, int]:
     return slots, touched
 
 
-# --------------------------------------------------------------------------- communication
-def link_bytes(op: str, rows: float, width: int, n: int, **attrs: Any) -> float:
-    """Bytes one device sends in the collective ``op`` (the ``glm5.ir.ops_comm`` cost) of its
-    ``[rows, width]`` bf16 input over ``n`` devices: all_reduce 2 (n-1)/n B, reduce_scatter
-    (n-1)/n B (B = the whole input each device holds), all_gather (n-1) B of its shard
-    (``quant="int8"``: (n-1) (numel + 4 rows)); 0 when n is 1."""
-    return 0.0 if n <= 1 else get_comm_op(op).link_bytes((rows, width), torch.bfloat16, n,
-                                                         **attrs)
-
-
-def all_to_all_link_bytes(nbytes: float, n: int) -> float:
-    """Bytes one device sends exchanging ``nbytes`` spread evenly over ``n`` devices (the
-    ``all_to_all`` op's cost with equal send counts; uniform routing makes them equal on
-    average, and fractional, so the counts are not passed): the 1/n kept local never crosses a
-    link: (n-1)/n * nbytes."""
-    return 0.0 if n <= 1 else (n - 1) / n * nbytes
-
-
-def collective_seconds(sent_bytes: float, chip: Chip) -> float:
-    """One collective: the chip's fixed per-collective latency + the bytes one device sends over
-    the per-direction link bandwidth."""
-    return chip.collective_latency_us * 1e-6 + sent_bytes / (chip.link_gbs_per_direction * 1e9)
-
-
-def padded_tokens(tokens: int, n: int) -> int:
-    """Tokens after padding to a multiple of ``n`` (FlashComm's reduce-scatter splits the token
-    axis n ways)."""
-    return -(-tokens // n) * n
-
-
-def int8_rows_bytes(rows: int, width: int) -> int:
-    """Bytes of ``rows`` int8 rows of ``width`` with one fp32 scale per row."""
-    return rows * width + SCALE_BYTES * rows
-
-
-def _check_comm(option: str, where: str) -> None:
-    if option not in COMM_OPTIONS:
-        raise _err(where, f"one of {', '.join(COMM_OPTIONS)}", option)
-
-
-def tp_collectives(hidden: int, tp: int, tokens: int, option: str) -> list[tuple[str, float]]:
-    """(collective, link bytes one device sends) of one place where a TP group of ``tp`` sums
-    its partial ``[tokens, hidden]`` bf16 outputs, done the ``option`` way:
-
-    * allreduce: one all-reduce of tokens * hidden * 2 bytes;
-    * flashcomm: a reduce-scatter of the padded ``[P, hidden]`` (P = tokens padded to a multiple
-      of tp), then an all-gather of the normed ``[P, hidden]`` bf16 before the next
-      column-parallel linear;
-    * flashcomm-int8: the same reduce-scatter in bf16 (a reduction sums partial sums: int8 there
-      would re-quantize at every ring step), and the all-gather of int8 codes + one fp32 scale
-      per token: P * hidden + 4 P bytes.
-    """
-    _check_comm(option, "comm")
-    if tp <= 1:
-        return []
-    if option == "allreduce":
-        return [("all_reduce", link_bytes("all_reduce", tokens, hidden, tp))]
-    P = padded_tokens(tokens, tp)
-    quant = None if option == "flashcomm" else "int8"
-    return [("reduce_scatter", link_bytes("reduce_scatter", P, hidden, tp)),
-            ("all_gather", link_bytes("all_gather", P // tp, hidden, tp, quant=quant))]
-
-
-def sync_ops(hidden: int, eps: float, tp: int, tokens: int, option: str, norm_label: str,
-             count: float = 1.0) -> list[OpCost]:
-    """The device work between a TP reduction and the next column-parallel linear: the residual
-    add ([t, hidden] + [t, hidden] -> [t, hidden] bf16: t * hidden flops, 3 * 2 t * hidden bytes)
-    and the RMSNorm (its OpDef cost), on t = ``tokens`` rows (all-reduce; also tp 1 or
-    ``option`` "none") or on this device's shard t = P / tp of the padded tokens (FlashComm).
-    With int8 communication also the per-token quantization of the shard (the
-    ``quantize_per_token`` OpDef) and the dequantization of the gathered [P, hidden] (read
-    codes + scales, write bf16: P * hidden flops)."""
-    if option != "none":
-        _check_comm(option, "comm")
-    shard = tp > 1 and option != "allreduce" and option != "none"
-    P = padded_tokens(tokens, tp) if shard else tokens
-    t = P // tp if shard else tokens
-    D = hidden
-    f, b = op_cost("rms_norm", x=_t(t, D), weight=_t(D), eps=eps)
-    ops = [OpCost("residual_add", "add", float(t * D), 6.0 * t * D, "bf16", count),
-           OpCost(norm_label, "rms_norm", f, b, "bf16", count)]
-    if shard and option == "flashcomm-int8":
-        f, b = op_cost("quantize_per_token", x=_t(t, D), bits=8)
-        ops.append(OpCost("comm_quant_int8", "quantize_per_token", f, b, "bf16", count))
-        ops.append(OpCost("comm_dequant_int8", "dequant", float(P * D),
-                          float(int8_rows_bytes(P, D) + 2 * P * D), "bf16", count))
-    return ops
-
-
-def sync_point(chip: Chip, hidden: int, eps: float, tp: int, tokens: int,
-               option: str) -> dict[str, Any]:
-    """One TP reduction point done the ``option`` way, as one device sees it: its collectives,
-    their link bytes and time, the residual/norm work after it (:func:`sync_ops`), and the
-    residual-stream bytes a device holds ([t, hidden] bf16: t = tokens, or the shard)."""
-    coll = tp_collectives(hidden, tp, tokens, option)
-    work = sync_ops(hidden, eps, tp, tokens, option, "norm")
-    comm_s = sum(collective_seconds(lb, chip) for _, lb in coll)
-    work_s = sum(o.seconds(chip) for o in work)
-    shard = tp > 1 and option != "allreduce"
-    rows = padded_tokens(tokens, tp) // tp if shard else tokens
-    return {
-        "collectives": [c for c, _ in coll],
-        "link_bytes": float(sum(lb for _, lb in coll)),
-        "comm_us": comm_s * 1e6,
-        "work_flops": sum(o.flops for o in work),
-        "work_bytes": sum(o.bytes for o in work),
-        "work_us": work_s * 1e6,
-        "total_us": (comm_s + work_s) * 1e6,
-        "norm_tokens": rows,
-        "residual_bytes": 2.0 * rows * hidden,
-    }
-
-
-_PER_POINT_SUMS = ("link_bytes", "comm_us", "work_flops", "work_bytes", "work_us", "total_us")
-_THRESHOLDS: dict[tuple[Any, ...], int | None] = {}
-
-
-def flashcomm_threshold(chip: Chip, hidden: int, tp: int, option: str = "flashcomm",
-                        eps: float = 1e-5) -> int | None:
-    """The token count per TP group from which ``option`` (FlashComm, bf16 or int8) is never
-    slower than a plain all-reduce at one reduction point (collectives + the residual/norm work
-    after them, :func:`sync_point`); None when tp is 1 or it is slower up to
-    THRESHOLD_MAX_TOKENS tokens.
-
-    Why a threshold: FlashComm launches two collectives instead of one (one more latency) and
-    pads the tokens to a multiple of tp, and wins back (1 - 1/tp) of the residual add + norm
-    work (and, with int8, half the gathered bytes less the quantize/dequantize work), all in
-    proportion to the tokens. Within a block of tp token counts sharing one padded size the
-    FlashComm time is flat and the all-reduce time grows, and from block to block the
-    difference falls, so the last losing token count is found by two binary searches.
-    """
-    if option not in ("flashcomm", "flashcomm-int8"):
-        raise _err("option", "'flashcomm' or 'flashcomm-int8'", option)
-    if tp <= 1:
-        return None
-    key = (chip.name, chip.hbm_gbs, chip.bf16_tflops, chip.link_gbs_per_direction,
-           chip.collective_latency_us, hidden, tp, option)
-    if key in _THRESHOLDS:
-        return _THRESHOLDS[key]
-
-    def loses(T: int) -> bool:  # FlashComm strictly slower than the all-reduce at T tokens
-        fc = sync_point(chip, hidden, eps, tp, T, option)["total_us"]
-        return fc > sync_point(chip, hidden, eps, tp, T, "allreduce")["total_us"]
-
-    def first(k: int) -> int:  # first token count of block k (padded size k * tp)
-        return (k - 1) * tp + 1
-
-    out: int | None
-    if not loses(1):
-        out = 1
-    else:
-        lo, hi = 1, 2  # loses(first(lo)); look for a block whose first count wins
-        while loses(first(hi)):
-            lo, hi = hi, hi * 2
-            if first(hi) > THRESHOLD_MAX_TOKENS:
-                _THRESHOLDS[key] = None
-                return None
-        while hi - lo > 1:  # last losing block
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if loses(first(mid)) else (lo, mid)
-        a, b = first(lo), lo * tp  # last losing token count inside block lo
-        while a < b:
-            mid = (a + b + 1) // 2
-            a, b = (mid, b) if loses(mid) else (a, mid - 1)
-        out = a + 1
-    _THRESHOLDS[key] = out
-    return out
-
-
-def choose_comm(comm: str, tp: int, tokens: int, threshold: int | None) -> str:
-    """The option a phase uses: "none" at tp 1; ``auto`` = FlashComm (bf16) from ``threshold``
-    tokens per TP group on, else all-reduce; otherwise ``comm`` as given."""
-    if comm not in COMM_CHOICES:
-        raise _err("comm", f"one of {', '.join(COMM_CHOICES)}", comm)
-    if tp <= 1:
-        return "none"
-    if comm == "auto":
-        return "flashcomm" if threshold is not None and tokens >= threshold else "allreduce"
-    return comm
-
-
 def phase_cost(cfg: GLM5Config, chip: Chip, scheme: Scheme | None, lay: Layout, phase: str,
                mtp: bool = False, comm: str = "auto") -> dict[str, Any]:
     """Per-device flops, bytes, op list, communication and times of one decode step or one
@@ -659,7 +437,7 @@ def phase_cost(cfg: GLM5Config, chip: Chip, scheme: Scheme | None, lay: Layout, 
     each sequence.
     """
     if phase not in ("decode", "prefill"):
-        raise _err("phase", "'decode' or 'prefill'", phase)
+        raise plan_error("phase", "'decode' or 'prefill'", phase)
     seqs = lay.local_batch
     T = seqs if phase == "decode" else seqs * lay.context  # tokens per TP group
     global_tokens = lay.batch if phase == "decode" else lay.batch * lay.context
@@ -690,7 +468,7 @@ def phase_cost(cfg: GLM5Config, chip: Chip, scheme: Scheme | None, lay: Layout, 
         cnt[1] += n if mlp == "sparse" else 0
     co.cfg = cfg
     out_rows = seqs  # logits for the last token of each sequence
-    f, b = op_cost("rms_norm", x=_t(out_rows, D), weight=_t(D), eps=eps)
+    f, b = op_cost("rms_norm", x=meta_tensor(out_rows, D), weight=meta_tensor(D), eps=eps)
     ops.append(OpCost("final_norm", "rms_norm", f, b, "bf16"))
     heads = 1 + n_mtp
     if mtp:
@@ -744,7 +522,7 @@ def comm_section(cfg: GLM5Config, chip: Chip, lay: Layout, tokens: int, global_t
         pt = sync_point(chip, D, eps, tp, tokens, o)
         # two reduction points per layer (after o_proj, after the MLP): the sums double
         per_opt[o] = {**pt, "collectives": pt["collectives"] * 2,
-                      **{k: 2 * pt[k] for k in _PER_POINT_SUMS}}
+                      **{k: 2 * pt[k] for k in PER_POINT_SUMS}}
     a2a_payload = (global_tokens / lay.devices) * cfg.num_experts_per_tok * D * 2
     a2a_link = all_to_all_link_bytes(a2a_payload, ep)
     a2a = ({"collectives": ["all_to_all", "all_to_all"], "link_bytes": 2 * a2a_link,
@@ -800,24 +578,24 @@ def check_inputs(cfg: GLM5Config, batch: int, context: int, tp: int, ep: int) ->
     """Raise PlanError naming the argument for nonsense input."""
     for arg, v in (("batch", batch), ("context", context), ("tp", tp), ("ep", ep)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise _err(arg, "a positive integer", v)
+            raise plan_error(arg, "a positive integer", v)
     if context > cfg.max_position_embeddings:
-        raise _err("context", f"<= max_position_embeddings={cfg.max_position_embeddings}",
+        raise plan_error("context", f"<= max_position_embeddings={cfg.max_position_embeddings}",
                    context)
     if cfg.num_attention_heads % tp:
-        raise _err("tp", f"a divisor of num_attention_heads={cfg.num_attention_heads}", tp)
+        raise plan_error("tp", f"a divisor of num_attention_heads={cfg.num_attention_heads}", tp)
     if cfg.n_routed_experts % ep:
-        raise _err("ep", f"a divisor of n_routed_experts={cfg.n_routed_experts}", ep)
+        raise plan_error("ep", f"a divisor of n_routed_experts={cfg.n_routed_experts}", ep)
     if max(tp, ep) % min(tp, ep):
-        raise _err("ep", f"a multiple or a divisor of tp={tp} (devices = max(tp, ep))", ep)
+        raise plan_error("ep", f"a multiple or a divisor of tp={tp} (devices = max(tp, ep))", ep)
     n = max(tp, ep)
     for what, size in (("intermediate_size", cfg.intermediate_size),
                        ("moe_intermediate_size", cfg.moe_intermediate_size)):
         div = tp if what == "intermediate_size" else n // ep
         if size % div:
-            raise _err("tp", f"a split of {what}={size} into whole columns", tp)
+            raise plan_error("tp", f"a split of {what}={size} into whole columns", tp)
     if cfg.dsa_selection != "token":
-        raise _err("model", "dsa_selection 'token' (the planner costs the published DSA)",
+        raise plan_error("model", "dsa_selection 'token' (the planner costs the published DSA)",
                    cfg.dsa_selection)
 
 
@@ -825,7 +603,7 @@ def get_quant(name: str) -> Scheme | None:
     if name == NO_QUANT:
         return None
     if name not in SCHEMES:
-        raise _err("quant", f"one of {', '.join(QUANT_CHOICES)}", name)
+        raise plan_error("quant", f"one of {', '.join(QUANT_CHOICES)}", name)
     return SCHEMES[name]
 
 
@@ -880,19 +658,19 @@ def plan(cfg: GLM5Config, chip: str | Chip, quant: str, batch: int, context: int
     sc = get_quant(quant)
     if indexer_dtype is not None:
         if indexer_dtype not in INDEXER_DTYPES:
-            raise _err("indexer_dtype", f"one of {', '.join(INDEXER_DTYPES)}", indexer_dtype)
+            raise plan_error("indexer_dtype", f"one of {', '.join(INDEXER_DTYPES)}", indexer_dtype)
         cfg = cfg.replace(dsa_indexer_dtype=indexer_dtype, dsa_indexer_hadamard=(
             cfg.dsa_indexer_hadamard and indexer_dtype == "fp8"))
     check_inputs(cfg, batch, context, tp, ep)
     if comm not in COMM_CHOICES:
-        raise _err("comm", f"one of {', '.join(COMM_CHOICES)}", comm)
+        raise plan_error("comm", f"one of {', '.join(COMM_CHOICES)}", comm)
     if tp == 1 and comm in ("flashcomm", "flashcomm-int8"):
-        raise _err("comm", "allreduce or auto with tp 1 (FlashComm replaces the TP all-reduce)",
+        raise plan_error("comm", "allreduce or auto with tp 1 (FlashComm replaces the TP all-reduce)",
                    comm)
     if kv_dtype not in KV_DTYPES:
-        raise _err("kv_dtype", f"one of {', '.join(KV_DTYPES)}", kv_dtype)
+        raise plan_error("kv_dtype", f"one of {', '.join(KV_DTYPES)}", kv_dtype)
     if reserve_gb is not None and not (reserve_gb >= 0):
-        raise _err("reserve_gb", "a non-negative number of GB", reserve_gb)
+        raise plan_error("reserve_gb", "a non-negative number of GB", reserve_gb)
     reserve = RESERVE_FRACTION * ch.memory_bytes if reserve_gb is None else reserve_gb * 1e9
     lay = Layout(batch, context, tp, ep)
     wb = weight_bytes(cfg, sc, mtp)
@@ -942,113 +720,3 @@ def smallest_fit(cfg: GLM5Config, chip: Chip, sc: Scheme | None, wb: dict[str, A
         return None
     return {"tp": best[2], "ep": best[3], "devices": best[0], "decode_ms": best[1]}
 
-
-# --------------------------------------------------------------------------- text
-def _gb(x: float) -> str:
-    return f"{x / 1e9:,.2f} GB"
-
-
-def _num(x: float) -> str:
-    for unit, s in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
-        if abs(x) >= unit:
-            return f"{x / unit:.2f} {s}"
-    return f"{x:.0f} "
-
-
-def format_plan(p: dict[str, Any], top: int = 8) -> str:
-    """The plan as readable text."""
-    i, ch, lay, mem = p["inputs"], p["chip"], p["layout"], p["memory"]
-    est = f" (estimates: {', '.join(ch['estimates'])})" if ch["estimates"] else ""
-    lines = [
-        f"glm5 plan: {ch['vendor']} {ch['name']} (backend {ch['backend']}){est}",
-        f"  quant {i['quant']}, batch {i['batch']}, context {i['context']}, KV cache "
-        f"{i['kv_dtype']}, indexer {i['indexer_dtype']}{', MTP on' if i['mtp'] else ''}",
-        f"  layout: tp {lay['tp']}, ep {lay['ep']} on {lay['devices']} device(s); "
-        f"{lay['dp']} attention group(s) of {lay['local_batch']} sequence(s); experts split "
-        f"{lay['ep']} ways by expert x {lay['expert_tp']} by column",
-        "",
-        "memory per device",
-        f"  weights            {_gb(mem['weights_bytes_per_device'])}",
-        f"  KV cache           {_gb(mem['kv_cache_bytes_per_device'])}  "
-        f"({mem['kv_cache_bytes_per_token']:,} B/token)",
-        f"  reserve            {_gb(mem['reserve_bytes'])}  (activations, workspace, runtime)",
-        f"  total / capacity   {_gb(mem['needed_bytes'])} / {_gb(mem['capacity_bytes'])}"
-        f"  -> {'fits' if mem['fits'] else 'DOES NOT FIT'}",
-    ]
-    if not mem["fits"]:
-        lines.append(f"  short by {_gb(mem['shortfall_bytes'])}")
-        s = p["suggestion"]
-        lines.append(f"  smallest layout that fits: tp {s['tp']}, ep {s['ep']} on {s['devices']} "
-                     f"device(s)" if s else "  no layout up to 4096 devices fits")
-    d, f = p["decode"], p["prefill"]
-    lines += [
-        "",
-        "per device        decode step        prefill",
-        f"  FLOPs           {_num(d['flops']):<18} {_num(f['flops'])}",
-        f"  bytes           {_num(d['bytes']) + 'B':<18} {_num(f['bytes'])}B",
-        f"  compute         {d['compute_ms']:<10.3f} ms      {f['compute_ms'] / 1e3:.3f} s",
-        f"  TP comm         {d['tp_comm_ms']:<10.3f} ms      {f['tp_comm_ms'] / 1e3:.3f} s",
-        f"    (option)      {d['comm_option']:<18} {f['comm_option']}",
-        f"  EP all-to-all   {d['ep_alltoall_ms']:<10.3f} ms      "
-        f"{f['ep_alltoall_ms'] / 1e3:.3f} s",
-        f"  total           {d['total_ms']:<10.3f} ms      {f['time_s']:.3f} s",
-        f"  tokens/s        {d['tokens_per_s']:<18,.1f} {f['tokens_per_s']:,.1f}",
-        "",
-        f"slowest decode ops (of {len(d['ops'])}):",
-    ]
-    rows = [("op", "calls", "dtype", "FLOPs", "bytes", "ms", "bound")]
-    for r in d["ops"][:top]:
-        rows.append((r["label"], f"{r['calls']:g}", r["dtype"], _num(r["flops"]),
-                     _num(r["bytes"]) + "B", f"{r['ms']:.3f}", r["bound"]))
-    lines += _table(rows, "  ")
-    lines += ["", *format_comm(p), "", f"model: {p['formula']}"]
-    return "\n".join(lines)
-
-
-def _table(rows: list[tuple[str, ...]], indent: str) -> list[str]:
-    w = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
-    return [indent + "  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip() for r in rows]
-
-
-def format_comm(p: dict[str, Any]) -> list[str]:
-    """The plan's communication section as text lines: per phase and layer kind, link bytes
-    sent per device per layer and the time of the collectives + the residual/norm work after
-    them, for each TP option and the EP all-to-all; the FlashComm thresholds; the options the
-    step times use."""
-    ch, lay = p["chip"], p["layout"]
-    est = ", estimate" if "collective_latency_us" in ch["estimates"] else ""
-    head = (f"communication per device ({ch['link_name']}: {ch['link_gbs_per_direction']:g} GB/s "
-            f"each way, {ch['collective_latency_us']:g} us per collective{est})")
-    if lay["tp"] == 1 and lay["ep"] == 1:
-        return [head, "  none: one device"]
-    lines = [head, "  per layer: link bytes sent, and us = the collectives + the residual add and "
-             "RMSNorm after them"]
-    for phase in ("decode", "prefill"):
-        cm = p[phase]["comm"]
-        lines.append(f"  {phase}, {cm['tokens_per_tp_group']:,} tokens per TP group"
-                     + (f" (padded to {cm['padded_tokens']:,})"
-                        if cm["padded_tokens"] != cm["tokens_per_tp_group"] else ""))
-        opts = COMM_OPTIONS if lay["tp"] > 1 else ()
-        rows = [("layers", *opts, "EP all-to-all")]
-        for k in cm["kinds"]:
-            cells = [f"{k['kind']} x{k['layers']}"]
-            for o in opts:
-                r = k["tp"][o]
-                cells.append(f"{_num(r['link_bytes'])}B {r['total_us']:,.1f} us")
-            a = k["ep_alltoall"]
-            cells.append(f"{_num(a['link_bytes'])}B {a['us']:,.1f} us" if a else "-")
-            rows.append(tuple(cells))
-        lines += _table(rows, "    ")
-    th = p["decode"]["comm"]["thresholds"]
-    if lay["tp"] > 1:
-        def at(n: int | None) -> str:
-            return f"from {n:,} tokens per TP group" if n is not None else "never"
-
-        lines.append(f"  FlashComm beats all-reduce {at(th['flashcomm'])}; with the int8 "
-                     f"all-gather {at(th['flashcomm-int8'])} (vllm-ascend used 1,000 for dense "
-                     f"models)")
-    else:
-        lines.append("  no TP reduction (tp 1)")
-    lines.append(f"  step times use: decode {p['decode']['comm_option']}, prefill "
-                 f"{p['prefill']['comm_option']} (--comm {p['inputs']['comm']})")
-    return lines

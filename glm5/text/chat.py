@@ -47,7 +47,7 @@ PACKAGED_TEMPLATE = "templates/glm5_chat.jinja"
 
 
 def packaged_chat_template() -> str:
-    """The GLM-5 chat template shipped in the wheel (``glm5/serve/templates/glm5_chat.jinja``)."""
+    """The GLM-5 chat template shipped in the wheel (``glm5/text/templates/glm5_chat.jinja``)."""
     return resources.files("glm5.serve").joinpath(PACKAGED_TEMPLATE).read_text(encoding="utf-8")
 
 

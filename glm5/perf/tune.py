@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from glm5.testing import device_shapes as ds
+from glm5.perf import device_shapes as ds
 
 BF = torch.bfloat16
 MAX_WARPS = 16

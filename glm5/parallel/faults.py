@@ -4,7 +4,7 @@ the collective, this rank, the group's ranks, the timeout and, where the rendezv
 tell, the ranks that did not take part in it — never a silent hang.
 
 How the culprits are found, at no cost to a collective that succeeds: every rank writes its
-host and pid into the store at init (glm5.dist.groups). A rank whose collective fails records
+host and pid into the store at init (glm5.parallel.groups). A rank whose collective fails records
 ``fault/<group>/<call number>/<rank>`` in the store, then reads which other ranks of the group
 recorded the same failure. A rank that did not is dead (its pid is gone, when on this host) or
 did not reach the collective (it hangs, or is still waiting inside it): the error lists both.
@@ -104,7 +104,7 @@ def _peer_report(store: Any, group_ranks: tuple[int, ...], me: int, seq: int, st
                  timeout_s: float | None) -> tuple[list[int] | None, list[int], str]:
     """Record this rank's failure and collect the others': (missing ranks, dead ranks, note).
     ``missing`` is None when the store cannot be used."""
-    from glm5.dist.groups import STORE_PREFIX
+    from glm5.parallel.groups import STORE_PREFIX
 
     tag = "-".join(map(str, group_ranks))
     key = f"{STORE_PREFIX}fault/{tag}/{seq}/"
@@ -146,7 +146,7 @@ def _peer_report(store: Any, group_ranks: tuple[int, ...], me: int, seq: int, st
 def collective_failed(err: BaseException, collective: str, group: Any, seq: int,
                       started: float) -> CollectiveError:
     """The `CollectiveError` for ``err`` raised by ``collective`` on ``group`` (a
-    glm5.dist Group), call number ``seq`` on that group, begun at ``started``
+    glm5.parallel Group), call number ``seq`` on that group, begun at ``started``
     (time.monotonic())."""
     ctx = group.ctx
     me = group.global_rank
@@ -166,7 +166,7 @@ def collective_failed(err: BaseException, collective: str, group: Any, seq: int,
     else:
         what = "failed"
     tmo = f"timeout {timeout_s:g} s" if timeout_s is not None else "no timeout set"
-    msg = (f"glm5.dist.{collective} {what} on rank {me} (group {group.name} of ranks "
+    msg = (f"glm5.parallel.{collective} {what} on rank {me} (group {group.name} of ranks "
            f"{list(group.ranks)}, call #{seq} on that group, {tmo})")
     if missing is not None:
         if missing:

@@ -30,17 +30,10 @@ from __future__ import annotations
 from typing import Any
 
 from glm5.core.config import GLM5Config
+from glm5.core.index_cache import FP8_KEY_SCALE_BYTES, index_key_row_bytes  # noqa: F401  (the cache owns its row layout)
 
 #: element sizes in bytes for the KV-cache figures
 KV_DTYPES = {"bf16": 2, "fp8": 1}
-#: bytes of the one fp32 scale each row of the fp8 index cache carries
-FP8_KEY_SCALE_BYTES = 4
-
-
-def index_key_row_bytes(width: int, element_bytes: int, fp8: bool) -> int:
-    """Bytes one indexer key row of ``width`` values takes: ``width`` e4m3 codes and an fp32
-    scale in the fp8 index cache (``fp8``), else ``width`` elements of ``element_bytes``."""
-    return width + FP8_KEY_SCALE_BYTES if fp8 else width * element_bytes
 
 
 # --------------------------------------------------------------------------- per-module counts
