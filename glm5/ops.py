@@ -88,6 +88,10 @@ def repack_weight(op_name: str, packed: torch.Tensor, scale: torch.Tensor, schem
 # one run are logged in one line (the model reaches dispatch only through this module).
 model_run = selection.model_run
 
+# Layers above the model (engine, RL) scope a run to a backend with this, as users do with
+# `glm5.use_backend`; they reach the plugin system only through this module.
+use_backend = selection.use_backend
+
 
 def __getattr__(name: str) -> Any:
     raise AttributeError(f"glm5.ops has no op {name!r}; known ops: {', '.join(OPS)}")

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
+from glm5 import ops
 from glm5.core.model import GLM5ForCausalLM
 from glm5.engine.graphs import (DEFAULT_BUCKETS, Capture, CudaGraphCapture, DecodeGraphs,
                                 check_buckets)
@@ -348,9 +349,7 @@ class LLMEngine:
         return out
 
     def _backend(self):
-        from glm5.backends.selection import use_backend
-
-        return use_backend(self.backend) if self.backend else contextlib.nullcontext()
+        return ops.use_backend(self.backend) if self.backend else contextlib.nullcontext()
 
     def _run(self, items: list[Item]) -> None:
         """Forward, sample, draft; then commit. Nothing about a request changes unless every

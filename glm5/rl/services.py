@@ -6,12 +6,14 @@ the orchestrator calls them through: in process (`LocalHandle`) or as Ray actors
 from __future__ import annotations
 
 import copy
+import contextlib
 import threading
 from typing import Any
 
 import torch
 
 from glm5.core.config import GLM5Config, preset
+from glm5 import ops
 from glm5.core.model import GLM5ForCausalLM
 from glm5.engine.engine import EngineConfig, LLMEngine
 from glm5.rl.config import ModelConfig, RLConfig
@@ -163,11 +165,8 @@ class TrainerService:
         return dict(self.warm_report)
 
     def train_step(self, trajs: list, weights: list[float] | None = None) -> dict[str, float]:
-        from glm5.backends.selection import use_backend
-        import contextlib
-
         b = self.cfg.model.backend
-        with use_backend(b) if b else contextlib.nullcontext():
+        with ops.use_backend(b) if b else contextlib.nullcontext():
             return self.trainer.train_step(trajs, weights)
 
     def publish(self) -> tuple[int, bytes | None]:
