@@ -1,33 +1,16 @@
-"""glm5/core/checkpoint.py (reads checkpoints) and glm5/deploy/quantize.py (writes quantized ones)
-depend one way: quantize imports checkpoint, never the reverse; the format's names stay
-importable from both."""
+"""The checkpoint format is defined once (glm5/core/checkpoint_files.py, below the model) and its
+names stay importable from glm5.core.checkpoint (which reads models) and glm5.deploy.quantize
+(which writes quantized directories). That core never imports deploy is the layer contract's
+(tests/test_layers.py)."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import glm5.core.checkpoint as checkpoint
+import glm5.core.checkpoint_files as files
 
-ROOT = Path(checkpoint.__file__).resolve().parent
-
-
-def _imported_modules(path: Path) -> set[str]:
-    mods: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            mods.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            mods.add(node.module)
-            mods.update(f"{node.module}.{a.name}" for a in node.names)
-    return mods
-
-
-def test_checkpoint_does_not_import_quantize():
-    mods = _imported_modules(ROOT / "checkpoint.py")
-    assert not any(m == "glm5.deploy.quantize" or m.startswith("glm5.deploy.quantize.")
-                   for m in mods), sorted(mods)
-    assert "glm5.core.checkpoint" in _imported_modules(ROOT / "quantize.py")
+GLM5 = Path(checkpoint.__file__).resolve().parents[1]
 
 
 def test_format_names_are_defined_once_and_importable_from_quantize():
@@ -37,7 +20,14 @@ def test_format_names_are_defined_once_and_importable_from_quantize():
                  "MSMODELSLIM_DESCRIPTION", "CheckpointError", "read_description",
                  "repack_model", "load_model"):
         assert getattr(quantize, name) is getattr(checkpoint, name), name
-    src = (ROOT / "quantize.py").read_text()
-    for name in ("DESCRIPTION", "METHOD", "FORMAT_VERSION", "FLOAT", "MSMODELSLIM_DESCRIPTION"):
-        assert f"\n{name} = " not in src, name
-    assert "def read_description" not in src and "def repack_model" not in src
+    for name in ("INDEX", "SINGLE", "DESCRIPTION", "METHOD", "FORMAT_VERSION", "FLOAT",
+                 "MSMODELSLIM_DESCRIPTION", "CheckpointError", "read_description",
+                 "save_pretrained"):
+        assert getattr(checkpoint, name) is getattr(files, name), name
+    for src in ((GLM5 / "deploy" / "quantize.py").read_text(),
+                (GLM5 / "core" / "checkpoint.py").read_text()):
+        for name in ("DESCRIPTION", "METHOD", "FORMAT_VERSION", "FLOAT",
+                     "MSMODELSLIM_DESCRIPTION"):
+            assert f"\n{name} = " not in src, name
+        assert "def read_description" not in src and "def save_pretrained" not in src
+    assert "def repack_model" not in (GLM5 / "deploy" / "quantize.py").read_text()

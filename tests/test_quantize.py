@@ -301,13 +301,13 @@ def _ms_kind(name: str) -> str | None:
 
 def _write_msmodelslim(model: GLM5ForCausalLM, path, int64_deq: bool = False,
                        bias_layer: str = "") -> None:
-    from glm5.core.checkpoint import _checkpoint_tensors
+    from glm5.core.checkpoint_files import checkpoint_tensors
 
     g = torch.Generator().manual_seed(0)
     path.mkdir(parents=True)
     model.config.save_pretrained(path)
     sd, desc = {}, {"model_quant_type": "W8A8"}
-    for name, t in _checkpoint_tensors(model):
+    for name, t in checkpoint_tensors(model):
         kind = _ms_kind(name)
         if kind is None:
             sd[name] = t.detach().clone()

@@ -13,112 +13,33 @@ glm5/deploy/quantize.py and docs/quantization.md) holds `X.weight_packed` + `X.w
 of each quantized `X.weight`; `load_model` builds those layers as `QuantLinear` / `QuantExperts`
 and offers each quantized weight to the selected backend's repack hook (`repack_model`).
 
-The file names and the description's format are defined here, where checkpoints are read;
-glm5/deploy/quantize.py, which writes them, imports them from this module (never the reverse).
+The file names, the description's format, the checked readers and the writer are
+`glm5.core.checkpoint_files` (below the model, which saves through it); this module builds a
+model from them.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
+from glm5.core.checkpoint_files import (  # noqa: F401  (the format's names, importable from here too)
+    DESCRIPTION, FLOAT, FORMAT_VERSION, INDEX, METHOD, MSMODELSLIM_DESCRIPTION, SINGLE,
+    CheckpointError, checkpoint_tensors, get_tensor, is_output_file, open_safetensors,
+    read_description, read_index, save_pretrained, stored_bytes)
 from glm5.core.config import GLM5Config
 from glm5.core.model import GLM5ForCausalLM
 from glm5.core.rope import inv_freq
-from glm5.ir.quant_formats import SCHEMES
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-# A glm5-quantized directory: its description file, method and format version, and the scheme
-# name of a tensor kept in high precision.
-DESCRIPTION = "quant_description.json"
-METHOD = "glm5"
-FORMAT_VERSION = 1
-FLOAT = "FLOAT"
-# An msModelSlim (Ascend) checkpoint, which `glm5 quantize --from msmodelslim` converts.
-MSMODELSLIM_DESCRIPTION = "quant_model_description.json"
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
                      r"\.(weight|weight_packed|weight_scale)$")
 _PACKED = ".weight_packed"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
 _MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match the model (missing, unexpected or mis-shaped tensors)."""
-
-
-def is_output_file(name: str) -> bool:
-    """Whether a directory entry is part of a checkpoint as glm5 writes it (what a new save
-    replaces; anything else in the directory, e.g. a tokenizer, is kept)."""
-    return name in ("config.json", DESCRIPTION, MSMODELSLIM_DESCRIPTION) or name.endswith(
-        (".safetensors", ".safetensors.index.json"))
-
-
-def open_safetensors(f: Path, who: str):
-    """``safe_open(f)`` (use it as a context manager), or a `CheckpointError` naming the file and
-    what is wrong with it instead of safetensors' bare `SafetensorError`."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        return safe_open(str(f), "pt", device="cpu")
-    except SafetensorError as e:
-        why = str(e).removeprefix("Error while deserializing header: ")
-        raise CheckpointError(f"{who}: {f} is not a valid safetensors file (header: {why}); "
-                              f"it is truncated or corrupt: download or save it again") from e
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{who}: {f} is missing") from e
-    except OSError as e:
-        raise CheckpointError(f"{who}: cannot read {f}: {e.strerror or e}") from e
-
-
-def get_tensor(handle, name: str, f: Path, who: str) -> torch.Tensor:
-    """``handle.get_tensor(name)``; a tensor the file does not hold (an index that disagrees
-    with its shards) or cannot return is a `CheckpointError` naming both."""
-    from safetensors import SafetensorError
-
-    try:
-        return handle.get_tensor(name)
-    except SafetensorError as e:
-        raise CheckpointError(f"{who}: cannot read tensor {name} from {f}: {e}") from e
-
-
-def read_index(index: Path, who: str) -> dict[str, Path]:
-    """tensor name -> shard file of a sharded checkpoint's ``*.safetensors.index.json``, checked:
-    valid JSON with a ``weight_map`` of file names, every shard present."""
-    try:
-        doc = json.loads(index.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{who}: {index} is not valid JSON ({e.msg} at line {e.lineno}); "
-                              f"it is truncated or corrupt") from e
-    wm = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-        raise CheckpointError(f"{who}: {index} expected a \"weight_map\" object mapping tensor "
-                              f"names to shard file names")
-    missing = sorted({v for v in wm.values() if not (index.parent / v).is_file()})
-    if missing:
-        raise CheckpointError(f"{who}: {index} names {len(missing)} shard(s) missing from "
-                              f"{index.parent}: {', '.join(missing[:3])}")
-    return {k: index.parent / v for k, v in wm.items()}
-
-
-def stored_bytes(files: dict[str, Path]) -> int:
-    """Bytes of the tensors named in ``files`` (tensor name -> file), read from the files'
-    headers (no tensor data is read); used as a progress bar's total."""
-    by_file: dict[Path, list[str]] = {}
-    for name, f in files.items():
-        by_file.setdefault(f, []).append(name)
-    total = 0
-    for f, names in by_file.items():
-        with open(f, "rb") as h:
-            header = json.loads(h.read(int.from_bytes(h.read(8), "little")))
-        total += sum(e - s for s, e in (header[n]["data_offsets"] for n in names if n in header))
-    return total
 
 
 def _files(path: Path) -> dict[str, Path]:
@@ -332,23 +253,6 @@ def _install_quant_modules(model: GLM5ForCausalLM, p: Path, files: dict[str, Pat
     return {"scheme": desc["scheme"], "format_version": desc["format_version"]}
 
 
-def read_description(path: Path) -> dict | None:
-    """The parsed quant_description.json of a glm5-quantized directory, or None when absent."""
-    f = Path(path) / DESCRIPTION
-    if not f.exists():
-        return None
-    d = json.loads(f.read_text())
-    if d.get("quant_method") != METHOD or d.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"glm5.load_model: {f} expected quant_method {METHOD!r} format_version "
-            f"{FORMAT_VERSION}, got {d.get('quant_method')!r} {d.get('format_version')!r}")
-    for name, sch in d.get("tensors", {}).items():
-        if sch != FLOAT and sch not in SCHEMES:
-            raise CheckpointError(f"glm5.load_model: {f} names unknown scheme {sch!r} for "
-                                  f"{name}; known: {', '.join(SCHEMES)}")
-    return d
-
-
 def repack_model(model: torch.nn.Module) -> dict[str, str]:
     """Offer each quantized weight to the repack hook of the backend selected for its op on the
     weight's device (once, at load time). Returns {module name: backend} for those repacked."""
@@ -372,73 +276,3 @@ def repack_model(model: torch.nn.Module) -> dict[str, str]:
         if b is not None:
             out[name] = b
     return out
-
-
-def _checkpoint_tensors(model: GLM5ForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
-    """Module tensors -> checkpoint names (inverse of load_model's mapping)."""
-    L = model.config.num_hidden_layers
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        m = re.match(r"^mtp\.(\d+)\.(block\.)?(.*)$", name)
-        if m:
-            name = f"model.layers.{L + int(m.group(1))}.{m.group(3)}"
-        if name.endswith("mlp.experts.gate_up_proj"):
-            pre = name[: -len(".gate_up_proj")]
-            I = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                yield f"{pre}.{e}.gate_proj.weight", t[e, :I]
-                yield f"{pre}.{e}.up_proj.weight", t[e, I:]
-            continue
-        if name.endswith("mlp.experts.down_proj"):
-            pre = name[: -len(".down_proj")]
-            for e in range(t.shape[0]):
-                yield f"{pre}.{e}.down_proj.weight", t[e]
-            continue
-        yield name, t
-
-
-def save_pretrained(model: GLM5ForCausalLM, path: str | Path,
-                    max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> None:
-    """Write config.json + safetensors (sharded with an index above ``max_shard_bytes``).
-
-    The directory is written atomically (glm5/core/output.py): into a temporary directory beside
-    ``path`` that then replaces it, so a reader never sees a mixture of two saves, a failed or
-    interrupted save leaves ``path`` as it was, and no shard of an earlier save survives. A
-    ``path`` that already holds a checkpoint is refused (`OutputExistsError`) unless
-    ``overwrite``; other files in it (a tokenizer, a README) are kept.
-    """
-    from safetensors.torch import save_file
-
-    from glm5.core.output import atomic_dir
-    from glm5.progress import progress_bar
-
-    if max_shard_bytes <= 0:
-        raise ValueError(f"glm5.save_pretrained: argument 'max_shard_bytes' expected > 0, got "
-                         f"{max_shard_bytes}")
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in _checkpoint_tensors(model):
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    total = sum(t.numel() * t.element_size() for sh in shards for t in sh.values())
-    with atomic_dir(path, overwrite=overwrite, who="glm5.save_pretrained",
-                    replaces=is_output_file, kind="a checkpoint") as p, \
-            progress_bar(total, f"saving {Path(path).name}", "B") as bar:
-        model.config.save_pretrained(p)
-        weight_map = {}
-        for i, sh in enumerate(shards):
-            # one shard at a time on the CPU, so saving needs one shard of extra memory
-            sh = {k: t.detach().contiguous().cpu() for k, t in sh.items()}
-            fname = SINGLE if len(shards) == 1 else \
-                f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(sh, str(p / fname), metadata={"format": "pt"})
-            bar.update(sum(t.numel() * t.element_size() for t in sh.values()))
-            weight_map.update({k: fname for k in sh})
-        if len(shards) > 1:
-            (p / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
-                                               "weight_map": weight_map}, indent=2))

@@ -13,6 +13,7 @@ from glm5 import ops
 from glm5.ir.opdef import value_checks
 from glm5.core.attention import Attention, Pages, Step
 from glm5.core.cache import KVCache
+from glm5.core.checkpoint_files import save_pretrained
 from glm5.core.config import GLM5Config
 from glm5.core.index_cache import IndexKeys
 from glm5.core.layers import MLP, MoE, RMSNorm, apply_linear, init_weights, linear
@@ -218,9 +219,7 @@ class GLM5ForCausalLM(nn.Module):
                         overwrite: bool = False) -> None:
         """Write config.json + safetensors in the transformers format, atomically; a ``path``
         holding a checkpoint is replaced only with ``overwrite=True`` (see
-        `glm5.core.checkpoint.save_pretrained`)."""
-        from glm5.core.checkpoint import save_pretrained
-
+        `glm5.core.checkpoint_files.save_pretrained`)."""
         save_pretrained(self, path, max_shard_bytes, overwrite=overwrite)
 
     # ------------------------------------------------------------------ MTP
