@@ -63,8 +63,10 @@ def _resolve(name: str, mods: dict) -> str | None:
     return name or None
 
 
-def imports(mods: dict[str, tuple[Path, bool]]) -> tuple[list[Import], list[str]]:
-    """Every import of a glm5 module by a glm5 module, and the ``lazy`` findings."""
+def imports(mods: dict[str, tuple[Path, bool]],
+            root: Path = ROOT) -> tuple[list[Import], list[str]]:
+    """Every import of a glm5 module by a glm5 module, and the ``lazy`` findings (paths shown
+    relative to ``root``, the folder holding the package)."""
     found: list[Import] = []
     lazy: list[str] = []
     for mod, (path, is_pkg) in mods.items():
@@ -102,7 +104,7 @@ def imports(mods: dict[str, tuple[Path, bool]]) -> tuple[list[Import], list[str]
                 end = getattr(node, "end_lineno", node.lineno)
                 near += "\n" + lines[end - 1]
                 if not LAZY_LINE.search(near):
-                    lazy.append(f"lazy: {path.relative_to(ROOT)}:{node.lineno} imports "
+                    lazy.append(f"lazy: {path.relative_to(root).as_posix()}:{node.lineno} imports "
                                 f"{ast.unparse(node)!r} inside a function without a "
                                 "'# lazy: why' comment")
     return found, lazy
@@ -192,7 +194,7 @@ def check(pkg_dir: Path = ROOT / "glm5", doc: Path = TABLE_DOC) -> list[str]:
         findings.append(f"table: the allowed imports cycle: {' <-> '.join(comp)}")
     for u in sorted(units - set(table)):
         findings.append(f"table: unit {u!r} has no row in {doc.name}")
-    found, lazy = imports(mods)
+    found, lazy = imports(mods, pkg_dir.parent)
     graph: dict[str, set[str]] = {}
     for imp in found:
         graph.setdefault(imp.src, set()).add(imp.dst)

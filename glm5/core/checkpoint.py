@@ -26,13 +26,31 @@ from typing import Iterator
 
 import torch
 
+from glm5 import ops
 from glm5.core.checkpoint_files import (  # noqa: F401  (the format's names, importable from here too)
-    DESCRIPTION, FLOAT, FORMAT_VERSION, INDEX, METHOD, MSMODELSLIM_DESCRIPTION, SINGLE,
-    CheckpointError, checkpoint_tensors, get_tensor, is_output_file, open_safetensors,
-    read_description, read_index, save_pretrained, stored_bytes)
+    DESCRIPTION,
+    FLOAT,
+    FORMAT_VERSION,
+    INDEX,
+    METHOD,
+    MSMODELSLIM_DESCRIPTION,
+    SINGLE,
+    CheckpointError,
+    checkpoint_tensors,
+    get_tensor,
+    is_output_file,
+    open_safetensors,
+    read_description,
+    read_index,
+    save_pretrained,
+    stored_bytes,
+)
 from glm5.core.config import GLM5Config
+from glm5.core.layers import QuantExperts, QuantLinear
 from glm5.core.model import GLM5ForCausalLM
+from glm5.core.quant_policy import high_precision_reason
 from glm5.core.rope import inv_freq
+from glm5.progress import progress_bar
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
                      r"\.(weight|weight_packed|weight_scale)$")
@@ -92,7 +110,6 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None,
     """
     from contextlib import ExitStack
 
-    from glm5.progress import progress_bar
 
     p = Path(path)
     cfg = GLM5Config.from_pretrained(p)
@@ -204,8 +221,6 @@ def _install_quant_modules(model: GLM5ForCausalLM, p: Path, files: dict[str, Pat
                            L: int) -> dict | None:
     """Replace the layers a quantized checkpoint stores as packed codes with QuantLinear /
     QuantExperts (on the meta device, before loading). None for an unquantized checkpoint."""
-    from glm5.core.layers import QuantExperts, QuantLinear
-    from glm5.core.quant_policy import high_precision_reason
 
     desc = read_description(p)
     if desc is None:
@@ -256,8 +271,6 @@ def _install_quant_modules(model: GLM5ForCausalLM, p: Path, files: dict[str, Pat
 def repack_model(model: torch.nn.Module) -> dict[str, str]:
     """Offer each quantized weight to the repack hook of the backend selected for its op on the
     weight's device (once, at load time). Returns {module name: backend} for those repacked."""
-    from glm5 import ops
-    from glm5.core.layers import QuantExperts, QuantLinear
 
     act = model.dtype
     out: dict[str, str] = {}

@@ -11,6 +11,7 @@ from torch import nn
 
 from glm5 import ops
 from glm5.core.config import GLM5Config
+from glm5.ir.quant_formats import get_scheme
 
 
 class RMSNorm(nn.Module):
@@ -49,7 +50,6 @@ class QuantLinear(nn.Module):
 
     def __init__(self, d_in: int, d_out: int, scheme: str, bias: bool = False) -> None:
         super().__init__()
-        from glm5.ir.quant_formats import get_scheme
 
         sc = get_scheme(scheme, "QuantLinear")
         self.in_features, self.out_features, self.scheme = d_in, d_out, scheme
@@ -170,7 +170,6 @@ class QuantExperts(nn.Module):
 
     def __init__(self, cfg: GLM5Config, scheme: str) -> None:
         super().__init__()
-        from glm5.ir.quant_formats import get_scheme
 
         sc = get_scheme(scheme, "QuantExperts")
         E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from glm5.core.model import GLM5ForCausalLM
+from glm5.core.output import atomic_file
+from glm5.progress import progress_bar
 
 
 class _Prefill(torch.nn.Module):
@@ -31,9 +33,10 @@ def export_onnx(model: GLM5ForCausalLM, out: str | Path, seq_len: int = 16, batc
     The file is written atomically (glm5/core/output.py): into a temporary directory beside
     ``out``, then renamed into place, so a failed export leaves nothing behind; an existing
     ``out`` is replaced only with ``overwrite`` (`OutputExistsError` otherwise)."""
-    from glm5.core.output import atomic_file
-    from glm5.ir.onnx_export import EXPORT_STEPS, export
-    from glm5.progress import progress_bar
+    from glm5.ir.onnx_export import (  # lazy: onnx + onnxscript (optional) load only when exporting
+        EXPORT_STEPS,
+        export,
+    )
 
     if seq_len < 1 or batch < 1:
         raise ValueError(f"glm5 export: seq_len and batch expected >= 1, got {seq_len}, {batch}")

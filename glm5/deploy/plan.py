@@ -34,16 +34,34 @@ from typing import Any
 
 import torch
 
+from glm5.core.config import GLM5Config, attends_densely
+from glm5.core.model import DecoderLayer
+from glm5.core.quant_policy import is_quantized
 from glm5.deploy.chips import Chip, get_chip
 from glm5.deploy.costs import OpCost, PlanError, meta_tensor, op_cost, plan_error  # noqa: F401
 from glm5.deploy.flashcomm import (  # noqa: F401  (the planner's names, importable from here too)
-    COMM_CHOICES, COMM_OPTIONS, PER_POINT_SUMS, THRESHOLD_MAX_TOKENS, all_to_all_link_bytes,
-    choose_comm, collective_seconds, flashcomm_threshold, int8_rows_bytes, link_bytes,
-    padded_tokens, sync_ops, sync_point, tp_collectives)
+    COMM_CHOICES,
+    COMM_OPTIONS,
+    PER_POINT_SUMS,
+    THRESHOLD_MAX_TOKENS,
+    all_to_all_link_bytes,
+    choose_comm,
+    collective_seconds,
+    flashcomm_threshold,
+    int8_rows_bytes,
+    link_bytes,
+    padded_tokens,
+    sync_ops,
+    sync_point,
+    tp_collectives,
+)
+from glm5.deploy.info import (
+    KV_DTYPES,
+    count_params,
+    index_key_row_bytes,
+    kv_cache_per_token,
+)
 from glm5.deploy.plan_text import format_comm, format_plan  # noqa: F401  (importable from here too)
-from glm5.core.config import GLM5Config, attends_densely
-from glm5.deploy.info import KV_DTYPES, count_params, index_key_row_bytes, kv_cache_per_token
-from glm5.core.quant_policy import is_quantized
 from glm5.ir.quant_formats import SCHEMES, Scheme
 
 #: the unquantized choice of ``--quant``
@@ -113,8 +131,6 @@ def _kinds(cfg: GLM5Config) -> dict[tuple[str, str], list[int]]:
 
 
 def _meta_layer(cfg: GLM5Config, idx: int, mlp_type: str | None = None) -> torch.nn.Module:
-    from glm5.core.model import DecoderLayer
-
     with torch.device("meta"):
         return DecoderLayer(cfg, idx, mlp_type)
 

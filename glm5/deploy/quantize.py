@@ -45,8 +45,11 @@ from glm5.core.checkpoint import (  # noqa: F401  (the format's names, importabl
     repack_model,
     stored_bytes,
 )
+from glm5.core.config import GLM5Config
+from glm5.core.output import atomic_dir
 from glm5.core.quant_policy import high_precision_reason, is_quantized
 from glm5.ir.quant_formats import get_scheme, quantize_weight
+from glm5.progress import progress_bar
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
@@ -231,7 +234,6 @@ def _write_metadata(src: Path, dst: Path, summary: Summary) -> None:
 
 def _source(src: str | Path, dst: str | Path) -> Path:
     """SRC as a Path, checked: a readable GLM-5 config (ConfigError otherwise), not DST."""
-    from glm5.core.config import GLM5Config
 
     s = Path(src)
     GLM5Config.from_pretrained(s)
@@ -244,7 +246,6 @@ def _output(dst: str | Path, overwrite: bool):
     """The atomic output directory of a quantization (glm5/core/output.py): written beside
     ``dst`` and renamed into place at the end, so a failure leaves nothing behind; an existing
     checkpoint at ``dst`` is replaced only with ``overwrite``."""
-    from glm5.core.output import atomic_dir
 
     return atomic_dir(dst, overwrite=overwrite, who="glm5 quantize", replaces=is_output_file,
                       kind="a checkpoint")
@@ -294,7 +295,6 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str,
 
     ``dst`` is written atomically: it appears complete or not at all, and an existing
     checkpoint there is replaced only with ``overwrite`` (`OutputExistsError` otherwise)."""
-    from glm5.progress import progress_bar
 
     get_scheme(scheme, "quantize")
     for already in (DESCRIPTION, MSMODELSLIM_DESCRIPTION):
@@ -453,7 +453,6 @@ def import_msmodelslim(src: str | Path, dst: str | Path,
     Layers that glm5's quant_policy keeps in high precision are dequantized (to the config's
     dtype, else the dtype of the checkpoint's FLOAT tensors). ``dst`` is written atomically, as
     by `quantize_checkpoint`."""
-    from glm5.progress import progress_bar
 
     s = _source(src, dst)
     f = s / MSMODELSLIM_DESCRIPTION

@@ -33,9 +33,13 @@ from typing import Any, Callable
 
 import torch
 
+import glm5.ops
+from glm5.backends.policy import get_policy
+from glm5.backends.registry import get_registry
+from glm5.backends.selection import current_override, ranked
+from glm5.ir.ops_comm import COMM_OPS, get_comm_op
 from glm5.parallel.faults import CollectiveError, collective_failed
 from glm5.parallel.groups import Group, as_group
-from glm5.ir.ops_comm import COMM_OPS
 
 TORCH = "torch.distributed"  # the name of the default implementation (see `collective_impl`)
 
@@ -94,8 +98,6 @@ def unregister_collective(name: str, backend: str) -> None:
 def collective_impl(name: str, device_type: str) -> tuple[str, Callable[..., torch.Tensor]]:
     """(who, fn): the implementation that serves collective ``name`` for tensors on
     ``device_type`` — a backend's name, or ``"torch.distributed"`` for the default."""
-    from glm5.backends.registry import get_registry
-    from glm5.backends.selection import current_override
 
     reg = get_registry()
     key = (name, device_type, current_override(), os.environ.get("GLM5_PLUGINS"),
@@ -105,9 +107,6 @@ def collective_impl(name: str, device_type: str) -> tuple[str, Callable[..., tor
         return hit
     out: tuple[str, Callable[..., torch.Tensor]] = (TORCH, _DEFAULTS[name])
     if any(k[0] == name for k in _impls):
-        from glm5.backends.policy import get_policy
-        from glm5.backends.selection import ranked
-
         pol = get_policy()
         ordered, _ = ranked(name)
         for b in ordered:
@@ -307,8 +306,6 @@ def _torch_all_gather(x: torch.Tensor, g: Group, dim: int = 0, quant: str | None
 
 
 def _int8_all_gather(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
-    import glm5.ops
-
     shape = tuple(x.shape)
     K = shape[-1] if x.dim() else 1
     rows = x.reshape(-1, K)
@@ -347,7 +344,6 @@ def link_bytes(name: str, x: torch.Tensor, group: Any, **attrs: Any) -> float:
     the identity): `glm5.ir.ops_comm` cost of the call. ``attrs``: ``dim``/``quant``
     (all_gather), ``dim`` (reduce_scatter), ``send_counts`` (all_to_all; ``rank`` is the
     group's)."""
-    from glm5.ir.ops_comm import get_comm_op
 
     op = get_comm_op(name)
     g = as_group(group, f"glm5.parallel.link_bytes({name!r})")

@@ -19,6 +19,8 @@ import socket
 import time
 from typing import Any
 
+from glm5.parallel.groups import STORE_PREFIX
+
 SLACK_S = 1.0  # how long past the timeout a failing rank waits for the others' fault records
 POLL_S = 0.05
 
@@ -104,7 +106,6 @@ def _peer_report(store: Any, group_ranks: tuple[int, ...], me: int, seq: int, st
                  timeout_s: float | None) -> tuple[list[int] | None, list[int], str]:
     """Record this rank's failure and collect the others': (missing ranks, dead ranks, note).
     ``missing`` is None when the store cannot be used."""
-    from glm5.parallel.groups import STORE_PREFIX
 
     tag = "-".join(map(str, group_ranks))
     key = f"{STORE_PREFIX}fault/{tag}/{seq}/"

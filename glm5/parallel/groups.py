@@ -43,6 +43,10 @@ from typing import Any
 
 import torch
 
+from glm5.backends.api import REFERENCE
+from glm5.backends.registry import get_registry
+from glm5.backends.selection import ranked
+
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 COLLECTIVES = ("gloo", "nccl", "hccl", "cncl", "mccl")
 TIMEOUT_ENV = "GLM5_DIST_TIMEOUT"  # the default collective timeout (glm5 launch --timeout)
@@ -65,9 +69,6 @@ def collective_backend(device: str | torch.device) -> str:
 
     Settings come from plugins.toml ``[backends.<name>] collective`` over the backend's own
     default (a user's ``GLM5_PLUGINS`` file overrides them)."""
-    from glm5.backends.api import REFERENCE
-    from glm5.backends.registry import get_registry
-    from glm5.backends.selection import ranked
 
     # A string is taken as written: torch.device("npu") fails where torch_npu is absent.
     dtype = device.type if isinstance(device, torch.device) else str(device).split(":")[0]

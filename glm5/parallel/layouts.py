@@ -36,7 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5 import ops
+from glm5.core.layers import MLP, Experts, MoE
+from glm5.deploy.chips import get_chip
+from glm5.deploy.flashcomm import flashcomm_threshold
 from glm5.parallel import comm
+from glm5.parallel.groups import as_group
 
 FLASHCOMM_MIN_TOKENS = 1000  # vllm-ascend's empirical threshold for dense models (the planner
 # computes one per chip: `glm5 plan`)
@@ -51,8 +55,6 @@ def flashcomm_min_tokens_for(chip: str, hidden_size: int, tp: int, int8: bool = 
     `glm5 plan` chip name): from this many tokens per forward on, FlashComm beats a plain
     all-reduce there. ``2**62`` when it never does (tp 1, or latency-bound up to the planner's
     search limit)."""
-    from glm5.deploy.chips import get_chip
-    from glm5.deploy.flashcomm import flashcomm_threshold
 
     t = flashcomm_threshold(get_chip(chip), hidden_size, tp,
                             "flashcomm-int8" if int8 else "flashcomm")
@@ -60,8 +62,6 @@ def flashcomm_min_tokens_for(chip: str, hidden_size: int, tp: int, int8: bool = 
 
 
 def _size_rank(group: Any) -> tuple[int, int]:
-    from glm5.parallel.groups import as_group
-
     g = as_group(group, "glm5 parallelize")
     return (1, 0) if g is None else (g.size, g.rank)
 
@@ -186,7 +186,6 @@ class ParallelMoE(nn.Module):
 
     def __init__(self, moe: nn.Module, layout: ParallelConfig, where: str) -> None:
         super().__init__()
-        from glm5.core.layers import Experts
 
         if type(moe.experts) is not Experts:
             raise ParallelError(f"glm5 parallelize: {where}.experts is "
@@ -319,8 +318,6 @@ def parallelize(model: nn.Module, layout: ParallelConfig) -> nn.Module:
 
 
 def _parallelize(model: nn.Module, layout: ParallelConfig) -> None:
-    from glm5.core.layers import MLP, MoE
-
     def one(layer: nn.Module, where: str, first: bool, last: bool) -> nn.Module:
         if layout.tp > 1:
             _split_attention(layer.self_attn, layout.tp, layout.tp_rank, f"{where}.self_attn")

@@ -15,17 +15,18 @@ from typing import Any
 
 import torch
 
+from glm5.core import checkpoint as ck
+from glm5.core.config import GLM5Config
+from glm5.core.model import GLM5ForCausalLM
+from glm5.core.rope import inv_freq
+from glm5.parallel.layouts import parallelize
+
 
 def load_parallel(path: str | Path, layout: Any, dtype: torch.dtype | None = None,
                   device: str | torch.device = "cpu") -> torch.nn.Module:
     """This rank's part of the checkpoint at ``path`` under ``layout`` (a
     `glm5.parallel.layouts.ParallelConfig`), as a parallelized GLM5ForCausalLM. ``stats`` on the model:
     bytes read by this rank and the checkpoint's total."""
-    from glm5.core import checkpoint as ck
-    from glm5.core.config import GLM5Config
-    from glm5.core.model import GLM5ForCausalLM
-    from glm5.core.rope import inv_freq
-    from glm5.parallel.layouts import parallelize
 
     p = Path(path)
     cfg = GLM5Config.from_pretrained(p)

@@ -18,6 +18,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from glm5.text.chat import packaged_chat_template
+from glm5.text.tokenizer import Tokenizer as Glm5Tokenizer
+
 # (content, special): special tokens are dropped by decode(skip_special_tokens=True); the
 # think / tool-call tags are plain added tokens, kept by decode so the chat parser sees them
 # (GLM's own tokenizer marks them the same way). Ids follow the trained vocabulary, in order.
@@ -102,10 +105,15 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, text: str | None
     512). The trained vocabulary is smaller when ``text`` runs out of pairs to merge; the
     returned tokenizer's ``vocab_size`` is the real one. ``text``: the training text
     (default: ``DEFAULT_TEXT``, a few KB). Same arguments, same bytes."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
 
-    from glm5.text.chat import packaged_chat_template
-    from glm5.text.tokenizer import Tokenizer as Glm5Tokenizer
 
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"build_tokenizer: vocab_size must be an int >= {MIN_VOCAB_SIZE} (256 "
