@@ -26,7 +26,10 @@ from typing import Iterator
 
 import torch
 
-from glm5 import ops
+from glm5 import (
+    ops,
+    progress,  # progress.progress_bar at call time: tests and callers may replace it
+)
 from glm5.core.checkpoint_files import (  # noqa: F401  (the format's names, importable from here too)
     DESCRIPTION,
     FLOAT,
@@ -50,7 +53,6 @@ from glm5.core.layers import QuantExperts, QuantLinear
 from glm5.core.model import GLM5ForCausalLM
 from glm5.core.quant_policy import high_precision_reason
 from glm5.core.rope import inv_freq
-from glm5.progress import progress_bar
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
                      r"\.(weight|weight_packed|weight_scale)$")
@@ -176,7 +178,8 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None,
         handles: dict[Path, object] = {}
         for f in dict.fromkeys(files.values()):  # every shard's header, before any data is read
             handles[f] = stack.enter_context(open_safetensors(f, "glm5.load_model"))
-        bar = stack.enter_context(progress_bar(stored_bytes(files), f"loading {p.name}", "B"))
+        bar = stack.enter_context(progress.progress_bar(stored_bytes(files), f"loading {p.name}",
+                                                        "B"))
 
         def read(name: str, target: str) -> torch.Tensor:
             f = files[name]

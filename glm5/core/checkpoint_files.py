@@ -17,9 +17,11 @@ from typing import Iterator
 
 import torch
 
+from glm5 import (
+    progress,  # progress.progress_bar at call time: tests and callers may replace it
+)
 from glm5.core.output import atomic_dir
 from glm5.ir.quant_formats import SCHEMES
-from glm5.progress import progress_bar
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -172,7 +174,7 @@ def save_pretrained(model: torch.nn.Module, path: str | Path,
     total = sum(t.numel() * t.element_size() for sh in shards for t in sh.values())
     with atomic_dir(path, overwrite=overwrite, who="glm5.save_pretrained",
                     replaces=is_output_file, kind="a checkpoint") as p, \
-            progress_bar(total, f"saving {Path(path).name}", "B") as bar:
+            progress.progress_bar(total, f"saving {Path(path).name}", "B") as bar:
         model.config.save_pretrained(p)
         weight_map = {}
         for i, sh in enumerate(shards):

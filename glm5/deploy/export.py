@@ -12,9 +12,11 @@ from pathlib import Path
 
 import torch
 
+from glm5 import (
+    progress,  # progress.progress_bar at call time: tests and callers may replace it
+)
 from glm5.core.model import GLM5ForCausalLM
 from glm5.core.output import atomic_file
-from glm5.progress import progress_bar
 
 
 class _Prefill(torch.nn.Module):
@@ -43,7 +45,7 @@ def export_onnx(model: GLM5ForCausalLM, out: str | Path, seq_len: int = 16, batc
     ids = torch.zeros(batch, seq_len, dtype=torch.long)
     steps = (*EXPORT_STEPS, "write")
     with atomic_file(out, overwrite=overwrite, who="glm5 export") as tmp, \
-            progress_bar(len(steps), "export", "step") as bar:
+            progress.progress_bar(len(steps), "export", "step") as bar:
         done = 0
 
         def on_step(name: str) -> None:

@@ -27,6 +27,9 @@ from typing import Any, Callable
 
 import torch
 
+from glm5 import (
+    progress,  # progress.progress_bar at call time: tests and callers may replace it
+)
 from glm5.core.checkpoint import (  # noqa: F401  (the format's names, importable from here too)
     DESCRIPTION,
     FLOAT,
@@ -49,7 +52,6 @@ from glm5.core.config import GLM5Config
 from glm5.core.output import atomic_dir
 from glm5.core.quant_policy import high_precision_reason, is_quantized
 from glm5.ir.quant_formats import get_scheme, quantize_weight
-from glm5.progress import progress_bar
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
@@ -306,7 +308,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str,
     s = _source(src, dst)
     reader = _Reader(source_files(s))  # opens (checks) every file before DST is touched
     with _output(dst, overwrite) as d, \
-            progress_bar(stored_bytes(reader.files), f"quantize {scheme}", "B") as bar:
+            progress.progress_bar(stored_bytes(reader.files), f"quantize {scheme}", "B") as bar:
         reader.bar = bar
         writer = _ShardWriter(d, max_shard_bytes)
         summary = Summary(schemes={scheme})
@@ -466,7 +468,7 @@ def import_msmodelslim(src: str | Path, dst: str | Path,
     cfg = json.loads((s / "config.json").read_text())
     reader = _Reader(source_files(s))  # opens (checks) every file before DST is touched
     with _output(dst, overwrite) as d, \
-            progress_bar(stored_bytes(reader.files), "import msModelSlim", "B") as bar:
+            progress.progress_bar(stored_bytes(reader.files), "import msModelSlim", "B") as bar:
         reader.bar = bar
         summary = _import_msmodelslim(s, d, desc, cfg, reader, max_shard_bytes, clamp_min_code)
     for line in summary.lines():
