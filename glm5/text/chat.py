@@ -48,7 +48,7 @@ PACKAGED_TEMPLATE = "templates/glm5_chat.jinja"
 
 def packaged_chat_template() -> str:
     """The GLM-5 chat template shipped in the wheel (``glm5/text/templates/glm5_chat.jinja``)."""
-    return resources.files("glm5.serve").joinpath(PACKAGED_TEMPLATE).read_text(encoding="utf-8")
+    return resources.files("glm5.text").joinpath(PACKAGED_TEMPLATE).read_text(encoding="utf-8")
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
