@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from glm5 import cli, doctor
-from glm5.rl.envs import sandbox
+from glm5.rl.envs import sandbox, sandbox_probe
 
 SECTIONS = ("Python", "Torch", "CPU", "Backends",
             "Optional dependencies (found without importing them)",
@@ -29,9 +29,9 @@ def _no_bwrap(monkeypatch, path: str | None) -> None:
     why = ("bwrap not found on PATH" if path is None else
            "bwrap cannot create a sandbox here (userns: exit 1: bwrap: No permissions to "
            "create new namespace)")
-    info = sandbox._BwrapInfo(path, False, False, "" if path is None else "bubblewrap 0.8.0",
-                              why)
-    monkeypatch.setattr(sandbox, "_bwrap_probe", lambda: info)
+    info = sandbox_probe.BwrapInfo(path, False, False,
+                                   "" if path is None else "bubblewrap 0.8.0", why)
+    monkeypatch.setattr(sandbox_probe, "bwrap_probe", lambda: info)
 
 
 def test_text_has_every_section(capsys):

@@ -398,7 +398,7 @@ def test_environment_types_from_installed_packages_entry_points(monkeypatch):
     import importlib.metadata as md
 
     from glm5.rl.envs import base
-    from glm5.rl.episodes import is_env_task
+    from glm5.rl.tasks import is_env_task
 
     eps = md.EntryPoints([md.EntryPoint("echo-plugin", f"{__name__}:EchoEnv", "glm5.rl_envs"),
                           md.EntryPoint("broken", "no_such_module_x:Env", "glm5.rl_envs")])

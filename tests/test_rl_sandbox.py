@@ -39,8 +39,11 @@ from pathlib import Path
 import pytest
 
 from glm5.rl.envs import sandbox as S
+from glm5.rl.envs import sandbox_bwrap
+from glm5.rl.envs import sandbox_config
 from glm5.rl.envs import sandbox_fs
 from glm5.rl.envs import sandbox_launch
+from glm5.rl.envs import sandbox_probe
 from glm5.rl.envs import sandbox_seccomp
 from glm5.rl.envs import sandbox_stage
 from glm5.rl.envs.sandbox import Sandbox, SandboxConfig, SandboxError
@@ -53,7 +56,7 @@ MODES = ["bwrap", "bwrap-setpriv", "rlimits"] if ROOT else ["bwrap", "rlimits"]
 
 
 def require_bwrap() -> None:
-    info = S._bwrap_probe()
+    info = sandbox_probe.bwrap_probe()
     if not info.works:
         if IN_CI:
             pytest.fail(f"CI must run the bwrap sandbox tests: {info.reason}")
@@ -79,9 +82,9 @@ def mode(request, monkeypatch) -> str:
         require_bwrap()
     if request.param == "bwrap-setpriv":
         require_root("bwrap runs as root only for root")
-        info = S._bwrap_probe()
-        forced = S._BwrapInfo(info.path, True, False, info.version, "", "setpriv")
-        monkeypatch.setattr(S, "_bwrap_probe", lambda: forced)
+        info = sandbox_probe.bwrap_probe()
+        forced = sandbox_probe.BwrapInfo(info.path, True, False, info.version, "", "setpriv")
+        monkeypatch.setattr(sandbox_probe, "bwrap_probe", lambda: forced)
     return request.param
 
 
@@ -108,7 +111,7 @@ def make(session_root):
         mode = "bwrap" if mode.startswith("bwrap") else mode
         if mode == "rlimits" and ROOT:
             kw.setdefault("unsafe_rlimits_as_root", True)
-            if not S._reachable_by_all(sys.executable):
+            if not sandbox_bwrap.reachable_by_all(sys.executable):
                 # rlimits mode binds nothing: the commands' uid runs the host's interpreter
                 # by its own path (.ci/run opens the path to other users, as it must for
                 # its unprivileged run of this file)
@@ -1085,7 +1088,7 @@ def test_rlimits_mode_reports_what_it_does_not_enforce(make, caplog):
     assert not caps["sessions_isolated"] and not caps["pid_namespace"]
     assert any("no filesystem isolation" in w for w in caps["warnings"])
     assert "no filesystem isolation" in caplog.text
-    assert caps["network_isolated"] == (S._netns_probe() == "")
+    assert caps["network_isolated"] == (sandbox_probe.netns_probe() == "")
     assert caps["ipc"] == "System V IPC denied by seccomp"
     assert a.run("echo visible > f.txt").ok
     r = b.run(f"cat '{a.workdir}/f.txt'")
@@ -1161,9 +1164,9 @@ def test_a_memory_bomb_hits_the_memory_limit(mode, make):
     assert "MemoryError" in r.stderr
     assert sb.run([sb.python, "-c", "b = bytearray(32 << 20); print(len(b))"]).ok
     # the open twin: without the limit the same allocation's failure would be "error"-free
-    assert S._classify(timed_out=False, rc=1, sig=None, cpu_s=0.0, stderr="MemoryError",
-                       config=SandboxConfig(memory_bytes=None), timeout=1.0,
-                       bwrap=False)[0] == "error"
+    assert sandbox_config.classify(timed_out=False, rc=1, sig=None, cpu_s=0.0,
+                                   stderr="MemoryError", config=SandboxConfig(memory_bytes=None),
+                                   timeout=1.0, bwrap=False)[0] == "error"
 
 
 def test_an_endless_loop_hits_the_cpu_limit(mode, make):

@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glm5.core.config import GLM5Config, preset
+from glm5.rl.reward import text_component_error
+from glm5.rl.tasks import is_env_task
+
 
 class RLConfigError(ValueError):
     """A configuration value is missing, unknown or out of range."""
@@ -39,6 +43,13 @@ class ModelConfig:
     # byte-level BPE trained for the run (glm5.rl.envs.dialogue.toy_tokenizer; needs
     # vocab_size >= 273)
     tokenizer: str | None = None
+
+
+def model_config(mc: ModelConfig) -> GLM5Config:
+    """The policy's shapes: the checkpoint's config, or the preset with the overrides."""
+    if mc.path is not None:
+        return GLM5Config.from_pretrained(mc.path)
+    return preset(mc.preset).replace(**mc.overrides)
 
 
 @dataclass
@@ -290,8 +301,6 @@ def _validate(c: RLConfig) -> None:
         raise RLConfigError(f"glm5 rl config: rollout.urls expected one engine server URL per "
                             f"worker (rollout.num_workers = {c.rollout.num_workers}) with "
                             f"rollout.transport: http, got {len(c.rollout.urls)}")
-    from glm5.core.config import GLM5Config
-
     if c.model.path is not None and c.model.overrides:
         raise RLConfigError("glm5 rl config: model.overrides apply to a preset; a checkpoint "
                             "(model.path) keeps its own config.json")
@@ -303,15 +312,11 @@ def _validate(c: RLConfig) -> None:
                             f"index_topk)")
     if not c.reward.components:
         raise RLConfigError("glm5 rl config: reward.components expected at least one component")
-    from glm5.rl.reward import text_component_error  # the registries load on first use
-
     if err := text_component_error(c.reward.components, [t.name for t in c.tasks]):
         raise RLConfigError(f"glm5 rl config: {err}")
     if c.rollout.max_observation_tokens < 8:
         raise RLConfigError(f"glm5 rl config: rollout.max_observation_tokens expected a value "
                             f">= 8, got {c.rollout.max_observation_tokens}")
-    from glm5.rl.episodes import is_env_task
-
     envs = [t.name for t in c.tasks if is_env_task(t.name)]
     if c.warm_start.demos and not envs:
         raise RLConfigError("glm5 rl config: warm_start.demos expected 0 without environment "

@@ -28,18 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from glm5.rl.tasks import TaskInstance
+from glm5.engine.engine import RequestRejected
+from glm5.rl.config import model_config
+from glm5.rl.envs.base import EpisodeRunner, make_env
+from glm5.rl.envs.dialogue import Dialogue, toy_tokenizer
+from glm5.rl.tasks import TaskInstance, is_env_task
+from glm5.rl.trajectory import Trajectory
+from glm5.text.tokenizer import Tokenizer
 
 SUCCESS = 1.0 - 1e-9  # an episode whose total reward reaches 1 succeeded ("exact")
-
-
-def is_env_task(name: str) -> bool:
-    """Whether ``name`` is an environment type (`glm5.rl.envs.base.env_known`) rather than a
-    token task of glm5.rl.tasks (those win a name clash)."""
-    from glm5.rl.envs.base import env_known
-    from glm5.rl.tasks import TASKS
-
-    return name not in TASKS and env_known(name)
 
 
 @dataclass(frozen=True)
@@ -64,24 +61,20 @@ class EnvTask:
 
     def __init__(self, name: str, params: dict[str, Any] | None, dialogue: Any,
                  limits: EpisodeLimits = EpisodeLimits()) -> None:
-        from glm5.rl.envs.base import make_env
-
         self.name, self.params = name, dict(params or {})
         self.dialogue, self.limits = dialogue, limits
         env = make_env(name, **self.params)  # bad params fail here, naming the env
-        _close(env)
+        close_env(env)
         self.stop_token_ids = list(dialogue.stop_token_ids)
 
     def sample(self, rng: random.Random) -> TaskInstance:
-        from glm5.rl.envs.base import make_env
-
         seed = rng.randrange(2**31)
         env = make_env(self.name, **self.params)
         try:
             obs = env.reset(seed)
-            prompt = self.dialogue.prompt_ids(obs, _tools(env, self.limits))
+            prompt = self.dialogue.prompt_ids(obs, declared_tools(env, self.limits))
         finally:
-            _close(env)
+            close_env(env)
         if len(prompt) > self.limits.max_prompt_tokens:
             raise ValueError(f"glm5 rl env task {self.name!r}: the first prompt has "
                              f"{len(prompt)} tokens, over rollout.max_prompt_tokens = "
@@ -134,7 +127,9 @@ class EnvTask:
         return turns
 
 
-def _tools(env: Any, limits: EpisodeLimits) -> list[dict[str, Any]] | None:
+def declared_tools(env: Any, limits: EpisodeLimits) -> list[dict[str, Any]] | None:
+    """The tool specs the first prompt declares: the environment's ``tool_specs()``, None
+    without them or with ``limits.declare_tools`` off."""
     specs = getattr(env, "tool_specs", None)
     return specs() if callable(specs) and limits.declare_tools else None
 
@@ -143,7 +138,8 @@ def _observation_role(env: Any) -> str:
     return getattr(env, "observation_role", "user")
 
 
-def _close(env: Any) -> None:
+def close_env(env: Any) -> None:
+    """Close an environment that has a ``close()``."""
     close = getattr(env, "close", None)
     if callable(close):
         close()
@@ -196,8 +192,6 @@ class EpisodePlayer:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, group: Any, member: int) -> None:
-        from glm5.rl.envs.base import EpisodeRunner, make_env
-
         meta = group.meta
         env = make_env(meta["env"], **meta.get("env_params", {}))
         runner = EpisodeRunner(env, self.dir / (group.traj_id(member).replace("/", "_") +
@@ -205,12 +199,12 @@ class EpisodePlayer:
                                max_steps=self.limits.max_turns)
         try:
             obs = runner.reset(int(meta["env_seed"]))
-            prompt = self.dialogue.prompt_ids(obs, _tools(env, self.limits))
+            prompt = self.dialogue.prompt_ids(obs, declared_tools(env, self.limits))
         except Exception:
-            _close(env)
+            close_env(env)
             raise
         if prompt != list(group.prompt_ids):
-            _close(env)
+            close_env(env)
             raise ValueError(f"glm5 rl: environment {meta['env']!r} gave a different first "
                              f"observation for seed {meta['env_seed']} on this worker than when "
                              f"the prompt was made; an environment must be deterministic in "
@@ -305,8 +299,6 @@ class EpisodePlayer:
 
     def _next_turn(self, ep: _Episode) -> str | None:
         """Queue the episode's next turn; the reason it cannot run, if any."""
-        from glm5.engine.engine import RequestRejected
-
         left = self.limits.max_episode_tokens - len(ep.ids)
         if left < 1:
             return "length"
@@ -322,8 +314,6 @@ class EpisodePlayer:
         return None
 
     def _finish(self, ep: _Episode, reason: str) -> Any:
-        from glm5.rl.trajectory import Trajectory
-
         episode = ep.runner.end(reason)
         self._drop(ep)
         rewards = [s.reward for s in episode.steps]
@@ -345,7 +335,7 @@ class EpisodePlayer:
         for rid in [r for r, t in self._requests.items() if t == ep.traj_id]:
             del self._requests[rid]
             self.engine.abort(rid)
-        _close(ep.env)
+        close_env(ep.env)
         try:
             ep.runner.path.unlink()
         except OSError:
@@ -388,25 +378,17 @@ def episode_limits(cfg: Any) -> EpisodeLimits:
 def resolve_tokenizer(cfg: Any, out_dir: str | Path) -> None:
     """Make ``cfg.model.tokenizer`` a directory every service can load: "toy" is trained once
     into ``out_dir/tokenizer`` (kept across resumes) for the run's environment tasks."""
-    from glm5.rl.envs.dialogue import toy_tokenizer
-
     mc = cfg.model
     if mc.tokenizer != "toy":
         return
     path = (Path(out_dir) / "tokenizer").resolve()  # absolute: Ray actors have their own cwd
     if not (path / "tokenizer.json").is_file():
-        from glm5.rl.services import model_config
-
         toy_tokenizer(path, model_config(mc).vocab_size, env_task_names(cfg))
     mc.tokenizer = str(path)
 
 
 def load_dialogue(cfg: Any) -> Any:
     """The `Dialogue` of a config's environment tasks (its tokenizer must fit the model)."""
-    from glm5.rl.envs.dialogue import Dialogue
-    from glm5.rl.services import model_config
-    from glm5.text.tokenizer import Tokenizer
-
     mc = cfg.model
     where = mc.tokenizer or mc.path
     if where is None or where == "toy":

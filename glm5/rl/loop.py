@@ -42,10 +42,18 @@ from glm5 import ops
 from glm5.rl import crash_points
 from glm5.rl.config import (DEFAULT_MAX_TOKENS, DROP_WARN_FRACTION, DROP_WARN_WINDOW, RLConfig,
                              sync_warnings)
+from glm5.rl.episodes import (EnvTask, env_task_names, episode_limits, load_dialogue,
+                              resolve_tokenizer)
+from glm5.rl.pool import DuplicateTrajectoryError, ExperiencePool
+from glm5.rl.remote import HTTPWorkerService
+from glm5.rl.reward import CompositeReward, RewardContext
 from glm5.rl.rollout import PromptGroup
+from glm5.rl.sampler import DynamicRatioSampler
 from glm5.rl.services import (LocalHandle, RayHandle, ServiceDied, TrainerService, WorkerService,
                               copy_config)
+from glm5.rl.tasks import answer_limit, make_task
 from glm5.rl.trajectory import Trajectory
+from glm5.rl.weight_sync import staleness_weights
 
 log = logging.getLogger("glm5.rl")
 
@@ -73,18 +81,10 @@ class RLRun:
 
     def __init__(self, cfg: RLConfig, out_dir: str | Path | None = None, resume: bool = True,
                  use_ray: bool | None = None, metrics: Any = None) -> None:
-        from glm5.rl.pool import ExperiencePool
-        from glm5.rl.reward import CompositeReward
-        from glm5.rl.sampler import DynamicRatioSampler
-        from glm5.rl.tasks import answer_limit, make_task
-
         self.cfg = cfg
         self.out = Path(out_dir or cfg.run.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.use_ray = cfg.run.ray if use_ray is None else use_ray
-        from glm5.rl.episodes import (EnvTask, env_task_names, episode_limits, load_dialogue,
-                                      resolve_tokenizer)
-
         for msg in sync_warnings(cfg):
             log.warning("glm5 rl: %s", msg)
         envs = env_task_names(cfg)
@@ -163,8 +163,6 @@ class RLRun:
     def _new_worker(self, i: int) -> Any:
         rc = self.cfg.rollout
         if rc.transport == "http":
-            from glm5.rl.remote import HTTPWorkerService
-
             # an engine server per worker (urls[i]), brought to the
             # published weights with a full update
             w = LocalHandle(HTTPWorkerService(rc.urls[i], f"w{i}"))
@@ -220,8 +218,6 @@ class RLRun:
                 self._complete(gid)
 
     def _complete(self, gid: str) -> None:
-        from glm5.rl.reward import RewardContext
-
         g = self._groups.pop(gid)
         members = self._done.pop(gid)
         self._where.pop(gid, None)
@@ -243,8 +239,6 @@ class RLRun:
         if not self._replaying:
             self.pool.call("add", trajs)
             return
-        from glm5.rl.pool import DuplicateTrajectoryError
-
         for t in trajs:  # a persistent tier (SQLite, Redis) may still hold some of them
             try:
                 self.pool.call("add", [t])
@@ -318,8 +312,6 @@ class RLRun:
         return self.cfg.rollout.groups_per_step * self.cfg.rollout.group_size
 
     def _train(self, trajs: list[Trajectory], t_wait: float) -> dict[str, float]:
-        from glm5.rl.weight_sync import staleness_weights
-
         sc = self.cfg.sync
         w = staleness_weights(trajs, self.version, sc.max_staleness, sc.stale_policy)
         stale = [self.version - t.min_version for t in trajs]  # versions behind the trainer

@@ -28,6 +28,7 @@ from typing import Any
 from glm5.rl.rollout import PromptGroup, trajectory_from_output
 from glm5.rl.services import ServiceDied
 from glm5.rl.trajectory import Trajectory
+from glm5.rl.weight_sync import StaleUpdateError, WeightSyncError
 
 __all__ = ["HTTPWorkerService", "RemoteWorkerError"]
 
@@ -134,8 +135,6 @@ class HTTPWorkerService:
                                     f"it a `glm5 serve` server?") from e
 
     def _weights_reply(self, r: Any, what: str) -> dict[str, Any]:
-        from glm5.rl.weight_sync import StaleUpdateError, WeightSyncError
-
         if r.status_code == 200:
             return r.json()
         msg = _error_message(r)

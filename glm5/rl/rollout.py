@@ -15,6 +15,7 @@ from typing import Any
 from glm5.engine.engine import LLMEngine
 from glm5.engine.sampling import SamplingParams
 from glm5.rl.trajectory import Trajectory
+from glm5.rl.weight_sync import WeightReceiver, apply_to_engine
 
 
 def member_seed(run_seed: int, group_id: str, member: int) -> int:
@@ -169,11 +170,7 @@ class RolloutWorker:
 
     def apply_update(self, update: Any) -> int:
         """Apply a `WeightUpdate` between steps; returns the engine's new weights version."""
-        from glm5.rl.weight_sync import apply_to_engine
-
         if self.receiver is None:
-            from glm5.rl.weight_sync import WeightReceiver
-
             self.receiver = WeightReceiver(self.engine.model, self.engine.weights_version)
         return apply_to_engine(self.engine, self.receiver, update)
 

@@ -12,30 +12,24 @@ from typing import Any
 
 import torch
 
-from glm5.core.config import GLM5Config, preset
 from glm5 import ops
+from glm5.core.checkpoint import load_model
 from glm5.core.model import GLM5ForCausalLM
 from glm5.engine.engine import EngineConfig, LLMEngine
-from glm5.rl.config import ModelConfig, RLConfig
+from glm5.rl.config import ModelConfig, RLConfig, model_config
+from glm5.rl.episodes import EnvTask, EpisodePlayer, env_task_names, episode_limits, load_dialogue
 from glm5.rl.rollout import RolloutWorker
 from glm5.rl.trainer import GRPOTrainer
+from glm5.rl.warmstart import demonstrations, supervised_warm_start
+from glm5.rl.weight_sync import WeightPublisher, WeightReceiver, WeightUpdate, state_checksums
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
-def model_config(mc: ModelConfig) -> GLM5Config:
-    """The policy's shapes: the checkpoint's config, or the preset with the overrides."""
-    if mc.path is not None:
-        return GLM5Config.from_pretrained(mc.path)
-    return preset(mc.preset).replace(**mc.overrides)
 
 
 def build_policy(mc: ModelConfig) -> GLM5ForCausalLM:
     """The initial policy: the checkpoint at ``path`` or a seeded random init of the preset."""
     dtype = _DTYPES[mc.dtype]
     if mc.path is not None:
-        from glm5.core.checkpoint import load_model
-
         model = load_model(mc.path, dtype=dtype)
         return model
     torch.manual_seed(mc.init_seed)
@@ -43,8 +37,6 @@ def build_policy(mc: ModelConfig) -> GLM5ForCausalLM:
 
 
 def engine_config(cfg: RLConfig) -> EngineConfig:
-    from glm5.rl.episodes import env_task_names
-
     rc = cfg.rollout
     longest = rc.max_tokens + 256  # prompts of the digit tasks are short
     if env_task_names(cfg):
@@ -60,8 +52,6 @@ class WorkerService:
 
     def __init__(self, cfg_dict: dict[str, Any], full_update: bytes, worker_id: str,
                  threads: int | None = None) -> None:
-        from glm5.rl.weight_sync import WeightReceiver, WeightUpdate
-
         if threads is not None:
             torch.set_num_threads(threads)
         cfg = RLConfig.from_dict(cfg_dict)
@@ -74,8 +64,6 @@ class WorkerService:
         up = WeightUpdate.from_bytes(full_update)
         receiver.apply(up)
         engine.set_weights_version(receiver.version)
-        from glm5.rl.episodes import EpisodePlayer, env_task_names, episode_limits, load_dialogue
-
         player = None
         if env_task_names(cfg):
             player = EpisodePlayer(engine, load_dialogue(cfg), episode_limits(cfg))
@@ -99,16 +87,12 @@ class WorkerService:
         return self.worker.num_open()
 
     def apply_update(self, data: bytes) -> int:
-        from glm5.rl.weight_sync import WeightUpdate
-
         return self.worker.apply_update(WeightUpdate.from_bytes(data))
 
     def version(self) -> int:
         return self.worker.version
 
     def checksums(self) -> dict[str, str]:
-        from glm5.rl.weight_sync import state_checksums
-
         return state_checksums(self.worker.engine.model)
 
     def tokens_generated(self) -> int:
@@ -120,8 +104,6 @@ class TrainerService:
 
     def __init__(self, cfg_dict: dict[str, Any], threads: int | None = None,
                  warm_start: bool = False) -> None:
-        from glm5.rl.weight_sync import WeightPublisher
-
         if threads is not None:
             torch.set_num_threads(threads)
         self.cfg = RLConfig.from_dict(cfg_dict)
@@ -132,8 +114,6 @@ class TrainerService:
         teacher = None
         dc = self.cfg.trainer.distill
         if dc.enabled and dc.teacher_path is not None:
-            from glm5.core.checkpoint import load_model
-
             teacher = load_model(dc.teacher_path, dtype=policy.dtype)
         self.trainer = GRPOTrainer(policy, self.cfg.trainer, teacher=teacher,
                                    total_steps=self.cfg.run.steps)
@@ -142,9 +122,6 @@ class TrainerService:
     def _warm_start(self, policy: GLM5ForCausalLM) -> dict[str, float]:
         """Supervised training on the environment tasks' demonstrations (before the trainer,
         its reference and teacher copies and the publisher's version 0 are made)."""
-        from glm5.rl.episodes import EnvTask, env_task_names, episode_limits, load_dialogue
-        from glm5.rl.warmstart import demonstrations, supervised_warm_start
-
         cfg, ws = self.cfg, self.cfg.warm_start
         dialogue, limits = load_dialogue(cfg), episode_limits(cfg)
         names = env_task_names(cfg)

@@ -164,10 +164,16 @@ def register_task(name: str, factory: Callable[..., Task], *, has_text: bool = F
 
 def task_has_text(name: str) -> bool | None:
     """Whether task type ``name`` has text: its registration's ``has_text`` for a registered
-    task, True for an environment type (`glm5.rl.episodes.is_env_task`), None when unknown."""
+    task, True for an environment type (`is_env_task`), None when unknown."""
     if name in TASKS:
         return name in TEXT_TASKS
     return True if env_known(name) else None
+
+
+def is_env_task(name: str) -> bool:
+    """Whether ``name`` is an environment type (`glm5.rl.envs.base.env_known`) rather than a
+    token task of `TASKS` (those win a name clash)."""
+    return name not in TASKS and env_known(name)
 
 
 def answer_limit(tasks: Iterable[Any]) -> int | None:

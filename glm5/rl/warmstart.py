@@ -16,6 +16,9 @@ from typing import Any, Sequence
 
 import torch
 
+from glm5.rl.envs.base import make_env
+from glm5.rl.episodes import SUCCESS, close_env, declared_tools
+from glm5.rl.trainer import pack, token_logprobs
 from glm5.rl.trajectory import Trajectory
 
 
@@ -27,9 +30,6 @@ def demonstration(task: Any, rng: random.Random, index: int = 0) -> Trajectory |
     """One expert episode of an `EnvTask` as a trajectory (mask 1 on the expert's turns, the
     stop token after each included); None when the environment type has no demonstrations.
     Raises `DemonstrationError` when the demonstration does not reach reward 1."""
-    from glm5.rl.envs.base import make_env
-    from glm5.rl.episodes import SUCCESS, _close, _tools
-
     inst = task.sample(rng)
     env = make_env(task.name, **task.params)
     try:
@@ -37,7 +37,7 @@ def demonstration(task: Any, rng: random.Random, index: int = 0) -> Trajectory |
             return None
         d = task.dialogue
         obs = env.reset(inst.meta["env_seed"])
-        if d.prompt_ids(obs, _tools(env, task.limits)) != inst.prompt_ids:
+        if d.prompt_ids(obs, declared_tools(env, task.limits)) != inst.prompt_ids:
             raise DemonstrationError(f"glm5 rl warm start: environment {task.name!r} is not "
                                      f"deterministic in its seed")
         ids: list[int] = []
@@ -61,7 +61,7 @@ def demonstration(task: Any, rng: random.Random, index: int = 0) -> Trajectory |
                                      f"(seed {inst.meta['env_seed']}) ended with reward {total} "
                                      f"(done: {done}); expected an episode solved with reward 1")
     finally:
-        _close(env)
+        close_env(env)
     n = len(ids)
     return Trajectory(f"demo/{task.name}/{index}", f"demo/{task.name}", task.name,
                       inst.prompt_ids, ids, [0.0] * n, [0] * n, reward=total,
@@ -86,8 +86,6 @@ def supervised_warm_start(model: torch.nn.Module, trajs: Sequence[Trajectory], s
     """Train ``model`` in place for ``steps`` AdamW steps on random batches of ``trajs``: the
     mean negative log-likelihood of their sampled (mask 1) tokens at temperature 1. Returns
     the first and last batch's loss, the seconds taken and the tokens trained on."""
-    from glm5.rl.trainer import pack, token_logprobs
-
     if not trajs:
         raise ValueError("glm5 rl supervised_warm_start: trajs expected at least one "
                          "demonstration")

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glm5.rl.envs.sandbox import Sandbox, SandboxConfig
+
 _SKIP_DIRS = {".git", ".tox", ".venv", "venv", "build", "dist", "__pycache__", "docs"}
 
 
@@ -117,8 +119,6 @@ _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped)")
 def build_and_test(repo: str | Path, sandbox_config: Any = None, timeout: float = 600.0
                    ) -> BuildReport:
     """Find the test entry, build the environment in a fresh sandbox, run the tests there."""
-    from glm5.rl.envs.sandbox import Sandbox, SandboxConfig
-
     r = Path(repo)
     entry = find_test_entry(r)
     if entry is None:

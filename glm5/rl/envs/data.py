@@ -21,7 +21,7 @@ from math import floor
 from typing import Any, Sequence
 
 from glm5.rl.envs.base import register_env
-from glm5.rl.envs.search import _word
+from glm5.rl.envs.search import invented_word
 from glm5.rl.envs.tools import tool_call
 from glm5.rl.envs.workspace import WorkspaceEnv
 
@@ -42,7 +42,7 @@ def _cents(c: int) -> str:
 def _names(rng: random.Random, k: int, taken: set[str]) -> list[str]:
     out: list[str] = []
     while len(out) < k:
-        w = _word(rng, 2)
+        w = invented_word(rng, 2)
         if w.lower() not in taken:
             taken.add(w.lower())
             out.append(w)

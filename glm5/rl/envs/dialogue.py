@@ -17,6 +17,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from glm5.rl.envs.base import make_env
+from glm5.text.bpe import DEFAULT_TEXT, build_tokenizer
+from glm5.text.chat import (TOOL_CALL_OPEN, ChatParser, packaged_chat_template,
+                            render_chat_template)
+
 OBSERVATION_ROLES = ("tool", "user")
 TRUNCATED = " …[truncated {n} tokens]"
 
@@ -50,8 +55,6 @@ class Dialogue:
 
     def _render(self, messages: Sequence[Mapping[str, Any]], generation_prompt: bool,
                 tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-        from glm5.text.chat import render_chat_template
-
         return render_chat_template(self.tok.chat_template, messages, tools=tools or None,
                                     add_generation_prompt=generation_prompt,
                                     enable_thinking=self.thinking, where="glm5 Dialogue")
@@ -91,8 +94,6 @@ class Dialogue:
     def action(self, turn_ids: Sequence[int]) -> tuple[str, str | None]:
         """(action, reasoning) of a sampled turn: the text the environment acts on — the
         content and the tool-call markup, reasoning removed — and the reasoning (None)."""
-        from glm5.text.chat import ChatParser
-
         text = self.turn_text(turn_ids)
         parser = ChatParser(thinking=self.thinking)
         events = parser.feed(text) + parser.finish()
@@ -103,8 +104,6 @@ class Dialogue:
         """Ids of an assistant turn written out (a demonstration), with the stop token the
         policy should end it with: ``<|observation|>`` after a tool call, else
         ``<|user|>``."""
-        from glm5.text.chat import TOOL_CALL_OPEN
-
         stop = "<|observation|>" if TOOL_CALL_OPEN in action else "<|user|>"
         body = "</think>" + action if self.thinking else action
         return self.tok.encode(body) + [self.tok.token_to_id(stop)]
@@ -128,11 +127,6 @@ def toy_tokenizer(out_dir: str | Path, vocab_size: int, env_names: Sequence[str]
     default text plus what episodes of ``env_names`` say: the chat template's tool preamble,
     first observations and demonstrations of ``seeds`` episodes each — so a tiny policy's
     episodes are short. Same arguments, same tokenizer. Returns it loaded."""
-    from glm5.text.chat import packaged_chat_template, render_chat_template
-    from glm5.text.bpe import DEFAULT_TEXT, build_tokenizer
-
-    from glm5.rl.envs.base import make_env
-
     parts = [DEFAULT_TEXT]
     for name in env_names:
         for seed in range(seeds):

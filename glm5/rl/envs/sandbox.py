@@ -44,18 +44,20 @@ what a command left, and reports what it could not remove.
 
 Only the standard library is used: libseccomp and openat2 through ctypes, bwrap and
 util-linux's nsenter / setpriv / prlimit as programs. Nothing is probed at import time.
+The parts: `sandbox_config` (the limits, the result and its reasons), `sandbox_probe` (what
+this machine allows, the mode), `sandbox_bwrap` (bwrap's command line), `sandbox_stage` (the
+tmpfs mounts), `sandbox_launch` (uids, rlimits, how a command starts), `sandbox_cgroup`,
+`sandbox_seccomp`, `sandbox_supervise` (a running command: output, time limit, kill) and
+`sandbox_fs` (host-side file access); this module is the session over them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
-import glob
 import logging
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -64,371 +66,30 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from glm5.rl.envs import sandbox_fs as fs
 from glm5.rl.envs import sandbox_launch as launch
+from glm5.rl.envs import sandbox_probe as probe
 from glm5.rl.envs import sandbox_seccomp as seccomp
 from glm5.rl.envs import sandbox_stage as stage
+from glm5.rl.envs.sandbox_bwrap import (BASE_PATH, bwrap_argv, inner_prefix, python_binds,
+                                        reachable_by_all, spawn)
 from glm5.rl.envs.sandbox_cgroup import PidsCgroup, pids_cgroup_parent
+from glm5.rl.envs.sandbox_config import (MODES, SANDBOX_UID, SANDBOX_VENV, SANDBOX_WORKDIR,
+                                         SECCOMP_ACTIONS, SESSION_PREFIX, SandboxConfig,
+                                         SandboxError, SandboxResult, bad_arg, classify)
 from glm5.rl.envs.sandbox_supervise import supervise
 
+__all__ = ["MODES", "SANDBOX_UID", "SANDBOX_VENV", "SANDBOX_WORKDIR", "SECCOMP_ACTIONS",
+           "SESSION_PREFIX", "Sandbox", "SandboxConfig", "SandboxError", "SandboxResult",
+           "log", "measure_overhead", "reset_probes", "sandbox_report", "sweep_sessions"]
+
 log = logging.getLogger("glm5.rl.envs")
-
-MODES = ("auto", "bwrap", "rlimits")
-SECCOMP_ACTIONS = ("errno", "kill")
-
-#: Where the work directory appears inside the bwrap sandbox (also the working directory).
-SANDBOX_WORKDIR = "/work"
-#: Where the running interpreter's virtual environment appears inside the bwrap sandbox.
-SANDBOX_VENV = "/opt/venv"
-#: The uid/gid a command has inside bwrap's user namespace ("nobody").
-SANDBOX_UID = 65534
-#: The rlimits-mode session directories' name prefix (a sweep finds crashed sessions' by it).
-SESSION_PREFIX = "glm5-sandbox-"
-
-# /etc entries programs need (name service, dynamic linker, time zone, TLS roots, Debian's
-# alternatives and Python's config); shadow files, keys and the host's own config stay out.
-_ETC_ENTRIES = (
-    "passwd", "group", "nsswitch.conf", "host.conf", "hosts", "gai.conf", "ld.so.cache",
-    "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "ssl", "ca-certificates",
-    "ca-certificates.conf", "pki", "alternatives", "mime.types", "os-release",
-    "debian_version", "protocols", "services", "locale.alias", "bash.bashrc", "profile",
-    "inputrc", "magic", "magic.mime", "python3*")
-_ETC_WITH_NETWORK = ("resolv.conf",)
-
-_CLONE_NEWNET = 0x40000000
-
-_MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory",
-                   "Out of memory")
-_FILE_SIZE_MARKERS = ("File too large", "[Errno 27]")
-_DISK_MARKERS = ("No space left on device", "[Errno 28]", "Disk quota exceeded", "[Errno 122]")
-
-#: The capabilities bwrap keeps (as root, without a user namespace) for setpriv to drop to
-#: the session's uid inside; setpriv then empties every set.
-_SETPRIV_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")
-
-
-class SandboxError(RuntimeError):
-    """The sandbox cannot be set up as configured (a mode or interpreter that is unavailable,
-    rlimits mode as root without the explicit opt-in)."""
-
-
-def _bad(arg: str, expected: str, got: Any) -> ValueError:
-    return ValueError(f"{arg}: expected {expected}, got {got!r}")
-
-
-# --------------------------------------------------------------------------------------- config
-@dataclasses.dataclass
-class SandboxConfig:
-    """Limits and isolation of a sandbox session; `None` turns a limit off.
-
-    cpu_seconds: CPU time per process (RLIMIT_CPU; SIGXCPU, then SIGKILL one second later).
-    wall_seconds: default wall-clock limit of a command (`Sandbox.run(timeout=)` overrides it).
-    memory_bytes: address space per process (RLIMIT_AS).
-    max_processes: processes and threads the command may have at once (a pids cgroup, else
-        RLIMIT_NPROC).
-    file_size_bytes: largest file a process may write (RLIMIT_FSIZE).
-    open_files: file descriptors per process (RLIMIT_NOFILE).
-    disk_bytes: the work directory's size (bwrap mode: a tmpfs of this size, with one inode
-        per KiB of it; None: the kernel's default, half of RAM). Held in RAM: see tmp_bytes.
-    tmp_bytes: /tmp's size, the same way (bwrap mode; rlimits mode has no private /tmp).
-        A session can hold up to disk_bytes + tmp_bytes of RAM in these, beyond its
-        processes' memory_bytes each; it is freed when the session closes.
-    network: keep the host's network (default False: a private network namespace).
-    ro_binds: extra read-only paths, each a host path (visible at the same path) or a
-        (host path, path inside) pair; bwrap mode only.
-    env: variables added to (or replacing) the sandbox's minimal environment.
-    output_bytes: captured bytes per stream; beyond it the head and the tail are kept and the
-        result says how much was left out.
-    mode: "auto" (bwrap where it works, else rlimits), "bwrap" (an error where it does not
-        work) or "rlimits".
-    seccomp: install the seccomp filter (where libseccomp loads; reported when it does not).
-    seccomp_action: "errno" (a denied call fails with EPERM and the program carries on) or
-        "kill" (it ends the command: reason "seccomp").
-    python: expose the running interpreter and its virtual environment read-only inside the
-        sandbox (`Sandbox.python` is its path there; `python` on PATH is it).
-    host_uid: the host uid (and gid) a root trainer's commands run as (None: one of their own
-        per session, see `sandbox_launch.HOST_UID_RANGE`; 0 is refused). A non-root trainer's
-        commands always run as its own uid: only None or that uid is accepted.
-    unsafe_rlimits_as_root: let rlimits mode run commands when this process is root. rlimits
-        mode is no security boundary (the host's files and processes stay visible); even so
-        the commands drop to an unprivileged uid.
-    """
-
-    cpu_seconds: int | None = 10
-    wall_seconds: float = 30.0
-    memory_bytes: int | None = 1 << 30
-    max_processes: int | None = 64
-    file_size_bytes: int | None = 64 << 20
-    open_files: int | None = 256
-    disk_bytes: int | None = 256 << 20
-    tmp_bytes: int | None = 64 << 20
-    network: bool = False
-    ro_binds: tuple[str | tuple[str, str], ...] = ()
-    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    output_bytes: int = 1 << 20
-    mode: Literal["auto", "bwrap", "rlimits"] = "auto"
-    seccomp: bool = True
-    seccomp_action: Literal["errno", "kill"] = "errno"
-    python: bool = True
-    host_uid: int | None = None
-    unsafe_rlimits_as_root: bool = False
-
-    def __post_init__(self) -> None:
-        name = "SandboxConfig"
-        for field, minimum in (("cpu_seconds", 1), ("memory_bytes", 16 << 20),
-                               ("max_processes", 1), ("file_size_bytes", 1),
-                               ("open_files", 16), ("disk_bytes", 1 << 20),
-                               ("tmp_bytes", 1 << 20), ("host_uid", 1)):
-            v = getattr(self, field)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < minimum):
-                raise _bad(f"{name}.{field}", f"an int >= {minimum} or None", v)
-        if self.host_uid is not None and self.host_uid >= (1 << 32) - 1:
-            raise _bad(f"{name}.host_uid", "a uid below 2**32 - 1", self.host_uid)
-        if (isinstance(self.wall_seconds, bool) or not isinstance(self.wall_seconds, (int, float))
-                or not self.wall_seconds > 0):
-            raise _bad(f"{name}.wall_seconds", "a number of seconds > 0", self.wall_seconds)
-        if (isinstance(self.output_bytes, bool) or not isinstance(self.output_bytes, int)
-                or self.output_bytes < 2):
-            raise _bad(f"{name}.output_bytes", "an int >= 2", self.output_bytes)
-        for field in ("network", "seccomp", "python", "unsafe_rlimits_as_root"):
-            if not isinstance(getattr(self, field), bool):
-                raise _bad(f"{name}.{field}", "a bool", getattr(self, field))
-        if self.mode not in MODES:
-            raise _bad(f"{name}.mode", f"one of {MODES}", self.mode)
-        if self.seccomp_action not in SECCOMP_ACTIONS:
-            raise _bad(f"{name}.seccomp_action", f"one of {SECCOMP_ACTIONS}",
-                       self.seccomp_action)
-        if not isinstance(self.env, Mapping) or not all(
-                isinstance(k, str) and k and "=" not in k and isinstance(v, str)
-                for k, v in self.env.items()):
-            raise _bad(f"{name}.env", "a mapping of variable names (no '=') to str values",
-                       self.env)
-        self.env = dict(self.env)
-        if isinstance(self.ro_binds, (str, bytes)) or not isinstance(self.ro_binds, Sequence):
-            raise _bad(f"{name}.ro_binds", "a sequence of paths or (host, inside) pairs",
-                       self.ro_binds)
-        self.ro_binds = tuple(_normalize_bind(b) for b in self.ro_binds)
-
-
-def _normalize_bind(b: Any) -> tuple[str, str]:
-    arg = "SandboxConfig.ro_binds"
-    if isinstance(b, (str, os.PathLike)):
-        src = dst = os.fspath(b)
-    elif isinstance(b, (tuple, list)) and len(b) == 2 and all(
-            isinstance(x, (str, os.PathLike)) for x in b):
-        src, dst = os.fspath(b[0]), os.fspath(b[1])
-    else:
-        raise _bad(arg, "a path or a (host path, path inside) pair", b)
-    if not os.path.isabs(src) or not os.path.exists(src):
-        raise _bad(arg, "an existing absolute host path", src)
-    dst = os.path.normpath(dst)
-    if not os.path.isabs(dst) or dst == "/":
-        raise _bad(arg, "an absolute path inside the sandbox other than /", dst)
-    for reserved in (SANDBOX_WORKDIR, "/proc", "/dev", "/tmp"):
-        if dst == reserved or dst.startswith(reserved + "/"):
-            raise _bad(arg, f"a path inside the sandbox outside {reserved} (it is the "
-                       "sandbox's own)", dst)
-    return src, dst
-
-
-# --------------------------------------------------------------------------------------- result
-@dataclasses.dataclass
-class SandboxResult:
-    """What a command did. `returncode` is the exit status, or -N when signal N ended it
-    (bwrap's and the shell's 128+N are translated); `reason` is one of the module docstring's
-    reasons; `detail` says it in words. `stdout_bytes` / `stderr_bytes` count everything the
-    command wrote; where that exceeded the cap, `*_truncated` is set and the text keeps the head
-    and the tail around a line saying how many bytes were left out. `forks_refused` counts forks
-    the process limit refused (None where it cannot be measured: no pids cgroup). `cpu_s` is
-    the CPU time of the command and of the descendants it waited for, in rlimits mode (None
-    in bwrap mode: bwrap's monitor leaves its init unreaped, and the kernel's count with
-    it)."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-    wall_s: float
-    reason: str
-    detail: str = ""
-    signal: int | None = None
-    cpu_s: float | None = None
-    stdout_bytes: int = 0
-    stderr_bytes: int = 0
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-    forks_refused: int | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.reason == "ok"
-
-
-# ---------------------------------------------------------------------------------------- probes
-@dataclasses.dataclass(frozen=True)
-class _BwrapInfo:
-    """Whether bwrap works here and how a command gets its unprivileged uid (`privilege`):
-    "userns" (bwrap, started as that uid, maps it to 65534 in a user namespace) or "setpriv"
-    (root where user namespaces are refused: bwrap as root keeps only the capabilities
-    setpriv needs, and setpriv drops to the uid inside)."""
-    path: str | None
-    works: bool
-    userns: bool
-    version: str
-    reason: str
-    privilege: str = ""
 
 
 def _is_root() -> bool:
     return launch.is_root()
-
-
-def _system_binds(network: bool) -> list[str]:
-    """bwrap arguments that show the host's system read-only: /usr, the /bin and /lib* links
-    or directories, and the parts of /etc programs need."""
-    args = ["--ro-bind", "/usr", "/usr"]
-    for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-        if os.path.islink(d):
-            args += ["--symlink", os.readlink(d), d]
-        elif os.path.isdir(d):
-            args += ["--ro-bind", d, d]
-    names = _ETC_ENTRIES + (_ETC_WITH_NETWORK if network else ())
-    for name in names:
-        for p in sorted(glob.glob(os.path.join("/etc", name))):
-            if os.path.exists(p):
-                args += ["--ro-bind", p, p]
-    return args
-
-
-def _bwrap_argv(bwrap: str, privilege: str, mounts: stage.SessionMounts, network: bool,
-                binds: Sequence[tuple[str, str]]) -> list[str]:
-    """bwrap's options for a session (the command and `--seccomp` follow). `binds`: (path in
-    the stage, path inside) read-only binds."""
-    # bwrap's own init stays PID 1 (it reaps orphans, and the command keeps ordinary
-    # signal semantics: the kernel spares a namespace's init SIGXCPU, SIGXFSZ, SIGPIPE).
-    args = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-ipc",
-            "--unshare-uts", "--unshare-cgroup-try", "--hostname", "glm5-sandbox"]
-    if privilege == "userns":
-        args += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
-    else:
-        args += ["--cap-drop", "ALL"]
-        for cap in _SETPRIV_CAPS:
-            args += ["--cap-add", cap]
-    if not network:
-        args.append("--unshare-net")
-    # /etc holds the system binds' files: world-traversable (bwrap as root makes the
-    # directories it needs 0700, closed to the uid setpriv drops to)
-    args += ["--perms", "0755", "--dir", "/etc", *_system_binds(network)]
-    args += ["--proc", "/proc", "--dev", "/dev", "--bind", mounts.work, SANDBOX_WORKDIR,
-             "--bind", mounts.tmp, "/tmp"]
-    # the binds' parent directories, made world-traversable (a bwrap running as root would
-    # make them 0700: the dropped uid could not reach the interpreter)
-    parents: list[str] = []
-    for _, dst in binds:
-        for p in reversed(Path(dst).parents[:-1]):
-            if str(p) not in parents:
-                parents.append(str(p))
-    for p in parents:
-        args += ["--perms", "0755", "--dir", p]
-    for src, dst in binds:
-        args += ["--ro-bind", src, dst]
-    return args + ["--chdir", SANDBOX_WORKDIR, "--remount-ro", "/"]
-
-
-def _inner_prefix(privilege: str, uid: int, gid: int) -> list[str]:
-    """What runs inside bwrap before the command: setpriv's drop, where bwrap ran as root."""
-    if privilege != "setpriv":
-        return []
-    setpriv = launch.programs()["setpriv"]
-    if setpriv is None:
-        raise SandboxError("bwrap as root without a user namespace needs setpriv "
-                           "(util-linux) to drop to an unprivileged uid")
-    return launch.setpriv_argv(setpriv, uid, gid)
-
-
-def _spawn(argv: list[str], mounts: stage.SessionMounts | None, drop: tuple[int, int] | None,
-           limits: Sequence[launch.Rlimit], cgroup: PidsCgroup | None,
-           **popen: Any) -> subprocess.Popen[bytes]:
-    """Start a bwrap command through the launcher programs, else through preexec_fn."""
-    prefix = launcher = launch.launcher(mounts, drop, limits, cgroup)
-    pre = None
-    if launcher is None:
-        prefix = []
-        pre = launch.preexec(cgroup=cgroup, mounts=mounts, drop=drop, limits=limits)
-    fds = tuple(popen.pop("pass_fds", ())) + (mounts.fds() if mounts is not None else ())
-    return subprocess.Popen([*prefix, *argv], preexec_fn=pre, pass_fds=fds, **popen)
-
-
-@functools.lru_cache(maxsize=None)
-def _bwrap_probe() -> _BwrapInfo:
-    """Find bwrap and check that it can build a sandbox here the way sessions do (a container
-    may forbid namespaces): the stage, then bwrap started as an unprivileged uid with a user
-    namespace, then (root only) bwrap as root with setpriv dropping inside."""
-    path = shutil.which("bwrap")
-    if path is None:
-        return _BwrapInfo(None, False, False, "", "bwrap not found on PATH")
-    try:
-        version = subprocess.run([path, "--version"], capture_output=True, text=True,
-                                 timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError) as e:
-        return _BwrapInfo(path, False, False, "", f"{path} --version failed: {e}")
-    root = _is_root()
-    try:
-        st = stage.stage(userns=not root)
-    except stage.StageError as e:
-        return _BwrapInfo(path, False, False, version,
-                          f"bwrap cannot create a sandbox here (no private mount namespace "
-                          f"for its tmpfs mounts: {e})")
-    errors = []
-    for privilege in ("userns", "setpriv") if root else ("userns",):
-        uid, gid = launch.session_ids(None)
-        try:
-            mounts = st.add(uid, gid, 1 << 20, 1 << 20, [],
-                            "0711" if privilege == "setpriv" else "0700")
-        except stage.StageError as e:
-            errors.append(f"{privilege}: {e}")
-            continue
-        try:
-            argv = [*_bwrap_argv(path, privilege, mounts, False, []), "--",
-                    *_inner_prefix(privilege, uid, gid), "true"]
-            drop = (uid, gid) if root and privilege == "userns" else None
-            proc = _spawn(argv, mounts, drop, [], None, stdin=subprocess.DEVNULL,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            _, err = proc.communicate(timeout=20)
-            if proc.returncode == 0:
-                return _BwrapInfo(path, True, privilege == "userns", version, "", privilege)
-            errors.append(f"{privilege}: exit {proc.returncode}: "
-                          f"{err.decode(errors='replace').strip()[:200]}")
-        except (OSError, subprocess.SubprocessError, SandboxError) as e:
-            errors.append(f"{privilege}: {e}")
-        finally:
-            mounts.release()
-    return _BwrapInfo(path, False, False, version,
-                      "bwrap cannot create a sandbox here (" + "; ".join(errors) + ")")
-
-
-def _unshare_net() -> None:
-    """unshare(CLONE_NEWNET) (root) and bring the new namespace's loopback up."""
-    if launch.libc().unshare(_CLONE_NEWNET) != 0:  # libc loaded by the parent
-        e = ctypes.get_errno()
-        raise OSError(e, f"unshare(CLONE_NEWNET): {os.strerror(e)}")
-    launch.loopback_up()
-
-
-@functools.lru_cache(maxsize=None)
-def _netns_probe() -> str:
-    """"" when this process may give a rlimits-mode child a network namespace of its own
-    (root: directly; non-root: inside a user namespace of its own), else why not."""
-    launch.libc()  # load it in the parent, so that children only call into it
-    how = _unshare_net if _is_root() else launch.unshare_user_net
-    try:
-        r = subprocess.run([sys.executable, "-c", ""], preexec_fn=how,
-                           stdin=subprocess.DEVNULL, capture_output=True, timeout=10)
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"a network namespace could not be made: {e}"
-    return "" if r.returncode == 0 else \
-        f"a network namespace could not be made (probe exited {r.returncode})"
 
 
 _WARNED: set[str] = set()
@@ -439,7 +100,7 @@ def reset_probes() -> None:
     """Forget the cached probes (bwrap, libseccomp, the seccomp filters, cgroups, network
     namespaces, openat2), the sweeps done and the warnings already logged, e.g. after
     installing bwrap in a running process."""
-    for f in (_bwrap_probe, pids_cgroup_parent, _netns_probe, fs.openat2_available):
+    for f in (probe.bwrap_probe, pids_cgroup_parent, probe.netns_probe, fs.openat2_available):
         getattr(f, "cache_clear", lambda: None)()  # (a test may have replaced one)
     seccomp.reset()
     _WARNED.clear()
@@ -467,46 +128,6 @@ def sweep_sessions(root_dir: str | os.PathLike[str]) -> list[str]:
     return out
 
 
-# ----------------------------------------------------------------------------------- the sandbox
-def _python_binds() -> tuple[list[tuple[str, str]], str, str]:
-    """Read-only binds that make the running interpreter usable inside bwrap, its path there,
-    and the directory to put first on PATH. The base installation keeps its own path (a venv's
-    interpreter is an absolute symlink into it); a virtual environment appears at /opt/venv
-    (its own path may lie under /work, which the session's work directory hides)."""
-    base = os.path.realpath(sys.base_prefix)
-    exe_name = os.path.basename(sys.executable) or "python3"
-    if base == SANDBOX_WORKDIR or base.startswith(SANDBOX_WORKDIR + "/"):
-        raise SandboxError(
-            f"SandboxConfig.python: the interpreter's installation {base} lies under "
-            f"{SANDBOX_WORKDIR}, which the sandbox's work directory hides; set python=False "
-            "and bind an interpreter with ro_binds")
-    binds: list[tuple[str, str]] = []
-    if not (base == "/usr" or base.startswith("/usr/")):
-        binds.append((base, base))
-    if os.path.realpath(sys.prefix) != base:
-        binds.append((os.path.realpath(sys.prefix), SANDBOX_VENV))
-        bindir = f"{SANDBOX_VENV}/bin"
-    else:
-        bindir = os.path.dirname(os.path.realpath(sys.executable))
-    return binds, f"{bindir}/{exe_name}", bindir
-
-
-_BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
-
-
-def _reachable_by_all(executable: str) -> bool:
-    """Whether any user may run `executable`: every directory on its real path (and on the
-    path of the installation it belongs to) lets others through, and the file lets them
-    read and execute it."""
-    real = os.path.realpath(executable)
-    try:
-        mode = os.stat(real).st_mode
-    except OSError:
-        return False
-    return (mode & 0o005 == 0o005 and stage.traversable_by_all(os.path.dirname(real))
-            and stage.traversable_by_all(os.path.realpath(sys.prefix)))
-
-
 class Sandbox:
     """One isolated session: a private work directory and `run()` for its commands (one at a
     time; concurrent calls wait for each other). Use as a context manager or call `close()`,
@@ -527,16 +148,16 @@ class Sandbox:
         if config is None:
             config = SandboxConfig()
         if not isinstance(config, SandboxConfig):
-            raise _bad("Sandbox(config)", "a SandboxConfig", config)
+            raise bad_arg("Sandbox(config)", "a SandboxConfig", config)
         if root_dir is not None and not os.path.isdir(root_dir):
-            raise _bad("Sandbox(root_dir)", "an existing directory or None", root_dir)
+            raise bad_arg("Sandbox(root_dir)", "an existing directory or None", root_dir)
         self.config = config
         root = _is_root()
         if not root and config.host_uid not in (None, os.getuid()):
-            raise _bad("SandboxConfig.host_uid", f"None or this process's own uid "
+            raise bad_arg("SandboxConfig.host_uid", f"None or this process's own uid "
                        f"{os.getuid()} (only root can run commands as another uid)",
                        config.host_uid)
-        self.mode, self._bwrap, self._mode_note = _choose_mode(config.mode)
+        self.mode, self._bwrap, self._mode_note = probe.choose_mode(config.mode)
         if self.mode == "rlimits" and root and not config.unsafe_rlimits_as_root:
             raise SandboxError(
                 f"rlimits mode ({self._mode_note}) is not a security boundary (the host's "
@@ -563,7 +184,7 @@ class Sandbox:
                     "unprivileged uid of their own without capabilities, and see the whole "
                     "host")
             if config.ro_binds:
-                raise _bad("SandboxConfig.ro_binds", "no binds in rlimits mode (it shows the "
+                raise bad_arg("SandboxConfig.ro_binds", "no binds in rlimits mode (it shows the "
                            "whole host filesystem)", config.ro_binds)
 
         # seccomp (System V IPC too where the host's IPC namespace is shared)
@@ -589,7 +210,7 @@ class Sandbox:
             if bw:
                 self._netns = True
             else:
-                why = _netns_probe()
+                why = probe.netns_probe()
                 self._netns = why == ""
                 if why:
                     self._warnings.append(f"network not isolated: {why}")
@@ -600,10 +221,10 @@ class Sandbox:
         self.python = sys.executable
         if bw:
             if config.python:
-                py_binds, self.python, py_bindir = _python_binds()
+                py_binds, self.python, py_bindir = python_binds()
             else:
                 self.python = "python3"
-        elif self._drop is not None and config.python and not _reachable_by_all(
+        elif self._drop is not None and config.python and not reachable_by_all(
                 sys.executable):
             self._warnings.append(
                 f"rlimits mode as root: the interpreter {os.path.realpath(sys.executable)} "
@@ -646,13 +267,13 @@ class Sandbox:
             self._root_fd = self._mounts.work_fd
             self.workdir = Path(f"/proc/{os.getpid()}/fd/{self._root_fd}")
             self._finalizer = weakref.finalize(self, _release_mounts, self._mounts)
-            self._bwrap_args = _bwrap_argv(
+            self._bwrap_args = bwrap_argv(
                 self._bwrap.path or "bwrap", self._privilege, self._mounts, config.network,
                 list(zip(self._mounts.binds, (dst for _, dst in binds))))
-            self._inner = _inner_prefix(self._privilege, self.host_uid, self.host_gid)
+            self._inner = inner_prefix(self._privilege, self.host_uid, self.host_gid)
         else:
             if root and not stage.traversable_by_all(base):
-                raise _bad("Sandbox(root_dir)", f"a directory every user can traverse (the "
+                raise bad_arg("Sandbox(root_dir)", f"a directory every user can traverse (the "
                            f"commands' uid {self.host_uid} must reach its work directory)",
                            base)
             session = Path(tempfile.mkdtemp(prefix=f"{SESSION_PREFIX}{stage.owner_tag()}-",
@@ -668,7 +289,7 @@ class Sandbox:
                                                str(session))
             self._bwrap_args, self._inner = [], []
 
-        env = {"PATH": f"{py_bindir}:{_BASE_PATH}" if config.python else _BASE_PATH,
+        env = {"PATH": f"{py_bindir}:{BASE_PATH}" if config.python else BASE_PATH,
                "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
         if bw:
             env.update(HOME=SANDBOX_WORKDIR, TMPDIR="/tmp", USER="nobody")
@@ -824,11 +445,11 @@ class Sandbox:
     def _argv(self, cmd: Sequence[str] | str) -> tuple[list[str], bool]:
         if isinstance(cmd, str):
             if not cmd.strip():
-                raise _bad("Sandbox.run(cmd)", "a non-empty command", cmd)
+                raise bad_arg("Sandbox.run(cmd)", "a non-empty command", cmd)
             return ["/bin/sh", "-c", cmd], True
         if (isinstance(cmd, (bytes, bytearray)) or not isinstance(cmd, Sequence) or not cmd
                 or not all(isinstance(a, str) for a in cmd)):
-            raise _bad("Sandbox.run(cmd)", "a shell string or a non-empty list of str", cmd)
+            raise bad_arg("Sandbox.run(cmd)", "a shell string or a non-empty list of str", cmd)
         return list(cmd), False
 
     def run(self, cmd: Sequence[str] | str, stdin: str | bytes | None = None,
@@ -838,12 +459,12 @@ class Sandbox:
         `timeout` overrides `config.wall_seconds`."""
         argv, shell = self._argv(cmd)
         if stdin is not None and not isinstance(stdin, (str, bytes)):
-            raise _bad("Sandbox.run(stdin)", "str, bytes or None", stdin)
+            raise bad_arg("Sandbox.run(stdin)", "str, bytes or None", stdin)
         data = stdin.encode() if isinstance(stdin, str) else stdin
         if timeout is None:
             timeout = self.config.wall_seconds
         elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise _bad("Sandbox.run(timeout)", "a number of seconds > 0 or None", timeout)
+            raise bad_arg("Sandbox.run(timeout)", "a number of seconds > 0 or None", timeout)
         with self._lock:
             if self._closed:
                 raise RuntimeError("Sandbox.run: the sandbox is closed")
@@ -861,7 +482,7 @@ class Sandbox:
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, env=self._env, start_new_session=True, pass_fds=pass_fds)
         if self.mode == "bwrap":
-            return _spawn(argv, self._mounts, self._drop, self._rlimits(), cgroup,
+            return spawn(argv, self._mounts, self._drop, self._rlimits(), cgroup,
                           **popen), None
         rd = wr = None
         if self._own_userns():
@@ -869,7 +490,7 @@ class Sandbox:
         try:
             proc = subprocess.Popen(argv, preexec_fn=launch.preexec(
                 cgroup=cgroup, mounts=None, drop=self._drop, limits=self._rlimits(),
-                before_drop=(None if not self._netns else _unshare_net if _is_root()
+                before_drop=(None if not self._netns else probe.unshare_net if _is_root()
                              else launch.unshare_user_net),
                 chdir_fd=self._root_fd, seccomp_prog=self._fprog, report_userns_fd=wr),
                 **popen)
@@ -931,7 +552,7 @@ class Sandbox:
         stderr = err.text()
         # a cap reached by this command (one full before it started is no news)
         full_now = self._disk_full()
-        reason, detail = _classify(timed_out=timed_out, rc=rc, sig=sig, cpu_s=cpu_s,
+        reason, detail = classify(timed_out=timed_out, rc=rc, sig=sig, cpu_s=cpu_s,
                                    stderr=stderr, config=c, timeout=timeout,
                                    bwrap=self.mode == "bwrap",
                                    disk_full=full_now if full_now != full_before else None)
@@ -967,7 +588,7 @@ class Sandbox:
         file is created anew and renamed into place (an existing link is replaced, never
         written through) and belongs to the commands' uid; an existing file's mode is kept."""
         if not isinstance(data, (str, bytes)):
-            raise _bad("Sandbox.write_file(data)", "str or bytes", type(data).__name__)
+            raise bad_arg("Sandbox.write_file(data)", "str or bytes", type(data).__name__)
         with self._fd_lock:
             fs.write_file(self._fd("write_file"), relpath,
                           data.encode() if isinstance(data, str) else data,
@@ -1000,7 +621,7 @@ class Sandbox:
         `ignore` skipped; symbolic links copied as links); returns the bytes copied. Over
         `disk_bytes` it raises OSError (ENOSPC)."""
         if not os.path.exists(src):
-            raise _bad("Sandbox.copy_in(src)", "an existing host path", os.fspath(src))
+            raise bad_arg("Sandbox.copy_in(src)", "an existing host path", os.fspath(src))
         with self._fd_lock:
             return fs.copy_in(self._fd("copy_in"), src, dest, (self.host_uid, self.host_gid),
                               frozenset(ignore))
@@ -1053,60 +674,12 @@ def _remove_session(root_fd: int, session_dir: str) -> list[str]:
         os.close(dfd)
 
 
-def _choose_mode(requested: str) -> tuple[str, _BwrapInfo | None, str]:
-    if requested == "rlimits":
-        return "rlimits", None, "requested"
-    info = _bwrap_probe()
-    if info.works:
-        return "bwrap", info, info.version
-    if requested == "bwrap":
-        raise SandboxError(f"SandboxConfig.mode='bwrap': {info.reason}")
-    return "rlimits", None, info.reason
-
-
-def _classify(*, timed_out: bool, rc: int, sig: int | None, cpu_s: float | None, stderr: str,
-              config: SandboxConfig, timeout: float, bwrap: bool,
-              disk_full: str | None = None) -> tuple[str, str]:
-    """(reason, detail) of a finished command."""
-    if timed_out:
-        return "timeout", (f"the wall-clock limit of {timeout:g} s was reached; every process "
-                           "of the command was killed")
-    if sig is not None:
-        name = signal.Signals(sig).name if sig in signal.valid_signals() else f"signal {sig}"
-        # SIGKILL past the CPU limit: the hard limit, for a program that survives SIGXCPU
-        # (recognised where the CPU time is known).
-        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and config.cpu_seconds is not None
-                                     and cpu_s is not None and cpu_s >= config.cpu_seconds):
-            return "cpu_limit", f"the CPU limit of {config.cpu_seconds} s was reached ({name})"
-        if sig == signal.SIGXFSZ:
-            return "file_size_limit", (f"a file reached the size limit of "
-                                       f"{config.file_size_bytes} bytes ({name})")
-        if sig == signal.SIGSYS:
-            return "seccomp", f"a system call the seccomp filter denies was made ({name})"
-        return f"killed_signal:{sig}", f"ended by {name}"
-    if rc == 0:
-        return "ok", "exit status 0"
-    tail = stderr[-8192:]
-    if config.memory_bytes is not None and any(m in tail for m in _MEMORY_MARKERS):
-        return "memory_limit", (f"an allocation failed under the memory limit of "
-                                f"{config.memory_bytes} bytes (exit status {rc})")
-    if config.file_size_bytes is not None and any(m in tail for m in _FILE_SIZE_MARKERS):
-        return "file_size_limit", (f"a write failed at the file size limit of "
-                                   f"{config.file_size_bytes} bytes (exit status {rc})")
-    if disk_full is not None or any(m in tail for m in _DISK_MARKERS):
-        return "disk_limit", (f"no space left: {disk_full or 'a write failed with ENOSPC'} "
-                              f"(exit status {rc})")
-    if bwrap and rc == 1 and stderr.startswith("bwrap: "):
-        return "error", f"bwrap could not start the command: {stderr.splitlines()[0]}"
-    return "error", f"exit status {rc}"
-
-
 # --------------------------------------------------------------------------------- reporting
 def sandbox_report() -> dict[str, Any]:
     """What a default sandbox would guarantee on this machine, and why anything is missing
     (for `glm5 doctor`): bwrap, libseccomp, the pids cgroup, network namespaces, and whether
     rlimits mode would be refused (root without the opt-in)."""
-    bw = _bwrap_probe()
+    bw = probe.bwrap_probe()
     cg = pids_cgroup_parent()
     lib, lib_error = seccomp.libseccomp()
     # the report describes the mode even where a default config would refuse to run it
@@ -1139,7 +712,7 @@ def measure_overhead(runs: int = 20, config: SandboxConfig | None = None) -> dic
     each mode that works here, and each mode's overhead over the direct run; `session_*`:
     the median time to open and close a session."""
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
-        raise _bad("measure_overhead(runs)", "an int >= 1", runs)
+        raise bad_arg("measure_overhead(runs)", "an int >= 1", runs)
     config = config or SandboxConfig()
     true = shutil.which("true") or "/bin/true"
 
@@ -1153,7 +726,7 @@ def measure_overhead(runs: int = 20, config: SandboxConfig | None = None) -> dic
         return statistics.median(times)
 
     out = {"direct_ms": median_ms(lambda: subprocess.run([true], check=True))}
-    modes = ["rlimits"] + (["bwrap"] if _bwrap_probe().works else [])
+    modes = ["rlimits"] + (["bwrap"] if probe.bwrap_probe().works else [])
     for mode in modes:
         # `true` harms nothing: rlimits mode's root opt-in is given for the measurement
         cfg = dataclasses.replace(config, mode=mode, unsafe_rlimits_as_root=True)

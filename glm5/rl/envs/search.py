@@ -20,7 +20,8 @@ from glm5.rl.envs.tools import ToolEnv, ToolError, tool_call
 _SYLLABLES = ("ka", "lo", "mi", "ra", "zu", "ten", "vor", "bel", "qua", "dris", "om", "ny")
 
 
-def _word(rng: random.Random, n: int) -> str:
+def invented_word(rng: random.Random, n: int) -> str:
+    """A capitalised made-up word of ``n`` syllables (names no model knows facts about)."""
     return "".join(rng.choice(_SYLLABLES) for _ in range(n)).capitalize()
 
 
@@ -30,9 +31,9 @@ def synthetic_corpus(seed: int, n_countries: int = 12
     rng = random.Random(seed)
     docs, qs, names = [], [], set()
     while len(names) < n_countries:
-        names.add(_word(rng, 3) + "land")
+        names.add(invented_word(rng, 3) + "land")
     for country in sorted(names):
-        capital, river = _word(rng, 2) + "ville", "the " + _word(rng, 2)
+        capital, river = invented_word(rng, 2) + "ville", "the " + invented_word(rng, 2)
         year = rng.randint(1100, 1950)
         docs.append((f"{country}", f"{country} is a country whose capital is {capital}. "
                                    f"The river {river} crosses it. It was founded in {year}."))

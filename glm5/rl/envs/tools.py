@@ -12,6 +12,7 @@ import json
 from typing import Any, Callable
 
 from glm5.rl.envs.base import StepResult
+from glm5.text.chat import TOOL_CALL_OPEN, parse_chat_output
 
 TOOL_SYNTAX = ("<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>"
                "...</tool_call>")
@@ -64,8 +65,6 @@ class ToolEnv:
         return out
 
     def step(self, action: str) -> StepResult:
-        from glm5.text.chat import TOOL_CALL_OPEN, parse_chat_output
-
         if self.done:
             raise RuntimeError(f"glm5 {type(self).__name__}.step: the episode is over; call "
                                f"reset()")

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from glm5.rl.envs.base import register_env
 from glm5.rl.envs.checks import syntax_check
+from glm5.rl.envs.sandbox import Sandbox
 from glm5.rl.envs.tools import ToolEnv, ToolError, tool_call
 
 MAX_FILE_CHARS = 20_000
@@ -32,8 +33,6 @@ class WorkspaceEnv(ToolEnv):
         self.seed = 0
 
     def _new_sandbox(self) -> None:
-        from glm5.rl.envs.sandbox import Sandbox
-
         self.close()
         self.sandbox = Sandbox(self.sandbox_config)
 
