@@ -21,7 +21,7 @@ from glm5 import ops
 from glm5.core.config import preset
 from glm5.core.model import GLM5ForCausalLM
 from glm5.engine.engine import EngineConfig, LLMEngine, RequestRejected
-from glm5.engine.kv_pool import KVPool
+from glm5.engine.cache_manager import CacheManager
 from glm5.engine.sampling import SamplingParams
 
 from engine_util import drive, run_all
@@ -105,13 +105,13 @@ def test_greedy_matches_generate(model, chunk, page, prefix):
 
 
 # --------------------------------------------------------------------------- 2. paged forward
-def _paged_run(model, pool, table, steps):
-    """Run ``steps`` (each a list of (sequence, start, tokens)) on the paged cache; returns
-    {sequence: {position: hidden [D]}}."""
+def _paged_run(model, cache, table, steps):
+    """Run ``steps`` (each a list of (sequence, start, tokens)) on the paged cache of ``cache``
+    (a CacheManager); returns {sequence: {position: hidden [D]}}."""
     from glm5.engine.runner import Batch
 
     got: dict[int, dict[int, torch.Tensor]] = {}
-    ps = pool.page_size
+    ps, pool = cache.page_size, cache.pool
     for step in steps:
         ids, pos, seq = [], [], []
         for b, start, toks in step:
@@ -120,7 +120,7 @@ def _paged_run(model, pool, table, steps):
             seq += [b] * len(toks)
         batch = Batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(seq, dtype=torch.int32),
                       table, [])
-        slots = batch.slots(batch.positions, batch.seq, ps)
+        slots = cache.slot_rows(batch.block_table, batch.seq, batch.positions)
         st = model.paged_step(batch.positions, slots, table, batch.seq, ps)
         with torch.no_grad():
             h = model.hidden_states_paged(batch.ids, st, pool.latent, pool.index_keys)
@@ -137,7 +137,7 @@ def test_paged_forward_matches_flat_cache(model, monkeypatch, lens, split):
     ps, n_dec = 4, 2
     seqs = _prompts(7, [n + n_dec for n in lens])
     la, lb = lens
-    pool = KVPool(model, 16, ps)
+    cache = CacheManager(16, ps, model=model)
     g = torch.Generator().manual_seed(3)
     perm = torch.randperm(16, generator=g)
     assert not torch.equal(perm, torch.arange(16))
@@ -152,7 +152,7 @@ def test_paged_forward_matches_flat_cache(model, monkeypatch, lens, split):
     calls = []
     real = ops.paged_indexer_topk
     monkeypatch.setattr(ops, "paged_indexer_topk", lambda *a: calls.append(1) or real(*a))
-    got = _paged_run(model, pool, table, steps)
+    got = _paged_run(model, cache, table, steps)
     # the dense case attends to all keys through the block table; the sparse one selects
     assert bool(calls) == (max(lens) > model.config.index_topk)
     for b, (s, n) in enumerate(zip(seqs, lens)):

@@ -50,8 +50,9 @@ def test_bucket_choice():
                      page_size=4, max_pages=5, scratch_pages=[9], capture=EagerCapture())
     assert g.key(3, 8) == (4, True) and g.key(3, 9) == (4, False) and g.key(5, 2) is None
     assert g._bound(True) == 8 and g._bound(False) == 20  # 5 pages of 4 keys
-    g.max_pages = 1
-    assert g._bound(True) == 4  # never past the block table
+    g1 = DecodeGraphs(lambda *a: None, torch.device("cpu"), (1, 2), index_topk=8,
+                      page_size=4, max_pages=1, scratch_pages=[9], capture=EagerCapture())
+    assert g1._bound(True) == 4  # never past the block table
     with pytest.raises(ValueError, match=r"at most 5 sequences per bucket .* got 8"):
         DecodeGraphs(lambda *a: None, torch.device("cpu"), (1, 8), index_topk=8, page_size=4,
                      max_pages=5, scratch_pages=[9], capture=EagerCapture())

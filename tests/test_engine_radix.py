@@ -1,6 +1,7 @@
-"""PageAllocator and RadixCache (glm5/engine/pages.py, radix.py): hand-computed golden cases,
-error cases, and a hypothesis state machine that checks the reference counts, the page contents
-a request would read, and the LRU eviction order against a plain model after every step."""
+"""PageAllocator and RadixCache (glm5/engine/pages.py, radix.py; a CacheManager builds them):
+hand-computed golden cases, error cases, and a hypothesis state machine that checks the
+reference counts, the page contents a request would read, and the LRU eviction order against a
+plain model after every step."""
 
 from __future__ import annotations
 
@@ -12,12 +13,20 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
+from glm5.engine.cache_manager import CacheManager
 from glm5.engine.pages import DoubleFree, OutOfPages, PageAllocator
 from glm5.engine.radix import RadixCache
 
 
 def refs(alloc: PageAllocator) -> list[int]:
     return [alloc.refcount(p) for p in range(alloc.num_pages)]
+
+
+def radix_cache(num_pages: int, page_size: int, enabled: bool = True
+                ) -> tuple[PageAllocator, RadixCache]:
+    """The allocator and prefix cache of a bookkeeping-only cache manager (no pools)."""
+    m = CacheManager(num_pages, page_size, enable_prefix_cache=enabled)
+    return m.allocator, m.radix
 
 
 # -- PageAllocator -------------------------------------------------------------------------------
@@ -102,8 +111,7 @@ B_TOK = list(range(100, 108)) + [200, 201, 202]     # same first 2 pages, then i
 
 
 def test_two_requests_share_two_prefix_pages():
-    a = PageAllocator(8)
-    c = RadixCache(a, PS)
+    a, c = radix_cache(8, PS)
     table_a = a.alloc(3)                             # [0, 1, 2]; page 2 is partial
     table_a = c.adopt(A_TOK, table_a)
     assert table_a == [0, 1, 2]
@@ -124,8 +132,7 @@ def test_two_requests_share_two_prefix_pages():
 
 
 def test_requests_diverging_in_third_page():
-    a = PageAllocator(8)
-    c = RadixCache(a, PS)
+    a, c = radix_cache(8, PS)
     x = list(range(12))
     y = list(range(8)) + [50, 51, 52, 53]
     tx = c.adopt(x, a.alloc(3))
@@ -150,8 +157,7 @@ def test_requests_diverging_in_third_page():
 
 
 def test_partial_last_page_is_never_cached():
-    a = PageAllocator(4)
-    c = RadixCache(a, PS)
+    a, c = radix_cache(4, PS)
     tok = list(range(7))                             # 1 full page + 3 tokens
     table = c.adopt(tok, a.alloc(2))
     assert table == [0, 1] and c.num_cached_pages == 1 and 1 not in c
@@ -166,8 +172,7 @@ def test_partial_last_page_is_never_cached():
 
 
 def test_match_after_evict_and_lru_order():
-    a = PageAllocator(8)
-    c = RadixCache(a, PS)
+    a, c = radix_cache(8, PS)
     x = list(range(12))
     y = list(range(8)) + [50, 51, 52, 53]
     a.decref(c.adopt(x, a.alloc(3)))                 # x: pages 0, 1, 2 — then x finishes
@@ -196,8 +201,7 @@ def test_match_after_evict_and_lru_order():
 def test_a_held_page_pins_the_pages_above_it():
     """insert (without adopt) can cache a request's page under a parent the request does not
     hold: the parent has refcount 1 but is not evictable while its child is in use."""
-    a = PageAllocator(6)
-    c = RadixCache(a, 2)
+    a, c = radix_cache(6, 2)
     x = [1, 2, 3, 4]
     first = a.alloc(2)
     assert c.insert(x, first) == [0, 1]
@@ -212,8 +216,7 @@ def test_a_held_page_pins_the_pages_above_it():
 
 
 def test_lru_prefers_the_least_recently_matched_leaf():
-    a = PageAllocator(6)
-    c = RadixCache(a, 2)
+    a, c = radix_cache(6, 2)
     p1 = [1, 1, 1, 1]
     p2 = [1, 1, 2, 2]
     p3 = [3, 3]
@@ -229,8 +232,7 @@ def test_lru_prefers_the_least_recently_matched_leaf():
 
 
 def test_disabled_cache_holds_nothing():
-    a = PageAllocator(4)
-    c = RadixCache(a, 2, enabled=False)
+    a, c = radix_cache(4, 2, enabled=False)
     table = a.alloc(2)
     assert c.adopt([1, 2, 3, 4], table) == table
     assert c.insert([1, 2, 3, 4], table) == table
@@ -240,16 +242,14 @@ def test_disabled_cache_holds_nothing():
 
 
 def test_tensor_tokens_match_list_tokens():
-    a = PageAllocator(4)
-    c = RadixCache(a, 2)
+    a, c = radix_cache(4, 2)
     c.adopt(torch.tensor([5, 6, 7, 8]), a.alloc(2))
     assert c.match([5, 6, 7, 8, 9]) == ([0, 1], 4)
     assert c.match(torch.tensor([5, 6, 7])) == ([0], 2)
 
 
 def test_reset_drops_only_tree_references():
-    a = PageAllocator(4)
-    c = RadixCache(a, 2)
+    a, c = radix_cache(4, 2)
     table = c.adopt([1, 2, 3, 4, 5], a.alloc(3))
     a.decref(c.adopt([9, 9], a.alloc(1)))
     assert refs(a) == [2, 2, 1, 1]
@@ -262,22 +262,20 @@ def test_reset_drops_only_tree_references():
 
 def test_deep_path_needs_no_recursion():
     n = 3000                                         # deeper than Python's recursion limit
-    a = PageAllocator(n)
-    c = RadixCache(a, 1)
+    a, c = radix_cache(n, 1)
     a.decref(c.adopt(list(range(n)), a.alloc(n)))
     assert c.evictable_pages() == n
     assert c.evict(n) == n and a.num_free == n
 
 
 def test_radix_cache_bad_arguments():
-    a = PageAllocator(4)
     for bad in (0, -1, 1.5, True, "4"):
-        with pytest.raises(ValueError, match=r"RadixCache: argument 'page_size' expected an int "
-                                             r">= 1"):
-            RadixCache(a, bad)
-    with pytest.raises(TypeError, match=r"'allocator' expected a PageAllocator, got int"):
-        RadixCache(4, 2)
-    c = RadixCache(a, 2)
+        with pytest.raises(ValueError, match=r"CacheManager: argument 'page_size' expected an "
+                                             r"int >= 1"):
+            CacheManager(4, bad)
+    with pytest.raises(ValueError, match=r"'num_pages' expected an int >= 1, got 0"):
+        CacheManager(0, 2)
+    a, c = radix_cache(4, 2)
     p = a.alloc(3)
     before = refs(a)
     with pytest.raises(ValueError, match=r"RadixCache.insert: page 3 is free"):
@@ -320,8 +318,7 @@ class RadixMachine(RuleBasedStateMachine):
                 enabled=st.sampled_from([True, True, True, False]))
     def setup(self, page_size, num_pages, enabled):
         self.ps = page_size
-        self.alloc = PageAllocator(num_pages)
-        self.cache = RadixCache(self.alloc, page_size, enabled)
+        self.alloc, self.cache = radix_cache(num_pages, page_size, enabled)
         self.enabled = enabled
         self.requests: dict[int, tuple[list[int], list[int]]] = {}
         self.admitting: list[int] = []               # pages matched by a request not yet running

@@ -1,2 +1,3 @@
-"""The serving engine: paged latent + indexer cache, RadixCache prefix reuse, scheduler
-(continuous batching, chunked prefill, admission tiers), sampling, MTP drafts, glm5.LLM."""
+"""The serving engine: a cache manager (page size, pages, paged latent + indexer pools, RadixCache
+prefix reuse, the slot and key rules), scheduler (continuous batching, chunked prefill, admission
+tiers), sampling, MTP drafts, glm5.LLM."""

@@ -21,6 +21,7 @@ from glm5 import ops
 from glm5.core.model import GLM5ForCausalLM
 from glm5.engine.graphs import (DEFAULT_BUCKETS, Capture, CudaGraphCapture, DecodeGraphs,
                                 check_buckets)
+from glm5.engine.cache_manager import CacheManager
 from glm5.engine.kv_pool import KVPool
 from glm5.engine.outputs import OUTPUT_KINDS, RequestOutput, TokenLogprob
 from glm5.engine.pages import PageAllocator
@@ -154,20 +155,16 @@ class LLMEngine:
         self.model, self.config, self.tokenizer = model.eval(), cfg, tokenizer
         self.backend = backend  # ops run under glm5.use_backend(backend) (every thread)
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
-        mtp = cfg.num_speculative_tokens > 0
-        # Beyond the pages it hands out, the pool holds scratch pages for the padded rows of a
-        # decode graph (fewer than the largest bucket).
-        scratch = max(cfg.cuda_graph_buckets) - 1
-        num_pages = cfg.num_pages or max(
-            cfg.kv_cache_bytes // KVPool.page_bytes(model, cfg.page_size, mtp)
-            - KVPool.scratch_page_count(scratch, cfg.page_size), 1)
-        self.pool = KVPool(model, num_pages, cfg.page_size, mtp, scratch)
-        self.allocator = PageAllocator(num_pages)
-        self.radix = RadixCache(self.allocator, cfg.page_size, cfg.enable_prefix_cache)
-        self.scheduler = Scheduler(self.allocator, self.radix, cfg.page_size, cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens, cfg.chunk_size,
-                                   cfg.num_speculative_tokens, self.pool.copy_page)
-        self.runner = ModelRunner(model, self.pool)
+        # The cache manager owns the page size, pages, pools and prefix cache. Beyond the pages
+        # it hands out, the pool holds scratch pages for the padded rows of a decode graph
+        # (fewer than the largest bucket).
+        self.cache = CacheManager.for_model(
+            model, cfg.page_size, cfg.num_pages, cfg.kv_cache_bytes,
+            mtp=cfg.num_speculative_tokens > 0, scratch_rows=max(cfg.cuda_graph_buckets) - 1,
+            enable_prefix_cache=cfg.enable_prefix_cache)
+        self.scheduler = Scheduler(self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.chunk_size, cfg.num_speculative_tokens)
+        self.runner = ModelRunner(model, self.cache)
         self.runner.graphs = self._graphs(cfg)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -185,6 +182,23 @@ class LLMEngine:
         # keep it per token to bound staleness). `set_weights_version` moves it.
         self.weights_version = 0
 
+    # The cache manager's parts, under the names the server, RL and tests read.
+    @property
+    def pool(self) -> KVPool:
+        return self.cache.pool
+
+    @property
+    def allocator(self) -> PageAllocator:
+        return self.cache.allocator
+
+    @property
+    def radix(self) -> RadixCache:
+        return self.cache.radix
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.page_size
+
     def _graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
         dev = self.model.device
         on = cfg.cuda_graphs
@@ -201,10 +215,10 @@ class LLMEngine:
                       ) -> DecodeGraphs:
         """Captured decode steps over this engine's model and pool (``capture``:
         `CudaGraphCapture` on a GPU; tests pass `EagerCapture` and set ``runner.graphs``)."""
-        ps = self.config.page_size
         return DecodeGraphs(self.runner.main, self.model.device, buckets,
-                            self.model.config.index_topk, ps, -(-self.max_model_len // ps),
-                            self.pool.scratch_pages, capture)
+                            self.model.config.index_topk, self.cache.page_size,
+                            self.cache.pages_for(self.max_model_len), self.pool.scratch_pages,
+                            capture)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int],
@@ -233,11 +247,12 @@ class LLMEngine:
             raise self._reject(400, f"glm5 engine: the prompt has {n} tokens and max_tokens is "
                                f"{params.max_tokens}; together they exceed this model's "
                                f"context of {ctx} tokens", "max_tokens")
-        ps, k = self.config.page_size, self.config.num_speculative_tokens
-        need = -(-(n + params.max_tokens + 2 * k) // ps)
-        if need > self.allocator.num_pages:
+        k = self.config.num_speculative_tokens
+        need = self.cache.pages_for(n + params.max_tokens + 2 * k)
+        if need > self.cache.num_pages:
             raise self._reject(400, f"glm5 engine: the request needs up to {need} cache pages of "
-                               f"{ps} tokens; the cache has {self.allocator.num_pages} (raise "
+                               f"{self.cache.page_size} tokens; the cache has "
+                               f"{self.cache.num_pages} (raise "
                                f"num_pages / kv_cache_bytes or lower max_tokens)", "max_tokens")
         if n > self.config.long_prompt_tokens:
             wait = self._long.take()
@@ -313,7 +328,7 @@ class LLMEngine:
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"glm5 engine set_weights_version: version expected an int, got "
                             f"{version!r}")
-        self.radix.reset()
+        self.cache.reset_prefix_cache()
         self.weights_version = version
 
     # ------------------------------------------------------------------ one step

@@ -142,7 +142,8 @@ class DecodeGraphs:
 
     ``forward`` is the eager forward the graphs capture (`ModelRunner.main`); ``index_topk``
     the model's; ``page_size`` / ``max_pages`` the block-table layout (``max_pages`` columns
-    hold the longest sequence: ceil(max_model_len / page_size)); ``scratch_pages`` the pool
+    hold the longest sequence: ceil(max_model_len / page_size); only their product, the
+    table's ``max_keys``, is kept: the page size is the cache manager's); ``scratch_pages`` the pool
     pages padded rows use (room for a row per padded row: the largest bucket - 1); ``capture``
     a `Capture` (`CudaGraphCapture` on a GPU, `EagerCapture` in tests). ``captured``,
     ``replays`` and ``eager`` count what happened."""
@@ -152,7 +153,8 @@ class DecodeGraphs:
                  capture: Capture) -> None:
         self.forward, self.device = forward, device
         self.buckets = check_buckets(buckets, "DecodeGraphs")
-        self.index_topk, self.page_size, self.max_pages = index_topk, page_size, max_pages
+        self.index_topk, self.max_pages = index_topk, max_pages
+        self.max_keys = max_pages * page_size  # the block table's tokens
         self.scratch_pages = list(scratch_pages)
         room = min(len(self.scratch_pages), max_pages) * page_size
         if self.buckets[-1] - 1 > room:
@@ -175,7 +177,7 @@ class DecodeGraphs:
 
     def _bound(self, dense: bool) -> int:
         """The range bound a path is laid out with (same side of index_topk as the step)."""
-        keys = self.max_pages * self.page_size
+        keys = self.max_keys
         return min(self.index_topk, keys) if dense else keys
 
     def _buffers_for(self, b: int) -> _Buffers:

@@ -30,7 +30,7 @@ class KVPool:
         n_scratch = self.scratch_page_count(scratch_rows, page_size)
         rows = (num_pages + n_scratch) * page_size
         dt, dev = model.dtype, model.device
-        self.num_pages, self.page_size = num_pages, page_size
+        self.num_pages, self.num_rows = num_pages, rows
         self.scratch_pages = list(range(num_pages, num_pages + n_scratch))
 
         fp8 = cfg.dsa_indexer_dtype == "fp8"
@@ -46,6 +46,12 @@ class KVPool:
         n_mtp = len(model.mtp) if (mtp and model.mtp is not None) else 0
         self.mtp_latent = [pool(cfg.kv_cache_dim) for _ in range(n_mtp)]
         self.mtp_index_keys = [keys() for _ in range(n_mtp)]
+
+    @property
+    def page_size(self) -> int:
+        """Rows per page, from the pools' layout (the engine's page size is its cache
+        manager's; the pool keeps no copy)."""
+        return self.num_rows // (self.num_pages + len(self.scratch_pages))
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of every pool (each indexed by pool row in its first dimension)."""

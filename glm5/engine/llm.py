@@ -7,18 +7,19 @@ from typing import Any, Sequence
 
 import torch
 
+from glm5 import progress  # progress.progress_bar at call time: tests and callers may replace it
+from glm5.core import checkpoint  # checkpoint.load_model at call time, likewise
 from glm5.core.model import GLM5ForCausalLM
 from glm5.engine.engine import EngineConfig, LLMEngine
 from glm5.engine.outputs import RequestOutput
 from glm5.engine.sampling import SamplingParams
+from glm5.text.tokenizer import Tokenizer
 
 
 def load_tokenizer(model_dir: Path) -> Any:
     """The directory's tokenizer (tokenizer.json), or None when it has none."""
     if not (model_dir / "tokenizer.json").exists():
         return None
-    from glm5.text.tokenizer import Tokenizer
-
     return Tokenizer.from_dir(model_dir)
 
 
@@ -51,10 +52,8 @@ class LLM:
                                     f"config: GLM5Config.dsa_{arg})")
             m, model_dir = (model.to(dtype) if dtype else model), None
         else:
-            from glm5.core.checkpoint import load_model
-
             model_dir = Path(model)
-            m = load_model(model_dir, dtype, indexer_dtype=indexer_dtype,
+            m = checkpoint.load_model(model_dir, dtype, indexer_dtype=indexer_dtype,
                            indexer_hadamard=indexer_hadamard)
         if tokenizer == "auto":
             tokenizer = load_tokenizer(model_dir) if model_dir is not None else None
@@ -98,9 +97,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            from glm5.progress import progress_bar
-
-            bar = progress_bar(total=len(ids), desc="generate", unit="req").__enter__()
+            bar = progress.progress_bar(total=len(ids), desc="generate", unit="req").__enter__()
         while len(done) < len(ids):
             for o in self.engine.step():
                 if o.finished:

@@ -35,7 +35,7 @@ class DoubleFree(RuntimeError):
         self.page = page
 
 
-def _page_id(where: str, page: object, num_pages: int) -> int:
+def page_id(where: str, page: object, num_pages: int) -> int:
     """``page`` as an int in ``[0, num_pages)``, or a ValueError/TypeError naming ``where``."""
     if isinstance(page, bool):
         raise TypeError(f"glm5 {where}: page ids expected int, got bool {page!r}")
@@ -80,7 +80,7 @@ class PageAllocator:
         return pages
 
     def _counted(self, where: str, pages: Iterable[int]) -> Counter:
-        return Counter(_page_id(where, p, self.num_pages) for p in pages)
+        return Counter(page_id(where, p, self.num_pages) for p in pages)
 
     def incref(self, pages: Iterable[int]) -> None:
         """One more reference on each page (a page listed twice gains two). Only a page that is
@@ -110,4 +110,4 @@ class PageAllocator:
 
     def refcount(self, page: int) -> int:
         """How many holders ``page`` has (0: free)."""
-        return self._refs[_page_id("PageAllocator.refcount", page, self.num_pages)]
+        return self._refs[page_id("PageAllocator.refcount", page, self.num_pages)]

@@ -5,7 +5,8 @@ instead of prefilling them again: a GRPO group (one prompt, G samples) prefills 
 Only FULL pages are ever cached — a page's latent rows depend on every token before them, so a
 page is identified by its own ``page_size`` tokens together with the path of pages above it, and
 a partial page could still change. The tree has one node per page; a node's key is the tuple of
-its page's tokens (the same key as SGLang's ``page_size > 1`` child key).
+its page's tokens (the same key as SGLang's ``page_size > 1`` child key). The page size and the
+key rule belong to the cache manager that owns the tree (`glm5.engine.cache_manager`).
 
 Reference counting is the whole locking story: the tree holds ONE reference on every page it
 stores, each request holds its own reference on every page of its block table. A page is in use
@@ -20,10 +21,21 @@ Not thread-safe: the engine calls it from its one scheduling loop.
 from __future__ import annotations
 
 import heapq
-import operator
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
-from glm5.engine.pages import PageAllocator, _page_id
+from glm5.engine.pages import PageAllocator, page_id
+
+
+class PagedCache(Protocol):
+    """What the prefix cache reads from its owner (`glm5.engine.cache_manager.CacheManager`):
+    the allocator, the page size and the page key rule."""
+
+    allocator: PageAllocator
+    page_size: int
+
+    def page_keys(self, where: str, keys: Sequence[int], start: int, stop: int
+                  ) -> list[tuple[int, ...]]: ...
 
 
 class _Node:
@@ -43,42 +55,32 @@ class RadixCache:
     each request holds its own reference on every page in its block table. A page is in use by a
     request iff its refcount > 1 (tree-held pages) — so eviction never needs request locks.
 
-    ``enabled=False`` gives a cache that holds nothing: ``match`` finds nothing, ``insert`` and
-    ``adopt`` hand the caller's pages back untouched, ``evict`` frees nothing."""
+    ``cache`` is the owner (a `CacheManager`, which builds it): its allocator, page size and
+    page key rule are the tree's. ``enabled=False`` gives a cache that holds nothing: ``match``
+    finds nothing, ``insert`` and ``adopt`` hand the caller's pages back untouched, ``evict``
+    frees nothing."""
 
-    def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True):
-        if not isinstance(allocator, PageAllocator):
-            raise TypeError(f"glm5 RadixCache: argument 'allocator' expected a PageAllocator, got "
-                            f"{type(allocator).__name__}")
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"glm5 RadixCache: argument 'page_size' expected an int >= 1, got "
-                             f"{page_size!r}")
-        self.allocator = allocator
-        self.page_size = page_size
+    def __init__(self, cache: PagedCache, enabled: bool = True):
+        self.cache = cache
         self.enabled = bool(enabled)
         self._clock = 0
         self._root = _Node(None, -1, None, 0)
         self._nodes: dict[int, _Node] = {}   # page id -> its node (every cached page)
         self._leaves: dict[int, _Node] = {}  # page id -> node, for the nodes without children
 
+    @property
+    def allocator(self) -> PageAllocator:
+        return self.cache.allocator
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.page_size
+
     # -- helpers ---------------------------------------------------------------------------------
 
     def _keys(self, where: str, tokens: Sequence[int], start: int, stop: int
               ) -> list[tuple[int, ...]]:
-        """The keys of full pages ``start .. stop - 1`` of ``tokens`` (the caller checked that
-        they are full), as tuples of plain ints."""
-        ps = self.page_size
-        chunk = tokens[start * ps: stop * ps]
-        # A tensor's elements are 0-d tensors that hash by identity: equal tokens would never
-        # match. tolist() turns tensors and numpy arrays into plain ints.
-        if hasattr(chunk, "tolist"):
-            chunk = chunk.tolist()
-        try:
-            ids = [operator.index(t) for t in chunk]
-        except TypeError:
-            raise TypeError(f"glm5 RadixCache.{where}: argument 'tokens' expected a flat sequence "
-                            f"of int token ids") from None
-        return [tuple(ids[i * ps:(i + 1) * ps]) for i in range(stop - start)]
+        return self.cache.page_keys(f"RadixCache.{where}", tokens, start, stop)
 
     def _num_tokens(self, where: str, tokens: Sequence[int]) -> int:
         try:
@@ -89,7 +91,7 @@ class RadixCache:
 
     def _page_list(self, where: str, pages: Sequence[int]) -> list[int]:
         """``pages`` as distinct, allocated page ids (the caller must hold each one)."""
-        ids = [_page_id(f"RadixCache.{where}", p, self.allocator.num_pages) for p in pages]
+        ids = [page_id(f"RadixCache.{where}", p, self.allocator.num_pages) for p in pages]
         if len(set(ids)) != len(ids):
             dup = next(p for p in ids if ids.count(p) > 1)
             raise ValueError(f"glm5 RadixCache.{where}: page {dup} appears twice in 'pages' "

@@ -1,6 +1,7 @@
 """One forward of the model over a step's items on the paged cache: the tensors of the step
 (token ids, positions, physical slots, block tables) and the model calls. A pure decode step
-may be replayed from a captured CUDA graph instead (glm5.engine.graphs)."""
+may be replayed from a captured CUDA graph instead (glm5.engine.graphs). The pools, the page
+size and the slot rows come from the engine's cache manager (glm5.engine.cache_manager)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from glm5.core.model import GLM5ForCausalLM
+from glm5.engine.cache_manager import CacheManager
 from glm5.engine.graphs import DecodeGraphs
 from glm5.engine.kv_pool import KVPool
 from glm5.engine.scheduler import Item
-from glm5.ir.paging import pool_rows
-
-
-def slots_of(block_table: torch.Tensor, positions: torch.Tensor, seq: torch.Tensor,
-             page_size: int) -> torch.Tensor:
-    """Physical rows [N] int64 of logical ``positions`` [N] of the sequences ``seq`` [N] (rows
-    of ``block_table`` [B, P] int32)."""
-    return pool_rows(block_table, seq, positions, page_size)
 
 
 @dataclass
@@ -33,10 +27,6 @@ class Batch:
     block_table: torch.Tensor  # [B, P] int32
     offsets: list[int]
     max_range: int | None = None
-
-    def slots(self, positions: torch.Tensor, seq: torch.Tensor, page_size: int) -> torch.Tensor:
-        """Physical rows of logical ``positions`` of the items ``seq``."""
-        return slots_of(self.block_table, positions, seq, page_size)
 
 
 def make_batch(items: list[Item], device: torch.device) -> Batch:
@@ -61,19 +51,26 @@ def make_batch(items: list[Item], device: torch.device) -> Batch:
 
 
 class ModelRunner:
-    """The model's forwards over the pool. ``graphs``: captured decode steps (None: every step
-    runs eager)."""
+    """The model's forwards over the pools of ``cache`` (a `CacheManager` with a pool).
+    ``graphs``: captured decode steps (None: every step runs eager)."""
 
-    def __init__(self, model: GLM5ForCausalLM, pool: KVPool,
+    def __init__(self, model: GLM5ForCausalLM, cache: CacheManager,
                  graphs: DecodeGraphs | None = None) -> None:
-        self.model, self.pool = model, pool
-        self.ps = pool.page_size
+        if cache.pool is None:
+            raise ValueError("glm5 ModelRunner: argument 'cache' expected a CacheManager with "
+                             "a pool (built with the model)")
+        self.model, self.cache = model, cache
         self.graphs = graphs
+
+    @property
+    def pool(self) -> KVPool:
+        return self.cache.pool
 
     def _step(self, block_table: torch.Tensor, positions: torch.Tensor, seq: torch.Tensor,
               max_range: int | None):
-        slots = slots_of(block_table, positions, seq, self.ps)
-        return self.model.paged_step(positions, slots, block_table, seq, self.ps, max_range)
+        slots = self.cache.slot_rows(block_table, seq, positions)
+        return self.model.paged_step(positions, slots, block_table, seq, self.cache.page_size,
+                                     max_range)
 
     def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, seq: torch.Tensor,
                 block_table: torch.Tensor, max_range: int | None) -> torch.Tensor:

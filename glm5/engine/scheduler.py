@@ -4,10 +4,11 @@ Every step the running requests (decodes: one token plus their MTP drafts; unfin
 prefills: a chunk) go first, then waiting requests are admitted while the step's token budget
 (``max_num_batched_tokens``), the sequence limit (``max_num_seqs``) and the free pages allow.
 Prefills are chunked (``chunk_size`` tokens per step), so a long prompt shares every step with
-the running decodes instead of stalling them. Pages come from the allocator; when it runs out
-the prefix cache gives back unreferenced pages (LRU), and then the most recently admitted
-running request is preempted: its pages are freed and it goes back to the front of the queue
-to be recomputed (prompt and generated tokens), so no request is lost.
+the running decodes instead of stalling them. Pages come from the cache manager
+(glm5.engine.cache_manager); when they run out it first evicts unreferenced prefix-cache pages
+(LRU), and then the most recently admitted running request is preempted: its pages are freed
+and it goes back to the front of the queue to be recomputed (prompt and generated tokens), so
+no request is lost.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from glm5.engine.pages import OutOfPages, PageAllocator
-from glm5.engine.radix import RadixCache
+from glm5.engine.cache_manager import CacheManager
+from glm5.engine.pages import OutOfPages
 from glm5.engine.request import Request, Status
 
 
@@ -40,14 +41,17 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, radix: RadixCache, page_size: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int,
-                 num_speculative_tokens: int, copy_page: Callable[[int, int], None]) -> None:
-        self.alloc, self.radix, self.ps = allocator, radix, page_size
+    """Picks each step's items; pages, the prefix cache and the page size are ``cache``'s.
+    ``copy_page`` (default: ``cache.copy_page``) copies a shared page into a private one."""
+
+    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunk_size: int, num_speculative_tokens: int,
+                 copy_page: Callable[[int, int], None] | None = None) -> None:
+        self.cache = cache
         self.max_num_seqs, self.max_tokens, self.chunk = (max_num_seqs, max_num_batched_tokens,
                                                           chunk_size)
         self.k = num_speculative_tokens
-        self.copy_page = copy_page
+        self.copy_page = copy_page or cache.copy_page
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -66,50 +70,24 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._cache_pages(req)
+        self.cache.cache_request(req)
         self._release(req)
         req.status = Status.FINISHED
 
     def _release(self, req: Request) -> None:
-        if req.pages:
-            self.alloc.decref(req.pages)
+        self.cache.release(req.pages)
         req.pages = []
-
-    def _cache_pages(self, req: Request) -> None:
-        """Offer the request's fully computed pages to the prefix cache (switching its block
-        table to pages the cache already held for the same tokens)."""
-        full = min(req.num_computed // self.ps, len(req.pages))
-        if full and self.radix.enabled:
-            keys = self._prefix_keys(req, full * self.ps)
-            req.pages[:full] = self.radix.adopt(keys, req.pages[:full])
-
-    def _prefix_keys(self, req: Request, n: int) -> list[int]:
-        """The prefix cache's keys of positions 0 .. n - 1 (fewer when the tokens run out).
-
-        A page's main-model rows depend on the tokens up to its last position, but with MTP
-        its MTP rows also depend on the token AFTER it (the MTP entry at position i is made
-        from the hidden state at i and the token at i + 1). Keying position i by the pair
-        (token i, token i + 1) makes a page match only where both agree; a request that
-        reused a page whose last MTP entry was made with another request's next token drafted
-        from a wrong cache (its tokens stayed right; its drafts did not)."""
-        if not self.k:
-            return req.tokens(0, n)
-        toks = req.tokens(0, min(n, req.num_tokens - 1) + 1)
-        return [(a << 32) | b for a, b in zip(toks, toks[1:])]
 
     # ------------------------------------------------------------------ pages
     def _pages_for(self, req: Request, n_positions: int) -> bool:
         """Make ``req``'s block table cover positions 0 .. n_positions - 1; False when the pages
         cannot be found without preempting ``req`` itself."""
-        need = -(-n_positions // self.ps) - len(req.pages)
+        need = self.cache.pages_for(n_positions) - len(req.pages)
         while need > 0:
             try:
-                req.pages += self.alloc.alloc(need)
+                req.pages += self.cache.alloc(need)  # evicts from the prefix cache first
                 return True
-            except OutOfPages as e:
-                short = e.requested - e.free
-                if self.radix.evict(short) >= short:
-                    continue
+            except OutOfPages:
                 victim = self._victim()
                 if victim is None or victim is req:
                     return False
@@ -205,16 +183,17 @@ class Scheduler:
 
     def _can_alloc(self, req: Request, n_positions: int) -> bool:
         """Whether a new request's pages can be found without preempting a running one."""
-        need = -(-n_positions // self.ps) - len(req.pages)
-        return need <= self.alloc.num_free + self.radix.evictable_pages()
+        need = self.cache.pages_for(n_positions) - len(req.pages)
+        return need <= self.cache.available_pages()
 
     def _shares_prefill(self, req: Request, prefilling: list[Request]) -> bool:
         """Whether a request now prefilling starts with the same first page: admitting ``req``
         once that prefill is cached prefills the shared prompt once (a GRPO group)."""
-        if len(req.prompt_ids) <= self.ps or not self.radix.enabled:
+        ps = self.cache.page_size
+        if len(req.prompt_ids) <= ps or not self.cache.radix.enabled:
             return False
-        head = req.prompt_ids[: self.ps]
-        return any(r.prompt_ids[: self.ps] == head and r.num_computed < len(r.prompt_ids)
+        head = req.prompt_ids[:ps]
+        return any(r.prompt_ids[:ps] == head and r.num_computed < len(r.prompt_ids)
                    for r in prefilling)
 
     def _admit_prefix(self, req: Request) -> None:
@@ -222,20 +201,18 @@ class Scheduler:
         (its logits are needed): a prefix covering every token gives up its last page, which
         is copied into a private page (copy on write) and only the last token is recomputed.
         (With MTP the keys reach one token further, so the match stops a page earlier.)"""
-        pages, n = self.radix.match(self._prefix_keys(req, req.num_tokens))
+        pages, n = self.cache.match_request(req)
         if n >= req.num_tokens and pages:
             try:
-                own = self.alloc.alloc(1)
+                own = self.cache.alloc(1)  # evicts from the prefix cache first
             except OutOfPages:
                 own = None
-                if self.radix.evict(1):
-                    own = self.alloc.alloc(1)
             if own is None:
-                self.alloc.decref(pages[-1:])
-                pages, n = pages[:-1], n - self.ps
+                self.cache.release(pages[-1:])
+                pages, n = pages[:-1], n - self.cache.page_size
             else:
                 self.copy_page(pages[-1], own[0])
-                self.alloc.decref(pages[-1:])
+                self.cache.release(pages[-1:])
                 pages = pages[:-1] + own
                 n = req.num_tokens - 1
         req.pages = pages
@@ -244,4 +221,4 @@ class Scheduler:
     def cache_progress(self, req: Request) -> None:
         """After a step: put a prefilling request's newly completed pages in the prefix cache, so
         that requests sharing its prompt can start from them."""
-        self._cache_pages(req)
+        self.cache.cache_request(req)
