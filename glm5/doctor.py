@@ -18,6 +18,11 @@ import platform
 import sys
 from typing import Any, Sequence
 
+from glm5 import cpu_threads
+from glm5.backends import tuning_cache
+from glm5.perf import measure
+from glm5.rl.envs import sandbox
+
 # (module, distributions that may provide it, what glm5 uses it for)
 OPTIONAL_DEPS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("triton", ("triton",), "Triton kernels (cuda, hygon, ascend backends; --emulate)"),
@@ -65,14 +70,13 @@ def torch_info() -> dict[str, Any]:
 def cpu_info() -> dict[str, Any]:
     """The CPU model, core counts, torch's thread count and the features detected at run time
     (`glm5.perf.measure.cpu_features`: /proc/cpuinfo flags and torch's own checks)."""
-    from glm5.perf.measure import cpu_features, cpu_model
-
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         usable = os.cpu_count()
-    feats = cpu_features()
-    return {"model": cpu_model(), "architecture": platform.machine(), "cores": os.cpu_count(),
+    feats = measure.cpu_features()
+    return {"model": measure.cpu_model(), "architecture": platform.machine(),
+            "cores": os.cpu_count(),
             "usable_cores": usable, "torch_threads": feats["threads"], "features": feats,
             "threads": thread_info()}
 
@@ -81,8 +85,6 @@ def thread_info() -> dict[str, Any]:
     """The cpu backend's pool size (`glm5.cpu_threads.decide`: affinity, cgroup quota,
     GLM5_CPU_THREADS) or the error a bad GLM5_CPU_THREADS gives, and torch's OpenMP wait
     policy."""
-    from glm5 import cpu_threads
-
     try:
         d = cpu_threads.decide()
         out: dict[str, Any] = {"threads": d.threads, "source": d.source, "affinity": d.affinity,
@@ -150,18 +152,16 @@ def _sandbox_warning_fix(text: str, sb: dict[str, Any]) -> str | None:
 
 def sandbox_section() -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(`glm5.rl.envs.sandbox.sandbox_report()` or the error that stopped it, warnings)."""
-    from glm5.rl.envs.sandbox import log as sandbox_log, sandbox_report
-
     # The sandbox logs its warnings once per process; doctor prints them itself, with fixes.
-    level = sandbox_log.level
-    sandbox_log.setLevel(logging.ERROR)
+    level = sandbox.log.level
+    sandbox.log.setLevel(logging.ERROR)
     try:
-        sb = sandbox_report()
+        sb = sandbox.sandbox_report()
     except Exception as e:  # doctor reports what is broken; it does not stop at it
         msg = f"the sandbox could not be set up: {type(e).__name__}: {e}"
         return {"error": msg}, [{"source": "sandbox", "message": msg, "fix": None}]
     finally:
-        sandbox_log.setLevel(level)
+        sandbox.log.setLevel(level)
     warnings = []
     weaker = sb["mode"] == "rlimits"
     if weaker:
@@ -177,7 +177,7 @@ def sandbox_section() -> tuple[dict[str, Any], list[dict[str, Any]]]:
 def doctor_report(backends: Sequence[dict[str, Any]],
                   plugins: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The whole report as JSON values. ``backends`` / ``plugins``: the rows `glm5 backends`
-    shows (`glm5.cli.backend_rows`, `plugin_rows`)."""
+    shows (`glm5.cli.backends.backend_rows`, `plugin_rows`)."""
     sb, warnings = sandbox_section()
     for p in plugins:
         if p["status"] in ("failed", "refused"):
@@ -205,10 +205,8 @@ def doctor_report(backends: Sequence[dict[str, Any]],
 
 def tuning_cache_section() -> dict[str, Any]:
     """The per-device tuning cache (`glm5 tune`): its directory and files, applied or stale."""
-    from glm5.backends.tuning_cache import listing
-
     try:
-        return listing()
+        return tuning_cache.listing()
     except OSError as e:  # an unreadable cache directory is reported, not fatal
         return {"dir": None, "files": [], "error": f"{type(e).__name__}: {e}"}
 
@@ -265,16 +263,14 @@ def format_report(r: dict[str, Any], table: Any) -> str:
 
     out += ["", "Tuning cache (glm5 tune)"]
     tcs = r["tuning_cache"]
-    from glm5.backends.tuning_cache import ENV, describe
-
     if tcs.get("error"):
         kv("error", tcs["error"])
     elif tcs["dir"] is None:
-        kv("dir", f"off ({ENV}=off)")
+        kv("dir", f"off ({tuning_cache.ENV}=off)")
     else:
         kv("dir", tcs["dir"])
         for row in tcs["files"] or []:
-            kv("file", describe(row))
+            kv("file", tuning_cache.describe(row))
         if not tcs["files"]:
             kv("files", "none: kernels run with their backends' tuning tables")
 

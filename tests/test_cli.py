@@ -162,7 +162,7 @@ def test_unexpected_errors_are_one_line_exit_1_with_a_traceback_only_with_debug(
     def broken(args):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(cli, "cmd_info", broken)
+    monkeypatch.setattr(cli.info, "run", broken)
     assert cli.main(["info", "--preset", "tiny"]) == 1
     err = _one_line(capsys, "glm5 info: ")
     assert "unexpected RuntimeError: boom" in err and "--debug" in err

@@ -493,7 +493,7 @@ def test_sse_response_closes_its_generator_when_the_client_leaves_during_a_send(
     """A client that disconnects while the server is blocked writing to it (the generator is
     suspended at a ``yield``, not waiting on the engine): the generator's cleanup — which
     aborts the engine requests — must still run when the response ends."""
-    from glm5.serve.app import _SSEResponse
+    from glm5.serve.streams import SSEResponse as _SSEResponse
 
     cleaned: list[bool] = []
 

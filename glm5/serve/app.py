@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import re
 import time
 import uuid
@@ -42,202 +41,24 @@ from typing import Any, AsyncIterator, Callable, Iterable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from glm5.engine.async_engine import AsyncEngine
-from glm5.engine.engine import RequestRejected
 from glm5.engine.outputs import RequestOutput
 from glm5.engine.sampling import SEED_LIMIT, SamplingParams
 from glm5.text.chat import ChatParser, ChatEvent
-from glm5.serve.http import STALLED, BodyLimit
+from glm5.serve.http import BodyLimit
 from glm5.serve.limits import ServeLimits, min_tokens
 from glm5.serve.metrics import ServerMetrics
 from glm5.serve.protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs,
                                  completion_logprobs, error_body, field_name, lone_surrogate)
+from glm5.serve.streams import (DONE, APIError, Choices, SSEResponse, check_failed, sse,
+                                unless_disconnected)
+from glm5.serve.weights import WEIGHTS_PATH, weight_routes
 
 # Threads that tokenize and render chat templates (a pool of the server's own).
 TOKENIZER_THREADS = 2
-
-
-class APIError(Exception):
-    """An error answered as an OpenAI error body with HTTP ``status``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.retry_after = (status, message, param,
-                                                                   retry_after)
-
-    def response(self) -> JSONResponse:
-        headers = {}
-        if self.retry_after is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
-        return JSONResponse(error_body(self.status, self.message, self.param), self.status,
-                            headers=headers)
-
-
-def _engine_error(e: BaseException) -> APIError:
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, RequestRejected):
-        return APIError(e.status, str(e), e.param, e.retry_after)
-    return APIError(500, f"glm5 serve: the request failed: {type(e).__name__}: {e}")
-
-
-def _sse(data: Any) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-_DONE = "data: [DONE]\n\n"
-
-
-class _SSEResponse(StreamingResponse):
-    """An SSE response that always closes its body generator when it ends: Starlette cancels
-    the sending task when the client disconnects, which can leave the generator suspended at a
-    ``yield`` with its engine requests still running; closing it runs its ``finally`` (abort)."""
-
-    def __init__(self, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
-class _Choices:
-    """The engine requests of one API request (``n`` per prompt), their outputs merged into one
-    stream of ``(choice index, RequestOutput)``. `start` waits until every choice has its
-    first output (or raises the `APIError` of one the engine refused, aborting the others);
-    `close` aborts whatever has not finished and counts the HTTP request as aborted (by
-    ``reason``, see `ServerMetrics.abort`) unless it completed or failed.
-
-    Memory is bounded per choice: the engine sends deltas (``output_kind="delta"``), the merge
-    queue holds at most ``n`` outputs, and a choice whose unread outputs reach ``backlog`` is
-    aborted by the engine (`AsyncEngine.generate`'s ``max_backlog``): a client that stops
-    reading never makes generation run further ahead of it."""
-
-    def __init__(self, srv: "_Server", subs: Sequence[tuple[str, Any, SamplingParams]],
-                 scope: dict) -> None:
-        self.n = len(subs)
-        self._srv, self._scope = srv, scope
-        self._q: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue(
-            maxsize=max(1, self.n))
-        self.backlogged = False  # a choice was aborted: its reader fell `backlog` behind
-        self._gens = [srv.engine.generate(rid, prompt, sp, output_kind="delta",
-                                          max_backlog=srv.limits.stream_backlog,
-                                          on_stall=self._on_stall)
-                      for rid, prompt, sp in subs]
-        self._tasks = [asyncio.create_task(self._pump(i, g)) for i, g in enumerate(self._gens)]
-        self._buf: list[tuple[int, RequestOutput]] = []
-        self.stop: APIError | None = None  # set at the graceful timeout: ends the response
-        self.ended: str | None = None  # "done" | "failed" once the response has its end
-        self._closed = False
-        srv.open_choices.add(self)
-
-    async def _pump(self, i: int, gen: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for out in gen:
-                await self._q.put((i, out))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which answers it
-            await self._q.put((i, e))
-
-    def end(self, error: APIError) -> None:
-        """End the response with ``error`` (the server is shutting down); the consumer sees it
-        at its next output, or now if it waits for one."""
-        self.stop = error
-        try:
-            self._q.put_nowait((-1, error))
-        except asyncio.QueueFull:
-            pass  # the consumer is not waiting: it checks `stop` after each output
-
-    async def start(self) -> None:
-        started: set[int] = set()
-        while len(started) < self.n:
-            i, x = await self._q.get()
-            if isinstance(x, BaseException):
-                self.ended = "failed"
-                await self.close()
-                raise _engine_error(x)
-            started.add(i)
-            self._buf.append((i, x))
-
-    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        done = 0
-        buf, self._buf = self._buf, []
-        while done < self.n:
-            if self.stop is not None:
-                raise self.stop
-            if buf:
-                i, x = buf.pop(0)
-            else:
-                i, x = await self._q.get()
-            if isinstance(x, BaseException):
-                if i >= 0:
-                    self.ended = "failed"
-                raise _engine_error(x)
-            if x.finished:
-                done += 1
-                if x.finish_reason == "error" or (x.finish_reason == "abort"
-                                                  and not x.error):
-                    self.ended = "failed"
-            yield i, x
-        if self.ended is None:
-            self.ended = "done"
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._srv.open_choices.discard(self)
-        # Counted before any await: a response cancelled by a disconnect (anyio cancels
-        # again at every await of its cancelled scope) may not get past the first one.
-        if self.ended is None or self.stop is not None:
-            reason = ("shutdown" if self.stop is not None
-                      else "stalled" if self._scope.get(STALLED) or self.backlogged
-                      else "client_gone")
-            self._srv.metrics.abort(reason)
-        for t in self._tasks:
-            t.cancel()  # a generator cancelled while waiting aborts its request
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for g in self._gens:
-            await g.aclose()  # one never started (or suspended at a yield) aborts here
-
-    def _on_stall(self) -> None:
-        self.backlogged = True
-
-
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work) -> Any:
-    """Run ``work`` (a coroutine); cancel it if the client disconnects first (its engine
-    requests are aborted by its cleanup). Returns its result, or None after a disconnect."""
-    task = asyncio.create_task(work)
-    watch = asyncio.create_task(_until_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(watch, task, return_exceptions=True)
-    if task.cancelled():
-        return None
-    return task.result()
-
-
-def _check_failed(out: RequestOutput) -> None:
-    if out.finish_reason == "error":
-        raise APIError(500, f"glm5 serve: generation failed in the engine: {out.error}")
-    if out.finish_reason == "abort":
-        raise APIError(500, f"glm5 serve: the request was aborted by the engine"
-                       f"{': ' + out.error if out.error else ''}")
 
 
 _ARG = re.compile(r"argument '(\w+)'")
@@ -281,7 +102,7 @@ class _Server:
         self.metrics = ServerMetrics(engine.stats)
         self.created = int(time.time())
         self.max_model_len = engine.engine.max_model_len
-        self.open_choices: set[_Choices] = set()
+        self.open_choices: set[Choices] = set()
         # Tokenizing and rendering run here, never on the event loop (a long prompt takes
         # seconds); a pool of their own, so they cannot starve the engine's add / metrics.
         self._text_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="glm5-tok")
@@ -383,7 +204,7 @@ class _Server:
         cid = f"cmpl-{uuid.uuid4().hex}"
         subs = [(f"{cid}-{p * req.n + j}", prompt, params[j])
                 for p, prompt in enumerate(prompts) for j in range(req.n)]
-        choices = _Choices(self, subs, http.scope)
+        choices = Choices(self, subs, http.scope)
         head = {"id": cid, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         try:
@@ -393,10 +214,10 @@ class _Server:
             raise
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(self._stream_completion(choices, head, lp is not None,
+            return SSEResponse(self._stream_completion(choices, head, lp is not None,
                                                         include_usage, req.n, tok))
 
-        finals = await _unless_disconnected(http, self._finals(choices))
+        finals = await unless_disconnected(http, self._finals(choices))
         if finals is None:
             return Response(status_code=499)  # nobody is listening
         body_choices = []
@@ -414,20 +235,20 @@ class _Server:
                        sum(o.metrics.num_cached_prompt_tokens for o in firsts if o.metrics))
         return JSONResponse({**head, "choices": body_choices, "usage": usage})
 
-    async def _finals(self, choices: _Choices) -> list[RequestOutput]:
+    async def _finals(self, choices: Choices) -> list[RequestOutput]:
         """Each choice's finished output (a failed one raises), the choices closed after."""
         finals: list[RequestOutput | None] = [None] * choices.n
         try:
             async for i, out in choices.events():
                 if out.finished:
-                    _check_failed(out)
+                    check_failed(out)
                     self.metrics.observe(out)
                     finals[i] = out
         finally:
             await choices.close()
         return finals  # type: ignore[return-value]
 
-    async def _stream(self, choices: _Choices, head: dict,
+    async def _stream(self, choices: Choices, head: dict,
                       emit: Callable[[int, RequestOutput], Iterable[str]],
                       usage: Callable[[list], dict] | None,
                       prelude: Sequence[str] = ()) -> AsyncIterator[str]:
@@ -443,7 +264,7 @@ class _Server:
             try:
                 async for i, out in choices.events():
                     if out.finished:
-                        _check_failed(out)
+                        check_failed(out)
                     for c in emit(i, out):
                         yield c
                     if out.finished:
@@ -451,16 +272,16 @@ class _Server:
                         finals[i] = out
             except APIError as e:
                 self.metrics.error(e.status)
-                yield _sse(error_body(e.status, e.message, e.param))
-                yield _DONE
+                yield sse(error_body(e.status, e.message, e.param))
+                yield DONE
                 return
             if usage is not None:
-                yield _sse({**head, "choices": [], "usage": usage(finals)})
-            yield _DONE
+                yield sse({**head, "choices": [], "usage": usage(finals)})
+            yield DONE
         finally:
             await choices.close()
 
-    def _stream_completion(self, choices: _Choices, head: dict, logprobs: bool,
+    def _stream_completion(self, choices: Choices, head: dict, logprobs: bool,
                            include_usage: bool, n: int,
                            token_ids: bool = False) -> AsyncIterator[str]:
         offsets = [0] * choices.n
@@ -472,7 +293,7 @@ class _Server:
                 offsets[i] += sum(len(t) for t in block["tokens"])
             ids = out.new_token_ids if token_ids else []
             if out.new_text or block is not None or ids or out.finished:
-                yield _sse({**head, "choices": [{
+                yield sse({**head, "choices": [{
                     "index": i, "text": out.new_text,
                     "logprobs": block if logprobs else None,
                     "finish_reason": self._finish_reason(out) if out.finished else None,
@@ -529,7 +350,7 @@ class _Server:
         names = {"max_tokens": mt_name, "logprobs": "top_logprobs"}
         params = [_sampling(req, max_tokens, lp, s, names) for s in self._seeds(req.seed, req.n)]
         cid = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = _Choices(self, [(f"{cid}-{j}", ids, params[j]) for j in range(req.n)],
+        choices = Choices(self, [(f"{cid}-{j}", ids, params[j]) for j in range(req.n)],
                            http.scope)
         head = {"id": cid, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name}
@@ -546,10 +367,10 @@ class _Server:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             head["object"] = "chat.completion.chunk"
-            return _SSEResponse(self._stream_chat(choices, head, thinking, tools, parse_tools,
+            return SSEResponse(self._stream_chat(choices, head, thinking, tools, parse_tools,
                                                   lp is not None, include_usage, len(ids)))
 
-        finals = await _unless_disconnected(http, self._finals(choices))
+        finals = await unless_disconnected(http, self._finals(choices))
         if finals is None:
             return Response(status_code=499)
         body_choices = []
@@ -576,7 +397,7 @@ class _Server:
                        m0.num_cached_prompt_tokens if m0 else 0)
         return JSONResponse({**head, "choices": body_choices, "usage": usage})
 
-    def _stream_chat(self, choices: _Choices, head: dict, thinking: bool,
+    def _stream_chat(self, choices: Choices, head: dict, thinking: bool,
                      tools: list | None, parse_tools: bool, logprobs: bool,
                      include_usage: bool, n_prompt: int) -> AsyncIterator[str]:
         parsers = [ChatParser(thinking=thinking, tools=tools) for _ in range(choices.n)]
@@ -589,7 +410,7 @@ class _Server:
                                  "finish_reason": finish}
             if finish is not None:
                 c["stop_reason"] = stop_reason
-            return _sse({**head, "choices": [c]})
+            return sse({**head, "choices": [c]})
 
         def emit(i: int, out: RequestOutput) -> Iterable[str]:
             events = parsers[i].feed(out.new_text) if out.new_text else []
@@ -654,7 +475,7 @@ def build_app(engine: AsyncEngine, model_name: str, tokenizer: Any = None,
     `glm5.text.tokenizer.Tokenizer`; None: token-id prompts only, no chat) renders chat
     prompts and shows tokens in logprobs. When the app shuts down (uvicorn's lifespan, after
     SIGINT / SIGTERM) the engine drains its running requests (up to ``drain_timeout`` s).
-    ``allow_weight_updates``: serve the weight endpoints (`_weight_routes`); without it they
+    ``allow_weight_updates``: serve the weight endpoints (`glm5.serve.weights.weight_routes`); without it they
     are 404s. ``limits``: what clients may do (`glm5.serve.limits.ServeLimits`; default: its
     defaults); the body limits apply under any ASGI server, the connection limits under
     `glm5.serve.http.make_server`."""
@@ -760,57 +581,5 @@ def build_app(engine: AsyncEngine, model_name: str, tokenizer: Any = None,
         body = await asyncio.to_thread(srv.metrics.render)  # the snapshot takes the engine lock
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    _weight_routes(app, engine, allow_weight_updates)
+    weight_routes(app, engine, allow_weight_updates)
     return app
-
-
-WEIGHTS_PATH = "/glm5/v1/weights"
-
-
-def _weight_routes(app: FastAPI, engine: AsyncEngine, allow: bool) -> None:
-    """``POST /glm5/v1/weights``: body = `WeightUpdate.to_bytes()` (application/octet-stream);
-    it is applied between engine steps by a `WeightReceiver` over the engine's model, then the
-    engine's weights version moves (tokens sampled after it carry the new version); replies
-    ``{"version": new}``. An update that does not start from the version the engine holds is a
-    409, a malformed or corrupt one (checksum mismatch, unknown tensor, wrong shape) a 400;
-    either way the model is left as it was. ``GET /glm5/v1/weights``: ``{"version": v,
-    "checksums": {name: sha256}}`` (`state_checksums`; ``?checksums=false``: the version only,
-    without hashing every tensor). Without ``allow`` both answer 404."""
-    if not allow:
-        async def off() -> Response:
-            raise APIError(404, "weight updates are off on this server (start it with "
-                           "`glm5 serve --allow-weight-updates`, or build_app(..., "
-                           "allow_weight_updates=True))")
-
-        app.add_api_route(WEIGHTS_PATH, off, methods=["GET", "POST"])
-        return
-
-    from glm5.engine.weight_sync import (StaleUpdateError, WeightReceiver, WeightSyncError,
-                                     WeightUpdate, apply_to_engine, state_checksums)
-
-    receiver = WeightReceiver(engine.engine.model, engine.engine.weights_version)
-
-    @app.post(WEIGHTS_PATH)
-    async def post_weights(request: Request) -> Response:
-        data = await request.body()
-
-        def apply() -> int:  # parsing and checking a large update takes a while: off the loop
-            return apply_to_engine(engine, receiver, WeightUpdate.from_bytes(data))
-
-        try:
-            version = await asyncio.to_thread(apply)
-        except StaleUpdateError as e:
-            raise APIError(409, str(e)) from None
-        except WeightSyncError as e:
-            raise APIError(400, str(e)) from None
-        return JSONResponse({"version": version})
-
-    @app.get(WEIGHTS_PATH)
-    async def get_weights(checksums: bool = True) -> Response:
-        def read(e: Any) -> dict[str, Any]:  # both from one moment between steps
-            out: dict[str, Any] = {"version": e.weights_version}
-            if checksums:
-                out["checksums"] = state_checksums(e.model)
-            return out
-
-        return JSONResponse(await asyncio.to_thread(engine.between_steps, read))

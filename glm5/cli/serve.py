@@ -1,0 +1,110 @@
+"""`glm5 serve`: the options of the OpenAI-compatible HTTP server; `glm5.serve.server.serve`
+builds the engine and runs it."""
+
+# lazy imports: `glm5 --help` must not load torch: the command imports what it runs in `run`
+
+from __future__ import annotations
+
+import argparse
+
+from glm5.cli.common import option_names
+from glm5.cli.errors import CommandError, UsageError
+
+# EngineConfig fields set by the options of the same name
+ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size",
+                  "num_pages", "max_model_len", "num_speculative_tokens",
+                  "long_prompt_tokens", "long_prompt_qps")
+DTYPES = ("float32", "bfloat16", "float16")
+
+# The client-limit flags: (ServeLimits field, type, help); defaults in the help are
+# ServeLimits' (README "Serving" has the same table, with vLLM's).
+LIMIT_FLAGS = (
+    ("max_body_bytes", int, "request body size; over it: 413 before it is read (8388608)"),
+    ("header_timeout", float, "s for a request's line and headers to arrive (10)"),
+    ("body_timeout", float, "s for a request's body to arrive; then 408 (30)"),
+    ("timeout_keep_alive", float, "s an idle keep-alive connection stays open (5)"),
+    ("max_header_bytes", int, "request line + headers size; over it: 400 (65536)"),
+    ("max_connections", int, "open connections; over it: 503 and closed (default: the "
+                             "descriptor limit, raised to its hard limit, less 256)"),
+    ("stream_backlog", int, "outputs per choice a client may leave unread before its request "
+                            "is aborted (256)"),
+    ("stall_timeout", float, "s a client may leave its socket unwritable (not reading) before "
+                             "it is dropped (30)"),
+    ("graceful_timeout", float, "s after SIGTERM before open streams get a final error event "
+                                "and the server exits (30)"),
+    ("send_buffer_bytes", int, "each connection's kernel send buffer (SO_SNDBUF; default: the "
+                               "kernel's autotuning)"),
+)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn) "
+                        "over the serving engine")
+    sv.add_argument("model_dir", metavar="MODEL_DIR",
+                    help="checkpoint directory (config.json + safetensors; tokenizer.json for "
+                         "text and chat)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
+                    "127.0.0.1; 0.0.0.0 for every interface)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one)")
+    sv.add_argument("--backend", help="ops backend (default: the usual selection)")
+    sv.add_argument("--dtype", choices=DTYPES, type=str.lower,
+                    help="weights dtype (default: the checkpoint's)")
+    sv.add_argument("--indexer-dtype", choices=("bf16", "fp8"), type=str.lower,
+                    help="the DSA indexer's precision (default: the checkpoint's config, "
+                         "dsa_indexer_dtype); fp8: DeepSeek-V3.2's fp8 indexer, its keys "
+                         "cached in fp8")
+    sv.add_argument("--indexer-hadamard", action="store_true",
+                    help="with the fp8 indexer: rotate its q and k by the Hadamard matrix before "
+                         "quantizing (DeepSeek-V3.2's official code, SGLang) (default: the "
+                         "checkpoint's config, dsa_indexer_hadamard)")
+    sv.add_argument("--served-model-name", help="the model name clients send (default: the "
+                    "directory's name)")
+    sv.add_argument("--max-num-seqs", type=int, help="sequences in the running batch (256)")
+    sv.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (8192)")
+    sv.add_argument("--chunk-size", type=int, help="prefill tokens per request and step (512)")
+    sv.add_argument("--page-size", type=int, help="tokens per cache page (64)")
+    sv.add_argument("--num-pages", type=int, help="cache pages (default: as many as 2 GiB hold)")
+    sv.add_argument("--max-model-len", type=int,
+                    help="context length (default: the model's max_position_embeddings)")
+    sv.add_argument("--num-speculative-tokens", type=int, help="MTP drafts per step (0: off)")
+    sv.add_argument("--no-prefix-cache", action="store_true", help="disable prefix reuse")
+    sv.add_argument("--long-prompt-tokens", type=int,
+                    help="prompts longer than this get their own rate limit (32768)")
+    sv.add_argument("--long-prompt-qps", type=float,
+                    help="long prompts admitted per second; over it: 429 + Retry-After (0.5)")
+    sv.add_argument("--allow-weight-updates", action="store_true",
+                    help="accept RL weight updates at POST /glm5/v1/weights (an RL rollout "
+                         "engine; never on a public server)")
+    lim = sv.add_argument_group("client limits", "what one client may cost the server (see "
+                                "README, Serving: limits; vLLM sets none of these but keep-alive)")
+    for name, kind, what in LIMIT_FLAGS:
+        lim.add_argument("--" + name.replace("_", "-"), type=kind, help=what)
+    sv.add_argument("--log-level", default="info", type=str.lower,
+                    choices=("critical", "error", "warning", "info", "debug"),
+                    help="uvicorn's log level (default info: one line per request)")
+    sv.set_defaults(func=run)
+    return sv
+
+
+def _given(args: argparse.Namespace, names) -> dict:
+    return {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+
+
+def run(args: argparse.Namespace) -> int:
+    from glm5.serve.server import ServeError, ServeOptionError, serve
+
+    engine_options = _given(args, ENGINE_OPTIONS)
+    if args.no_prefix_cache:
+        engine_options["enable_prefix_cache"] = False
+    try:
+        serve(args.model_dir, host=args.host, port=args.port, backend=args.backend,
+              dtype=args.dtype, indexer_dtype=args.indexer_dtype,
+              indexer_hadamard=args.indexer_hadamard,
+              served_model_name=args.served_model_name, engine_options=engine_options,
+              limits=_given(args, (name for name, _, _ in LIMIT_FLAGS)),
+              allow_weight_updates=args.allow_weight_updates, log_level=args.log_level)
+    except ServeOptionError as e:  # name the command line's option, not serve's argument
+        raise UsageError(option_names(str(e), {"model_dir": "MODEL_DIR"})) from None
+    except ServeError as e:
+        raise CommandError(str(e)) from None
+    return 0
