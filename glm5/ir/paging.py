@@ -5,7 +5,7 @@ sequence b's logical position j lives in pool row
 
 (`pool_rows`). The op contract (paged_indexer_topk, its references and kernels), the model's
 paged attention (`glm5.core.attention.Pages`) and the serving engine's slot writes
-(`glm5.engine.runner.slots_of`) all take rows from here.
+(`glm5.engine.cache_manager.CacheManager.slot_rows`) all take rows from here.
 """
 
 from __future__ import annotations
