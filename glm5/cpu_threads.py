@@ -9,8 +9,8 @@ transformers there was how the two pools wait, not their size:
 * torch's libgomp workers spin ~300 000 iterations after every parallel region (its default
   when ``OMP_WAIT_POLICY`` is unset), taking a core from TVM's workers and from the other
   processes at every hand-over. ``OMP_WAIT_POLICY=PASSIVE`` (spin count 0) made the loaded
-  forward 2.8-4x faster and the idle one no slower (3-4x faster where other jobs already kept
-  the machine busy). libgomp reads it once, when torch loads it, so
+  forward several times faster and the idle one no slower (docs/performance.md, "CPU under
+  load"). libgomp reads it once, when torch loads it, so
   ``import glm5`` sets it (`quiet_openmp`) if no OpenMP runtime is loaded yet and the user did
   not choose a policy.
 * TVM pins each worker thread to one core (and the calling thread too, even to a core outside

@@ -7,8 +7,8 @@ expected), then
 - when autograd needs the op, calls `torch.ops.glm5.<name>` (backward = that of the kernel
   that served the forward where it registered one, else the vjp of the reference); a mutating
   composite (`mla_prolog`) runs its decomposition instead, whose parts are differentiable;
-- otherwise (eager inference) calls the selected kernel directly, skipping the ~40 µs of the
-  torch.library dispatcher.
+- otherwise (eager inference) calls the selected kernel directly, skipping the torch.library
+  dispatcher's overhead per call (docs/performance.md, "Dispatch overhead").
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import glm5
+import glm5.backends.selection
 from glm5 import cli
 from glm5.ir.catalog import OPS
 from glm5.testing.compare import assert_matches

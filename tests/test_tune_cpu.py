@@ -134,7 +134,7 @@ def test_tuner_measures_every_chain_and_caches(cache, monkeypatch, crossovers):
     ctx = cpu_backend.context
     ctx()
     ran = []
-    real_run = quant._run
+    real_run = quant.run_path
 
     def run(p, context, x, wp, ws, scheme):
         ran.append((p, x.shape[0], scheme, x.dtype))
@@ -147,7 +147,7 @@ def test_tuner_measures_every_chain_and_caches(cache, monkeypatch, crossovers):
         i, n = paths.index(p), len(paths)
         return 1.0 + (i if m < 4 else n - 1 - i)
 
-    monkeypatch.setattr(quant, "_run", run)
+    monkeypatch.setattr(quant, "run_path", run)
     report = tune_cpu.run(ctx, K=256, N=64, reps=1, ladder=(1, 2, 4, 8), clock=scripted,
                           say=lambda s: None)
     pairs = [(s, d) for s in quant.SCHEMES for d in (F32, BF16)
@@ -184,8 +184,8 @@ def test_a_wrong_path_is_caught_before_timing(cache, monkeypatch, crossovers):
         pytest.skip(f"tier {tier} has one path per scheme")
     s, d = pairs[0]
     paths = [p for p, _ in quant.chain(s, tier, d)]
-    real_run = quant._run
-    monkeypatch.setattr(quant, "_run", lambda p, *a: real_run(p, *a) * (1.01 if p == paths[-1]
+    real_run = quant.run_path
+    monkeypatch.setattr(quant, "run_path", lambda p, *a: real_run(p, *a) * (1.01 if p == paths[-1]
                                                                            else 1.0))
     m = tune_cpu.measure(cpu_backend.context, s, d, paths, (1, 2), 256, 64, 1, float("inf"))
     assert m["error"].startswith(f"{paths[-1]}: verdict")

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 pytest.importorskip("tvm")
 
 import glm5  # noqa: E402
+import glm5.backends.selection  # noqa: E402
 import paged_util  # noqa: E402
 from glm5.ir.ops_dsa import indexer_topk_ref, lightning_indexer_ref  # noqa: E402
 from glm5.kernels.tvm import indexer as ix  # noqa: E402

@@ -574,8 +574,8 @@ for p in sys.argv[2].split(","):
             x = torch.randn(M, K, generator=g)
             if not quant.serves(p, scheme, x.dtype):  # the oneDNN path: bf16 x only
                 x = x.to(torch.bfloat16)
-            want = quant._run(p, lambda: ctx, x, wp, ws, scheme)
-            got = quant._run(p, lambda: ctx, at_page_end(x), at_page_end(wp), at_page_end(ws),
+            want = quant.run_path(p, lambda: ctx, x, wp, ws, scheme)
+            got = quant.run_path(p, lambda: ctx, at_page_end(x), at_page_end(wp), at_page_end(ws),
                              scheme)
             assert torch.equal(got, want), (p, scheme, M, K, N)
 print("read inside")
@@ -666,7 +666,7 @@ def test_served_op_runs_and_reports_the_tables_path(monkeypatch, tier):
         return torch.zeros(x.shape[0], wp.shape[0])
 
     monkeypatch.setattr(quant, "_tier", [tier])
-    monkeypatch.setattr(quant, "_run", fake)
+    monkeypatch.setattr(quant, "run_path", fake)
     for scheme in SCHEMES:
         wp, ws = quantize_weight(torch.randn(16, 64), scheme)
         bounds = [e[0] for e in quant.PATHS[tier][scheme] if e[0] is not None]
@@ -747,15 +747,15 @@ def test_moe_experts_quant_takes_each_experts_path(ctx, monkeypatch):
         ids[0, 1] = 1
         wts = torch.rand(T, k, generator=g)
         ran = []
-        real = quant._run
+        real = quant.run_path
 
         def spy(p, context, xe, *rest):
             ran.append((p, xe.shape[0]))
             return real(p, context, xe, *rest)
 
-        monkeypatch.setattr(quant, "_run", spy)
+        monkeypatch.setattr(quant, "run_path", spy)
         got = quant.moe_experts_quant(lambda: ctx, x, ids, wts, *args, scheme)
-        monkeypatch.setattr(quant, "_run", real)
+        monkeypatch.setattr(quant, "run_path", real)
         counts = torch.bincount(ids.reshape(-1).long(), minlength=E).tolist()
         want_runs = [(quant.path(scheme, n, "vnni", x.dtype), n) for n in counts if n
                      for _ in (0, 1)]
@@ -786,8 +786,8 @@ def test_every_path_takes_strided_inputs(ctx, monkeypatch, p):
                 if ws.dim() == 2 else torch.zeros(80)[::2]
             ws_s.copy_(ws)
             assert not (x_s.is_contiguous() or wp_s.is_contiguous() or ws_s.is_contiguous())
-            got = quant._run(p, lambda: ctx, x_s, wp_s, ws_s, scheme)
-            want = quant._run(p, lambda: ctx, vals["x"], wp, ws, scheme)
+            got = quant.run_path(p, lambda: ctx, x_s, wp_s, ws_s, scheme)
+            want = quant.run_path(p, lambda: ctx, vals["x"], wp, ws, scheme)
             assert torch.equal(got, want), (scheme, M)
 
 
@@ -824,14 +824,14 @@ def test_new_kernels_build_once_and_load_from_disk(ctx, tmp_path):
     def run(c, M, K, N):
         wp, ws = quantize_weight(torch.randn(N, K, generator=g), "w4a8")
         for p in todo:
-            quant._run(p, lambda: c, torch.randn(M, K, generator=g), wp, ws, "w4a8")
+            quant.run_path(p, lambda: c, torch.randn(M, K, generator=g), wp, ws, "w4a8")
         if BF16_DP:  # the bf16 GEMM: compiled from rewritten LLVM IR, cached like the rest
             wp, ws = quantize_weight(torch.randn(N, K, generator=g), "w8a16")
             x = torch.randn(M, K, generator=g).to(BF16)
             vals = {"x": x, "w_packed": wp, "w_scale": ws, "scheme": "w8a16", "bias": None}
-            _check(quant._run("vgemm", lambda: c, x, wp, ws, "w8a16"), vals, "w8a16 cached")
+            _check(quant.run_path("vgemm", lambda: c, x, wp, ws, "w8a16"), vals, "w8a16 cached")
             # the oneDNN path's dequantization pass: n and K are runtime values too
-            _check(quant._run("onednn", lambda: c, x, wp, ws, "w8a16"), vals, "onednn cached",
+            _check(quant.run_path("onednn", lambda: c, x, wp, ws, "w8a16"), vals, "onednn cached",
                    BF16)
 
     run(c1, 3, 200, 40)

@@ -9,10 +9,12 @@ import contextvars
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 import pluggy
 import torch
+
+from glm5.ir.catalog import OPS, get_op
 
 # GLM5_STRICT is defined once, in the IR (the ground floor: argument value checks read it too);
 # re-exported here, where plugins and selection use it.
@@ -25,15 +27,19 @@ ENTRY_POINT_GROUP = "glm5.backends"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-if TYPE_CHECKING:
-    from glm5.backends.registry import Registry
+
+class BackendRegistry(Protocol):
+    """What a plugin's ``glm5_register_backends`` hook is given: glm5's registry
+    (`glm5.backends.registry.Registry`), of which a plugin calls ``register`` only."""
+
+    def register(self, backend: "Backend") -> None: ...
 
 
 class HookSpecs:
     """The hooks a glm5 plugin implements (API version 1)."""
 
     @hookspec
-    def glm5_register_backends(self, registry: "Registry") -> None:
+    def glm5_register_backends(self, registry: BackendRegistry) -> None:
         """Call ``registry.register(backend)`` for each backend the plugin ships."""
 
 
@@ -265,8 +271,6 @@ class Backend:
         gradient shaped like the argument (cast to its dtype) or None. Without it, autograd
         takes the vjp of the op's reference.
         """
-        from glm5.ir.catalog import OPS
-
         if op not in OPS:
             raise BackendError(
                 f"glm5.Backend({self.name!r}).kernel: unknown op {op!r}; known ops: "
@@ -287,8 +291,6 @@ class Backend:
         if backward is not None and not callable(backward):
             raise BackendError(f"glm5.Backend({self.name!r}).kernel({op!r}): backward expected "
                                f"a callable or None, got {backward!r}")
-        from glm5.ir.catalog import get_op
-
         if backward is not None and not get_op(op).differentiable:
             raise BackendError(f"glm5.Backend({self.name!r}).kernel({op!r}): backward given "
                                f"for an op that is not differentiable")

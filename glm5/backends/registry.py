@@ -13,11 +13,13 @@ from __future__ import annotations
 import importlib.metadata as md
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pluggy
 
+from glm5.backends import reference
 from glm5.backends.api import (
     API_VERSION,
     ENTRY_POINT_GROUP,
@@ -29,6 +31,7 @@ from glm5.backends.api import (
     UnknownBackendError,
     strict_mode,
 )
+from glm5.backends.policy import get_policy, merge
 
 BUILTIN_REFERENCE = "glm5.backends.reference"  # the module of glm5's own reference plugin
 GLM5_DISTRIBUTION = "glm5"
@@ -86,14 +89,10 @@ class Registry:
                 f"registered (from {other})"
             )
         backend.source = self._current_source or backend.source or "direct"
-        from glm5.backends.policy import get_policy, merge
-
         backend.settings = merge(backend.settings, get_policy().settings_for(backend.name))
         self.backends[backend.name] = backend
         self._current_backends.append(backend.name)
-        from glm5.backends import selection
-
-        selection.clear_cache()
+        _changed()
 
     def get(self, name: str) -> Backend:
         """The backend ``name``; `UnknownBackendError` (a KeyError) saying why it is not
@@ -204,8 +203,6 @@ class Registry:
                              traceback.format_exc())
         if REFERENCE not in self.backends:
             # glm5 itself is not installed (running from a source tree): the oracle must exist.
-            from glm5.backends import reference
-
             self._current_source = "glm5 (source tree, no entry point)"
             self._builtin = True
             try:
@@ -238,6 +235,22 @@ def builtin_plugin_names() -> tuple[str, ...]:
 
 _lock = threading.Lock()
 _registry: Registry | None = None
+# Called, without arguments, whenever the registered backends change (a backend registers, the
+# registry is reset): what caches anything derived from them (selection's plans) subscribes
+# with `on_change`.
+_listeners: list[Callable[[], None]] = []
+
+
+def on_change(fn: Callable[[], None]) -> Callable[[], None]:
+    """Call ``fn()`` whenever the registered backends change (once per ``fn``)."""
+    if fn not in _listeners:
+        _listeners.append(fn)
+    return fn
+
+
+def _changed() -> None:
+    for fn in _listeners:
+        fn()
 
 
 def get_registry() -> Registry:
@@ -246,8 +259,6 @@ def get_registry() -> Registry:
     if _registry is None:
         with _lock:
             if _registry is None:
-                from glm5.backends.policy import get_policy
-
                 pol = get_policy()
                 reg = Registry()
                 reg.discover(pol.disabled_plugins, pol.enabled_plugins)
@@ -258,8 +269,6 @@ def get_registry() -> Registry:
 def reset_registry() -> None:
     """Forget the registry (tests, or after installing a plugin in-process)."""
     global _registry
-    from glm5.backends import selection
-
     with _lock:
         _registry = None
-    selection.clear_cache()
+    _changed()

@@ -20,10 +20,14 @@ from glm5.backends.api import (
     REFERENCE,
     STRICT_ENV,
     Backend,
+    BackendError,
     KernelEntry,
     UnknownBackendError,
     strict_mode,
 )
+from glm5.backends.policy import get_policy
+from glm5.backends.registry import get_registry, on_change
+from glm5.ir.catalog import get_op
 from glm5.ir.opdef import OpDef
 
 log = logging.getLogger("glm5")
@@ -49,8 +53,6 @@ class use_backend:
     def __init__(self, *names: str | None) -> None:
         clean = tuple(n for n in names if n is not None)
         if clean:
-            from glm5.backends.registry import get_registry
-
             reg = get_registry()
             for n in clean:
                 reg.get(n)  # KeyError naming the known backends
@@ -83,8 +85,6 @@ def check_override() -> tuple[str, ...]:
     the known backends (`use_backend` checks its names when called)."""
     names = current_override()
     if names and not _override.get():
-        from glm5.backends.registry import get_registry
-
         reg = get_registry()
         bad = [n for n in names if n not in reg.backends]
         if bad:
@@ -127,6 +127,7 @@ _cache: dict[tuple, Plan] = {}
 _fallback_logged: set[tuple] = set()
 
 
+@on_change  # a backend registered or the registry was reset: plans are stale
 def clear_cache() -> None:
     _cache.clear()
     _fallback_logged.clear()
@@ -148,9 +149,6 @@ def ranked(op: str | None = None, override: tuple[str, ...] | None = None
     Model dispatch (`resolve`), ``glm5 ops`` and ``glm5 bench`` (`preferred_backend`) order
     backends with this function; ``glm5 parity`` checks the kernels of the backend it is
     given directly, and any ``glm5.ops`` call inside them is dispatched by this rule."""
-    from glm5.backends.policy import get_policy
-    from glm5.backends.registry import get_registry
-
     if override is None:
         override = check_override()
     reg = get_registry()
@@ -173,8 +171,6 @@ def preferred_backend(device_type: str) -> Backend | None:
     """The backend the selection rule (`ranked`, no particular op) offers calls on
     ``device_type`` first among those that are available and allowed by plugins.toml; None
     when only the reference is left. What ``glm5 bench`` times without ``--backend``."""
-    from glm5.backends.policy import get_policy
-
     pol = get_policy()
     ordered, _ = ranked()
     for b in ordered:
@@ -191,9 +187,6 @@ def resolve(op: OpDef, device_type: str, dtype: torch.dtype | None) -> Plan:
     plan = _cache.get(key)
     if plan is not None:
         return plan
-    from glm5.backends.policy import get_policy
-    from glm5.backends.registry import get_registry
-
     pol = get_policy()
     ordered, explicit = ranked(op.name, check_override())
     cands: list[KernelEntry] = []
@@ -288,8 +281,6 @@ def model_run(fn: _F | None = None) -> Any:
 def _short_reason(plan: Plan, tried: list[str]) -> str:
     """Why the backends for the call's device declined (those for other devices are noise
     here: ``glm5 ops`` lists them)."""
-    from glm5.backends.registry import get_registry
-
     backends = get_registry().backends
     parts = [f"{n}: {r}" for n, r in plan.declined
              if n in backends and n != REFERENCE and backends[n].serves_device(plan.device_type)]
@@ -392,9 +383,6 @@ def repack(op_name: str, device_type: str, dtype: torch.dtype | None, packed: to
     Returns the backend's name, or None when the selected backend has no repack hook (or only
     the reference / a decomposition serves the op: they take the canonical tensors as they are).
     """
-    from glm5.backends.api import BackendError
-    from glm5.ir.catalog import get_op
-
     plan = resolve(get_op(op_name), device_type, dtype)
     if not plan.candidates:
         return None

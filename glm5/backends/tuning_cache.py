@@ -31,6 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from glm5.host_cpu import cpu_model
+
 ENV = "GLM5_TUNING_CACHE"
 META = "_meta"
 INTERPRETER = "interpreter"
@@ -93,8 +95,6 @@ def cpu_key(tier: str, threads: int) -> tuple[str, str]:
     """(key, name) of this CPU for the cpu backend's crossovers: its model name, glm5's tier
     for it (``amx`` / ``vnni`` / ``portable``) and the thread count they were measured with
     (``AMD-EPYC-9B45-vnni-2t``)."""
-    from glm5.host_cpu import cpu_model
-
     name = cpu_model()
     many = "s" if threads != 1 else ""
     return f"{_slug(name)}-{tier}-{threads}t", f"{name} ({tier}, {threads} thread{many})"

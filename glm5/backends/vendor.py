@@ -32,7 +32,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterable
 
-from glm5.backends.api import Backend
+from glm5.backends import tuning_cache
+from glm5.backends.api import IMPL_ATTR, Backend, default_impl, hookimpl
+from glm5.kernels.triton import registry as kreg
+from glm5.kernels.triton._grid import resolve
 
 ENV_DEVICE = "GLM5_DEVICE"
 
@@ -259,9 +262,6 @@ def tuning_for(path: str | Path,
                query: Callable[[str], int | None] | None = None) -> Callable[[str], dict]:
     """``tuning(op)``: the backend's table merged over the kernels' DEFAULTS, with symbolic
     ``programs`` resolved (see glm5.kernels.triton._grid.resolve)."""
-    from glm5.kernels.triton import registry as kreg
-    from glm5.kernels.triton._grid import resolve
-
     base = kreg.load_table(path)
     counts = counts_for(device_table(path), query)
     return lambda op: resolve(base(op), counts)
@@ -270,8 +270,6 @@ def tuning_for(path: str | Path,
 def triton_rows(backend: Backend, query: Callable[[str], int | None] | None = None) -> Rows:
     """The Triton kernel library's rows under this backend's tuning table, each kernel applying
     the per-device tuning cache (`glm5.backends.tuning_cache`) from its first call on."""
-    from glm5.kernels.triton import registry as kreg
-
     tuning = tuning_for(backend.settings.get("tuning_table") or "", query)
     rows = kreg.kernels(tuning)
     rebuild = _Rebuild(backend.name, tuning)
@@ -289,9 +287,6 @@ class _Rebuild:
     def fns(self, key: str) -> tuple[dict[str, Callable[..., Any]], str]:
         """({op: kernel} for the ops the cache tunes on device ``key``, why)."""
         if key not in self.by_key:
-            from glm5.backends import tuning_cache
-            from glm5.kernels.triton import registry as kreg
-
             ops, why = tuning_cache.entries(self.backend, key)
             fns: dict[str, Callable[..., Any]] = {}
             if ops:
@@ -310,8 +305,6 @@ class DeviceTuned:
     process that imports glm5."""
 
     def __init__(self, backend: str, op: str, fn: Callable[..., Any], rebuild: _Rebuild) -> None:
-        from glm5.backends.api import IMPL_ATTR, default_impl
-
         self.op, self.plain, self.rebuild = op, fn, rebuild
         self.fn: Callable[..., Any] | None = None
         self.device_key: str | None = None
@@ -322,12 +315,10 @@ class DeviceTuned:
         """The kernel for the device of the first tensor in ``args``."""
         import torch
 
-        from glm5.backends.tuning_cache import device_key
-
         dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
         if dev is None:
             return self.plain
-        self.device_key = device_key(dev)[0]
+        self.device_key = tuning_cache.device_key(dev)[0]
         return self.rebuild.fns(self.device_key)[0].get(self.op, self.plain)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -360,8 +351,6 @@ def triton_plugin(backend: Backend, detect: Callable[[], tuple[bool, str]]) -> C
     interpreter as its emulation mode, and the ``glm5_register_backends`` hook implementation
     that attaches the library's kernels under the backend's tuning table and registers it.
     A backend module assigns the result to ``glm5_register_backends``."""
-    from glm5.backends.api import hookimpl
-
     backend.availability(detect)
     backend.emulation(triton_emulation)
 

@@ -13,7 +13,8 @@ from glm5.ir.fp8 import dequantize_rows_e4m3, e4m3_rows
 from glm5.ir.numerics import ErrorTerms, Selection, SelectionRows, sqrt_n
 from glm5.ir.opdef import OpDef, check_index_range, has_data, require, value_checks
 from glm5.ir.paging import pool_rows
-from glm5.ir.ops_norm import _bytes, acc_of
+from glm5.ir.cost import tensor_bytes
+from glm5.ir.ops_norm import acc_of
 from glm5.ir.signature import FLOAT_DTYPES, INDEX_DTYPES, OpInputError, OutArg, TensorArg, scalar
 
 
@@ -88,7 +89,8 @@ _INDEXER_PARAMS = (
 
 def _indexer_cost(a, s):
     T, S, H, D = s["T"], s["S"], s["Hi"], s["Di"]
-    return (2.0 * T * S * H * D + 3.0 * T * S * H, _bytes(a["q"], a["k"], a["w"]) + 4.0 * T * S)
+    return (2.0 * T * S * H * D + 3.0 * T * S * H,
+            tensor_bytes(a["q"], a["k"], a["w"]) + 4.0 * T * S)
 
 
 LIGHTNING_INDEXER = OpDef(
@@ -147,7 +149,7 @@ TOPK_INDICES = OpDef(
     reference=topk_indices_ref,
     cost=lambda a, s: (
         s["T"] * s["S"] * max(1.0, math.log2(max(2, a["k"]))),
-        _bytes(a["scores"]) + 4.0 * s["T"] * a["k"],
+        tensor_bytes(a["scores"]) + 4.0 * s["T"] * a["k"],
     ),
     selection=TOPK_SELECTION,
     differentiable=False,
@@ -171,7 +173,7 @@ _TOPK_OUT = (OutArg("idx", lambda s, a: (s["T"], a["topk"]), torch.int32, differ
 
 def _topk_cost(a, s):
     return (_indexer_cost(a, s)[0] + s["T"] * s["S"],
-            _bytes(a["q"], a["k"], a["w"]) + 4.0 * s["T"] * a["topk"])
+            tensor_bytes(a["q"], a["k"], a["w"]) + 4.0 * s["T"] * a["topk"])
 
 
 def _topk_rows(prep=lambda x: x):
@@ -436,7 +438,7 @@ def _paged_cost(a, s):
     # bytes per key: its Di values (and its fp32 scale in an fp8 pool)
     per_key = Di * a["k"].element_size() + (4.0 if a.get("k_scale") is not None else 0.0)
     flops = T * n * (2.0 * Hi * Di + 3.0 * Hi + 1.0) + T * a["topk"]
-    return flops, (_bytes(a["q"], a["w"], a["seq"], a["k_len"], a["block_table"])
+    return flops, (tensor_bytes(a["q"], a["w"], a["seq"], a["k_len"], a["block_table"])
                    + keys * per_key + 4.0 * T * a["topk"])
 
 
@@ -649,7 +651,8 @@ SPARSE_ATTENTION = OpDef(
     cost=lambda a, s: (
         _attn_cost(a, s, s["K"]),
         # Each query reads its K rows once per KV head (MQA: the latent row is read once).
-        _bytes(a["q"]) + s["T"] * s["K"] * s["Hk"] * (s["Dqk"] + s["Dv"]) * a["k"].element_size()
+        tensor_bytes(a["q"])
+        + s["T"] * s["K"] * s["Hk"] * (s["Dqk"] + s["Dv"]) * a["k"].element_size()
         + 4.0 * s["T"] * s["K"] + s["T"] * s["H"] * (s["Dv"] * a["q"].element_size() + 4),
     ),
     error=sparse_attention_error,
@@ -698,7 +701,7 @@ def _attention_cost(a, s):
     esz = a["k"].element_size()
     return (
         _attn_cost(a, s, n),
-        _bytes(a["q"], a["k"], a["v"]) + s["T"] * s["H"] * (s["Dv"] * esz + 4),
+        tensor_bytes(a["q"], a["k"], a["v"]) + s["T"] * s["H"] * (s["Dv"] * esz + 4),
     )
 
 

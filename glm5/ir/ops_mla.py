@@ -15,7 +15,8 @@ from glm5.ir.numerics import (
     no_error,
 )
 from glm5.ir.opdef import OpDef, check_index_range, require, value_checks
-from glm5.ir.ops_norm import _bytes, acc_of, rms_norm_ref, rope_ref
+from glm5.ir.cost import tensor_bytes
+from glm5.ir.ops_norm import acc_of, rms_norm_ref, rope_ref
 from glm5.ir.signature import INDEX_DTYPES, OpInputError, OutArg, TensorArg, scalar
 
 
@@ -143,10 +144,11 @@ def _prolog_cost(a, s):
     flops = 2.0 * T * (D * Rq + Rq * H * (Dn + Dr) + D * (Rkv + Dr))
     if a["absorb"]:
         flops += 2.0 * T * H * Dn * Rkv
-    wb = _bytes(a["w_qa"], a["w_qb"], a["w_kva"]) + (_bytes(a["w_uk"]) if a["absorb"] else 0)
+    wb = (tensor_bytes(a["w_qa"], a["w_qb"], a["w_kva"])
+          + (tensor_bytes(a["w_uk"]) if a["absorb"] else 0))
     esz = a["x"].element_size()
     out = T * H * ((Rkv if a["absorb"] else Dn) + Dr) * esz + T * Rq * esz
-    return flops, wb + _bytes(a["x"]) + out + T * (Rkv + Dr) * a["kv_cache"].element_size()
+    return flops, wb + tensor_bytes(a["x"]) + out + T * (Rkv + Dr) * a["kv_cache"].element_size()
 
 
 MLA_PROLOG = OpDef(

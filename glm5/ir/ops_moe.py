@@ -16,7 +16,8 @@ from glm5.ir.numerics import (
     no_error,
 )
 from glm5.ir.opdef import OpDef, check_index_range, require
-from glm5.ir.ops_norm import _bytes, acc_of
+from glm5.ir.cost import tensor_bytes
+from glm5.ir.ops_norm import acc_of
 from glm5.ir.signature import FLOAT_DTYPES, FP32_DTYPES, INDEX_DTYPES, OutArg, TensorArg, scalar
 
 
@@ -153,7 +154,7 @@ MOE_ROUTE = OpDef(
     reference=moe_route_ref,
     cost=lambda a, s: (
         6.0 * s["T"] * s["E"],
-        _bytes(a["logits"], a["bias"]) + 8.0 * s["T"] * a["top_k"],
+        tensor_bytes(a["logits"], a["bias"]) + 8.0 * s["T"] * a["top_k"],
     ),
     error=moe_route_error,
     check=_route_check,
@@ -234,7 +235,7 @@ def _experts_cost(a, s, wbytes: float):
     routed = T * k
     return (
         routed * (2.0 * D * 2 * I + 2.0 * I * D + 4.0 * I),
-        _bytes(a["x"]) * 2 + wbytes + 8.0 * routed,
+        tensor_bytes(a["x"]) * 2 + wbytes + 8.0 * routed,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from glm5.ir.cost import tensor_bytes
 from glm5.ir.numerics import (
     ErrorTerms,
     rms_norm_error,
@@ -20,10 +21,6 @@ from glm5.ir.signature import FLOAT_DTYPES, OutArg, TensorArg, scalar
 def acc_of(x: torch.Tensor) -> torch.dtype:
     """Accumulation dtype: float64 for the float64 oracle, float32 otherwise."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _bytes(*ts: torch.Tensor) -> float:
-    return float(sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor)))
 
 
 # --------------------------------------------------------------------------- rms_norm
@@ -51,7 +48,7 @@ RMS_NORM = OpDef(
     ),
     outputs=(OutArg("y", "like:x", "like:x"),),
     reference=rms_norm_ref,
-    cost=lambda a, s: (4.0 * a["x"].numel(), 2 * _bytes(a["x"]) + _bytes(a["weight"])),
+    cost=lambda a, s: (4.0 * a["x"].numel(), 2 * tensor_bytes(a["x"]) + tensor_bytes(a["weight"])),
     error=rms_norm_error_model,
     category="norm",
 )
@@ -93,7 +90,7 @@ LAYER_NORM = OpDef(
     reference=layer_norm_ref,
     cost=lambda a, s: (
         7.0 * a["x"].numel(),
-        2 * _bytes(a["x"]) + _bytes(a["weight"], a["bias"]),
+        2 * tensor_bytes(a["x"]) + tensor_bytes(a["weight"], a["bias"]),
     ),
     error=layer_norm_error_model,
     category="norm",
@@ -145,7 +142,8 @@ ROPE = OpDef(
     ),
     outputs=(OutArg("y", "like:x", "like:x"),),
     reference=rope_ref,
-    cost=lambda a, s: (3.0 * a["x"].numel(), 2 * _bytes(a["x"]) + _bytes(a["cos"], a["sin"])),
+    cost=lambda a, s: (3.0 * a["x"].numel(),
+                       2 * tensor_bytes(a["x"]) + tensor_bytes(a["cos"], a["sin"])),
     error=rope_error_model,
     check=_rope_check,
     category="norm",
@@ -175,7 +173,7 @@ SILU_MUL = OpDef(
     params=(TensorArg("x", ("...", "2*I")),),
     outputs=(OutArg("y", lambda s, a: tuple(a["x"].shape[:-1]) + (s["I"],), "like:x"),),
     reference=silu_mul_ref,
-    cost=lambda a, s: (5.0 * a["x"].numel() / 2, 1.5 * _bytes(a["x"])),
+    cost=lambda a, s: (5.0 * a["x"].numel() / 2, 1.5 * tensor_bytes(a["x"])),
     error=silu_mul_error_model,
     category="norm",
 )

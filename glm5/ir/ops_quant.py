@@ -22,7 +22,8 @@ from glm5.ir.numerics import (
 )
 from glm5.ir.opdef import OpDef, check_index_range, require
 from glm5.ir.ops_moe import expert_chain_error
-from glm5.ir.ops_norm import _bytes, acc_of
+from glm5.ir.cost import tensor_bytes
+from glm5.ir.ops_norm import acc_of
 from glm5.ir.quant_formats import (
     ACT_DTYPE,
     GROUP,
@@ -70,7 +71,7 @@ QUANTIZE_PER_TOKEN = OpDef(
     reference=quantize_per_token_ref,
     cost=lambda a, s: (
         3.0 * a["x"].numel(),
-        _bytes(a["x"]) + a["x"].numel() * (1 if a["bits"] == 8 else 2) + 4.0 * s["M"],
+        tensor_bytes(a["x"]) + a["x"].numel() * (1 if a["bits"] == 8 else 2) + 4.0 * s["M"],
     ),
     error=quantize_per_token_error,
     differentiable=False,
@@ -182,7 +183,7 @@ def _ql_cost(a, s):
     sc = SCHEMES[a["scheme"]]
     M, N, K = s["M"], s["N"], s["K"]
     wbytes = N * sc.packed_k(K) + 4.0 * a["w_scale"].numel()
-    return 2.0 * M * N * K, _bytes(a["x"]) * (1 + N / max(K, 1)) + wbytes
+    return 2.0 * M * N * K, tensor_bytes(a["x"]) * (1 + N / max(K, 1)) + wbytes
 
 
 QUANT_LINEAR = OpDef(
@@ -277,7 +278,7 @@ def _meq_cost(a, s):
     touched = min(s["E"], T * k)
     scales = 4.0 * (a["w13_scale"].numel() + a["w2_scale"].numel()) / max(s["E"], 1)
     wbytes = touched * (2 * I * sc.packed_k(D) + D * sc.packed_k(I) + scales)
-    return T * k * (6.0 * D * I + 4.0 * I), _bytes(a["x"]) * 2 + wbytes + 8.0 * T * k
+    return T * k * (6.0 * D * I + 4.0 * I), tensor_bytes(a["x"]) * 2 + wbytes + 8.0 * T * k
 
 
 MOE_EXPERTS_QUANT = OpDef(

@@ -6,7 +6,8 @@ import torch
 
 from glm5.ir.numerics import LAMBDA, ErrorTerms, sqrt_n, unit_roundoff
 from glm5.ir.opdef import OpDef, check_index_range, require, value_checks
-from glm5.ir.ops_norm import _bytes, acc_of
+from glm5.ir.cost import tensor_bytes
+from glm5.ir.ops_norm import acc_of
 from glm5.ir.signature import FLOAT_DTYPES, INDEX_DTYPES, OutArg, TensorArg, scalar
 
 VOCAB_CHUNK = 4096  # the reference never holds more than [T, VOCAB_CHUNK] logits
@@ -104,7 +105,7 @@ TOKEN_LOGPROBS = OpDef(
     reference=token_logprobs_ref,
     cost=lambda a, s: (
         2.0 * s["T"] * s["V"] * s["D"] + 6.0 * s["T"] * s["V"],
-        _bytes(a["h"], a["w_vocab"]) + 12.0 * s["T"],
+        tensor_bytes(a["h"], a["w_vocab"]) + 12.0 * s["T"],
     ),
     error=token_logprobs_error,
     check=_tlp_check,
@@ -161,7 +162,7 @@ GRPO_ADVANTAGES = OpDef(
     ),
     outputs=(OutArg("adv", ("N",), "like:rewards"),),
     reference=grpo_advantages_ref,
-    cost=lambda a, s: (5.0 * s["N"], 2 * _bytes(a["rewards"])),
+    cost=lambda a, s: (5.0 * s["N"], 2 * tensor_bytes(a["rewards"])),
     error=grpo_advantages_error,
     check=_grpo_check,
     category="rl",
@@ -259,7 +260,7 @@ POLICY_LOSS = OpDef(
     reference=policy_loss_ref,
     cost=lambda a, s: (
         12.0 * s["T"],
-        _bytes(a["logp"], a["old_logp"], a["adv"], a["mask"], a["rollout_logp"]),
+        tensor_bytes(a["logp"], a["old_logp"], a["adv"], a["mask"], a["rollout_logp"]),
     ),
     error=policy_loss_error,
     check=_pl_check,

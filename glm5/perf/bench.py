@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from glm5.backends.api import Backend
 from glm5.ir.catalog import OPS
 from glm5.ir.fp8 import quantize_rows_e4m3
-from glm5.ir.quant_formats import quantize_weight
+from glm5.ir.quant_formats import dequantize_weight, quantize_weight
 from glm5.progress import progress_bar
 from glm5.perf.measure import (
     PeakRSS,
@@ -118,8 +118,6 @@ def _ql(M, K, N, scheme):
 
 
 def _ql_baseline(a: dict[str, Any]) -> Callable[[], Any]:
-    from glm5.ir.quant_formats import dequantize_weight
-
     w = dequantize_weight(a["w_packed"], a["w_scale"], a["scheme"], a["x"].shape[1])
     x = a["x"].float()
     return lambda: F.linear(x, w)

@@ -13,6 +13,9 @@ from typing import Callable, Iterator
 
 import torch
 
+from glm5.ir.fp8 import quantize_rows_e4m3
+from glm5.ir.quant_formats import quantize_weight
+
 DEV = "cuda"
 
 
@@ -77,8 +80,6 @@ def b_paged(B: int, L: int, Hi: int, Di: int, topk: int, ps: int, fp8: bool) -> 
     """A decode step of B sequences of L keys each (one query per sequence) through a shuffled
     pool of ps-row pages; ``fp8``: paged_indexer_topk_fp8's pool (e4m3 codes + row scales)."""
     def build(dt):
-        from glm5.ir.fp8 import quantize_rows_e4m3
-
         n = -(-L // ps)
         g = torch.Generator().manual_seed(3)
         table = torch.randperm(B * n, generator=g).to(torch.int32).reshape(B, n).to(DEV)
@@ -141,8 +142,6 @@ def b_moe(T: int, k: int, E: int, D: int, I: int) -> Callable:
 
 
 def _qweight(N: int, K: int, scheme: str, seed: int = 7):
-    from glm5.ir.quant_formats import quantize_weight
-
     return quantize_weight(rn(N, K, dt=torch.float32, scale=K ** -0.5, seed=seed), scheme)
 
 

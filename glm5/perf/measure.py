@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from glm5 import host_cpu
 from glm5.host_cpu import cpu_model  # noqa: F401  (re-exported: reports name the CPU)
 
 
@@ -116,9 +117,7 @@ _FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx
 
 def cpu_flags() -> set[str]:
     """The instruction-set flags of this CPU (Linux /proc/cpuinfo), read at run time."""
-    from glm5.host_cpu import cpu_flags as flags
-
-    return set(flags() or ())
+    return set(host_cpu.cpu_flags() or ())
 
 
 def cpu_features() -> dict[str, Any]:
@@ -171,8 +170,8 @@ class _Threads:
 
 def _thread_counts() -> list[int]:
     """torch's own thread count and 1: on a machine busier than its cores a parallel region
-    waits for its slowest thread to be scheduled (a 256 KiB copy: 8 ms with 2 threads, 6 µs
-    with 1, measured here under load), so either may be the fastest path at the moment."""
+    waits for its slowest thread to be scheduled (a small copy can take orders of magnitude
+    longer with 2 threads than with 1), so either may be the fastest path at the moment."""
     n = torch.get_num_threads()
     return [n] if n == 1 else [n, 1]
 

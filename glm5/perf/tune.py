@@ -35,7 +35,13 @@ from typing import Any, Callable
 
 import torch
 
+import glm5
+from glm5.backends import tuning_cache as tc
+from glm5.backends.vendor import tuning_for
+from glm5.ir.catalog import OPS
+from glm5.kernels.triton import registry
 from glm5.perf import device_shapes as ds
+from glm5.testing.compare import check_example
 
 BF = torch.bfloat16
 MAX_WARPS = 16
@@ -140,8 +146,6 @@ def searchable(entry: dict[str, Any], fixed: tuple[str, ...] = ()) -> list[str]:
 
 def op_fn(op: str, entry: dict[str, Any]) -> Callable[..., Any]:
     """The Triton library's kernel for ``op`` built with launch parameters ``entry``."""
-    from glm5.kernels.triton import registry
-
     rows = registry.kernels(lambda name: entry if name == op else {})
     return {r[0]: r[1] for r in rows}[op]
 
@@ -204,8 +208,6 @@ def prepare(op: str, op_specs: list[Spec], device: torch.device, dtype: torch.dt
             ) -> Prepared:
     """Build ``op``'s check examples (CPU) and timing arguments (``device``), each validated
     against the op's signature."""
-    from glm5.ir.catalog import OPS
-
     o = OPS[op]
     checks, timed = [], []
     for s in op_specs:
@@ -222,9 +224,6 @@ def trial(p: Prepared, entry: dict[str, Any], device: torch.device, clock: Clock
           dtype: torch.dtype = BF) -> dict[str, Any]:
     """Judge ``entry`` at every check shape, then time it at every timing shape:
     {"params", "ms": [per shape]} or {"params", "error"}."""
-    from glm5.ir.catalog import OPS
-    from glm5.testing.compare import check_example
-
     out: dict[str, Any] = {"params": dict(entry)}
     try:
         fn = (make or op_fn)(p.op, entry)
@@ -301,9 +300,6 @@ def run(backend: Any, ops: list[str] | None, device: torch.device, *, emulate: b
     """Tune ``backend``'s Triton kernels for ``ops`` (default: every op with shapes here) on
     ``device`` at the shapes of one of ``tp`` tensor-parallel ranks (`specs`); returns the
     report (what was tried, what was kept, where it was written)."""
-    from glm5.backends import tuning_cache as tc
-    from glm5.backends.vendor import tuning_for
-
     if emulate and tp != 1:
         raise ValueError("glm5 tune: tp applies to the device shapes, not to the emulated ones")
     shapes = TINY if emulate else specs(tp)
@@ -359,8 +355,6 @@ def save(path: Path | None, keep: dict[str, dict[str, Any]], meta: Callable[[], 
          drop: list[str] | tuple[str, ...] = ()) -> str | None:
     """Write ``keep`` (per-op entries; ``drop``: ops to forget) to the tuning cache file
     ``path`` with ``meta()``, or say why nothing is written; returns the path written."""
-    from glm5.backends import tuning_cache as tc
-
     if not keep and not drop:
         say("nothing to write: no entry beat what runs now")
     elif not write_cache:
@@ -386,15 +380,12 @@ def _line(r: dict[str, Any]) -> str:
 
 
 def _meta(backend: str, name: str, key: str, results: list[dict[str, Any]]) -> dict[str, Any]:
-    import glm5
-    from glm5.backends.tuning_cache import kernels_hash
-
     try:
         import triton
         tv = triton.__version__
     except ImportError:  # pragma: no cover - the kernels need it
         tv = None
-    return {"backend": backend, "device": name, "device_key": key, "kernels": kernels_hash(),
+    return {"backend": backend, "device": name, "device_key": key, "kernels": tc.kernels_hash(),
             "triton": tv, "torch": torch.__version__, "glm5": glm5.__version__,
             "date": utc_now(),
             "results": {r["op"]: {"shapes": r["shapes"], "start_ms": r["start"].get("ms"),

@@ -23,6 +23,13 @@ from typing import Any, Callable
 
 import torch
 
+from glm5.backends import tuning_cache as tc
+from glm5.ir.quant_formats import SCHEMES, quantize_weight
+from glm5.kernels.tvm import quant
+from glm5.perf import measure as perf_measure
+from glm5.perf.tune import save, utc_now
+from glm5.testing.compare import judge
+
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 EXTRA = (192, 256, 384, 512)  # rungs for a chain whose last table switch is near LADDER's top
 PORTABLE_LADDER = (64, 128, 192, 256, 384, 512, 768)
@@ -64,9 +71,7 @@ def rungs_for(ch: tuple[tuple[str, int | None], ...], ladder: tuple[int, ...]
 def best_of(fn: Callable[[], Any], reps: int) -> float:
     """The fastest call (seconds) over at least ``reps`` calls and 20 ms each way
     (`glm5.perf.measure.best_time`: a descheduled call spoils itself only)."""
-    from glm5.perf.measure import best_time
-
-    return best_time(fn, repeat=reps, min_time=0.02)
+    return perf_measure.best_time(fn, repeat=reps, min_time=0.02)
 
 
 def measure(context: Callable[[], Any], scheme: str, dtype: torch.dtype, paths: list[str],
@@ -77,16 +82,12 @@ def measure(context: Callable[[], Any], scheme: str, dtype: torch.dtype, paths: 
     and round to round), ``rounds`` sweeps of the ladder apart in time, each path's best kept,
     after judging each path against the oracle at the first rung: {"times": {M: {path: s}},
     "error"?}."""
-    from glm5.ir.quant_formats import quantize_weight
-    from glm5.kernels.tvm.quant import _run
-    from glm5.testing.compare import judge
-
     g = torch.Generator().manual_seed(0)
     wp, ws = quantize_weight(torch.randn(N, K, generator=g) * K ** -0.5, scheme)
     xs = {m: torch.randn(m, K, generator=g).to(dtype) for m in ladder}
     x = xs[ladder[0]]
     for p in paths:
-        y = _run(p, context, x, wp, ws, scheme).to(dtype)
+        y = quant.run_path(p, context, x, wp, ws, scheme).to(dtype)
         v = judge(OP, y, {"x": x, "w_packed": wp, "w_scale": ws, "scheme": scheme, "bias": None})
         if not v.ok:
             return {"times": {}, "error": f"{p}: verdict: {v.message[:200]}"}
@@ -97,7 +98,8 @@ def measure(context: Callable[[], Any], scheme: str, dtype: torch.dtype, paths: 
                 return {"times": times, "error": "time budget"}
             k = (i + r) % len(paths)
             for p in paths[k:] + paths[:k]:
-                t = clock(lambda p=p, x=xs[m]: _run(p, context, x, wp, ws, scheme), reps)
+                t = clock(lambda p=p, x=xs[m]: quant.run_path(p, context, x, wp, ws, scheme),
+                          reps)
                 times.setdefault(m, {})[p] = min(t, times.get(m, {}).get(p, float("inf")))
     return {"times": times}
 
@@ -108,19 +110,14 @@ def run(context: Callable[[], Any], *, budget_s: float = 600.0, K: int = 4096, N
         say: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure every (scheme, x dtype) whose paths differ on this CPU's tier; returns the
     report and writes the crossovers to the tuning cache."""
-    from glm5.backends import tuning_cache as tc
-    from glm5.ir.quant_formats import SCHEMES
-    from glm5.kernels.tvm.quant import chain, cpu_tier, crossover_key
-    from glm5.perf.tune import save, utc_now
-
-    tier = cpu_tier()
+    tier = quant.cpu_tier()
     key, name = tc.cpu_key(tier, torch.get_num_threads())
     rungs = ladder or (PORTABLE_LADDER if tier == "portable" else LADDER)
     deadline = time.monotonic() + budget_s
     results, keep = [], {}
     for scheme in SCHEMES:
         for dt in DTYPES:
-            ch = chain(scheme, tier, dt)
+            ch = quant.chain(scheme, tier, dt)
             if len(ch) < 2:
                 continue
             paths = [p for p, _ in ch]
@@ -131,7 +128,7 @@ def run(context: Callable[[], Any], *, budget_s: float = 600.0, K: int = 4096, N
                  "table": table, **m}
             if "error" not in m:
                 r["switches"] = switches(m["times"], paths)
-                keep[crossover_key(tier, scheme, dt)] = (
+                keep[quant.crossover_key(tier, scheme, dt)] = (
                     r["switches"][0] if len(r["switches"]) == 1 else r["switches"])
             results.append(r)
             say(_line(r))

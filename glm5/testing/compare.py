@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from glm5.backends.api import KernelEntry, recording_impls, run_recorded
+from glm5.ir.catalog import get_op
 from glm5.ir.numerics import ErrorTerms, SelectionRows
 from glm5.ir.opdef import OpDef
 from glm5.testing.tolerances import bound, formula
@@ -226,8 +228,6 @@ def check_example(op: OpDef, kernel: Any, values: dict[str, Any], dtype: torch.d
     ``Verdict.served_by``, or a plain function) on ``values`` (moved to ``device`` when given:
     a device backend's real run) and judge it against the float64 oracle on the CPU; ``dtype``
     is the dtype the kernel was called with (the op's dispatch dtype)."""
-    from glm5.backends.api import KernelEntry, recording_impls, run_recorded
-
     v = Verdict(tolerance=formula(op, dtype, values.get("scheme")))
     o64 = upcast(values)  # before the kernel runs: a kernel that writes its inputs is caught
     kin = clone_inputs(values, op.mutates)
@@ -299,8 +299,6 @@ def judge(op: OpDef | str, got: Any, values: dict[str, Any],
     ``before``: the arguments as they were before the call (the oracle starts from those).
     ``dtype``: the dtype the computation was called with (default: the op's dispatch dtype of
     ``values``). This is what tests use instead of their own tolerances."""
-    from glm5.ir.catalog import get_op
-
     op = get_op(op) if isinstance(op, str) else op
     values = op.bind((), values)
     before = values if before is None else op.bind((), before)

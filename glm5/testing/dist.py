@@ -18,7 +18,7 @@ finish within ``timeout_s``. `values(results)` returns the values or raises one
 AssertionError listing every rank's failure.
 
 Speed: the children are forked from a forkserver that imported torch and glm5.parallel once (the
-first world pays ~3 s for it, later worlds start in well under a second); each child gets the
+first world pays for that import, later worlds start much faster); each child gets the
 parent's environment of the moment and one torch thread. The rendezvous store is hosted by
 this (the parent) process, as torchrun's agent hosts it, so it outlives any rank (the fault
 reports of glm5.parallel.faults read it).
@@ -108,6 +108,7 @@ def _worker(rank: int, world_size: int, port: int, environ: dict[str, str], init
     ctx = None
     try:
         if init:
+            # lazy: keeps glm5.testing.dist light in the parent; the ranks load glm5.parallel
             from glm5.parallel import init_distributed
 
             ctx = init_distributed(backend="gloo", timeout_s=comm_timeout_s, device="cpu")

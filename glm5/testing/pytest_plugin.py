@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from glm5.testing.profiles import register_profiles
+
 if TYPE_CHECKING:
     from glm5.backends.api import Backend
 
@@ -37,8 +39,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def kit_backend(config: pytest.Config) -> "Backend":
     """The backend ``--glm5-backend`` names; `pytest.UsageError` saying why when it is not
     loaded (see `glm5.backends.registry.Registry.why_not_loaded`)."""
+    # lazy: keeps this pytest11 plugin light (every pytest run of any project loads it)
     from glm5.backends.api import UnknownBackendError
-    from glm5.backends.registry import PluginLoadError, get_registry
+    from glm5.backends.registry import PluginLoadError, get_registry  # lazy: as above
 
     name = config.getoption("--glm5-backend") or DEFAULT_BACKEND
     try:
@@ -52,7 +55,7 @@ def kit_backend(config: pytest.Config) -> "Backend":
 def kit_ops(config: pytest.Config) -> list[str]:
     """The ops ``--glm5-ops`` names ([] = every op the backend claims); `pytest.UsageError`
     naming an unknown one."""
-    from glm5.ir.catalog import OPS
+    from glm5.ir.catalog import OPS  # lazy: keeps this pytest11 plugin light (as above)
 
     only = [o.strip() for o in config.getoption("--glm5-ops").split(",") if o.strip()]
     unknown = [o for o in only if o not in OPS]
@@ -63,10 +66,6 @@ def kit_ops(config: pytest.Config) -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    try:
-        from glm5.testing.profiles import register_profiles
-    except ImportError:  # pragma: no cover - hypothesis missing
-        return
     try:
         register_profiles()
     except ImportError:

@@ -14,11 +14,10 @@ from glm5.ir.catalog import OPS  # noqa: E402
 from glm5.ir.signature import dtype_name  # noqa: E402
 from glm5.testing.cases import PROFILES, GENERATORS, HypothesisDraw, case_dtypes  # noqa: E402
 from glm5.testing.compare import check_example  # noqa: E402
+from glm5.testing.pytest_plugin import kit_backend, kit_ops  # noqa: E402
 
 
 def _params(config: pytest.Config) -> list:
-    from glm5.testing.pytest_plugin import kit_backend, kit_ops
-
     backend = kit_backend(config)  # checked at session start too (a one-line usage error)
     name = backend.name
     only = kit_ops(config)

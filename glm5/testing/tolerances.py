@@ -30,6 +30,7 @@ from glm5.ir.numerics import ErrorTerms
 from glm5.ir.opdef import OpDef
 from glm5.ir.quant_formats import SCHEMES
 from glm5.ir.signature import dtype_name
+from glm5.testing.cases import GENERATORS, RandomDraw
 
 ANY_SCHEME = "*"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -60,8 +61,6 @@ class Entry:
 def _out_dtypes(op: OpDef, work: torch.dtype) -> list[tuple[str, torch.dtype | None]]:
     """(output name, dtype) for a call in ``work`` (None for integer outputs), read off a
     generated example's output specs; mutated arguments keep their dtype."""
-    from glm5.testing.cases import GENERATORS, RandomDraw
-
     values = GENERATORS[op.name](RandomDraw(0, tier="edge"), work)
     res: list[tuple[str, torch.dtype | None]] = []
     for o, (_, dt) in zip(op.outputs, op.output_specs(values)):

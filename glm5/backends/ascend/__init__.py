@@ -35,6 +35,7 @@ import torch
 
 from glm5.backends import vendor
 from glm5.backends.api import API_VERSION, IMPL_ATTR, call_impl, default_impl, hookimpl
+from glm5.ir.catalog import OPS
 
 GLM5_API_VERSION = API_VERSION
 NPU_OPS = "glm5.backends.ascend.npu_ops"
@@ -121,8 +122,6 @@ def combine(op: str, first: tuple, second: tuple) -> tuple:
     dispatch dtype and ``supports``, else by ``second`` (the Triton kernel). Each call reports
     the implementation label of the one that ran (the binding's own report, if it makes one,
     is kept: it is the more precise)."""
-    from glm5.ir.catalog import OPS
-
     _, f1, d1, s1 = first
     _, f2, d2, s2 = second
     l1, l2 = default_impl(f1, BACKEND.name), default_impl(f2, BACKEND.name)

@@ -22,8 +22,14 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from glm5 import cpu_threads
+from glm5.backends import tuning_cache as tc
 from glm5.backends.api import API_VERSION, Backend, hookimpl, report_impl
+from glm5.kernels.tvm import moe, quant, topk
+from glm5.kernels.tvm import registry as kreg
+from glm5.kernels.tvm.build import TVMContext, default_cache_dir
 
 GLM5_API_VERSION = API_VERSION
 
@@ -43,8 +49,6 @@ def context():
         warning = cpu_threads.spinning_warning()
         if warning:
             log.warning("cpu backend: %s", warning)
-        from glm5.kernels.tvm.build import TVMContext, default_cache_dir
-
         cache = BACKEND.settings.get("compile_cache") or default_cache_dir()
         _ctx = TVMContext(cache_dir=Path(str(cache)).expanduser())
         apply_tuning_cache()
@@ -59,11 +63,6 @@ def apply_tuning_cache() -> str:
     kept in the tuning cache under this CPU's model, tier and thread count), or `PATHS`' own
     where the cache has none for it; returns (and keeps in ``tuning_state``) what happened."""
     global tuning_state
-    import torch
-
-    from glm5.backends import tuning_cache as tc
-    from glm5.kernels.tvm import quant
-
     key, _ = tc.cpu_key(quant.cpu_tier(), torch.get_num_threads())
     ops, why = tc.entries("cpu", key)
     try:
@@ -97,8 +96,6 @@ def _available() -> tuple[bool, str]:
 def _moe_path(x, ids, weights, w13, w2) -> str | None:
     """The path `glm5.kernels.tvm.moe.moe_experts` takes for these arguments (None: an empty
     call, nothing runs)."""
-    from glm5.kernels.tvm import moe
-
     if x.shape[0] == 0 or x.shape[1] == 0:
         return None
     return "torch:per-expert" if x.shape[0] * ids.shape[1] > moe.ROWS_TVM else "tvm"
@@ -107,8 +104,6 @@ def _moe_path(x, ids, weights, w13, w2) -> str | None:
 def _quant_linear_path(x, w_packed, w_scale, scheme, bias=None) -> str | None:
     """The path `glm5.kernels.tvm.quant.quant_linear` takes for these arguments (None: an
     empty product, nothing runs)."""
-    from glm5.kernels.tvm import quant
-
     M, K = x.shape
     if M == 0 or K == 0 or w_packed.shape[0] == 0:
         return None
@@ -119,8 +114,6 @@ def _moe_quant_path(x, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale,
                     scheme) -> str | None:
     """The path `glm5.kernels.tvm.quant.moe_experts_quant` takes (None: an empty call):
     each expert on quant_linear's path on a VNNI / AMX tier, else one grouped TVM GEMV."""
-    from glm5.kernels.tvm import quant
-
     if x.shape[0] == 0 or x.shape[1] == 0:
         return None
     routed = w13_packed.shape[1] >= 2 and bool((ids >= 0).any())
@@ -129,8 +122,6 @@ def _moe_quant_path(x, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale,
 
 def _topk_path(scores, k) -> str | None:
     """The selection `glm5.kernels.tvm.topk.topk_indices` uses (None: nothing to select)."""
-    from glm5.kernels.tvm import topk
-
     if scores.shape[0] == 0 or min(k, scores.shape[1]) == 0:
         return None
     return topk.path(scores.shape[1])
@@ -163,10 +154,8 @@ def _reporting(fn: Callable[..., Any], path: Callable[..., str | None]) -> Calla
 
 def _register_kernels(b: Backend) -> None:
     """Each kernel module adds its kernels; a module not yet written is simply absent."""
-    from glm5.kernels.tvm import registry
-
-    backwards = registry.backwards(context)
-    for op, fn, dtypes, supports in registry.kernels(context):
+    backwards = kreg.backwards(context)
+    for op, fn, dtypes, supports in kreg.kernels(context):
         impl = _LABELS.get(op)
         if op in _CHOOSERS:
             path, impl = _CHOOSERS[op]

@@ -5,13 +5,12 @@ selection. Registered through glm5's own `glm5.backends` entry point, like any p
 from __future__ import annotations
 
 from glm5.backends.api import API_VERSION, REFERENCE, Backend, hookimpl
+from glm5.ir.catalog import OPS
 
 GLM5_API_VERSION = API_VERSION
 
 
 def make_backend() -> Backend:
-    from glm5.ir.catalog import OPS
-
     b = Backend(
         REFERENCE,
         vendor="glm5",

@@ -76,6 +76,7 @@ LOG2E = 1.4426950408889634
 
 
 def _k():
+    # lazy: optional dependency: _flash_kernels imports triton (on the first launch)
     from glm5.kernels.triton import _flash_kernels
 
     return _flash_kernels

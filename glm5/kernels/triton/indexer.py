@@ -100,6 +100,7 @@ DEFAULTS["paged_indexer_topk_fp8"] = dict(DEFAULTS["paged_indexer_topk"])
 
 
 def _k():
+    # lazy: optional dependency: _indexer_kernels imports triton (on the first launch)
     from glm5.kernels.triton import _indexer_kernels
 
     return _indexer_kernels

@@ -148,9 +148,11 @@ def launch(kernel: Any, grid: tuple[int, ...], p: dict[str, Any], op: str, *args
            **kw: Any) -> None:
     """Launch ``kernel`` over the logical ``grid`` under tuning entry ``p``'s grid policy
     (glm5.kernels.triton._grid; imported here on the first launch, like the kernels)."""
+    # lazy: no ``_*`` module loads before the first launch (this module's contract, above)
     from glm5.kernels.triton._grid import launch as _launch
 
     if interpreted():
+        # lazy: optional dependency: patches triton's interpreter, only when interpreted
         from glm5.kernels.triton._interpreter import faithful_rounding
 
         faithful_rounding()

@@ -30,6 +30,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def _kernels():
+    # lazy: optional dependency: _logprobs_kernels imports triton (on the first launch)
     from glm5.kernels.triton import _logprobs_kernels
 
     return _logprobs_kernels

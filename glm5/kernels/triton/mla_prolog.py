@@ -28,6 +28,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def _k():
+    # lazy: optional dependency: _prolog_kernels imports triton (on the first launch)
     from glm5.kernels.triton import _prolog_kernels
 
     return _prolog_kernels

@@ -51,6 +51,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def _k():
+    # lazy: optional dependency: _moe_kernels imports triton (on the first launch)
     from glm5.kernels.triton import _moe_kernels
 
     return _moe_kernels

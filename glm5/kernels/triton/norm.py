@@ -24,6 +24,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def _kernels():
+    # lazy: optional dependency: _norm_kernels imports triton (on the first launch)
     from glm5.kernels.triton import _norm_kernels
 
     return _norm_kernels

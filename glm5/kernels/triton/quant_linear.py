@@ -59,6 +59,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def _kernels():
+    # lazy: optional dependency: _quant_kernels imports triton (on the first launch)
     from glm5.kernels.triton import _quant_kernels
 
     return _quant_kernels

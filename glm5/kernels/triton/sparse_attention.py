@@ -48,6 +48,7 @@ LOG2E = 1.4426950408889634
 
 
 def _k():
+    # lazy: optional dependency: _attention_kernels imports triton (on the first launch)
     from glm5.kernels.triton import _attention_kernels
 
     return _attention_kernels

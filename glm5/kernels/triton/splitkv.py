@@ -74,6 +74,7 @@ def merge(p: dict[str, Any], op: str, po: torch.Tensor, pl: torch.Tensor, out: t
     """Merge the partials of `partials` into ``out`` / ``lse`` (a no-op for one split)."""
     if po is out:
         return
+    # lazy: optional dependency: _splitkv_kernels imports triton (on the first launch)
     from glm5.kernels.triton import _splitkv_kernels
 
     split, T, H, Dv = po.shape

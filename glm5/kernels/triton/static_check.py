@@ -41,7 +41,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from glm5.kernels.triton import compile_check
+from glm5.ir.quant_formats import quantize_weight
+from glm5.kernels.triton import compile_check, registry
 
 # sm_90's per-block shared memory limit (cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200).
 SM90_SHARED_LIMIT = 227 * 1024
@@ -191,8 +192,6 @@ def lift_device_checks(patch: Callable[[Any, str, Any], None] = setattr) -> None
     through ``patch`` (``setattr``, or a test's ``monkeypatch.setattr``)."""
     import importlib
 
-    from glm5.kernels.triton import registry
-
     for name in registry.MODULES:
         patch(importlib.import_module(f"glm5.kernels.triton.{name}"), "check_device", _no_check)
 
@@ -248,8 +247,6 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
     """{label: (compute bound, run(ops))}: one call of an op at GLM-5 shapes per label (prefill
     and decode where the launch differs). A compute-bound scenario's dots must lower to wgmma;
     a memory-bound one (decode, GEMV) is judged by the bytes it moves, on a GPU."""
-    from glm5.ir.quant_formats import quantize_weight
-
     def lightning(ops):
         ks, ke = _ranges(64, 4096)
         ops["lightning_indexer"](_bf(64, HI, DI), _bf(4096, DI),
@@ -380,8 +377,6 @@ def scenarios() -> dict[str, tuple[bool, Callable[[dict[str, Callable[..., Any]]
 
 def cuda_ops() -> dict[str, Callable[..., Any]]:
     """The Triton ops with the cuda backend's tuning (its table over the kernels' defaults)."""
-    from glm5.kernels.triton import registry
-
     table = Path(__file__).parents[2] / "backends" / "cuda" / "tuning.json"
     return {row[0]: row[1] for row in registry.kernels(registry.load_table(table))}
 

@@ -6,10 +6,11 @@ lengths are symbolic, so a new length never recompiles. Built libraries are writ
 (atomic rename) and loaded from there by later processes; the first build is logged with its
 time.
 
-Loading a cached kernel does not import the ``tvm`` Python package: that import costs ~1.3 s
-(it registers the compiler's ~400 FFI classes) and was most of the first forward of a process
-(bench/cold_start.py). A cached library only needs TVM's C++ runtime (thread pool, workspace
-allocator), loaded with ctypes, and ``tvm_ffi.load_module``. The two strings the cache key needs
+Loading a cached kernel does not import the ``tvm`` Python package: that import is slow (it
+registers the compiler's ~400 FFI classes) and was most of the first forward of a process
+(bench/cold_start.py; docs/performance.md, "Cold start"). A cached library only needs TVM's
+C++ runtime (thread pool, workspace allocator), loaded with ctypes, and
+``tvm_ffi.load_module``. The two strings the cache key needs
 from the package (``str(target)`` of the host and ``tvm.__version__``) are kept in a small
 ``host-<fingerprint>.json`` beside the kernels, written the first time ``tvm`` is imported; the
 fingerprint covers the TVM installation (files and ``TVM_LIBRARY_PATH``) and the CPU (model and

@@ -9,8 +9,8 @@ One TVM pass, vectorized over Di: each code's bits become its fp32 value by inte
 (normal codes: the exponent re-biased from 7 to 127 and the 3 mantissa bits moved up; codes
 with exponent field 0 are subnormal, ``m · 2^-9``), times the row's scale. The product is exact
 (a 4-bit significand times a power of two, as `glm5.ir.fp8` makes the scales), so its bf16 bits
-are its fp32 bits' upper half: no rounding. torch's own float8 -> bf16 conversion ran at
-~2 ms per million codes here, as long as the indexer's selection over them. The NaN codes
+are its fp32 bits' upper half: no rounding. torch's own float8 -> bf16 conversion took as
+long as the indexer's selection over the codes (docs/performance.md). The NaN codes
 (0x7F, 0xFF) are not mapped to NaN: `glm5.ir.fp8` makes them only from non-finite inputs.
 """
 

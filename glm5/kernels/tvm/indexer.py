@@ -43,7 +43,7 @@ The kernel has two output modes:
 ``indexer_topk`` streams: for each block of ``TILE_T`` queries it walks the union of their key
 ranges in tiles of ``TILE_S`` keys, has the kernel write the tile's keys next to the running
 top-k (``[TILE_T, kb + TILE_S]`` int64, ``kb = min(topk, union range)``), keeps the top ``kb`` of
-the two with the radix-select kernel of ``select.py`` (sorted at the last tile; ~3x faster than
+the two with the radix-select kernel of ``select.py`` (sorted at the last tile; faster than
 ``torch.topk`` on these rows), and a second small kernel decodes them
 into the int32 output rows (−1 for invalid; the tail past ``kb`` stays −1). Memory holds that
 scratch, a packed fp32 copy of ``k`` (not for decode calls), one fp32 query block (bf16/fp16
@@ -66,14 +66,16 @@ from typing import Any, Callable
 
 import torch
 
-from glm5.kernels.tvm import select
+from glm5.host_cpu import missing
 from glm5.ir.paging import pool_rows
+from glm5.kernels.tvm import select
 from glm5.kernels.tvm.fp8_rows import dequantized_rows, e4m3_rows
+from glm5.kernels.tvm.tirlib import bits, butterfly, storage, widen
 
 NS = 16  # keys per chunk (two AVX2 fp32 vectors)
 HB_MAX = 4  # heads per register block where the CPU is not known (heads_per_block)
 TILE_T = 64  # queries per block: the block's [TILE_T, kb + TILE_S] int64 keys (4 MiB) stay in
-# cache for the selection passes (256 made them 16 MiB and the T=1024, S=8192 call 1.4x slower)
+# cache for the selection passes (256 made them 16 MiB, out of cache, and the call slower)
 TILE_S = 8192  # keys per streamed tile (indexer_topk); a multiple of NS
 REV = 10  # bump when the kernel source changes (part of the on-disk cache key)
 
@@ -84,11 +86,8 @@ INT64_MIN = -(2**63)
 # --------------------------------------------------------------------------- the TensorIR kernel
 def heads_per_block() -> int:
     """HB: heads whose ``HB x NS`` fp32 dot products stay in vector registers. 8 with AVX-512
-    (8 zmm accumulators hide the FMA latency: the 4K causal GLM-5 indexer took 0.56 s instead
-    of 0.73 s here, one thread); 4 elsewhere (on AVX2 a 16-lane vector is two ymm registers,
-    so 4 heads already take 8 of the 16)."""
-    from glm5.host_cpu import missing
-
+    (8 zmm accumulators hide the FMA latency; docs/performance.md has the timing); 4 elsewhere
+    (on AVX2 a 16-lane vector is two ymm registers, so 4 heads already take 8 of the 16)."""
     return 8 if missing("avx512f") is None else HB_MAX
 
 
@@ -114,8 +113,6 @@ def _generic_score_tile(mode: str, HB: int = HB_MAX, direct: str | None = None) 
     ``k`` [S, Di] itself (bf16 as its uint16 bits), each work item transposing its chunk of NS
     keys into registers-sized scratch (decode: no packed copy of the cache per call)."""
     from tvm.script import tirx as T
-
-    from glm5.kernels.tvm.tirlib import butterfly, storage, widen
 
     assert mode in ("scores", "keys")
     out_dtype = "float32" if mode == "scores" else "int64"
@@ -348,8 +345,6 @@ def _key_source(k: torch.Tensor, rows: torch.Tensor | None, direct: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, str | None]:
     """(kp, rows, direct dtype) for the kernels: k itself (as stored; bf16 as uint16 bits) with
     the rows its keys are (all of k in order, or ``rows``), or the packed keys."""
-    from glm5.kernels.tvm.tirlib import bits
-
     if direct:
         n = k.shape[0] if rows is None else rows.numel()
         r = torch.arange(n, dtype=torch.int64) if rows is None else rows.to(torch.int64)
@@ -480,7 +475,7 @@ def paged_indexer_topk(context: Callable[[], Any], q, k, w, block_table, seq, k_
     (query blocks never mix sequences, so a decode batch does not select over every sequence's
     keys). Consecutive groups are packed and run together up to PAGED_BATCH_KEYS keys, so the
     packed keys are still in cache when the kernel reads them (one packed buffer for a whole
-    decode batch made a decode call 1.5-1.7x slower: it had left the cache when read). The
+    decode batch made a decode call slower: it had left the cache when read). The
     selected compact indices map back to pool rows.
 
     With ``k_scale`` (`paged_indexer_topk_fp8`: ``k`` e4m3 codes, q already the e4m3 values,

@@ -18,7 +18,7 @@ F.linear, index_add_ — measured level with the reference at the long-context s
 D=512, E=16, k=4, I=256; docs/performance.md, "cpu backend: norms, MoE ...").
 
 Why torch GEMMs and no TVM grouped GEMM: the GEMMs are the whole cost at that shape and the
-reference already runs them at ~90 % of the fp32 matmul ceiling measured in the same bench run,
+reference already runs them close to the fp32 matmul ceiling measured in the same bench run,
 so a TIR GEMM could at best match oneDNN's sgemm (a TIR GEMM was not written or measured);
 the issue's rule is "torch's own CPU kernels where they measure faster".
 
@@ -148,7 +148,7 @@ def moe_experts(context: Callable[[], Any], x: torch.Tensor, ids: torch.Tensor,
 
 
 def _experts_torch(x, ids, weights, w13, w2) -> torch.Tensor:
-    """Many routed rows: the GEMMs are the whole cost (the reference runs at ~90 % of the
+    """Many routed rows: the GEMMs are the whole cost (the reference runs close to the
     measured fp32 matmul peak at T=8192), and every TVM call between two oneDNN GEMMs costs a
     thread-pool hand-over on a small machine, so the pipeline is torch's own: rows sorted by
     expert, per expert F.linear, silu·mul, F.linear and one index_add_ (fp32; deterministic:

@@ -49,8 +49,15 @@ from glm5.ir.quant_formats import (
     quantize_per_token_ref,
     unpack,
 )
-from glm5.kernels.tvm import tirlib
-from glm5.kernels.tvm.tirlib import cached
+from glm5.kernels.tvm import (
+    moe,
+    quant_amx,
+    quant_onednn,
+    quant_vgemm,
+    quant_vnni,
+    tirlib,
+)
+from glm5.kernels.tvm.tirlib import UNITS, cached, unpack_code
 
 REV = 2
 VL = 16  # lanes (AVX-512: 16 fp32 / int32)
@@ -93,11 +100,9 @@ def cpu_tier() -> str:
     and AMX-BF16 usable, and AVX-512 VNNI), "vnni" (AVX-512 VNNI, BW, VBMI), else
     "portable"."""
     if not _tier:
-        from glm5.kernels.tvm.quant_amx import amx_available
-        from glm5.kernels.tvm.quant_vnni import vnni_available
-
-        vnni = vnni_available()[0]
-        _tier.append("amx" if vnni and amx_available()[0] else "vnni" if vnni else "portable")
+        vnni = quant_vnni.vnni_available()[0]
+        _tier.append("amx" if vnni and quant_amx.amx_available()[0] else "vnni" if vnni
+                     else "portable")
     return _tier[0]
 
 
@@ -106,14 +111,12 @@ def serves(p: str, scheme: str, dtype: torch.dtype | None = None) -> bool:
     CPU. The VNNI GEMM: the activation schemes, and w8a16 on fp32 x (fp32 FMAs) and, where the
     CPU has AVX-512 BF16, on bf16 x (``vdpbf16ps``); "onednn" (`quant_onednn`): w8a16 on bf16
     x where the CPU has AVX-512 BF16."""
-    from glm5.kernels.tvm.quant_vgemm import bf16_available
-
     if p == "onednn":
         return (scheme == "w8a16" and dtype in (None, torch.bfloat16)
-                and bf16_available()[0])
+                and quant_vgemm.bf16_available()[0])
     if p != "vgemm" or SCHEMES[scheme].act_bits is not None or dtype in (None, torch.float32):
         return True
-    return dtype == torch.bfloat16 and bf16_available()[0]
+    return dtype == torch.bfloat16 and quant_vgemm.bf16_available()[0]
 
 
 # Crossovers measured on this CPU (`glm5 tune --backend cpu`, applied by the cpu backend from
@@ -197,23 +200,6 @@ def _table_path(scheme: str, M: int, tier: str, dtype: torch.dtype | None) -> st
                          f"for {dtype}")
 
 
-# (bytes per unit, values per unit) of each weight width
-_UNIT = {8: (1, 1), 4: (1, 2), 6: (3, 4)}
-
-
-def _unpack_tir(T: Any, row: Callable[[Any], Any], u: Any, j: int, bits: int) -> Any:
-    """Value j of packed unit u of a row (``row(i)`` = its byte i), as int32 (sign-extended)."""
-    if bits == 8:
-        return T.Cast("int32", row(u))
-    if bits == 4:
-        v = T.shift_right(T.Cast("int32", row(u)), 4 * j) & 15
-        return (v ^ 8) - 8
-    word = (T.Cast("int32", row(3 * u)) | T.shift_left(T.Cast("int32", row(3 * u + 1)), 8)
-            | T.shift_left(T.Cast("int32", row(3 * u + 2)), 16))
-    v = T.shift_right(word, 6 * j) & 63
-    return (v ^ 32) - 32
-
-
 def build(scheme: str, MB: int = MB) -> Any:
     """``qgemv(xs[Mp, V, U], w[N, P], sw[N, G], sx[Mp], y[Mp, N], gu)``: gu = units per group.
 
@@ -222,7 +208,7 @@ def build(scheme: str, MB: int = MB) -> Any:
 
     sc = SCHEMES[scheme]
     bits = sc.weight_bits
-    B, V = _UNIT[bits]
+    B, V = UNITS[bits]
     wdt = "int8" if bits == 8 else "uint8"
     FLOAT = sc.act_bits is None
     adt = "float32" if FLOAT else "int32"
@@ -236,7 +222,7 @@ def build(scheme: str, MB: int = MB) -> Any:
 
     def term(X, W, S, m, en, g, u, j):
         e, n = en
-        wv = _unpack_tir(T, lambda i: W[e, n, i], u, j, bits)
+        wv = unpack_code(T, lambda i: W[e, n, i], u, j, bits)
         if FLOAT:
             return X[m, j, u] * T.Cast("float32", wv)
         return X[m, j, u] * wv
@@ -332,7 +318,7 @@ def _grouped(context: Callable[[], Any], xv: torch.Tensor, sx: torch.Tensor | No
     ``[Mp, N]`` (rows outside every expert's range are left unwritten)."""
     sc = SCHEMES[scheme]
     E, N, P = w3.shape
-    B, V = _UNIT[sc.weight_bits]
+    B, V = UNITS[sc.weight_bits]
     U = P // B
     xs = _streams(xv, V, U, mb)
     Mp = xs.shape[0]
@@ -432,31 +418,27 @@ def _w8a16_blocks(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor
     return y
 
 
-def _run(p: str, context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
-         w_scale: torch.Tensor, scheme: str) -> torch.Tensor:
+def run_path(p: str, context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
+             w_scale: torch.Tensor, scheme: str) -> torch.Tensor:
     """Path ``p`` of `PATHS` on a non-empty product: ``[M, N]`` without bias, fp32 (the
     "onednn" path: bf16, x's dtype, rounded by its GEMM)."""
     if p == "onednn":
-        from glm5.kernels.tvm.quant_onednn import gemm
-
-        return gemm(context, x, w_packed, w_scale)
+        return quant_onednn.gemm(context, x, w_packed, w_scale)
     if p == "vnni":
-        from glm5.kernels.tvm.quant_vnni import gemv_vnni
-
-        return gemv_vnni(context, x, w_packed, w_scale, scheme, 1 if x.shape[0] == 1 else MB)
+        return quant_vnni.gemv_vnni(context, x, w_packed, w_scale, scheme,
+                                    1 if x.shape[0] == 1 else MB)
     if p == "vgemm":
-        from glm5.kernels.tvm.quant_vgemm import gemm_vnni
-
-        return gemm_vnni(context, x, w_packed, w_scale, scheme)
+        return quant_vgemm.gemm_vnni(context, x, w_packed, w_scale, scheme)
     if p == "amx":
-        from glm5.kernels.tvm.quant_amx import gemm_amx
-
-        return gemm_amx(context, x, w_packed, w_scale, scheme)
+        return quant_amx.gemm_amx(context, x, w_packed, w_scale, scheme)
     if p == "tvm":
         return gemv(context, x, w_packed, w_scale, scheme)
     if p == "torch:gemm":
         return gemm_torch(x, w_packed, w_scale, scheme)
     raise ValueError(f"glm5 quant_linear: path expected one of {sorted(LABELS)}, got {p!r}")
+
+
+_run = run_path  # the name bench/cpu_quant_linear.py still calls
 
 
 def quant_linear(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
@@ -469,7 +451,7 @@ def quant_linear(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Te
     if M == 0 or N == 0 or K == 0:
         y = torch.zeros(M, N, dtype=torch.float32)
     else:
-        y = _run(path(scheme, M, dtype=x.dtype), context, x, w_packed, w_scale, scheme)
+        y = run_path(path(scheme, M, dtype=x.dtype), context, x, w_packed, w_scale, scheme)
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype)
@@ -485,8 +467,6 @@ def moe_experts_quant(context: Callable[[], Any], x, ids, weights, w13_packed, w
     feature). TVM silu_mul; the TVM j-ordered weighted combine. Roundings follow the
     reference: each projection's output in x's dtype, silu_mul in fp32 rounded to x's
     dtype."""
-    from glm5.kernels.tvm import moe
-
     sc = SCHEMES[scheme]
     T_, D = x.shape
     E = w13_packed.shape[0]
@@ -550,11 +530,11 @@ def _moe_by_expert(context: Callable[[], Any], x: torch.Tensor, tok: torch.Tenso
         if not n:
             continue
         p = path(scheme, n, dtype=x.dtype)
-        h13 = _run(p, context, xs[a: a + n], w13_packed[e], w13_scale[e], scheme)
+        h13 = run_path(p, context, xs[a: a + n], w13_packed[e], w13_scale[e], scheme)
         hs = torch.empty(n, I, dtype=f32)
         silu(h13.to(x.dtype).to(f32), hs)
-        o[a: a + n] = _run(p, context, hs.to(x.dtype), w2_packed[e], w2_scale[e], scheme
-                           ).to(x.dtype)
+        o[a: a + n] = run_path(p, context, hs.to(x.dtype), w2_packed[e], w2_scale[e],
+                               scheme).to(x.dtype)
         a += n
     return o
 

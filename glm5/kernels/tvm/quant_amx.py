@@ -36,9 +36,19 @@ from typing import Any, Callable
 
 import torch
 
+from glm5.host_cpu import missing
 from glm5.ir.quant_formats import GROUP, SCHEMES
-from glm5.kernels.tvm import tirlib
-from glm5.kernels.tvm.tirlib import bits, cached
+from glm5.kernels.tvm import sparse_attention, tirlib
+from glm5.kernels.tvm.quant_vnni import int6_fields
+from glm5.kernels.tvm.tirlib import (
+    UNITS,
+    bits,
+    cached,
+    narrow,
+    storage,
+    unpack_code,
+    widen,
+)
 
 REV = 1
 CHUNK = 64  # bytes of K per tile row
@@ -58,8 +68,6 @@ def amx_available() -> tuple[bool, str]:
 
 
 def _amx_check() -> tuple[bool, str]:
-    from glm5.host_cpu import missing
-
     why = missing("amx_tile", "amx_int8", "amx_bf16")
     if why:
         return False, why
@@ -71,7 +79,7 @@ def _amx_check() -> tuple[bool, str]:
     return True, "AMX-INT8 and AMX-BF16 tiles"
 
 
-def _op_planes(scheme: str, dtype: torch.dtype) -> tuple[str, int]:
+def op_planes(scheme: str, dtype: torch.dtype) -> tuple[str, int]:
     """(tile op, activation planes) of a scheme for activations of ``dtype``."""
     sc = SCHEMES[scheme]
     if sc.act_bits is None:
@@ -106,9 +114,6 @@ def build(bits: int, op: str, P: int, grouped: bool) -> Any:
     ``msplit``) of the row blocks of x."""
     from tvm.script import tirx as T
 
-    from glm5.kernels.tvm.quant import _unpack_tir
-    from glm5.kernels.tvm.quant_vnni import int6_fields
-
     NT, MT, PC = _layout(op, P)
     NB = 16 * NT
     nC = NT * MT * PC
@@ -120,7 +125,7 @@ def build(bits: int, op: str, P: int, grouped: bool) -> Any:
     cdt = "int32" if I8 else "float32"
     wdt = "int8" if bits == 8 else "uint8"
     tdp = "tdpbssd" if I8 else "tdpbf16ps"
-    unit_b, unit_v = {8: (1, 1), 4: (1, 2), 6: (3, 4)}[bits]
+    unit_b, unit_v = UNITS[bits]
     # bytes of one chunk (int8 CK, int4 CK/2, int6 CK/4 units of 3) and of its vector load
     cbytes = CK * unit_b // unit_v
     lbytes = CHUNK if bits == 6 else cbytes
@@ -229,7 +234,7 @@ def build(bits: int, op: str, P: int, grouped: bool) -> Any:
                         for c in range(T.min(full, NC), NC):  # the last chunk: K ends inside it
                             for i in range(CK):
                                 SCR[th, r, c * CK + i] = code(T.if_then_else(
-                                    perm_k(c, i) < K, _unpack_tir(
+                                    perm_k(c, i) < K, unpack_code(
                                         T, lambda b: W[n, T.min(b, Pk - 1)],
                                         T.floordiv(perm_k(c, i), unit_v),
                                         T.floormod(perm_k(c, i), unit_v), bits), 0))
@@ -365,8 +370,6 @@ def build_prep(scheme: str, P: int, dt: str, unsigned: bool = False) -> Any:
     biased by 128 (its bytes XOR 0x80, padding included), for unsigned-by-signed products."""
     from tvm.script import tirx as T
 
-    from glm5.kernels.tvm.tirlib import narrow, storage, widen
-
     sc = SCHEMES[scheme]
     I8 = sc.act_bits is not None
     CK = CHUNK if I8 else CHUNK // 2
@@ -495,7 +498,7 @@ def activations(context: Callable[[], Any], x: torch.Tensor, scheme: str,
     planes (q >> 4, q & 15); sx = their scales; ``unsigned``: plane 0 + 128 (`build_prep`).
     w8a16: each row scaled by 2^e (max |x|·2^e in [1, 2)), then bf16 planes (1 for bf16 x;
     hi, mid, lo for fp32 x: exact); sx = 2^-e."""
-    op, P = _op_planes(scheme, x.dtype)
+    op, P = op_planes(scheme, x.dtype)
     M, K = x.shape
     Mt = -(-M // 16)
     CK = CHUNK if op == "i8" else CHUNK // 2
@@ -512,7 +515,7 @@ def gemm_amx(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor
     """The AMX path: x [M, K] fp32 / bf16, canonical packed weight [N, P] with its scales ->
     fp32 ``[M, N]`` without bias (M, N, K > 0; raises where the CPU has no usable AMX)."""
     sc = SCHEMES[scheme]
-    op, P = _op_planes(scheme, x.dtype)
+    op, P = op_planes(scheme, x.dtype)
     M, K = x.shape
     N = w_packed.shape[0]
     xb, sx = activations(context, x, scheme)
@@ -542,6 +545,4 @@ def gemm_amx(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor
 
 def tvm_threads() -> int:
     """Worker threads of TVM's pool (one scratch slot each)."""
-    from glm5.kernels.tvm.sparse_attention import threads
-
-    return threads()
+    return sparse_attention.threads()

@@ -3,10 +3,11 @@ weight rows to bf16 into a reused scratch, ``W[n, k] = bf16(q[n, k] · s[n])`` (
 rounded to nearest even: the rounding the op's contract allows for a dequantized weight), and
 ``torch.nn.functional.linear`` multiplies x by it, one block of rows after the other.
 
-On an AVX-512 BF16 CPU without AMX (AMD Zen 4/5) oneDNN's bf16 GEMM runs ~90% of the core's
-``vdpbf16ps`` peak; the register-tiled GEMM of `quant_vgemm` reaches ~80% with the widening of
-the codes inside its loop. Dequantizing first costs one pass over the codes (~1.3 ms for
-4096 x 4096 on two threads here), repaid from a few dozen rows on: `quant.PATHS` says where.
+On an AVX-512 BF16 CPU without AMX (AMD Zen 4/5) oneDNN's bf16 GEMM runs closer to the core's
+``vdpbf16ps`` peak than the register-tiled GEMM of `quant_vgemm`, which widens the codes inside
+its loop. Dequantizing first costs one pass over the codes, repaid from a few dozen rows on:
+`quant.PATHS` says where (the measurements: docs/performance.md, "Numbers that used to live in
+source comments").
 The block is 4 MiB of bf16 (2^21 codes): it stays in L2/L3 between the dequantization and
 the GEMM and is not a fresh allocation per call (`tirlib.scratch`).
 """

@@ -36,7 +36,7 @@ kernel is written with a stand-in that its LLVM IR is rewritten from). w8a16 on 
 value of 16 rows per lane group), the codes unpacked as fp32, one fused multiply-add per
 weight and 16 rows (``llvm.fma``), fp32 sums over passes of 128 K values, the scale applied
 to the sum, as the GEMV does. (The AMX path's exact three-plane split of fp32 x into bf16 ran
-2.2x slower than the GEMV here; these FMAs do 16 products per instruction against
+slower than the GEMV on a VNNI host; these FMAs do 16 products per instruction against
 ``vdpbf16ps``'s 32, but the three planes needed 3 instructions per 32.)
 
 Each parallel work item is one TVM worker with its own scratch slot, running its contiguous
@@ -50,11 +50,21 @@ from typing import Any, Callable
 
 import torch
 
+from glm5.host_cpu import missing
 from glm5.ir.quant_formats import GROUP, SCHEMES
 from glm5.kernels.tvm import tirlib
-from glm5.kernels.tvm.quant_amx import CHUNK, _op_planes, activations, tvm_threads
+from glm5.kernels.tvm.quant_amx import CHUNK, activations, op_planes, tvm_threads
 from glm5.kernels.tvm.quant_vnni import BIAS, BYTE_OPERANDS, biased, first_operand_form
-from glm5.kernels.tvm.tirlib import BF16_OPERANDS, WORD_OPERANDS, cached, dpbf16_ir
+from glm5.kernels.tvm.tirlib import (
+    BF16_OPERANDS,
+    UNITS,
+    WORD_OPERANDS,
+    butterfly,
+    cached,
+    dpbf16,
+    dpbf16_ir,
+    unpack_code,
+)
 
 REV = 1
 # w8a16 on fp32 x: NR weight rows x MV vectors of 16 rows of x (12 fp32 accumulators; four
@@ -96,8 +106,6 @@ def _tile(P: int, op: str = "i8") -> tuple[int, int]:
 
 def bf16_available() -> tuple[bool, str]:
     """(True, why) where the CPU has AVX-512 BF16 (``vdpbf16ps``: w8a16 on this GEMM)."""
-    from glm5.host_cpu import missing
-
     why = missing("avx512f", "avx512bw", "avx512_bf16")
     return (False, why) if why else (True, "AVX-512 BF16")
 
@@ -115,9 +123,6 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
     P = 1, ws unused."""
     from tvm.script import tirx as T
 
-    from glm5.kernels.tvm.quant import _unpack_tir
-    from glm5.kernels.tvm.tirlib import butterfly, dpbf16
-
     BF, F32 = op == "bf16", op == "f32"
     FL = BF or F32  # fp32 accumulators (w8a16)
     NR, MV = _tile(P, op)
@@ -130,7 +135,7 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
     CK = CHUNK // 4 if F32 else CHUNK // 2 if BF else CHUNK
     wdt = "int8" if bits == 8 else "uint8"
     bias = BIAS[bits]
-    unit_b, unit_v = {8: (1, 1), 4: (1, 2), 6: (3, 4)}[bits]
+    unit_b, unit_v = UNITS[bits]
     cbytes = CK * unit_b // unit_v  # packed bytes of one chunk
     lbytes = CK if bits == 6 else cbytes  # bytes its vector load reads
 
@@ -287,7 +292,7 @@ def build(bits: int, P: int, grouped: bool, bdt: str = BYTE_OPERANDS[0], op: str
                             else:
                                 for i in range(CHUNK):
                                     tail[i] = T.Cast("uint8", T.if_then_else(
-                                        perm_k(c, i) < K, _unpack_tir(
+                                        perm_k(c, i) < K, unpack_code(
                                             T, lambda b: W[n, T.min(b, Pk - 1)],
                                             T.floordiv(perm_k(c, i), unit_v),
                                             T.floormod(perm_k(c, i), unit_v), bits), 0))
@@ -444,7 +449,7 @@ def gemm_vnni(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tenso
     scales -> fp32 ``[M, N]`` without bias (M, N, K > 0). w8a16 needs AVX-512 BF16
     (`bf16_available`)."""
     sc = SCHEMES[scheme]
-    op, P = ("f32", 1) if sc.act_bits is None and x.dtype == torch.float32 else _op_planes(
+    op, P = ("f32", 1) if sc.act_bits is None and x.dtype == torch.float32 else op_planes(
         scheme, x.dtype)
     if op == "bf16" and not bf16_available()[0]:
         raise RuntimeError(f"glm5 quant_linear: the VNNI GEMM computes w8a16 on bf16 x with "

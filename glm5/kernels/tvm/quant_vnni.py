@@ -32,9 +32,10 @@ from typing import Any, Callable
 
 import torch
 
+from glm5.host_cpu import missing
 from glm5.ir.quant_formats import GROUP, SCHEMES
 from glm5.kernels.tvm import tirlib
-from glm5.kernels.tvm.tirlib import bits, cached
+from glm5.kernels.tvm.tirlib import bits, cached, storage, widen
 
 REV = 1
 CB = 64  # bytes per weight vector
@@ -43,8 +44,6 @@ BIAS = {8: 128, 4: 8, 6: 32}
 
 def vnni_available() -> tuple[bool, str]:
     """(True, why) where the CPU has AVX-512 VNNI, BW and VBMI (/proc/cpuinfo flags)."""
-    from glm5.host_cpu import missing
-
     why = missing("avx512f", "avx512bw", "avx512_vnni", "avx512vbmi")
     return (False, why) if why else (True, "AVX-512 VNNI")
 
@@ -304,8 +303,6 @@ def build_prep(scheme: str, dt: str) -> Any:
     reference's per-token codes (as `quant_amx.build_prep`), laid out for `build`'s kernel
     (zero padded), and the bias corrections of each lane."""
     from tvm.script import tirx as T
-
-    from glm5.kernels.tvm.tirlib import storage, widen
 
     sc = SCHEMES[scheme]
     wb = sc.weight_bits

@@ -16,12 +16,12 @@ order: score descending, ties to the smaller index; invalid entries are INT64_MI
    for invalid entries — take a second pass: keys above the threshold first, then equal ones);
 3. when ``sort`` is set, an LSD radix sort (eight stable counting passes over 8-bit digits,
    between ``dst[r]`` and the row's scratch) sorts ``dst[r, :kb]`` descending; the INT64_MIN
-   padding ``dst[r, kb:KP]`` is already last. ~4x less work per row than the bitonic network
-   over KP it replaced (GLM-5's kb = 2048: 8 x (2 x 2048 + 512) steps against 66 x 1024
+   padding ``dst[r, kb:KP]`` is already last. ~4x less work per row than a bitonic network
+   over KP (GLM-5's kb = 2048: 8 x (2 x 2048 + 512) steps against 66 x 1024
    compare-exchanges).
 
-``torch.topk`` spends ~15 ns per element on these rows (a partial sort per row); the passes
-here are a few integer operations per element. W, R and kb are symbolic (no recompiles).
+``torch.topk`` does a partial sort per row; the passes here are a few integer operations per
+element (the timings: docs/performance.md). W, R and kb are symbolic (no recompiles).
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ from typing import Any, Callable
 
 import torch
 
+from glm5.kernels.tvm.build import runtime_function
 from glm5.kernels.tvm.tirlib import bits, fexp, narrow, storage, widen
 
 # Bump when the generated code changes: it is part of the build-cache key.
@@ -444,8 +445,6 @@ def threads() -> int:
     hardware_concurrency / 2 on x86 (it assumes SMT): 1 thread on a 2-vCPU VM."""
     global _num_threads
     if _num_threads is None:
-        from glm5.kernels.tvm.build import runtime_function
-
         _num_threads = runtime_function("runtime.NumThreads")
     return int(_num_threads())
 

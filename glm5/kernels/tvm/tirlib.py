@@ -1,6 +1,6 @@
 """Helpers shared by the TVM (llvm, host CPU) kernels of this package: how a dtype is bound
-(bf16 as its uint16 bits), widening to / rounding from fp32 in TIR, a vectorisable exp, and the
-per-context memo of compiled kernels."""
+(bf16 as its uint16 bits), widening to / rounding from fp32 in TIR, a vectorisable exp, a code
+of the canonical packed weight layout in TIR, and the per-context memo of compiled kernels."""
 
 from __future__ import annotations
 
@@ -123,6 +123,24 @@ def butterfly(T: Any, tb: Any, src: int, i: Any, d: int, n: int = 16) -> Any:
 def bits(x: torch.Tensor) -> torch.Tensor:
     """bf16 tensors go to a kernel as a uint16 view of the same memory (no copy)."""
     return x.view(torch.uint16) if x.dtype == torch.bfloat16 else x
+
+
+# (bytes per unit, values per unit) of each weight width of the canonical packed layout
+# (docs/ops.md): int8 1 byte = 1 value, int4 1 byte = 2 values, int6 3 bytes = 4 values
+UNITS = {8: (1, 1), 4: (1, 2), 6: (3, 4)}
+
+
+def unpack_code(T: Any, row: Callable[[Any], Any], u: Any, j: int, bits: int) -> Any:
+    """Value j of packed unit u of a row (``row(i)`` = its byte i), as int32 (sign-extended)."""
+    if bits == 8:
+        return T.Cast("int32", row(u))
+    if bits == 4:
+        v = T.shift_right(T.Cast("int32", row(u)), 4 * j) & 15
+        return (v ^ 8) - 8
+    word = (T.Cast("int32", row(3 * u)) | T.shift_left(T.Cast("int32", row(3 * u + 1)), 8)
+            | T.shift_left(T.Cast("int32", row(3 * u + 2)), 16))
+    v = T.shift_right(word, 6 * j) & 63
+    return (v ^ 32) - 32
 
 
 def cached(ctx: Any, key: tuple, get: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
