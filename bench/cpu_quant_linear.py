@@ -132,7 +132,7 @@ def _run_all(ms: list[int], K: int, N: int, schemes: list[str], dtypes: list[tor
                 fns[name], info[name] = fn, (nbytes, label)
                 if paths:  # every path this CPU has, called directly
                     for p in _paths(tier, s, dt):
-                        fns[f"path:{p}:{name}"] = (lambda p=p, a=args, s=s: quant._run(
+                        fns[f"path:{p}:{name}"] = (lambda p=p, a=args, s=s: quant.run_path(
                             p, context, a[0], a[1], a[2], s))
         with torch.inference_mode():
             for f in fns.values():  # warm-up: builds / loads kernels, first-touch pages

@@ -206,9 +206,9 @@ def check(pkg_dir: Path = ROOT / "glm5", doc: Path = TABLE_DOC) -> list[str]:
             if n.startswith("_") and not n.startswith("__"):
                 findings.append(f"private: {imp.src}:{imp.line} imports {n} from {imp.dst}")
         leaf = imp.dst.rpartition(".")[2]
-        if (not imp.names and leaf.startswith("_") and not leaf.startswith("__")
-                and imp.dst.rpartition(".")[0] != imp.src.rpartition(".")[0]
-                and imp.dst.rpartition(".")[0] != imp.src):
+        home = imp.dst.rpartition(".")[0]
+        if (leaf.startswith("_") and not leaf.startswith("__")
+                and home not in (imp.src.rpartition(".")[0], imp.src)):
             findings.append(f"private: {imp.src}:{imp.line} imports the private module "
                             f"{imp.dst} of another package")
     for comp in _cycles(graph):

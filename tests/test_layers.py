@@ -98,6 +98,14 @@ def test_planted_private_import_fails(tree):
                for f in found), found
 
 
+def test_planted_import_from_a_private_module_of_another_package_fails(tree):
+    (tree / "glm5/backends/planted.py").write_text(
+        "from glm5.kernels.triton._grid import launch\n")
+    found = _check(tree)
+    assert any(f.startswith("private: glm5.backends.planted:1") and "_grid" in f
+               for f in found), found
+
+
 def test_planted_unexplained_lazy_import_fails(tree):
     (tree / "glm5/engine/planted.py").write_text(
         "def f():\n    from glm5.core import config\n    return config\n\n\n"

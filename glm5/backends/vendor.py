@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable
 from glm5.backends import tuning_cache
 from glm5.backends.api import IMPL_ATTR, Backend, default_impl, hookimpl
 from glm5.kernels.triton import registry as kreg
-from glm5.kernels.triton._grid import resolve
+from glm5.kernels.triton.launch import resolve_programs
 
 ENV_DEVICE = "GLM5_DEVICE"
 
@@ -261,10 +261,10 @@ def counts_for(table: dict[str, Any],
 def tuning_for(path: str | Path,
                query: Callable[[str], int | None] | None = None) -> Callable[[str], dict]:
     """``tuning(op)``: the backend's table merged over the kernels' DEFAULTS, with symbolic
-    ``programs`` resolved (see glm5.kernels.triton._grid.resolve)."""
+    ``programs`` resolved (see glm5.kernels.triton.launch.resolve_programs)."""
     base = kreg.load_table(path)
     counts = counts_for(device_table(path), query)
-    return lambda op: resolve(base(op), counts)
+    return lambda op: resolve_programs(base(op), counts)
 
 
 def triton_rows(backend: Backend, query: Callable[[str], int | None] | None = None) -> Rows:

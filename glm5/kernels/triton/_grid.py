@@ -25,7 +25,7 @@ No triton import here: this module only computes grids and arguments.
 from __future__ import annotations
 
 from math import prod
-from typing import Any, Callable
+from typing import Any
 
 POLICIES = ("tiles", "persistent")
 
@@ -73,15 +73,3 @@ def launch(kernel: Any, grid: tuple[int, ...], p: dict[str, Any], op: str, *args
         kernel[(n_prog,)](*args, n, n_prog, *grid[1:], PERSISTENT=True, **kw)
     else:  # one program per tile: NUM_PROGRAMS = N_TILES, the kernel reads its program ids
         kernel[grid](*args, n, n, *grid[1:], PERSISTENT=False, **kw)
-
-
-def resolve(p: dict[str, Any], counts: dict[str, Callable[[], int] | int]) -> dict[str, Any]:
-    """A copy of tuning entry ``p`` with a symbolic ``programs`` (a key of ``counts``, e.g.
-    "ai_cores") replaced by its count or count function."""
-    v = p.get("programs")
-    if isinstance(v, str):
-        if v not in counts:
-            raise ValueError(f"glm5 triton: tuning 'programs' {v!r} is not a known device count "
-                             f"(known: {', '.join(sorted(counts)) or 'none'})")
-        return {**p, "programs": counts[v]}
-    return p

@@ -14,7 +14,7 @@ defined, so kernels must only be imported on the first call.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -163,3 +163,16 @@ def dot_fp32(*dtypes: torch.dtype) -> bool:
     """fp32 dots when interpreted (bf16 tl.dot is wrong there), for fp32 inputs (IEEE, no TF32)
     or mixed operand dtypes; otherwise bf16/fp16 tensor-core dots with fp32 accumulation."""
     return interpreted() or torch.float32 in dtypes or len(set(dtypes)) > 1
+
+
+def resolve_programs(p: dict[str, Any],
+                     counts: dict[str, Callable[[], int] | int]) -> dict[str, Any]:
+    """A copy of tuning entry ``p`` with a symbolic ``programs`` (a key of ``counts``, e.g.
+    "ai_cores") replaced by its count or count function."""
+    v = p.get("programs")
+    if isinstance(v, str):
+        if v not in counts:
+            raise ValueError(f"glm5 triton: tuning 'programs' {v!r} is not a known device count "
+                             f"(known: {', '.join(sorted(counts)) or 'none'})")
+        return {**p, "programs": counts[v]}
+    return p

@@ -438,7 +438,6 @@ def run_path(p: str, context: Callable[[], Any], x: torch.Tensor, w_packed: torc
     raise ValueError(f"glm5 quant_linear: path expected one of {sorted(LABELS)}, got {p!r}")
 
 
-_run = run_path  # the name bench/cpu_quant_linear.py still calls
 
 
 def quant_linear(context: Callable[[], Any], x: torch.Tensor, w_packed: torch.Tensor,
