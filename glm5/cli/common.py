@@ -50,17 +50,13 @@ def config_from(path: str, option: str):
     """The GLM5Config of a checkpoint directory (or config file) named by ``option``: a path
     that does not exist or holds no config.json is a usage error, a config.json that is not
     valid a failure."""
-    from glm5.core.config import ConfigError, GLM5Config
+    from glm5.core.config import ConfigError, GLM5Config, missing_config
 
-    p = Path(path)
-    if not p.exists():
-        raise UsageError(f"{option} {path}: no config.json there (no such file or directory); "
-                         f"expected a checkpoint directory")
-    if p.is_dir() and not (p / "config.json").is_file():
-        raise UsageError(f"{option} {path}: no config.json in this directory; expected a "
-                         f"checkpoint directory (config.json + safetensors)")
+    why = missing_config(path)
+    if why:
+        raise UsageError(f"{option} {path}: {why}")
     try:
-        return GLM5Config.from_pretrained(p)
+        return GLM5Config.from_pretrained(Path(path))
     except ConfigError as e:
         raise CommandError(str(e).removeprefix("glm5 config: ")) from e
 

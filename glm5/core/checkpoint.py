@@ -26,10 +26,8 @@ from typing import Iterator
 
 import torch
 
-from glm5 import (
-    ops,
-    progress,  # progress.progress_bar at call time: tests and callers may replace it
-)
+# progress.progress_bar is looked up at call time: tests and callers may replace it
+from glm5 import ops, progress
 from glm5.core.checkpoint_files import (  # noqa: F401  (the format's names, importable from here too)
     DESCRIPTION,
     FLOAT,

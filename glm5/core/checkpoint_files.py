@@ -17,9 +17,8 @@ from typing import Iterator
 
 import torch
 
-from glm5 import (
-    progress,  # progress.progress_bar at call time: tests and callers may replace it
-)
+# progress.progress_bar is looked up at call time: tests and callers may replace it
+from glm5 import progress
 from glm5.core.output import atomic_dir
 from glm5.ir.quant_formats import SCHEMES
 

@@ -294,3 +294,15 @@ def preset(name: str) -> GLM5Config:
         raise ConfigError(
             f"glm5 config: unknown preset {name!r}; presets: {', '.join(PRESETS)}"
         ) from None
+
+
+def missing_config(path: str | Path) -> str | None:
+    """Why ``path`` (a checkpoint directory or a config file) has no config.json to read, in the
+    words an error message names it with after the argument; None when there is one."""
+    p = Path(path)
+    if not p.exists():
+        return "no config.json there (no such file or directory); expected a checkpoint directory"
+    if p.is_dir() and not (p / "config.json").is_file():
+        return ("no config.json in this directory; expected a checkpoint directory "
+                "(config.json + safetensors)")
+    return None

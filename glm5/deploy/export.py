@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 
-from glm5 import (
-    progress,  # progress.progress_bar at call time: tests and callers may replace it
-)
+# progress.progress_bar is looked up at call time: tests and callers may replace it
+from glm5 import progress
 from glm5.core.model import GLM5ForCausalLM
 from glm5.core.output import atomic_file
 

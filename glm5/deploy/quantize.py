@@ -27,27 +27,13 @@ from typing import Any, Callable
 
 import torch
 
-from glm5 import (
-    progress,  # progress.progress_bar at call time: tests and callers may replace it
-)
-from glm5.core.checkpoint import (  # noqa: F401  (the format's names, importable from here too)
-    DESCRIPTION,
-    FLOAT,
-    FORMAT_VERSION,
-    INDEX,
-    METHOD,
-    MSMODELSLIM_DESCRIPTION,
-    SINGLE,
-    CheckpointError,
-    get_tensor,
-    is_output_file,
-    load_model,
-    open_safetensors,
-    read_description,
-    read_index,
-    repack_model,
-    stored_bytes,
-)
+# progress.progress_bar is looked up at call time: tests and callers may replace it
+from glm5 import progress
+from glm5.core.checkpoint import load_model, repack_model  # noqa: F401  (importable from here)
+from glm5.core.checkpoint_files import (  # noqa: F401  (the format's names, importable from here)
+    DESCRIPTION, FLOAT, FORMAT_VERSION, INDEX, METHOD, MSMODELSLIM_DESCRIPTION, SINGLE,
+    CheckpointError, get_tensor, is_output_file, open_safetensors, read_description, read_index,
+    stored_bytes)
 from glm5.core.config import GLM5Config
 from glm5.core.output import atomic_dir
 from glm5.core.quant_policy import high_precision_reason, is_quantized

@@ -22,10 +22,8 @@ from glm5.core.model import GLM5ForCausalLM
 from glm5.engine.graphs import (DEFAULT_BUCKETS, Capture, CudaGraphCapture, DecodeGraphs,
                                 check_buckets)
 from glm5.engine.cache_manager import CacheManager
-from glm5.engine.kv_pool import KVPool
 from glm5.engine.outputs import OUTPUT_KINDS, RequestOutput, TokenLogprob
-from glm5.engine.pages import PageAllocator
-from glm5.engine.radix import RadixCache
+from glm5.engine.pages import from_cache
 from glm5.engine.request import Request, Status
 from glm5.engine.runner import Batch, ModelRunner, make_batch
 from glm5.engine.sampling import (SamplingParams, find_stop, make_generator, sample_tokens,
@@ -183,21 +181,10 @@ class LLMEngine:
         self.weights_version = 0
 
     # The cache manager's parts, under the names the server, RL and tests read.
-    @property
-    def pool(self) -> KVPool:
-        return self.cache.pool
-
-    @property
-    def allocator(self) -> PageAllocator:
-        return self.cache.allocator
-
-    @property
-    def radix(self) -> RadixCache:
-        return self.cache.radix
-
-    @property
-    def page_size(self) -> int:
-        return self.cache.page_size
+    pool = from_cache("pool")
+    allocator = from_cache("allocator")
+    radix = from_cache("radix")
+    page_size = from_cache("page_size")
 
     def _graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
         dev = self.model.device

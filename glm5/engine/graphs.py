@@ -1,8 +1,8 @@
 """Decode steps replayed from captured CUDA graphs, one graph per batch bucket.
 
 A decode step (every sequence one token, no MTP drafts) launches the same kernels every time;
-only the values change. Launching them one by one costs the host ~10 µs each (hundreds per
-step), so on a CUDA device the step's forward — token ids to logits — is captured once per
+only the values change. Launching them one by one costs the host time for each of the
+hundreds of launches a step makes, so on a CUDA device the step's forward — token ids to logits — is captured once per
 (bucket, path) and replayed:
 
 - the batch is padded up to the next bucket (``EngineConfig.cuda_graph_buckets``, default

@@ -111,3 +111,11 @@ class PageAllocator:
     def refcount(self, page: int) -> int:
         """How many holders ``page`` has (0: free)."""
         return self._refs[page_id("PageAllocator.refcount", page, self.num_pages)]
+
+
+def from_cache(name: str) -> property:
+    """A read-only attribute that is ``self.cache.<name>``: objects that hold the engine's cache
+    manager as ``cache`` (the engine, the prefix cache) expose its parts under their old names
+    without keeping a second copy."""
+    return property(lambda self: getattr(self.cache, name),
+                    doc=f"The cache manager's ``{name}`` (read-only).")

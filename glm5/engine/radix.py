@@ -24,7 +24,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from glm5.engine.pages import PageAllocator, page_id
+from glm5.engine.pages import PageAllocator, from_cache, page_id
 
 
 class PagedCache(Protocol):
@@ -68,13 +68,8 @@ class RadixCache:
         self._nodes: dict[int, _Node] = {}   # page id -> its node (every cached page)
         self._leaves: dict[int, _Node] = {}  # page id -> node, for the nodes without children
 
-    @property
-    def allocator(self) -> PageAllocator:
-        return self.cache.allocator
-
-    @property
-    def page_size(self) -> int:
-        return self.cache.page_size
+    allocator = from_cache("allocator")
+    page_size = from_cache("page_size")
 
     # -- helpers ---------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import torch
 
 import glm5
 from glm5.core import checkpoint
-from glm5.core.config import ConfigError, GLM5Config
+from glm5.core.config import ConfigError, GLM5Config, missing_config
 from glm5.engine.async_engine import AsyncEngine
 from glm5.engine.engine import EngineConfig, LLMEngine
 from glm5.engine.llm import load_tokenizer
@@ -69,16 +69,11 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def _check_model_dir(model_dir: str | Path) -> None:
     """``model_dir`` holds a valid config.json (a missing one is a setting error, an invalid
     one a `ServeError`)."""
-    p = Path(model_dir)
-    if not p.exists():
-        raise ServeOptionError(f"argument 'model_dir' {model_dir}: no config.json there (no "
-                               f"such file or directory); expected a checkpoint directory")
-    if p.is_dir() and not (p / "config.json").is_file():
-        raise ServeOptionError(f"argument 'model_dir' {model_dir}: no config.json in this "
-                               f"directory; expected a checkpoint directory (config.json + "
-                               f"safetensors)")
+    why = missing_config(model_dir)
+    if why:
+        raise ServeOptionError(f"argument 'model_dir' {model_dir}: {why}")
     try:
-        GLM5Config.from_pretrained(p)
+        GLM5Config.from_pretrained(Path(model_dir))
     except ConfigError as e:
         raise ServeError(str(e).removeprefix("glm5 config: ")) from e
 
