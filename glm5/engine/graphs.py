@@ -2,8 +2,8 @@
 
 A decode step (every sequence one token, no MTP drafts) launches the same kernels every time;
 only the values change. Launching them one by one costs the host time for each of the
-hundreds of launches a step makes, so on a CUDA device the step's forward — token ids to logits — is captured once per
-(bucket, path) and replayed:
+hundreds of launches a step makes, so on a CUDA device the step's forward — token ids to
+logits — is captured once per (bucket, path) and replayed:
 
 - the batch is padded up to the next bucket (``EngineConfig.cuda_graph_buckets``, default
   1, 2, 4, ..., 32); padded row j decodes token 0 at position j of a block table made of the
