@@ -50,7 +50,7 @@ def _make(op: OpDef) -> Callable[..., Any]:
     names = op.param_names
 
     def fn(*args: Any, **kwargs: Any) -> Any:
-        values, _ = op.validate(args, kwargs)
+        values = op.validate_cached(args, kwargs)
         if _tracing(values, op):
             return torch_op(*(values[n] for n in names))
         if _needs_grad(values, op):

@@ -21,7 +21,7 @@ _bound: dict[str, Any] = {}
 
 def _impl(op: OpDef, call: Callable[[OpDef, dict[str, Any]], Any]) -> Callable[..., Any]:
     def impl(*args: Any) -> Any:
-        values, _ = op.validate(args)
+        values = op.validate_cached(args)
         out = call(op, values)
         # torch.library outputs may not alias inputs.
         if isinstance(out, tuple):

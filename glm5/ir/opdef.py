@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -58,9 +59,39 @@ def value_checks(*tensors: torch.Tensor | None) -> bool:
     ts = [t for t in tensors if t is not None]
     if not all(has_data(t) for t in ts):
         return False
-    if strict_mode():
-        return True
-    return not _as_on_device.get() and all(t.device.type == "cpu" for t in ts)
+    ok = strict_mode() or (not _as_on_device.get() and all(t.device.type == "cpu" for t in ts))
+    if ok:
+        # A validation that may read values cannot be reused for another call with the same
+        # signature (`OpDef.validate_cached`).
+        _value_reads.n = getattr(_value_reads, "n", 0) + 1
+    return ok
+
+
+# How many times `value_checks` allowed a read, per thread.
+_value_reads = threading.local()
+
+
+def value_check_count() -> int:
+    """How many times `value_checks` has answered True in this thread (a counter: a validation
+    during which it moved may have read argument values)."""
+    return getattr(_value_reads, "n", 0)
+
+
+#: validated signatures an op remembers before it forgets them all and starts again (shapes
+#: that change every call, e.g. a growing KV length, must not grow memory without bound)
+VALIDATED_LIMIT = 4096
+_UNCACHEABLE = object()
+
+
+def _arg_key(v: Any) -> Any:
+    t = type(v)
+    if t is torch.Tensor or t is torch.nn.Parameter:
+        if v.device.type == "meta":
+            return _UNCACHEABLE
+        return (v.dtype, v.device, v.shape, v.stride())
+    if v is None or t in (bool, int, float, str):
+        return (t, v)  # the type too: 1, 1.0 and True are equal keys but not equal arguments
+    return _UNCACHEABLE
 
 
 @contextlib.contextmanager
@@ -108,6 +139,9 @@ class OpDef:
     dispatch_arg: str | None = None
     _param_names: tuple[str, ...] = field(init=False, repr=False)
     _tensor_params: tuple[TensorArg, ...] = field(init=False, repr=False)
+    # Signatures of calls that passed `validate` without reading any value (`validate_cached`).
+    _validated: dict[tuple, None] = field(init=False, repr=False, compare=False,
+                                          default_factory=dict)
 
     def __post_init__(self) -> None:
         self._param_names = tuple(p.name for p in self.params)
@@ -146,6 +180,43 @@ class OpDef:
         if self.check is not None:
             self.check(values, syms)
         return values, syms
+
+    def signature(self, args: tuple, kwargs: dict | None = None) -> tuple | None:
+        """The key under which a call's validation is remembered: how the arguments were
+        passed, each tensor's dtype, device, shape and strides, each scalar's type and value,
+        and the two settings that decide value checks (``GLM5_STRICT``, `checks_as_on_device`).
+        None when an argument is neither (a list, a tensor subclass, a meta tensor)."""
+        key: list[Any] = [len(args), strict_mode(), _as_on_device.get()]
+        for v in args:
+            k = _arg_key(v)
+            if k is _UNCACHEABLE:
+                return None
+            key.append(k)
+        if kwargs:
+            for name, v in kwargs.items():
+                k = _arg_key(v)
+                if k is _UNCACHEABLE:
+                    return None
+                key.append(name)
+                key.append(k)
+        return tuple(key)
+
+    def validate_cached(self, args: tuple = (), kwargs: dict | None = None) -> dict[str, Any]:
+        """`validate` once per signature: a call whose `signature` passed validation before,
+        without any value being read, is only bound (its checks depend on nothing the
+        signature does not fix); any other call is validated in full. Checks that read
+        values (index ranges: `value_checks`) therefore run on every call where they run at
+        all. Returns the bound values; raises as `validate` does."""
+        key = self.signature(args, kwargs)
+        if key is not None and key in self._validated:
+            return bind_arguments(self.name, self.params, args, kwargs or {})
+        reads = value_check_count()
+        values, _ = self.validate(args, kwargs)
+        if key is not None and value_check_count() == reads:
+            if len(self._validated) >= VALIDATED_LIMIT:
+                self._validated.clear()
+            self._validated[key] = None
+        return values
 
     def symbols(self, values: dict[str, Any]) -> dict[str, int]:
         return bind_shapes(self.name, self.params, dict(values))

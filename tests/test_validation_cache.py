@@ -1,0 +1,114 @@
+"""Validation once per signature (`OpDef.validate_cached`, used by `glm5.ops` and the
+`torch.ops.glm5` binding): a call whose signature passed without reading values skips the
+checks; checks that read values (index ranges) still run on every call where they run at all,
+so a bad call after a good one with the same shapes gets the same error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import glm5
+from glm5 import ops
+from glm5.ir import opdef
+from glm5.ir.opdef import checks_as_on_device
+from glm5.ir.signature import OpInputError, OpTypeError
+from glm5.testing.cases import example
+
+# (op, argument, a bad value for it built from the good example): checks that read values
+VALUE_CHECKED = [
+    ("sparse_attention", "idx", lambda a: a["idx"].clone().fill_(a["k"].shape[0])),
+    ("moe_experts", "ids", lambda a: a["ids"].clone().fill_(a["w13"].shape[0])),
+    ("token_logprobs", "targets", lambda a: a["targets"].clone().fill_(a["w_vocab"].shape[0])),
+]
+
+
+def _good(name: str) -> dict:
+    op = glm5.get_op(name)
+    ex = example(name, torch.float32, 3, 0)
+    return {k: v for k, v in ex.items() if k in op.param_names}
+
+
+def _error(fn, *args, **kwargs) -> str:
+    with pytest.raises((OpInputError, OpTypeError)) as e:
+        fn(*args, **kwargs)
+    return str(e.value)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches():
+    for op in glm5.ir.catalog.OPS.values():
+        op._validated.clear()
+    yield
+
+
+@pytest.mark.parametrize("name,arg,bad", VALUE_CHECKED, ids=[v[0] for v in VALUE_CHECKED])
+def test_a_bad_value_after_a_good_call_of_the_same_shapes_gets_the_same_error(name, arg, bad):
+    op = glm5.get_op(name)
+    good = _good(name)
+    with torch.inference_mode():
+        getattr(ops, name)(**good)
+        getattr(ops, name)(**good)
+        wrong = {**good, arg: bad(good)}
+        assert op.signature((), wrong) == op.signature((), good)
+        expected = _error(op.validate, (), wrong)
+        assert arg in expected
+        assert _error(getattr(ops, name), **wrong) == expected
+        assert _error(getattr(torch.ops.glm5, name), *(wrong[n] for n in op.param_names)) \
+            == expected
+
+
+def test_a_signature_that_read_values_is_not_remembered():
+    op = glm5.get_op("sparse_attention")
+    good = _good("sparse_attention")
+    op.validate_cached((), good)
+    assert op.signature((), good) not in op._validated
+
+
+def test_shape_only_signatures_skip_the_checks_and_anything_else_revalidates(monkeypatch):
+    op = glm5.get_op("sparse_attention")
+    good = _good("sparse_attention")
+    calls = []
+    check = op.check
+    monkeypatch.setattr(op, "check", lambda v, s: (calls.append(1), check(v, s)))
+    with checks_as_on_device():  # as on a device: index ranges are not read
+        op.validate_cached((), good)
+        op.validate_cached((), good)
+        assert len(calls) == 1
+        # another dtype, shape, scalar value or device setting is a new signature
+        op.validate_cached((), {**good, "scale": 0.5})
+        assert len(calls) == 2
+        with pytest.raises((OpInputError, OpTypeError), match="dtype"):
+            op.validate_cached((), {**good, "q": good["q"].double()})
+        with pytest.raises(OpInputError, match="'k'"):
+            op.validate_cached((), {**good, "k": good["k"][..., :-1]})
+    monkeypatch.setenv("GLM5_STRICT", "1")
+    with checks_as_on_device():  # strict: value checks run on devices too
+        wrong = {**good, "idx": good["idx"].clone().fill_(good["k"].shape[0])}
+        with pytest.raises(OpInputError, match="'idx'"):
+            op.validate_cached((), wrong)
+
+
+def test_positional_and_keyword_calls_and_scalar_types_are_different_signatures():
+    op = glm5.get_op("rms_norm")
+    x, w = torch.randn(2, 8), torch.ones(8)
+    keys = {op.signature((x, w, 1e-6)), op.signature((x, w), {"eps": 1e-6}),
+            op.signature((x, w, 1)), op.signature((x, w, True)),
+            op.signature((x.t().contiguous().t(), w, 1e-6))}
+    assert len(keys) == 5
+    assert op.signature(([1.0], w, 1e-6)) is None
+    assert op.signature((x.to("meta"), w, 1e-6)) is None
+    ops.rms_norm(x, w, 1e-6)
+    with pytest.raises(OpTypeError, match="'eps'"):
+        ops.rms_norm(x, w, True)  # a bool where a float is expected, same shapes
+    with pytest.raises(OpInputError, match="'eps'"):
+        ops.rms_norm(x, w, -1.0)
+
+
+def test_the_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(opdef, "VALIDATED_LIMIT", 4)
+    op = glm5.get_op("rms_norm")
+    w = torch.ones(8)
+    for n in range(1, 11):
+        ops.rms_norm(torch.randn(n, 8), w, 1e-6)
+        assert len(op._validated) <= 4
