@@ -1,7 +1,9 @@
 """Python entry points: `glm5.ops.<name>(...)` for every op of the catalog.
 
 Each call validates its arguments at the boundary (errors name the op, the argument and what was
-expected), then
+expected) — in full the first time a signature is seen, afterwards only the checks that read
+values (`OpDef.validate_cached`; an eager call whose signature a kernel already served goes
+straight to that kernel) — then
 - under tracing (`torch.compile`, `torch.export`, fake tensors) calls `torch.ops.glm5.<name>`
   so the graph holds one node per op;
 - when autograd needs the op, calls `torch.ops.glm5.<name>` (backward = that of the kernel
@@ -18,10 +20,10 @@ from typing import Any, Callable
 
 import torch
 
-from glm5.backends import selection
+from glm5.backends import api, selection
 from glm5.ir import library
 from glm5.ir.catalog import OPS
-from glm5.ir.opdef import OpDef, has_data
+from glm5.ir.opdef import VALIDATED_LIMIT, OpDef, has_data
 
 # This module is the namespace composite ops decompose over (``OpDef.decompose(ops, ...)``).
 _NS = sys.modules[__name__]
@@ -48,8 +50,22 @@ def _needs_grad(values: dict[str, Any], op: OpDef) -> bool:
 def _make(op: OpDef) -> Callable[..., Any]:
     torch_op = getattr(torch.ops.glm5, op.name)
     names = op.param_names
+    # (signature, dispatch state) -> (plan generation, kernel entry) of eager calls that a
+    # kernel served natively after a validation that read no value: a later call with the
+    # same key goes straight to that kernel.
+    served: dict[tuple, tuple[int, Any]] = {}
 
     def fn(*args: Any, **kwargs: Any) -> Any:
+        key = None if torch.compiler.is_compiling() or api.recording() else \
+            op.signature(args, kwargs)
+        if key is not None:
+            key = (key, selection.dispatch_state())
+            hit = served.get(key)
+            if hit is not None and hit[0] == selection.generation():
+                a = args if len(args) == len(names) else \
+                    tuple(op.bind(args, kwargs)[n] for n in names)
+                if hit[1].accepts(a):
+                    return hit[1].fn(*a)
         values = op.validate_cached(args, kwargs)
         if _tracing(values, op):
             return torch_op(*(values[n] for n in names))
@@ -57,6 +73,12 @@ def _make(op: OpDef) -> Callable[..., Any]:
             if op.mutates:
                 return op.decompose(_NS, *(values[n] for n in names))
             return torch_op(*(values[n] for n in names))
+        if key is not None and key[0] in op._validated:
+            entry = selection.serving_entry(op, values)
+            if entry is not None:
+                if len(served) >= VALIDATED_LIMIT:
+                    served.clear()
+                served[key] = (selection.generation(), entry)
         return selection.call(op, values, _NS)
 
     fn.__name__ = fn.__qualname__ = op.name

@@ -112,3 +112,43 @@ def test_the_cache_is_bounded(monkeypatch):
     for n in range(1, 11):
         ops.rms_norm(torch.randn(n, 8), w, 1e-6)
         assert len(op._validated) <= 4
+
+
+def test_a_served_signature_goes_straight_to_its_kernel_until_the_dispatch_state_changes(
+        monkeypatch):
+    from glm5.backends import selection
+
+    x, w = torch.randn(2, 8), torch.ones(8)
+    with torch.inference_mode():
+        want = ops.rms_norm(x, w, 1e-6)
+        slow = []
+        call = selection.call
+        monkeypatch.setattr(selection, "call", lambda *a: (slow.append(1), call(*a))[1])
+        assert torch.equal(ops.rms_norm(x, w, 1e-6), want)
+        assert slow == []  # served from the signature's kernel, no validation, no selection
+        with glm5.use_backend("reference"):  # another dispatch state: selected again
+            ops.rms_norm(x, w, 1e-6)
+        assert len(slow) == 1
+        glm5.reset_registry()  # plans went stale
+        ops.rms_norm(x, w, 1e-6)
+        assert len(slow) == 2
+        ops.rms_norm(x, w, 1e-6)
+        assert len(slow) == 2
+
+
+def test_calls_that_need_autograd_or_read_values_never_take_the_shortcut(monkeypatch):
+    from glm5.backends import selection
+
+    x, w = torch.randn(2, 8), torch.ones(8, requires_grad=True)
+    ops.rms_norm(x, w.detach(), 1e-6)
+    y = ops.rms_norm(x, w, 1e-6)  # same shapes, but w requires grad: a new signature
+    y.sum().backward()
+    assert w.grad is not None and w.grad.abs().sum() > 0
+    good = _good("sparse_attention")
+    slow = []
+    call = selection.call
+    monkeypatch.setattr(selection, "call", lambda *a: (slow.append(1), call(*a))[1])
+    with torch.inference_mode():
+        for _ in range(3):
+            ops.sparse_attention(**good)
+    assert len(slow) == 3  # its index range is read on every call (CPU), so no shortcut

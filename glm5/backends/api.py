@@ -113,6 +113,12 @@ def default_impl(fn: Callable[..., Any], backend: str) -> str:
     return backend
 
 
+def recording() -> bool:
+    """Whether a `recording_impls` block is open anywhere (then every call goes through the
+    recording path)."""
+    return _recording > 0
+
+
 def report_impl(label: str) -> None:
     """Called by a kernel that chooses among implementations at call time: record that
     ``label`` served (part of) this call. A no-op costing one global read when no

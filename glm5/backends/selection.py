@@ -127,10 +127,27 @@ _cache: dict[tuple, Plan] = {}
 _fallback_logged: set[tuple] = set()
 
 
+_generation = 0
+
+
 @on_change  # a backend registered or the registry was reset: plans are stale
 def clear_cache() -> None:
+    global _generation
     _cache.clear()
     _fallback_logged.clear()
+    _generation += 1
+
+
+def generation() -> int:
+    """A number that changes whenever cached plans go stale: what `glm5.ops` checks before it
+    reuses the kernel a signature was served by."""
+    return _generation
+
+
+def dispatch_state() -> tuple:
+    """Everything besides the call itself that `resolve` selects by: the backend override and
+    the plugin file setting (``GLM5_STRICT`` is part of a call's signature)."""
+    return current_override(), os.environ.get("GLM5_PLUGINS")
 
 
 def ranked(op: str | None = None, override: tuple[str, ...] | None = None
@@ -360,6 +377,17 @@ def backward_for(op: OpDef, args: tuple) -> Callable[..., Any] | None:
     for entry in plan.candidates:
         if entry.accepts(args):
             return entry.backward
+    return None
+
+
+def serving_entry(op: OpDef, values: dict[str, Any]) -> KernelEntry | None:
+    """The kernel entry that serves this call natively, or None where it decomposes or falls
+    back to the reference."""
+    args = tuple(values[n] for n in op.param_names)
+    plan = resolve(op, op.device(values).type, op.dispatch_dtype(values))
+    for entry in plan.candidates:
+        if entry.accepts(args):
+            return entry
     return None
 
 

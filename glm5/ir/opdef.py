@@ -88,7 +88,7 @@ def _arg_key(v: Any) -> Any:
     if t is torch.Tensor or t is torch.nn.Parameter:
         if v.device.type == "meta":
             return _UNCACHEABLE
-        return (v.dtype, v.device, v.shape, v.stride())
+        return (v.dtype, v.device, v.shape, v.stride(), v.requires_grad)
     if v is None or t in (bool, int, float, str):
         return (t, v)  # the type too: 1, 1.0 and True are equal keys but not equal arguments
     return _UNCACHEABLE
@@ -183,7 +183,8 @@ class OpDef:
 
     def signature(self, args: tuple, kwargs: dict | None = None) -> tuple | None:
         """The key under which a call's validation is remembered: how the arguments were
-        passed, each tensor's dtype, device, shape and strides, each scalar's type and value,
+        passed, each tensor's dtype, device, shape, strides and whether it requires grad, each
+        scalar's type and value,
         and the two settings that decide value checks (``GLM5_STRICT``, `checks_as_on_device`).
         None when an argument is neither (a list, a tensor subclass, a meta tensor)."""
         key: list[Any] = [len(args), strict_mode(), _as_on_device.get()]
