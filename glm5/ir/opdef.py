@@ -208,6 +208,8 @@ class OpDef:
         signature does not fix); any other call is validated in full. Checks that read
         values (index ranges: `value_checks`) therefore run on every call where they run at
         all. Returns the bound values; raises as `validate` does."""
+        if torch.compiler.is_compiling():  # traced: checks run once, at trace time
+            return self.validate(args, kwargs)[0]
         key = self.signature(args, kwargs)
         if key is not None and key in self._validated:
             return bind_arguments(self.name, self.params, args, kwargs or {})
