@@ -95,7 +95,7 @@ def test_greedy_matches_generate(model, chunk, page, prefix):
                       num_pages=(64 * 4) // page + 8, max_num_batched_tokens=max(chunk, 24))
     outs = run_all(eng, PROMPTS, greedy_params())
     for p, o in zip(PROMPTS, outs):
-        assert o.finish_reason == "length"
+        assert o.finish_reason == "length", o.error
         assert o.token_ids == greedy(model, p), (len(p), o.token_ids)
     if prefix:  # the repeated prompt and the extension reuse the cached pages
         assert eng.scheduler.stats.prompt_tokens_hit > 0

@@ -29,6 +29,7 @@ from glm5.engine.runner import Batch, ModelRunner, make_batch
 from glm5.engine.sampling import (SamplingParams, find_stop, make_generator, sample_tokens,
                                   speculative_verify, target_probs, token_logprobs)
 from glm5.engine.scheduler import Item, Scheduler
+from glm5.engine.step_budget import PrefillBudget
 from glm5.ir.opdef import strict_mode
 
 
@@ -39,6 +40,10 @@ class EngineConfig:
     max_num_seqs: int = 256  # sequences in the running batch
     max_num_batched_tokens: int = 8192  # tokens per step (decodes + prefill chunks)
     chunk_size: int = 512  # prefill tokens per request and step (256-1024: tail latency)
+    # While decodes run, a step that carries prefill tokens takes at most this multiple of a
+    # decode-only step (measured; glm5.engine.step_budget); None: chunk_size alone bounds it.
+    max_decode_slowdown: float | None = 2.5
+    min_prefill_tokens: int = 16  # the smallest prefill allowance of a step (progress)
     page_size: int = 64  # tokens per cache page
     num_pages: int | None = None  # None: as many as kv_cache_bytes holds
     kv_cache_bytes: int = 2 * 2**30
@@ -57,7 +62,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for f in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size",
-                  "kv_cache_bytes", "long_prompt_tokens", "long_prompt_burst"):
+                  "kv_cache_bytes", "long_prompt_tokens", "long_prompt_burst",
+                  "min_prefill_tokens"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"glm5 EngineConfig: argument {f!r} expected an int >= 1, "
@@ -75,6 +81,11 @@ class EngineConfig:
                 and math.isfinite(self.long_prompt_qps)):
             raise ValueError(f"glm5 EngineConfig: argument 'long_prompt_qps' expected a finite "
                              f"number > 0, got {self.long_prompt_qps!r}")
+        m = self.max_decode_slowdown
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float))
+                              or not 1 < m < math.inf):
+            raise ValueError(f"glm5 EngineConfig: argument 'max_decode_slowdown' expected None "
+                             f"or a finite number > 1, got {m!r}")
         if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):
             raise ValueError(f"glm5 EngineConfig: argument 'cuda_graphs' expected None, True or "
                              f"False, got {self.cuda_graphs!r}")
@@ -160,8 +171,10 @@ class LLMEngine:
             model, cfg.page_size, cfg.num_pages, cfg.kv_cache_bytes,
             mtp=cfg.num_speculative_tokens > 0, scratch_rows=max(cfg.cuda_graph_buckets) - 1,
             enable_prefix_cache=cfg.enable_prefix_cache)
+        budget = None if cfg.max_decode_slowdown is None else PrefillBudget(
+            cfg.max_decode_slowdown, min(cfg.min_prefill_tokens, cfg.chunk_size), cfg.chunk_size)
         self.scheduler = Scheduler(self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.chunk_size, cfg.num_speculative_tokens)
+                                   cfg.chunk_size, cfg.num_speculative_tokens, budget=budget)
         self.runner = ModelRunner(model, self.cache)
         self.runner.graphs = self._graphs(cfg)
         self.requests: dict[str, Request] = {}
@@ -336,8 +349,10 @@ class LLMEngine:
                 if it.req.metrics.first_scheduled is None:
                     it.req.metrics.first_scheduled = now
             try:
+                t0 = time.perf_counter()
                 with self._backend():
                     self._run(items)
+                self._observe(items, time.perf_counter() - t0)
             except Exception:  # noqa: BLE001 - isolate: run each request alone
                 for it in items:
                     try:
@@ -349,6 +364,14 @@ class LLMEngine:
                         self.stats.failed += 1
         out, self._outputs = self._outputs, []
         return out
+
+    def _observe(self, items: list[Item], seconds: float) -> None:
+        """Feed the step's time to the prefill budget (decode-only steps set its reference)."""
+        budget = self.scheduler.budget
+        if budget is not None and seconds > 0:
+            n_decode = sum(it.decode for it in items)
+            budget.observe(n_decode, sum(len(it.tokens) for it in items if not it.decode),
+                           seconds)
 
     def _backend(self):
         return ops.use_backend(self.backend) if self.backend else contextlib.nullcontext()

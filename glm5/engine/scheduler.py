@@ -3,8 +3,10 @@
 Every step the running requests (decodes: one token plus their MTP drafts; unfinished
 prefills: a chunk) go first, then waiting requests are admitted while the step's token budget
 (``max_num_batched_tokens``), the sequence limit (``max_num_seqs``) and the free pages allow.
-Prefills are chunked (``chunk_size`` tokens per step), so a long prompt shares every step with
-the running decodes instead of stalling them. Pages come from the cache manager
+Prefills are chunked (``chunk_size`` tokens per request and step), so a long prompt shares every
+step with the running decodes instead of stalling them; while decodes run, the prefill tokens of
+a step are further bounded by a `PrefillBudget` (glm5.engine.step_budget) when one is given: the
+allowance that keeps the step within a multiple of a decode-only step's measured time. Pages come from the cache manager
 (glm5.engine.cache_manager); when they run out it first evicts unreferenced prefix-cache pages
 (LRU), and then the most recently admitted running request is preempted: its pages are freed
 and it goes back to the front of the queue to be recomputed (prompt and generated tokens), so
@@ -20,6 +22,7 @@ from typing import Callable
 from glm5.engine.cache_manager import CacheManager
 from glm5.engine.pages import OutOfPages
 from glm5.engine.request import Request, Status
+from glm5.engine.step_budget import PrefillBudget
 
 
 @dataclass
@@ -30,6 +33,7 @@ class Item:
     start: int
     tokens: list[int]
     sample: bool  # the chunk reaches the request's last known token: sample after it
+    decode: bool = False  # the request's last token (and drafts): not a prefill chunk
 
 
 @dataclass
@@ -42,16 +46,20 @@ class SchedulerStats:
 
 class Scheduler:
     """Picks each step's items; pages, the prefix cache and the page size are ``cache``'s.
-    ``copy_page`` (default: ``cache.copy_page``) copies a shared page into a private one."""
+    ``copy_page`` (default: ``cache.copy_page``) copies a shared page into a private one;
+    ``budget`` bounds the prefill tokens of a step while decodes run (None: ``chunk_size``
+    per request only)."""
 
     def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  chunk_size: int, num_speculative_tokens: int,
-                 copy_page: Callable[[int, int], None] | None = None) -> None:
+                 copy_page: Callable[[int, int], None] | None = None,
+                 budget: PrefillBudget | None = None) -> None:
         self.cache = cache
         self.max_num_seqs, self.max_tokens, self.chunk = (max_num_seqs, max_num_batched_tokens,
                                                           chunk_size)
         self.k = num_speculative_tokens
         self.copy_page = copy_page or cache.copy_page
+        self.budget = budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -118,12 +126,17 @@ class Scheduler:
         self._scheduled: set[str] = set()
         items: list[Item] = []
         budget = self.max_tokens
+        decoding = any(not r.in_prefill for r in self.running)
+        allow = None if self.budget is None else self.budget.allowance(decoding)
+        self._prefill_left = self.max_tokens if allow is None else allow
         # Running requests first, oldest first: decodes and continuing prefills.
         for req in list(self.running):
             if budget <= 0:
                 break
             if req not in self.running:  # preempted by an older request's page demand
                 continue
+            if req.in_prefill and self._prefill_left <= 0:
+                continue  # the step's prefill allowance is spent: this chunk waits a step
             item = self._item(req, budget)
             if not self._pages_for(req, item.start + len(item.tokens) + max(self.k - 1, 0)):
                 self._preempt(req)
@@ -134,7 +147,8 @@ class Scheduler:
         # Then admit waiting requests in arrival order (preempted ones are at the front).
         prefilling = [r for r in self.running if r.in_prefill]
         deferred: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and budget > 0 and self._prefill_left > 0
+               and len(self.running) < self.max_num_seqs):
             req = self.waiting.popleft()
             if req in self._preempted:  # not in the step that preempted it
                 deferred.append(req)
@@ -177,8 +191,9 @@ class Scheduler:
         if left == 1:  # decoding: the last token and the drafts that follow it
             drafts = req.drafts[: max(budget - 1, 0)]
             req.drafts, req.draft_probs = drafts, req.draft_probs[: len(drafts)]
-            return Item(req, start, [req.token(start)] + drafts, True)
-        n = min(left, self.chunk, budget)
+            return Item(req, start, [req.token(start)] + drafts, True, decode=True)
+        n = min(left, self.chunk, budget, self._prefill_left)
+        self._prefill_left -= n
         return Item(req, start, req.tokens(start, start + n), start + n == req.num_tokens)
 
     def _can_alloc(self, req: Request, n_positions: int) -> bool:

@@ -1,0 +1,84 @@
+"""The prefill token budget of a step: how many prompt tokens may share a step with running
+decodes so that the decodes' latency stays within a bound measured from the decodes themselves.
+
+A fixed chunk size cannot do this: the cost of a prefill token grows with the context it
+attends to (the indexer scores every earlier key), differs by machine, batch and model, and a
+decode step's own time changes with the batch. So the budget is a feedback loop, like the
+token budgets of vLLM's and SGLang's chunked prefill but in seconds rather than tokens:
+
+- ``d`` = the median time of the last ``window`` decode-only steps (steps without prefill
+  tokens) — the latency the decodes have without a prompt beside them;
+- a step that carries prefill may take ``max_slowdown * d``; after it ran with ``n`` prefill
+  tokens in ``t`` seconds, the next step's allowance is ``n * (max_slowdown - 1) * d /
+  (t - d)`` (the prefill share of the step scaled to the share allowed), clamped to at most
+  twice / at least half the previous allowance (one noisy step moves it by 2x at most) and to
+  [``min_tokens``, ``max_tokens``];
+- without running decodes (or before a decode-only step was seen) there is no allowance: the
+  scheduler's fixed chunk size applies, so a lone prompt prefills at full speed.
+
+The loop follows the cost as the context grows (each chunk is priced by the one before it,
+one chunk shorter) and as decodes join or leave (``d`` follows the recent decode steps).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+
+class PrefillBudget:
+    """Prefill tokens per step while decodes run (see the module docstring).
+
+    ``max_slowdown`` > 1: a step with prefill takes at most this multiple of a decode-only step;
+    ``min_tokens`` the smallest allowance (a prompt always progresses); ``max_tokens`` the
+    largest; ``window`` the decode-only steps whose median is ``d``."""
+
+    def __init__(self, max_slowdown: float, min_tokens: int, max_tokens: int,
+                 window: int = 8) -> None:
+        if not (isinstance(max_slowdown, (int, float)) and not isinstance(max_slowdown, bool)
+                and 1 < max_slowdown < float("inf")):
+            raise ValueError(f"glm5 PrefillBudget: argument 'max_slowdown' expected a finite "
+                             f"number > 1, got {max_slowdown!r}")
+        for name, v in (("min_tokens", min_tokens), ("max_tokens", max_tokens),
+                        ("window", window)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"glm5 PrefillBudget: argument {name!r} expected an int >= 1, "
+                                 f"got {v!r}")
+        if min_tokens > max_tokens:
+            raise ValueError(f"glm5 PrefillBudget: argument 'min_tokens' expected <= "
+                             f"max_tokens={max_tokens}, got {min_tokens}")
+        self.max_slowdown, self.min_tokens, self.max_tokens = (float(max_slowdown), min_tokens,
+                                                               max_tokens)
+        self._decode_s: deque[float] = deque(maxlen=window)
+        self._allow = min_tokens  # the allowance after the last mixed step
+
+    def decode_seconds(self) -> float | None:
+        """``d``: the median of the recent decode-only steps (None before the first)."""
+        return statistics.median(self._decode_s) if self._decode_s else None
+
+    def allowance(self, decoding: bool) -> int | None:
+        """Prefill tokens the next step may carry: None (no bound: the fixed chunk size
+        applies) when no decode runs or no decode-only step was measured yet."""
+        if not decoding or not self._decode_s:
+            return None
+        return self._allow
+
+    def observe(self, n_decode: int, n_prefill: int, seconds: float) -> None:
+        """A step ran ``n_decode`` decoding sequences and ``n_prefill`` prefill tokens in
+        ``seconds``."""
+        if not seconds > 0:
+            raise ValueError(f"glm5 PrefillBudget.observe: argument 'seconds' expected > 0, "
+                             f"got {seconds!r}")
+        if n_prefill == 0:
+            if n_decode > 0:
+                self._decode_s.append(seconds)
+            return
+        d = self.decode_seconds()
+        if d is None or n_decode == 0:
+            return  # nothing to compare against: the allowance stays
+        extra = max(seconds - d, 1e-3 * d)  # the prefill's share (noise can make it < 0)
+        want = n_prefill * (self.max_slowdown - 1.0) * d / extra
+        lo, hi = max(self.min_tokens, n_prefill // 2), max(self.min_tokens, 2 * n_prefill)
+        if n_prefill < self._allow:  # the prompt's last chunk: not a measure of the bound
+            hi = max(hi, self._allow)
+        self._allow = int(min(self.max_tokens, max(lo, min(hi, want))))
