@@ -109,6 +109,35 @@ def test_engine_row_throughput_is_tokens_over_run_wall(tiny):
     ops = row["op_seconds"]
     assert {"sparse_attention", "rms_norm"} <= set(ops) and all(v >= 0 for v in ops.values())
     assert sum(ops.values()) <= row["wall_s"]
+    assert serving.TORCH_COMPUTE in ops  # the model's own projections count as kernels
+    kinds = row["step_kinds"]
+    assert kinds["decode"]["steps"] + kinds["prefill"]["steps"] == row["steps"]
+    assert kinds["decode"]["steps"] > 0 and kinds["prefill"]["steps"] > 0
+    for k in kinds.values():
+        assert 0 < k["kernel_seconds"] < k["seconds"] and 0 < k["outside_kernels"] < 1
+        assert k["kernel_seconds"] == pytest.approx(sum(k["op_seconds"].values()))
+
+
+def test_op_timer_times_kernels_and_leaves_nothing_behind():
+    from glm5 import ops
+    from glm5.backends import selection
+
+    x, w = torch.randn(4, 64), torch.randn(64)
+    ops.rms_norm(x, w, 1e-5)  # the fast path holds this signature's kernel now
+    timer = serving.OpTimer()
+    with timer:
+        for _ in range(3):
+            ops.rms_norm(x, w, 1e-5)
+        torch.nn.functional.linear(x, torch.randn(8, 64))
+        with pytest.raises(RuntimeError, match="wrapped_kernels: already active"):
+            with selection.wrapped_kernels(lambda e: e.fn):
+                pass
+    got = timer.seconds["all"]
+    assert got["rms_norm"] > 0 and got[serving.TORCH_COMPUTE] > 0
+    before = dict(got)
+    ops.rms_norm(x, w, 1e-5)
+    torch.nn.functional.linear(x, torch.randn(8, 64))
+    assert timer.seconds["all"] == before  # unwrapped on exit (kernels and torch functions)
 
 
 def test_transformers_row(tiny, tmp_path):
@@ -138,8 +167,17 @@ def test_long_prefill_windows(tiny):
                              window=3, seed=0)
     assert r["steps"]["before"] == 3 and r["steps"]["after"] == 3
     assert r["steps"]["during"] >= 96 // 16  # one chunk per step at most
-    assert r["p99_ratio"] == pytest.approx(r["itl_p99_ms_during"] / r["itl_p99_ms_without"])
-    assert r["long_ttft_s"] > 0
+    assert r["p99_ratio"] == pytest.approx(r["itl_p99_ms_during"] / r["itl_p99_ms_before"])
+    assert r["p99_ratio_after"] == pytest.approx(r["itl_p99_ms_during"] / r["itl_p99_ms_after"])
+    assert r["long_ttft_s"] > 0 and r["config"] == "chunk 16"
+    assert r["prefill_chunks"]["max"] == 16 and r["prefill_chunks"]["count"] >= 96 // 16
+    b = serving.long_prefill(tiny, chunk=32, long_len=96, n_decode=2, decode_prompt=8,
+                             window=3, seed=0, slowdown=2.0, label="default")
+    assert b["config"] == "default" and b["max_decode_slowdown"] == 2.0
+    assert b["prefill_chunks"]["min"] >= 1 and b["prefill_chunks"]["max"] <= 32
+    md = serving.markdown({"table": [], "long_prefill": [r, b], "grpo": None,
+                           "targets": serving.targets([], [], None, [r, b])})
+    assert "| default | " in md and "| chunk 16 | " in md
     assert r["op_seconds"]["during"] and r["op_seconds"]["before"]
 
 
@@ -151,25 +189,33 @@ def test_targets_and_markdown():
     rows = [row(1, 10.0), row(8, 50.0), row(32, 79.0)]
     hf = [{"batch": 8, "throughput": 10.0, "tokens_per_cpu_s": 1.0}]
     grpo = {"reduction": 0.9}
-    long = [{"chunk_size": 512, "p99_ratio": 5.0}, {"chunk_size": 128, "p99_ratio": 2.5},
-            {"chunk_size": 32, "p99_ratio": 1.2}]
+    long = [{"config": "unchunked", "p99_ratio": 40.0, "long_ttft_s": 10.0},
+            {"config": "default", "p99_ratio": 2.5, "long_ttft_s": 16.0},
+            {"config": "chunk 32", "p99_ratio": 1.2, "long_ttft_s": 30.0}]
     t = serving.targets(rows, hf, grpo, long)
     assert t["c32_over_c1"]["value"] == pytest.approx(7.9) and t["c32_over_c1"]["pass"] is False
     assert t["c8_over_transformers_b8"]["value"] == pytest.approx(5.0)
     assert t["c8_over_transformers_b8"]["pass"] is True
     assert t["grpo_prefill_reduction"]["pass"] is True
-    assert t["long_prefill_p99_ratio"]["chunk_size"] == 128  # the largest chunk that meets it
-    none = serving.targets(rows[:1], [], None, [{"chunk_size": 64, "p99_ratio": 4.0}])
+    # the long-prompt targets are the default configuration's, against the windows before
+    assert t["long_prefill_p99_ratio"]["value"] == 2.5 and t["long_prefill_p99_ratio"]["pass"]
+    assert t["long_ttft_ratio"]["value"] == pytest.approx(1.6)
+    assert t["long_ttft_ratio"]["pass"] is False
+    assert t["long_ttft_ratio"]["by_config"]["chunk 32"] == pytest.approx(3.0)
+    none = serving.targets(rows[:1], [], None, [{"config": "default", "p99_ratio": 4.0,
+                                                "long_ttft_s": 1.0}])
     assert none["c32_over_c1"]["pass"] is None and none["grpo_prefill_reduction"]["pass"] is None
     assert none["long_prefill_p99_ratio"]["pass"] is False
     assert none["long_prefill_p99_ratio"]["value"] == 4.0
+    assert none["long_ttft_ratio"]["pass"] is None  # no unchunked run to compare with
     # the markdown report: one verdict per target, the time shares add up to 100%
     table = [{**r, "requests": 8, "itl_mean_ms": 1.0, "itl_p99_ms": 2.0, "ttft_mean_ms": 3.0,
               "ttft_p99_ms": 4.0, "peak_mem_mb": 5.0, "peak_mem_kind": "rss_hwm_growth",
               "wall_s": 2.0, "op_seconds": {"a": 1.0, "b": 0.5}} for r in rows]
     md = serving.markdown({"table": table, "targets": t, "long_prefill": [], "grpo": None})
     assert "| throughput c=32 / c=1 | 7.90 | 1.00 | >= 8 | FAIL |" in md
-    assert "pass (chunk_size 128)" in md and "VmHWM" in md
+    assert "| long prompt TTFT, default config / unchunked | 1.60 | — | <= 1.5 | FAIL |" in md
+    assert "VmHWM" in md
     assert "- c=1: a 50%, b 25%, other 25%" in md
 
 

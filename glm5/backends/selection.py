@@ -6,12 +6,14 @@ otherwise logged once: in one line per model run (`model_run`), else one line pe
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import dataclasses
 import functools
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -125,6 +127,8 @@ class Plan:
 
 _cache: dict[tuple, Plan] = {}
 _fallback_logged: set[tuple] = set()
+# A profiler's wrapper of every kernel that plans resolve (`wrapped_kernels`); None: none.
+_kernel_wrap: Callable[[KernelEntry], Callable[..., Any]] | None = None
 
 
 _generation = 0
@@ -136,6 +140,30 @@ def clear_cache() -> None:
     _cache.clear()
     _fallback_logged.clear()
     _generation += 1
+
+
+@contextlib.contextmanager
+def wrapped_kernels(wrap: Callable[[KernelEntry], Callable[..., Any]]) -> Iterator[None]:
+    """While active, every kernel a call reaches (native candidates and the reference
+    fallback) is called through ``wrap(entry)`` — a profiler's timer around the kernel itself,
+    after validation and selection; plans are resolved again on entry and on exit (the
+    fast path of `glm5.ops` follows `generation`). Not reentrant."""
+    global _kernel_wrap
+    if _kernel_wrap is not None:
+        raise RuntimeError("glm5 wrapped_kernels: already active (one profiler at a time)")
+    _kernel_wrap = wrap
+    clear_cache()
+    try:
+        yield
+    finally:
+        _kernel_wrap = None
+        clear_cache()
+
+
+def _wrapped(entry: KernelEntry | None) -> KernelEntry | None:
+    if _kernel_wrap is None or entry is None:
+        return entry
+    return dataclasses.replace(entry, fn=_kernel_wrap(entry))
 
 
 def generation() -> int:
@@ -216,9 +244,9 @@ def resolve(op: OpDef, device_type: str, dtype: torch.dtype | None) -> Plan:
         if why:
             declined.append((b.name, why))
         else:
-            cands.append(b.kernels[op.name])
+            cands.append(_wrapped(b.kernels[op.name]))
     ref_backend = get_registry().backends.get(REFERENCE)
-    ref = ref_backend.kernels.get(op.name) if ref_backend is not None else None
+    ref = _wrapped(ref_backend.kernels.get(op.name)) if ref_backend is not None else None
     plan = Plan(op, device_type, dtype, cands, ref, explicit_ref, declined)
     _cache[key] = plan
     return plan
