@@ -114,6 +114,9 @@ model_run = selection.model_run
 # `glm5.use_backend`; they reach the plugin system only through this module.
 use_backend = selection.use_backend
 
+# A run of many op calls (an engine step) reads the dispatch environment once with this.
+frozen_dispatch = selection.frozen_dispatch
+
 
 def __getattr__(name: str) -> Any:
     raise AttributeError(f"glm5.ops has no op {name!r}; known ops: {', '.join(OPS)}")

@@ -152,3 +152,40 @@ def test_calls_that_need_autograd_or_read_values_never_take_the_shortcut(monkeyp
         for _ in range(3):
             ops.sparse_attention(**good)
     assert len(slow) == 3  # its index range is read on every call (CPU), so no shortcut
+
+
+def test_frozen_dispatch_reads_the_environment_once(monkeypatch):
+    from glm5.backends import selection
+
+    monkeypatch.setenv("GLM5_BACKEND", "reference")
+    monkeypatch.delenv("GLM5_STRICT", raising=False)
+    with ops.frozen_dispatch():
+        monkeypatch.setenv("GLM5_BACKEND", "cpu")
+        monkeypatch.setenv("GLM5_STRICT", "1")
+        assert selection.dispatch_state()[0] == ("reference",)  # as on entry
+        assert opdef.strict_mode() is False
+        with glm5.use_backend("cpu"):  # a context variable, not the environment: it applies
+            assert selection.dispatch_state()[0] == ("cpu",)
+        assert selection.dispatch_state()[0] == ("reference",)
+    assert selection.dispatch_state()[0] == ("cpu",)  # read again after the scope
+    assert opdef.strict_mode() is True
+
+
+def test_frozen_dispatch_does_not_reuse_a_kernel_across_backends():
+    from glm5.backends import selection
+
+    x, w = torch.randn(2, 16), torch.randn(16)
+    served: list[str] = []
+
+    def wrap(entry):
+        def fn(*args):
+            served.append(entry.backend.name)
+            return entry.fn(*args)
+        return fn
+
+    with selection.wrapped_kernels(wrap), ops.frozen_dispatch():
+        for name in ("reference", "cpu", "reference"):
+            with glm5.use_backend(name):
+                ops.rms_norm(x, w, 1e-5)
+                ops.rms_norm(x, w, 1e-5)  # the second call of a signature: the fast path
+    assert served == ["reference"] * 2 + ["cpu"] * 2 + ["reference"] * 2

@@ -30,7 +30,7 @@ from glm5.backends.api import (
 from glm5.backends.policy import get_policy
 from glm5.backends.registry import get_registry, on_change
 from glm5.ir.catalog import get_op
-from glm5.ir.opdef import OpDef
+from glm5.ir.opdef import OpDef, frozen_strict
 
 log = logging.getLogger("glm5")
 
@@ -74,11 +74,7 @@ BACKEND_ENV = "GLM5_BACKEND"
 def current_override() -> tuple[str, ...]:
     """The backend names preferred in this context: `use_backend`'s, else ``GLM5_BACKEND``'s
     (comma-separated), else ()."""
-    o = _override.get()
-    if o:
-        return o
-    env = os.environ.get(BACKEND_ENV, "").strip()
-    return tuple(n.strip() for n in env.split(",") if n.strip()) if env else ()
+    return _override.get() or _env_override()
 
 
 def check_override() -> tuple[str, ...]:
@@ -172,10 +168,40 @@ def generation() -> int:
     return _generation
 
 
+# `frozen_dispatch`'s reading of the environment: (GLM5_BACKEND's names, GLM5_PLUGINS); None:
+# read on every call.
+_frozen_env: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+    "glm5_frozen_dispatch_env", default=None)
+
+
+def _env_override() -> tuple[str, ...]:
+    frozen = _frozen_env.get()
+    if frozen is not None:
+        return frozen[0]
+    env = os.environ.get(BACKEND_ENV, "").strip()
+    return tuple(n.strip() for n in env.split(",") if n.strip()) if env else ()
+
+
 def dispatch_state() -> tuple:
     """Everything besides the call itself that `resolve` selects by: the backend override and
     the plugin file setting (``GLM5_STRICT`` is part of a call's signature)."""
-    return current_override(), os.environ.get("GLM5_PLUGINS")
+    frozen = _frozen_env.get()
+    return current_override(), (os.environ.get("GLM5_PLUGINS") if frozen is None
+                                else frozen[1])
+
+
+@contextlib.contextmanager
+def frozen_dispatch() -> Iterator[None]:
+    """Inside, the environment every op call consults — ``GLM5_BACKEND``, ``GLM5_PLUGINS``,
+    ``GLM5_STRICT`` — is read once, on entry: an engine step or a forward makes hundreds of
+    calls and would otherwise read it three times in each. `use_backend` still applies
+    (a context variable, not the environment)."""
+    token = _frozen_env.set((_env_override(), os.environ.get("GLM5_PLUGINS")))
+    try:
+        with frozen_strict():
+            yield
+    finally:
+        _frozen_env.reset(token)
 
 
 def ranked(op: str | None = None, override: tuple[str, ...] | None = None

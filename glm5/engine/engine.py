@@ -373,8 +373,13 @@ class LLMEngine:
             budget.observe(n_decode, sum(len(it.tokens) for it in items if not it.decode),
                            seconds)
 
+    @contextlib.contextmanager
     def _backend(self):
-        return ops.use_backend(self.backend) if self.backend else contextlib.nullcontext()
+        """The engine's backend (if it names one), and the dispatch environment read once for
+        the step (`glm5.ops.frozen_dispatch`)."""
+        with (ops.use_backend(self.backend) if self.backend else contextlib.nullcontext()), \
+                ops.frozen_dispatch():
+            yield
 
     def _run(self, items: list[Item]) -> None:
         """Forward, sample, draft; then commit. Nothing about a request changes unless every

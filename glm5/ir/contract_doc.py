@@ -24,7 +24,7 @@ import torch
 from glm5.ir.catalog import OPS
 from glm5.ir.opdef import OpDef
 from glm5.ir.quant_formats import GROUP, SCHEMES
-from glm5.ir.signature import OutArg, ScalarArg, TensorArg, dtype_name
+from glm5.ir.signature import OutArg, ScalarArg, TensorArg, dtype_name, evaluate
 
 # --------------------------------------------------------------------------- hand-kept facts
 # Shapes an OpDef computes with a function (outputs) or leaves to its `check` (scales): written
@@ -375,16 +375,13 @@ def _env(values: dict[str, Any], syms: dict[str, int]) -> dict[str, Any]:
     return env
 
 
-def _eval(expr: str, env: dict[str, Any]) -> Any:
-    return eval(expr, {"__builtins__": {}}, env)  # noqa: S307 - expressions are ours
-
 
 def select_form(forms: Sequence[tuple[str, Any]], values: dict[str, Any],
                 syms: dict[str, int]) -> Any:
     """The value of the one form whose condition holds for this call (a call's scalar
     arguments and shape symbols are the names). Raises ValueError when none or several hold."""
     env = _env(values, syms)
-    hits = [v for cond, v in forms if not cond or _eval(cond, env)]
+    hits = [v for cond, v in forms if not cond or evaluate(cond, env)]
     if len(hits) != 1:
         raise ValueError(f"{len(hits)} forms hold for this call: {forms}")
     return hits[0]
@@ -394,14 +391,14 @@ def evaluate_shape(forms: Sequence[tuple[str, tuple[str, ...]]], values: dict[st
                    syms: dict[str, int]) -> tuple[Any, ...]:
     """The dims of the shape form that holds for this call, as ints (``...`` kept as is)."""
     env = _env(values, syms)
-    return tuple(d if d == "..." else int(_eval(d, env))
+    return tuple(d if d == "..." else int(evaluate(d, env))
                  for d in select_form(forms, values, syms))
 
 
 def symbol_value(op: OpDef, sym: str, values: dict[str, Any], syms: dict[str, int]) -> int:
     """The value DERIVED_SYMBOLS gives ``sym`` of ``op`` for this call."""
     expr = select_form(DERIVED_SYMBOLS[(op.name, sym)], values, syms)
-    return int(_eval(expr, _env(values, syms)))
+    return int(evaluate(expr, _env(values, syms)))
 
 
 def derived_symbols(op: OpDef, values: dict[str, Any], syms: dict[str, int]) -> dict[str, int]:

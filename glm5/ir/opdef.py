@@ -38,10 +38,29 @@ _as_on_device: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "glm5_checks_as_on_device", default=False)
 
 
+# `frozen_strict`'s reading of GLM5_STRICT (None: read the environment on every call).
+_frozen_strict: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "glm5_frozen_strict", default=None)
+
+
 def strict_mode() -> bool:
     """``GLM5_STRICT`` is set (1/true/yes/on): a broken plugin or a reference fallback raises,
     and argument value checks run on every device."""
+    frozen = _frozen_strict.get()
+    if frozen is not None:
+        return frozen
     return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@contextlib.contextmanager
+def frozen_strict() -> Iterator[None]:
+    """Inside, `strict_mode` answers what ``GLM5_STRICT`` said on entry without reading the
+    environment again (every op call asks it: an engine step makes hundreds of calls)."""
+    token = _frozen_strict.set(strict_mode())
+    try:
+        yield
+    finally:
+        _frozen_strict.reset(token)
 
 
 def has_data(t: torch.Tensor) -> bool:

@@ -10,9 +10,11 @@ was expected.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from types import CodeType
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -116,8 +118,17 @@ def _fmt_shape(shape: Sequence[Any]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def _eval(expr: str, syms: dict[str, int]) -> float:
-    return eval(expr, {"__builtins__": {}}, dict(syms))  # noqa: S307 - expressions are ours
+@functools.lru_cache(maxsize=None)
+def _compiled(expr: str) -> CodeType:
+    return compile(expr, "<glm5 shape expression>", "eval")
+
+
+def evaluate(expr: str, names: Mapping[str, Any]) -> Any:
+    """The value of a contract expression (a dim such as ``"H * D"``, a condition) over
+    ``names`` (shape symbols, scalar arguments); compiled once per expression, since a call's
+    validation evaluates several."""
+    return eval(_compiled(expr), {"__builtins__": {}}, names)  # noqa: S307 - ours
+
 
 
 @dataclass
@@ -271,8 +282,8 @@ def bind_shapes(
             if len(unknown) != 1:
                 continue
             u = unknown[0]
-            f0 = _eval(expr, {**syms, u: 0})
-            a = _eval(expr, {**syms, u: 1}) - f0
+            f0 = evaluate(expr, {**syms, u: 0})
+            a = evaluate(expr, {**syms, u: 1}) - f0
             if a == 0:
                 continue
             x = (n - f0) / a
@@ -292,7 +303,7 @@ def bind_shapes(
                 f"glm5.{op_name}: argument {name!r}: cannot determine {', '.join(unknown)} "
                 f"from the shapes given"
             )
-        want = _eval(expr, syms)
+        want = evaluate(expr, syms)
         if want != n:
             raise OpInputError(
                 f"glm5.{op_name}: argument {name!r} expected shape {_fmt_shape(spec)} where "
@@ -318,7 +329,7 @@ def out_shape(spec: Any, syms: dict[str, int], values: dict[str, Any]) -> tuple[
         return tuple(values[spec[5:]].shape)
     if callable(spec):
         return tuple(spec(syms, values))
-    return tuple(s if isinstance(s, int) else int(_eval(s, syms)) for s in spec)
+    return tuple(s if isinstance(s, int) else int(evaluate(s, syms)) for s in spec)
 
 
 ShapeFn = Callable[[dict[str, int], dict[str, Any]], Sequence[int]]
