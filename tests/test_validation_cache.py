@@ -39,6 +39,7 @@ def _error(fn, *args, **kwargs) -> str:
 def _fresh_caches():
     for op in glm5.ir.catalog.OPS.values():
         op._validated.clear()
+        op._bound.clear()
     yield
 
 
@@ -63,6 +64,17 @@ def test_a_signature_that_read_values_is_not_remembered():
     good = _good("sparse_attention")
     op.validate_cached((), good)
     assert op.signature((), good) not in op._validated
+    # ... only its shape binding is: the op's checks (which read the values) run again
+    assert op.signature((), good) in op._bound
+    calls = []
+    check = op.check
+    object.__setattr__(op, "check", lambda v, s: (calls.append(s), check(v, s)))
+    try:
+        values = op.validate_cached((), good)
+    finally:
+        object.__setattr__(op, "check", check)
+    assert len(calls) == 1 and calls[0] == op.validate((), good)[1]
+    assert values == op.validate((), good)[0]
 
 
 def test_shape_only_signatures_skip_the_checks_and_anything_else_revalidates(monkeypatch):

@@ -158,6 +158,10 @@ class OpDef:
     dispatch_arg: str | None = None
     _param_names: tuple[str, ...] = field(init=False, repr=False)
     _tensor_params: tuple[TensorArg, ...] = field(init=False, repr=False)
+    # Signatures of calls validated with values read: their (shape symbols, normalised scalars)
+    # (`validate_cached`).
+    _bound: dict[tuple, tuple[dict, dict]] = field(init=False, repr=False, compare=False,
+                                                   default_factory=dict)
     # Signatures of calls that passed `validate` without reading any value (`validate_cached`).
     _validated: dict[tuple, None] = field(init=False, repr=False, compare=False,
                                           default_factory=dict)
@@ -224,20 +228,33 @@ class OpDef:
     def validate_cached(self, args: tuple = (), kwargs: dict | None = None) -> dict[str, Any]:
         """`validate` once per signature: a call whose `signature` passed validation before,
         without any value being read, is only bound (its checks depend on nothing the
-        signature does not fix); any other call is validated in full. Checks that read
-        values (index ranges: `value_checks`) therefore run on every call where they run at
-        all. Returns the bound values; raises as `validate` does."""
+        signature does not fix); a call whose signature passed before with values read runs
+        the op's checks again (they read the values) but not the shape binding (`bind_shapes`
+        depends on the signature alone: its symbols and normalised scalars are reused); any
+        other call is validated in full. Checks that read values (index ranges:
+        `value_checks`) therefore run on every call where they run at all. Returns the bound
+        values; raises as `validate` does."""
         if torch.compiler.is_compiling():  # traced: checks run once, at trace time
             return self.validate(args, kwargs)[0]
         key = self.signature(args, kwargs)
-        if key is not None and key in self._validated:
-            return bind_arguments(self.name, self.params, args, kwargs or {})
+        if key is not None:
+            if key in self._validated:
+                return bind_arguments(self.name, self.params, args, kwargs or {})
+            bound = self._bound.get(key)
+            if bound is not None:
+                values = bind_arguments(self.name, self.params, args, kwargs or {})
+                values.update(bound[1])
+                if self.check is not None:
+                    self.check(values, dict(bound[0]))
+                return values
         reads = value_check_count()
-        values, _ = self.validate(args, kwargs)
-        if key is not None and value_check_count() == reads:
-            if len(self._validated) >= VALIDATED_LIMIT:
-                self._validated.clear()
-            self._validated[key] = None
+        values, syms = self.validate(args, kwargs)
+        if key is not None:
+            memo = self._validated if value_check_count() == reads else self._bound
+            if len(memo) >= VALIDATED_LIMIT:
+                memo.clear()
+            memo[key] = None if memo is self._validated else (dict(syms), {
+                p.name: values[p.name] for p in self.params if isinstance(p, ScalarArg)})
         return values
 
     def symbols(self, values: dict[str, Any]) -> dict[str, int]:
