@@ -1,7 +1,10 @@
 """TVM (llvm, host CPU) kernels for `rms_norm`, `layer_norm`, `rope` and `silu_mul` (docs/ops.md,
 normalisation).
 
-Loop-level TensorIR, one work item per row (``T.parallel``), fp32 math in registers:
+Loop-level TensorIR, one work item per row (``T.parallel``), fp32 math in registers. Each
+kernel has a second build with the row loop ``T.serial`` (otherwise the same TIR, so the same
+bits), which calls on fewer than ``SERIAL_MAX[op]`` elements take: there, waking TVM's thread
+pool costs more than the rows' work (`serial`).
 
 * rms_norm: ``x[N, D]`` (leading dims flattened) — sum of squares in ``VL`` fp32 lanes plus a
   scalar tail, one horizontal sum, ``r = 1 / sqrt(mean + eps)``, then ``y = (x · r) · w`` (the
@@ -38,13 +41,18 @@ VL = 16  # fp32 lanes per vector (one AVX-512 / two AVX2 registers)
 DTYPES = (torch.float32, torch.bfloat16)
 _TVM = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 ALIGN = {"float32": 4, "bfloat16": 2}  # bytes of one element (see build_layer_norm)
+# Input elements (rows × row length: x.numel()) below which a call takes the serial build of
+# its kernel (row loop `T.serial`, no thread-pool launch); measured crossovers at 2 threads in
+# docs/performance.md, "cpu backend: serial row kernels for small batches".
+SERIAL_MAX = {"rms_norm": 2**19, "layer_norm": 2**19, "rope": 2**19, "silu_mul": 2**17}
 
 
 # --------------------------------------------------------------------------- builders
-def build_rms_norm(dt: str) -> Any:
+def build_rms_norm(dt: str, serial: bool = False) -> Any:
     from tvm.script import tirx as T
 
     sdt = storage(dt)
+    rows = T.serial if serial else T.parallel  # the row loop (see `serial`)
 
     @T.prim_func
     def rms_norm(x_h: T.handle, w_h: T.handle, y_h: T.handle, eps: T.float32):
@@ -54,7 +62,7 @@ def build_rms_norm(dt: str) -> Any:
         X = T.match_buffer(x_h, (N, D), sdt)
         W = T.match_buffer(w_h, (D,), "float32")
         Y = T.match_buffer(y_h, (N, D), sdt)
-        for n in T.parallel(N):
+        for n in rows(N):
             acc = T.alloc_buffer((VL,), "float32", scope="local")
             tot = T.alloc_buffer((1,), "float32", scope="local")
             for ll in T.vectorized(VL):
@@ -81,10 +89,11 @@ def build_rms_norm(dt: str) -> Any:
     return rms_norm
 
 
-def build_layer_norm(dt: str) -> Any:
+def build_layer_norm(dt: str, serial: bool = False) -> Any:
     from tvm.script import tirx as T
 
     sdt = storage(dt)
+    rows = T.serial if serial else T.parallel  # the row loop (see `serial`)
 
     @T.prim_func
     def layer_norm(x_h: T.handle, w_h: T.handle, b_h: T.handle, y_h: T.handle,
@@ -99,7 +108,7 @@ def build_layer_norm(dt: str) -> Any:
         W = T.match_buffer(w_h, (D,), "float32", align=4)
         B = T.match_buffer(b_h, (D,), "float32", align=4)
         Y = T.match_buffer(y_h, (N, D), sdt, align=ALIGN[dt])
-        for n in T.parallel(N):
+        for n in rows(N):
             acc = T.alloc_buffer((VL,), "float32", scope="local")
             tot = T.alloc_buffer((2,), "float32", scope="local")  # mean, then 1/std
             # pass 1: the mean
@@ -142,10 +151,11 @@ def build_layer_norm(dt: str) -> Any:
     return layer_norm
 
 
-def build_rope(dt: str, interleaved: bool) -> Any:
+def build_rope(dt: str, interleaved: bool, serial: bool = False) -> Any:
     from tvm.script import tirx as T
 
     sdt = storage(dt)
+    rows = T.serial if serial else T.parallel  # the row loop (see `serial`)
 
     if interleaved:
         # C2/S2 [T, R]: cos/sin repeated per lane pair, S2 signed (-sin on even lanes), so
@@ -162,7 +172,7 @@ def build_rope(dt: str, interleaved: bool) -> Any:
             C = T.match_buffer(c_h, (Tn, R), "float32")
             S = T.match_buffer(s_h, (Tn, R), "float32")
             Y = T.match_buffer(y_h, (Tn, H, R), sdt)
-            for p in T.parallel(Tn * H):
+            for p in rows(Tn * H):
                 t = p // H
                 h = p % H
                 # rows whose shifted vectors stay inside the tensor: whole vectors first
@@ -194,7 +204,7 @@ def build_rope(dt: str, interleaved: bool) -> Any:
             C = T.match_buffer(c_h, (Tn, R2), "float32")
             S = T.match_buffer(s_h, (Tn, R2), "float32")
             Y = T.match_buffer(y_h, (Tn, H, R2 * 2), sdt)
-            for p in T.parallel(Tn * H):
+            for p in rows(Tn * H):
                 t = p // H
                 h = p % H
                 for c in range(R2 // VL):
@@ -214,10 +224,11 @@ def build_rope(dt: str, interleaved: bool) -> Any:
     return rope
 
 
-def build_silu_mul(dt: str) -> Any:
+def build_silu_mul(dt: str, serial: bool = False) -> Any:
     from tvm.script import tirx as T
 
     sdt = storage(dt)
+    rows = T.serial if serial else T.parallel  # the row loop (see `serial`)
 
     @T.prim_func
     def silu_mul(x_h: T.handle, y_h: T.handle):
@@ -226,7 +237,7 @@ def build_silu_mul(dt: str) -> Any:
         I = T.int32()
         X = T.match_buffer(x_h, (N, I * 2), sdt)
         Y = T.match_buffer(y_h, (N, I), sdt)
-        for n in T.parallel(N):
+        for n in rows(N):
             for c in range(I // VL):
                 for ll in T.vectorized(VL):
                     Y[n, c * VL + ll] = narrow(
@@ -239,6 +250,13 @@ def build_silu_mul(dt: str) -> Any:
                                  * widen(T, X[n, I + i], dt), dt)
 
     return silu_mul
+
+
+def serial(op: str, work: int) -> bool:
+    """Whether a call of ``op`` on ``work`` input elements (rows × row length) takes the serial
+    build of its kernel: below `SERIAL_MAX`, waking TVM's thread pool costs more than the
+    rows' work. Same TIR but the row loop, so both builds give the same bits."""
+    return work < SERIAL_MAX[op]
 
 
 def _fn(context: Callable[[], Any], op: str, dtype: torch.dtype, build: Callable[[], Any],
@@ -257,7 +275,9 @@ def rms_norm(context: Callable[[], Any], x: torch.Tensor, weight: torch.Tensor,
     x2 = x.reshape(-1, D).contiguous()
     y = torch.empty_like(x2)
     if x2.numel():
-        fn = _fn(context, "rms_norm", x.dtype, lambda: build_rms_norm(_TVM[x.dtype]))
+        s = serial("rms_norm", x2.numel())
+        fn = _fn(context, "rms_norm", x.dtype, lambda: build_rms_norm(_TVM[x.dtype], s),
+                 serial=s)
         fn(bits(x2), weight.to(torch.float32).contiguous(), bits(y), float(eps))
     return y.view(x.shape)
 
@@ -269,7 +289,9 @@ def layer_norm(context: Callable[[], Any], x: torch.Tensor, weight: torch.Tensor
     x2 = x.reshape(-1, D).contiguous()
     y = torch.empty_like(x2)
     if x2.numel():
-        fn = _fn(context, "layer_norm", x.dtype, lambda: build_layer_norm(_TVM[x.dtype]))
+        s = serial("layer_norm", x2.numel())
+        fn = _fn(context, "layer_norm", x.dtype, lambda: build_layer_norm(_TVM[x.dtype], s),
+                 serial=s)
         fn(bits(x2), weight.to(torch.float32).contiguous(), bias.to(torch.float32).contiguous(),
            bits(y), float(eps))
     return y.view(x.shape)
@@ -282,9 +304,10 @@ def rope(context: Callable[[], Any], x: torch.Tensor, cos: torch.Tensor, sin: to
     x3 = x.reshape(T_, -1, R).contiguous() if x.numel() else x.reshape(T_, 0, R)
     y = torch.empty_like(x3)
     if x3.numel():
+        s = serial("rope", x3.numel())
         fn = _fn(context, "rope", x.dtype,
-                 lambda: build_rope(_TVM[x.dtype], bool(interleaved)),
-                 interleaved=bool(interleaved))
+                 lambda: build_rope(_TVM[x.dtype], bool(interleaved), s),
+                 interleaved=bool(interleaved), serial=s)
         c = cos.to(torch.float32).contiguous()
         s = sin.to(torch.float32).contiguous()
         if interleaved:  # per-lane tables, -sin on even lanes (see build_rope)
@@ -301,7 +324,9 @@ def silu_mul(context: Callable[[], Any], x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, 2 * I).contiguous()
     y = torch.empty(x2.shape[0], I, dtype=x.dtype)
     if y.numel():
-        fn = _fn(context, "silu_mul", x.dtype, lambda: build_silu_mul(_TVM[x.dtype]))
+        s = serial("silu_mul", x2.numel())
+        fn = _fn(context, "silu_mul", x.dtype, lambda: build_silu_mul(_TVM[x.dtype], s),
+                 serial=s)
         fn(bits(x2), bits(y))
     return y.view(*x.shape[:-1], I)
 

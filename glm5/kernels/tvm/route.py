@@ -1,7 +1,8 @@
 """TVM (llvm, host CPU) kernel for `moe_route` (docs/ops.md, MoE): the sigmoid router with the
 correction bias, the optional group limit, and the normalised, scaled top-k weights.
 
-One work item per token (``T.parallel``), fp32 throughout, for ``logits[T, E]``, ``bias[E]``:
+One work item per token (``T.parallel``; below ``SERIAL_MAX`` logits a build with the token
+loop ``T.serial``, as `norm.serial`), fp32 throughout, for ``logits[T, E]``, ``bias[E]``:
 
 1. ``s[t, e] = 1 / (1 + exp(−logits[t, e]))`` (libm's expf through llvm, as torch's sigmoid
    computes it), kept in a host-allocated ``s[T, E]`` for the weights;
@@ -27,13 +28,18 @@ import torch
 from glm5.kernels.tvm.tirlib import cached
 
 REV = 1  # bump when the generated code changes (part of the build-cache key)
+# logits elements (tokens × experts) below which a call takes the serial build (norm.SERIAL_MAX;
+# docs/performance.md, "cpu backend: serial row kernels for small batches")
+SERIAL_MAX = 4096
 
 
-def build_route() -> Any:
+def build_route(serial: bool = False) -> Any:
     """``moe_route(logits[T, E], bias[E], s[T, E], gs[T, G], w[T, K], ids[T, K], topk_group,
     norm, scaling)``: ``s`` and ``gs`` are scratch (sigmoid scores, group scores); G = 1 means
     no group limit."""
     from tvm.script import tirx as T
+
+    rows = T.serial if serial else T.parallel  # the token loop (`norm.serial`)
 
     @T.prim_func
     def moe_route(l_h: T.handle, b_h: T.handle, s_h: T.handle, g_h: T.handle, w_h: T.handle,
@@ -51,7 +57,7 @@ def build_route() -> Any:
         GS = T.match_buffer(g_h, (Tn, G), "float32")
         W = T.match_buffer(w_h, (Tn, K), "float32")
         ID = T.match_buffer(i_h, (Tn, K), "int32")
-        for t in T.parallel(Tn):
+        for t in rows(Tn):
             # fv/fi: the key of the last group kept (value, index); pv/pi: the key of the
             # expert the previous pass took; bv/bi: the best key found in the current pass
             # (bi = -1: none yet)
@@ -133,8 +139,10 @@ def moe_route(context: Callable[[], Any], logits: torch.Tensor, bias: torch.Tens
     if T_ == 0 or top_k == 0:
         return w, ids
     ctx = context()
-    fn = cached(ctx, ("moe_route", REV),
-                lambda: ctx.kernel("moe_route", {"rev": REV}, build_route, "moe_route"))
+    ser = T_ * E < SERIAL_MAX
+    fn = cached(ctx, ("moe_route", REV, ser),
+                lambda: ctx.kernel("moe_route", {"rev": REV, "serial": ser},
+                                   lambda: build_route(ser), "moe_route"))
     s = torch.empty(T_, E, dtype=torch.float32)
     gs = torch.empty(T_, max(n_group, 1), dtype=torch.float32)
     fn(logits.contiguous(), bias.contiguous(), s, gs, w, ids, int(topk_group),
