@@ -146,3 +146,19 @@ def test_scheduler_obeys_the_allowance_and_tokens_do_not_change(model):
     assert got == ref
     assert max(fixed) == 64  # without a budget: chunk_size per request and step
     assert max(seen) == 8 and seen.count(8) >= 2 * 96 // 8 - 2
+
+
+def test_the_floor_keeps_a_prompt_efficient_when_its_fixed_cost_alone_breaks_the_bound():
+    """A step that carries any prefill pays 60 ms (the indexer over a long context, the MoE
+    over more rows) against a 30 ms decode step and a 2.5x bound: no allowance meets the bound.
+    The allowance must not collapse to min_tokens (the prompt would then pay the fixed cost
+    every 16 tokens): it settles near F / c = 120 tokens, where the tokens' own time equals the
+    fixed part."""
+    d, fixed, per_token = 0.030, 0.060, 5e-4
+    b = PrefillBudget(2.5, 16, 8192)
+    steps, sizes = simulate(b, 8192, d, fixed=fixed, per_token=per_token, per_token_ctx=0.0,
+                            noise=0.03, seed=0)
+    settled = sizes[10:-1]
+    assert min(settled) >= 0.7 * fixed / per_token, settled
+    F, c = b.fit()
+    assert F == pytest.approx(fixed, rel=0.3) and c == pytest.approx(per_token, rel=0.3)

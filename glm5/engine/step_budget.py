@@ -13,6 +13,15 @@ token budgets of vLLM's and SGLang's chunked prefill but in seconds rather than 
   (t - d)`` (the prefill share of the step scaled to the share allowed), clamped to at most
   twice / at least half the previous allowance (one noisy step moves it by 2x at most) and to
   [``min_tokens``, ``max_tokens``];
+- a floor keeps the prompt's own progress efficient: the prefill share of the last ``window``
+  mixed steps is fitted as ``extra = F + c * n`` (least squares: ``F`` the fixed cost a step
+  pays for carrying any prefill at this context — the indexer and the MoE over more rows — and
+  ``c`` the cost of a token); the allowance is never below ``F / c``, where the tokens' own
+  time equals the fixed part. Without the floor, a context whose fixed cost alone exceeds the
+  bound drives the allowance to ``min_tokens`` and the prompt's time to first token to many
+  times its unchunked value; with it, the decodes' bound yields there (the trade is the
+  engine's ``max_decode_slowdown``). Stuck over the bound with every recent step the same
+  size, one step of twice the tokens is tried, so the fit has two points;
 - without running decodes (or before a decode-only step was seen) there is no allowance: the
   scheduler's fixed chunk size applies, so a lone prompt prefills at full speed.
 
@@ -50,7 +59,9 @@ class PrefillBudget:
         self.max_slowdown, self.min_tokens, self.max_tokens = (float(max_slowdown), min_tokens,
                                                                max_tokens)
         self._decode_s: deque[float] = deque(maxlen=window)
+        self._mixed: deque[tuple[int, float]] = deque(maxlen=window)  # (n_prefill, extra s)
         self._allow = min_tokens  # the allowance after the last mixed step
+        self._fit: tuple[float, float] | None = None  # the last valid fit (see `fit`)
 
     def decode_seconds(self) -> float | None:
         """``d``: the median of the recent decode-only steps (None before the first)."""
@@ -81,4 +92,37 @@ class PrefillBudget:
         lo, hi = max(self.min_tokens, n_prefill // 2), max(self.min_tokens, 2 * n_prefill)
         if n_prefill < self._allow:  # the prompt's last chunk: not a measure of the bound
             hi = max(hi, self._allow)
+        self._mixed.append((n_prefill, extra))
+        floor = self.floor()
+        if floor is not None:
+            want = max(want, floor)
+        elif want < lo and n_prefill == self._allow and len(self._mixed) >= 2 and all(
+                n == n_prefill for n, _ in self._mixed):
+            # Over the bound at the lower clamp with every recent step the same size: nothing
+            # tells the fixed cost from the tokens'. One step of twice the tokens gives the
+            # fit its second point.
+            want = lo = 2 * n_prefill
         self._allow = int(min(self.max_tokens, max(lo, min(hi, want))))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(F, c): the fixed and per-token seconds of the prefill share of the recent mixed
+        steps (least squares over ``window`` of them) when their token counts span a factor
+        of 2 and the fit is physical (c > 0); else the last such fit (the context, and with it
+        F and c, drifts slowly); None before the first."""
+        if len(self._mixed) < 3:
+            return self._fit
+        ns = [float(n) for n, _ in self._mixed]
+        es = [e for _, e in self._mixed]
+        if max(ns) < 2 * min(ns):  # token counts too alike to separate F from c in the noise
+            return self._fit
+        mn, me = sum(ns) / len(ns), sum(es) / len(es)
+        var = sum((n - mn) ** 2 for n in ns)
+        c = sum((n - mn) * (e - me) for n, e in zip(ns, es)) / var
+        if c > 0:
+            self._fit = (max(me - c * mn, 0.0), c)
+        return self._fit
+
+    def floor(self) -> float | None:
+        """The efficiency floor ``F / c`` of the allowance (None without a fit)."""
+        f = self.fit()
+        return None if f is None else f[0] / f[1]
