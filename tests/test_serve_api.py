@@ -676,6 +676,11 @@ def test_cli_serve_errors_are_one_line(tmp_path, capsys):
     assert err.startswith("glm5 serve: ") and "--chunk-size" in err and err.count("\n") == 1
     assert main(["serve", str(tmp_path), "--port", "70000"]) == 2
     assert "--port" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--max-decode-slowdown", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-decode-slowdown" in err and "finite number > 1" in err
+    assert main(["serve", str(tmp_path), "--max-decode-slowdown", "fast"]) == 2
+    assert "expected a number > 1 or 'off'" in capsys.readouterr().err
 
 
 def test_cli_serve_port_in_use_is_one_line(model_and_tok, tmp_path, capsys):
@@ -751,3 +756,15 @@ def test_the_serve_socket_accepts_connections_before_uvicorn_runs():
             assert c.getpeername()[:2] == addr  # connected (waiting in the backlog)
     finally:
         sock.close()
+
+
+def test_cli_serve_max_decode_slowdown_off_means_no_budget():
+    import argparse
+
+    from glm5.cli.serve import ENGINE_OPTIONS, _given, _slowdown
+
+    ns = argparse.Namespace(**{k: None for k in ENGINE_OPTIONS})
+    ns.max_decode_slowdown = _slowdown("off")
+    assert _given(ns, ENGINE_OPTIONS) == {"max_decode_slowdown": None}
+    ns.max_decode_slowdown = _slowdown("3")
+    assert _given(ns, ENGINE_OPTIONS) == {"max_decode_slowdown": 3.0}

@@ -13,7 +13,8 @@ from glm5.cli.errors import CommandError, UsageError
 # EngineConfig fields set by the options of the same name
 ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size",
                   "num_pages", "max_model_len", "num_speculative_tokens",
-                  "long_prompt_tokens", "long_prompt_qps")
+                  "long_prompt_tokens", "long_prompt_qps", "max_decode_slowdown",
+                  "min_prefill_tokens")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # The client-limit flags: (ServeLimits field, type, help); defaults in the help are
@@ -62,6 +63,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     sv.add_argument("--max-num-seqs", type=int, help="sequences in the running batch (256)")
     sv.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (8192)")
     sv.add_argument("--chunk-size", type=int, help="prefill tokens per request and step (512)")
+    sv.add_argument("--max-decode-slowdown", type=_slowdown, metavar="X|off",
+                    help="while decodes run, a step carrying prefill takes at most X times a "
+                         "decode-only step (measured; 2.5); off: --chunk-size alone")
+    sv.add_argument("--min-prefill-tokens", type=int,
+                    help="the smallest prefill allowance of a step while decodes run (16)")
     sv.add_argument("--page-size", type=int, help="tokens per cache page (64)")
     sv.add_argument("--num-pages", type=int, help="cache pages (default: as many as 2 GiB hold)")
     sv.add_argument("--max-model-len", type=int,
@@ -86,8 +92,21 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return sv
 
 
+def _slowdown(text: str) -> float | str:
+    """``--max-decode-slowdown``: a number (EngineConfig checks it is > 1) or ``off``."""
+    if text.strip().lower() == "off":
+        return "off"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 1 or 'off', got {text!r}")
+
+
 def _given(args: argparse.Namespace, names) -> dict:
-    return {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    got = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    if got.get("max_decode_slowdown") == "off":
+        got["max_decode_slowdown"] = None
+    return got
 
 
 def run(args: argparse.Namespace) -> int:
