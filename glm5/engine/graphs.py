@@ -23,12 +23,15 @@ logits — is captured once per (bucket, path) and replayed:
 
 `torch.cuda.CUDAGraph` is used by `CudaGraphCapture` alone; `EagerCapture` stands in for it on
 a CPU (capture = run once, replay = run again into the same output tensors), so the bucket,
-padding and static-buffer logic is tested without a GPU.
+padding and static-buffer logic is tested without a GPU. `CompileCapture` (torch.compile,
+inductor) is a measured CPU experiment, slower than eager and not used by the engine (its
+docstring says why; bench/compile_decode.py measures it).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
@@ -96,6 +99,60 @@ class EagerCapture:
         def replay() -> Outputs:
             self.replays += 1
             for dst, src in zip(out, fn()):
+                dst.copy_(src)
+            return out
+
+        return replay
+
+
+class CompileCapture:
+    """A CPU experiment: "capture" = `torch.compile` ``fn`` (a forward over static buffers,
+    no arguments: the buffers and pools are closure/attribute reads dynamo guards on) and run it
+    once (dynamo traces, inductor compiles; the seconds go to ``compile_seconds``); replay runs
+    the compiled function and returns its new outputs (logits [Bb, V] fp32, normed hidden
+    [Bb, D]). Returning fresh tensors is correct for `DecodeGraphs.run`, which only slices what
+    a replay returns and whose caller reads the slices before the next step; with
+    ``copy_out=True`` they are copied into the first run's tensors instead, as `EagerCapture`
+    and a CUDA graph do.
+
+    ``backend`` / ``mode`` / ``fullgraph`` / ``options`` go to `torch.compile` as given;
+    ``dynamic`` is False (the buffers have one shape per bucket).
+
+    Not wired into `EngineConfig`: on the CPU (``small`` preset, one thread,
+    bench/compile_decode.py) a compiled decode step is slower than eager, ~1.9-3.4x at one
+    sequence and ~1.3x at eight, because the op validation that runs in full under tracing
+    (glm5/ir: shape expressions via ``eval``, a ContextVar read, ``.item()`` / ``.tolist()``
+    value checks, ``torch.unique`` in mla_prolog's slot check) splits a step into ~34 (dense)
+    to ~46 (sparse) graphs, each with guards and a Python resume between them. It also needs
+    mla_prolog's decomposition to return a contiguous ``q_main`` (its fake says contiguous;
+    inductor asserts strides and every capture fails otherwise; the bench patches it)."""
+
+    def __init__(self, backend: str = "inductor", mode: str | None = None,
+                 fullgraph: bool = False, options: dict[str, Any] | None = None,
+                 copy_out: bool = False) -> None:
+        if mode is not None and options is not None:
+            raise ValueError("glm5 CompileCapture: arguments 'mode' and 'options' expected at "
+                             "most one of them set (torch.compile takes one), got both")
+        self.backend, self.mode, self.fullgraph = backend, mode, fullgraph
+        self.options, self.copy_out = options, copy_out
+        self.compile_seconds: list[float] = []
+        self.captures = 0
+        self.replays = 0
+
+    def __call__(self, fn: Callable[[], Outputs]) -> Callable[[], Outputs]:
+        compiled = torch.compile(fn, backend=self.backend, mode=self.mode,
+                                 fullgraph=self.fullgraph, dynamic=False, options=self.options)
+        t0 = time.perf_counter()
+        out = compiled()
+        self.compile_seconds.append(time.perf_counter() - t0)
+        self.captures += 1
+
+        def replay() -> Outputs:
+            self.replays += 1
+            new = compiled()
+            if not self.copy_out:
+                return new
+            for dst, src in zip(out, new):
                 dst.copy_(src)
             return out
 
