@@ -292,3 +292,19 @@ def test_serial_route_bit_identical(ctx, monkeypatch):
             assert torch.equal(wd, wp) and torch.equal(idd, idp), (T_, n_group)
     serial_keys = {b["key"].get("serial") for b in ctx.builds if b["op"] == "moe_route"}
     assert serial_keys == {True, False}
+
+
+def test_rope_lane_tables_follow_the_tables_they_came_from(backend):
+    """The interleaved rope keeps the last cos / sin's lane tables: reused for the same
+    tensors, rebuilt when either is modified in place or another tensor is passed."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 2, 8, generator=g)
+    cos, sin = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+    fn = backend.kernels["rope"].fn
+    ref = glm5.get_op("rope").reference
+    torch.testing.assert_close(fn(x, cos, sin, True), ref(x, cos, sin, True))
+    torch.testing.assert_close(fn(x, cos, sin, True), ref(x, cos, sin, True))  # reused
+    cos.mul_(-0.5)  # in place: the kept tables are stale
+    torch.testing.assert_close(fn(x, cos, sin, True), ref(x, cos, sin, True))
+    other = sin.clone().add_(1.0)
+    torch.testing.assert_close(fn(x, cos, other, True), ref(x, cos, other, True))

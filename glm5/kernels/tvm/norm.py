@@ -30,6 +30,7 @@ AVX2 registers on an AVX2-only host (the llvm target TVM detects at run time).
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import torch
@@ -308,14 +309,29 @@ def rope(context: Callable[[], Any], x: torch.Tensor, cos: torch.Tensor, sin: to
         fn = _fn(context, "rope", x.dtype,
                  lambda: build_rope(_TVM[x.dtype], bool(interleaved), s),
                  interleaved=bool(interleaved), serial=s)
-        c = cos.to(torch.float32).contiguous()
-        s = sin.to(torch.float32).contiguous()
-        if interleaved:  # per-lane tables, -sin on even lanes (see build_rope)
-            c = c.repeat_interleave(2, dim=-1)
-            s = s.repeat_interleave(2, dim=-1)
-            s[..., 0::2].neg_()
+        c, s = _lane_tables(cos, sin) if interleaved else (
+            cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous())
         fn(bits(x3), c, s, bits(y))
     return y.view(x.shape)
+
+
+_tables = threading.local()
+
+
+def _lane_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The interleaved kernel's per-lane tables [T, R] fp32 (see build_rope): cos repeated per
+    lane pair, sin likewise with -sin on even lanes. A forward passes the same cos / sin to
+    every layer's ropes (a dozen calls a decode step), so the last pair's tables are kept
+    (per thread) and reused while both tensors are the same objects, unmodified."""
+    key = (cos._version, sin._version)
+    last = getattr(_tables, "last", None)
+    if last is not None and last[0] is cos and last[1] is sin and last[2] == key:
+        return last[3], last[4]
+    c = cos.to(torch.float32).repeat_interleave(2, dim=-1)
+    s = sin.to(torch.float32).repeat_interleave(2, dim=-1)
+    s[..., 0::2].neg_()
+    _tables.last = (cos, sin, key, c, s)
+    return c, s
 
 
 def silu_mul(context: Callable[[], Any], x: torch.Tensor) -> torch.Tensor:
