@@ -14,7 +14,7 @@ previous full layer's selection.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -57,16 +57,25 @@ class Pages:
     seq: torch.Tensor  # [N] int32: the block_table row of each query
     k_len: torch.Tensor  # [N] int32: query n sees logical keys 0 .. k_len[n] - 1 (causal)
     page_size: int
+    # all_slots by width: every layer of a dense step asks for the same selection
+    _all_slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False,
+                                                compare=False)
 
     def rows(self, a: int, b: int) -> "Pages":
         return Pages(self.block_table, self.seq[a:b], self.k_len[a:b], self.page_size)
 
     def all_slots(self, width: int) -> torch.Tensor:
         """[N, width] int32 physical rows of logical keys 0 .. width - 1 of each query, -1 past
-        k_len: the selection when every query attends to all its keys (context <= top-k)."""
-        j = torch.arange(width, device=self.seq.device)
-        rows = pool_rows(self.block_table, self.seq[:, None], j, self.page_size)
-        return torch.where(j[None, :] < self.k_len[:, None], rows, -1).to(torch.int32)
+        k_len: the selection when every query attends to all its keys (context <= top-k).
+        Computed once per width for this layout (the layers of a step share it; nothing
+        writes the tables during a forward)."""
+        got = self._all_slots.get(width)
+        if got is None:
+            j = torch.arange(width, device=self.seq.device)
+            rows = pool_rows(self.block_table, self.seq[:, None], j, self.page_size)
+            got = self._all_slots[width] = torch.where(j[None, :] < self.k_len[:, None], rows,
+                                                       -1).to(torch.int32)
+        return got
 
 
 @dataclass
