@@ -14,24 +14,43 @@ compiles; then ``--reps`` rounds interleave the modes, and the table gives the m
 step (ms) over every counted step of those rounds, split by path. Greedy tokens of every mode
 are compared with eager's.
 
-Results (2-core shared CPU, 1 thread, small preset, max_model_len 1024, medians, ms per
-decode step; commit 582684b; compile s from the first, cold run at e682070 (inductor's disk
-cache empty); with the cache warm the rerun took 14.1 + 4.8 and 5.4 + 2.3 s):
+Results after glm5.ops skips its Python validation while dynamo traces (the fake kernel checks
+shapes at trace time, the real kernel validates at run time) and mla_prolog's decomposition
+returns contiguous outputs (the bench's runtime patch is gone): `--explain`: 1 graph, 0 breaks
+per step (dense 198 ops, sparse 218 ops, c=1 and c=8). Timing (2-core shared CPU, 1 thread,
+small preset, max_model_len 1024, medians, ms per decode step; two runs back to back, same
+code, to show the noise; compile s warm-up of the first run (inductor cache cold for the new
+graphs) / second run):
+
+      c  eager        EagerCapture  CompileCapture   compile s per (bucket, path)
+      1  17.6 / 14.3  17.4 / 14.4   16.9 / 16.1      13.4 + 8.8 / 3.8 + 1.5
+      8  29.9 / 34.1  29.6 / 32.8   30.7 / 33.5      10.5 + 10.3 / 1.9 + 2.1
+
+Compiled is now at par with eager (within this machine's run-to-run noise of ~20%), no longer
+~2x slower at c=1; not faster by a margin that survives the noise, so it stays out of the
+engine path. (Likely why no gain: every glm5 op stays an opaque custom-op node that goes
+through the torch.library dispatcher and `validate_cached` per call at run time, overhead the
+eager path skips; inductor fuses only the glue between them.) Greedy tokens identical in every
+mode.
+
+Before (commit 582684b, with the runtime contiguous-q_main patch; compile s from the first,
+cold run at e682070 (inductor's disk cache empty); with the cache warm the rerun took 14.1 +
+4.8 and 5.4 + 2.3 s):
 
       c  eager  EagerCapture  CompileCapture   compile s per (bucket, path)
       1  13.9   13.8          26.4             27.8 dense + 14.9 sparse
       8  31.5   31.7          41.0             22.7 dense +  9.1 sparse
 
 (an earlier run at e682070, before the ops' dispatch changes: c=1 17.2 / 18.9 / 58.3, c=8
-30.4 / 30.1 / 38.3). Greedy tokens identical in every mode. `--explain`: 34 graphs (33
+30.4 / 30.1 / 38.3). Greedy tokens identical in every mode. `--explain` then: 34 graphs (33
 breaks) per dense step, 46 (45) per sparse step, all in the op validation of glm5/ir (shape
 expressions evaluated with eval; the GLM5_STRICT ContextVar read; .item() / .tolist() value
-checks; torch.unique in mla_prolog's slot check: a dynamic shape). Not faster: CompileCapture
-stays out of the engine path. The fixed range bound (dense: index_topk keys, sparse: the
-indexer over all max_model_len keys) did not show on this model: at --max-model-len 4096 the
-EagerCapture sparse step was 18.4 ms vs eager 18.7 (c=1) and 36.0 vs 34.6 (c=8), 7 steps
-each, one round (noisy); the scoring work grows with max_model_len, so recheck on a larger
-model or longer context before a CPU capture path relies on it.
+checks; torch.unique in mla_prolog's slot check: a dynamic shape). The fixed range bound
+(dense: index_topk keys, sparse: the indexer over all max_model_len keys) did not show on this
+model: at --max-model-len 4096 the EagerCapture sparse step was 18.4 ms vs eager 18.7 (c=1)
+and 36.0 vs 34.6 (c=8), 7 steps each, one round (noisy); the scoring work grows with
+max_model_len, so recheck on a larger model or longer context before a CPU capture path
+relies on it.
 """
 
 from __future__ import annotations
@@ -127,24 +146,6 @@ def explain(model, args) -> None:
                 print(f"  break: {br.reason.splitlines()[0][:160]}  @ {loc}")
 
 
-def contiguous_prolog() -> None:
-    """Work around a glm5 bug for the compiled mode (applied to every mode alike): on the CPU
-    `mla_prolog` runs its decomposition (glm5/ir/ops_mla.py mla_prolog_decompose), whose
-    absorbed ``q_main`` is an einsum result with strides [N, H, R] = (R, N * R, 1), while the
-    op's fake (`OpDef.meta`) says contiguous; inductor asserts the strides and every capture
-    fails ("expected size 2==2, stride 32==128 at dim=0"). The reference makes it contiguous;
-    this makes the decomposition do so too (a [N, H, R] copy per layer)."""
-    from glm5.ir.ops_mla import MLA_PROLOG
-
-    dec = MLA_PROLOG.decompose
-
-    def decompose(*a):
-        q_main, q_pe, c_q = dec(*a)
-        return q_main.contiguous(), q_pe, c_q
-
-    MLA_PROLOG.decompose = decompose
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small")
@@ -159,14 +160,10 @@ def main() -> None:
                     help="torch.compile mode (default None; e.g. max-autotune-no-cudagraphs)")
     ap.add_argument("--fullgraph", action="store_true")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--no-prolog-fix", action="store_true",
-                    help="leave mla_prolog's non-contiguous q_main (compiled captures fail)")
     ap.add_argument("--explain", action="store_true", help="print graph breaks and exit")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    if not args.no_prolog_fix:
-        contiguous_prolog()
     cfg = preset(args.preset)
     model = build_model(cfg, torch.float32, "cpu", 0)
     if args.explain:

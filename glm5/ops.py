@@ -5,7 +5,9 @@ expected) — in full the first time a signature is seen, afterwards only the ch
 values (`OpDef.validate_cached`; an eager call whose signature a kernel already served goes
 straight to that kernel) — then
 - under tracing (`torch.compile`, `torch.export`, fake tensors) calls `torch.ops.glm5.<name>`
-  so the graph holds one node per op;
+  so the graph holds one node per op; while dynamo traces (`torch.compile`) the Python
+  validation is skipped (it would break the graph): the op's fake kernel checks the shapes at
+  trace time and its real kernel validates every call at run time;
 - when autograd needs the op, calls `torch.ops.glm5.<name>` (backward = that of the kernel
   that served the forward where it registered one, else the vjp of the reference); a mutating
   composite (`mla_prolog`) runs its decomposition instead, whose parts are differentiable;
@@ -32,8 +34,6 @@ _torch_ops = library.bind_all(lambda op, values: selection.call(op, values, _NS)
 
 
 def _tracing(values: dict[str, Any], op: OpDef) -> bool:
-    if torch.compiler.is_compiling():
-        return True
     for p in op.tensor_params:
         v = values.get(p.name)
         if isinstance(v, torch.Tensor):
@@ -56,8 +56,20 @@ def _make(op: OpDef) -> Callable[..., Any]:
     served: dict[tuple, tuple[int, Any]] = {}
 
     def fn(*args: Any, **kwargs: Any) -> Any:
-        key = None if torch.compiler.is_compiling() or api.recording() else \
-            op.signature(args, kwargs)
+        if torch.compiler.is_compiling():
+            # Dynamo traces this: no Python validation here (its evals, ContextVar reads,
+            # .item() / .tolist() value checks and torch.unique each broke the graph, 33-45
+            # breaks per decode step; bench/compile_decode.py). Bad input still gets its
+            # error: the fake kernel (`op.meta`, run by the dispatcher on fake tensors, not
+            # traced by dynamo) binds the shapes (`bind_shapes`) at trace time, and the real
+            # kernel behind `torch.ops.glm5.<name>` (glm5/ir/library.py `_impl`) runs
+            # `validate_cached` on every call at run time (value checks included).
+            # tests/test_validation_cache.py checks both.
+            if kwargs or len(args) != len(names):
+                values = op.bind(args, kwargs)  # plain dict work: traceable
+                return torch_op(*(values[n] for n in names))
+            return torch_op(*args)
+        key = None if api.recording() else op.signature(args, kwargs)
         if key is not None:
             key = (key, selection.dispatch_state())
             hit = served.get(key)

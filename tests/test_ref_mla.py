@@ -176,6 +176,22 @@ def test_ops_decomposition_matches_reference_float64(absorb):
     assert_matches("mla_prolog", out3, _vals(a3, absorb), before=before, dtype=F64)
 
 
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("absorb", [True, False])
+def test_decomposition_outputs_have_the_strides_of_meta(absorb, dtype):
+    # torch.compile (inductor) asserts each output's strides against the fake (`OpDef.meta`):
+    # the absorbed einsum once returned q_main [T, H, R] with strides (R, T * R, 1).
+    op = glm5.get_op("mla_prolog")
+    a = _inputs(seed=8, dtype=dtype)
+    outs = op.decompose(glm5.ops, *_args(a, absorb))
+    metas = op.meta(*_args(_inputs(seed=8, dtype=dtype), absorb))
+    ref = op.reference(*_args(_inputs(seed=8, dtype=dtype), absorb))
+    for name, o, m, r in zip(("q_main", "q_pe", "c_q"), outs, metas, ref):
+        assert (o.shape, o.stride()) == (m.shape, m.stride()), \
+            f"mla_prolog_decompose: output {name} has strides {o.stride()}, meta {m.stride()}"
+        assert r.stride() == m.stride(), f"mla_prolog reference: output {name}"
+
+
 def test_bf16_shapes_and_dtypes():
     a = _inputs(seed=5, dtype=torch.bfloat16)
     snap = _snapshot(a)

@@ -201,3 +201,48 @@ def test_frozen_dispatch_does_not_reuse_a_kernel_across_backends():
                 ops.rms_norm(x, w, 1e-5)
                 ops.rms_norm(x, w, 1e-5)  # the second call of a signature: the fast path
     assert served == ["reference"] * 2 + ["cpu"] * 2 + ["reference"] * 2
+
+
+@pytest.mark.parametrize("name,arg,bad", VALUE_CHECKED[:1], ids=[VALUE_CHECKED[0][0]])
+def test_compiled_calls_skip_python_validation_but_bad_input_still_gets_its_error(name, arg, bad):
+    # Under dynamo `glm5.ops.<name>` goes straight to `torch.ops.glm5.<name>` (no graph
+    # breaks): the fake kernel checks shapes at trace time, the real kernel validates values
+    # at run time (glm5/ir/library.py `_impl`), with the eager message.
+    op = glm5.get_op(name)
+    good = _good(name)
+    f = getattr(ops, name)
+
+    def call(kw):
+        return f(**kw)
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            ex = torch._dynamo.explain(call)(good)
+            assert ex.graph_break_count == 0, [b.reason for b in ex.break_reasons]
+            torch._dynamo.reset()
+            compiled = torch.compile(call, backend="eager")
+            want = f(**good)
+            got = compiled(good)
+            for w, g in zip(want if isinstance(want, tuple) else (want,),
+                            got if isinstance(got, tuple) else (got,)):
+                torch.testing.assert_close(g, w)
+            # a bad index value, same shapes (no retrace): the run-time check, same message
+            wrong = {**good, arg: bad(good)}
+            expected = _error(f, **wrong)
+            assert arg in expected
+            assert _error(compiled, wrong) == expected
+            # a bad shape (a retrace): the fake kernel's check, naming the op and argument
+            q = good["q"]
+            short = {**good, "q": q[..., :-1]}
+            eager_msg = _error(f, **short)
+            with pytest.raises(Exception) as e:
+                compiled(short)
+            msg = str(e.value)
+            # (q's last dim binds Dqk, so k is the one named; on the retrace q is dynamic:
+            # Dqk=s.., hence the comparison up to the shape)
+            head = f"glm5.{name}: argument 'k' expected shape [S, Hk, Dqk]"
+            assert eager_msg.startswith(head), eager_msg
+            assert head in msg, msg
+    finally:
+        torch._dynamo.reset()

@@ -59,7 +59,10 @@ def mla_prolog_decompose(ops, x, w_qa, g_qa, w_qb, w_kva, g_kva, w_uk, cos, sin,
     k_pe = ops.rope(kv[:, Rkv:], cos, sin, True)
     with torch.no_grad():
         _write_cache(kv_cache, slots, torch.cat((ckv, k_pe), dim=-1).detach())
-    return q_main, q_pe, c_q
+    # Contiguous outputs, as the contract, the reference and the fake (`OpDef.meta`) have it:
+    # the absorbed einsum's q_main comes out [T, H, R] with strides (R, T * R, 1), which
+    # inductor rejects against the fake's strides. (.contiguous() is a no-op when already so.)
+    return q_main.contiguous(), q_pe.contiguous(), c_q.contiguous()
 
 
 def mla_prolog_error(o, r, work):
