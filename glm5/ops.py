@@ -29,8 +29,69 @@ from glm5.ir.opdef import VALIDATED_LIMIT, OpDef, has_data
 
 # This module is the namespace composite ops decompose over (``OpDef.decompose(ops, ...)``).
 _NS = sys.modules[__name__]
-_torch_ops = library.bind_all(lambda op, values: selection.call(op, values, _NS),
-                              backward_for=selection.backward_for)
+
+
+class _Served:
+    """An op's kernels by call signature: (signature, dispatch state) -> (plan generation,
+    kernel entry) of eager calls that a kernel served natively after a validation that read
+    no value. A later call with the same key, while the plans are of the same generation and
+    the entry still accepts the arguments, goes straight to that kernel: no validation, no
+    selection. Used by `glm5.ops.<name>` and by the `torch.ops.glm5.<name>` binding."""
+
+    def __init__(self, op: OpDef) -> None:
+        self.op, self.names = op, op.param_names
+        self.table: dict[tuple, tuple[int, Any]] = {}
+
+    def key(self, args: tuple, kwargs: dict | None = None) -> tuple | None:
+        if api.recording():
+            return None
+        sig = self.op.signature(args, kwargs)
+        return None if sig is None else (sig, selection.dispatch_state())
+
+    def run(self, key: tuple | None, args: tuple, kwargs: dict | None = None) -> Any:
+        """The kernel's output for a served ``key``, else library.MISS."""
+        if key is None:
+            return library.MISS
+        hit = self.table.get(key)
+        if hit is None or hit[0] != selection.generation():
+            return library.MISS
+        a = args if not kwargs and len(args) == len(self.names) else \
+            tuple(self.op.bind(args, kwargs)[n] for n in self.names)
+        return hit[1].fn(*a) if hit[1].accepts(a) else library.MISS
+
+    def remember(self, key: tuple | None, values: dict[str, Any]) -> None:
+        """After a validation: remember the kernel serving ``values`` natively when the
+        validation read no value (`OpDef.validate_cached` cached the signature)."""
+        if key is None or key[0] not in self.op._validated:
+            return
+        entry = selection.serving_entry(self.op, values)
+        if entry is not None:
+            if len(self.table) >= VALIDATED_LIMIT:
+                self.table.clear()
+            self.table[key] = (selection.generation(), entry)
+
+
+# One table per path: the binding's kernel runs below autograd, so a call it served with
+# tensors that require grad must not send an eager `glm5.ops` call (where autograd is needed)
+# straight to the kernel.
+_served = {name: _Served(op) for name, op in OPS.items()}
+_served_binding = {name: _Served(op) for name, op in OPS.items()}
+
+
+def _torch_call(op: OpDef, values: dict[str, Any]) -> Any:
+    """The `torch.ops.glm5` binding's kernel call, after its validation."""
+    served = _served_binding[op.name]
+    served.remember(served.key(tuple(values[n] for n in op.param_names)), values)
+    return selection.call(op, values, _NS)
+
+
+def _torch_fast(op: OpDef, args: tuple) -> Any:
+    served = _served_binding[op.name]
+    return served.run(served.key(args), args)
+
+
+_torch_ops = library.bind_all(_torch_call, backward_for=selection.backward_for,
+                              fast=_torch_fast)
 
 
 def _tracing(values: dict[str, Any], op: OpDef) -> bool:
@@ -50,10 +111,7 @@ def _needs_grad(values: dict[str, Any], op: OpDef) -> bool:
 def _make(op: OpDef) -> Callable[..., Any]:
     torch_op = getattr(torch.ops.glm5, op.name)
     names = op.param_names
-    # (signature, dispatch state) -> (plan generation, kernel entry) of eager calls that a
-    # kernel served natively after a validation that read no value: a later call with the
-    # same key goes straight to that kernel.
-    served: dict[tuple, tuple[int, Any]] = {}
+    served = _served[op.name]
 
     def fn(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
@@ -69,15 +127,10 @@ def _make(op: OpDef) -> Callable[..., Any]:
                 values = op.bind(args, kwargs)  # plain dict work: traceable
                 return torch_op(*(values[n] for n in names))
             return torch_op(*args)
-        key = None if api.recording() else op.signature(args, kwargs)
-        if key is not None:
-            key = (key, selection.dispatch_state())
-            hit = served.get(key)
-            if hit is not None and hit[0] == selection.generation():
-                a = args if len(args) == len(names) else \
-                    tuple(op.bind(args, kwargs)[n] for n in names)
-                if hit[1].accepts(a):
-                    return hit[1].fn(*a)
+        key = served.key(args, kwargs)
+        out = served.run(key, args, kwargs)
+        if out is not library.MISS:
+            return out
         values = op.validate_cached(args, kwargs)
         if _tracing(values, op):
             return torch_op(*(values[n] for n in names))
@@ -85,12 +138,7 @@ def _make(op: OpDef) -> Callable[..., Any]:
             if op.mutates:
                 return op.decompose(_NS, *(values[n] for n in names))
             return torch_op(*(values[n] for n in names))
-        if key is not None and key[0] in op._validated:
-            entry = selection.serving_entry(op, values)
-            if entry is not None:
-                if len(served) >= VALIDATED_LIMIT:
-                    served.clear()
-                served[key] = (selection.generation(), entry)
+        served.remember(key, values)
         return selection.call(op, values, _NS)
 
     fn.__name__ = fn.__qualname__ = op.name

@@ -246,3 +246,30 @@ def test_compiled_calls_skip_python_validation_but_bad_input_still_gets_its_erro
             assert head in msg, msg
     finally:
         torch._dynamo.reset()
+
+
+def test_the_binding_serves_repeated_signatures_without_validation_and_keeps_autograd():
+    """`torch.ops.glm5.<op>` remembers the kernel of a validated signature (no validation, no
+    selection the next time), in a table of its own: its kernel runs below autograd, so an
+    eager `glm5.ops` call that needs autograd must not go straight to the kernel."""
+    from glm5 import ops as ops_mod
+
+    x = torch.randn(3, 16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    y = torch.ops.glm5.rms_norm(x, w, 1e-5)
+    y.sum().backward()
+    served = ops_mod._served_binding["rms_norm"]
+    assert any(k[0] == glm5.get_op("rms_norm").signature((x, w, 1e-5)) for k in served.table)
+    calls = []
+    op = glm5.get_op("rms_norm")
+    validate = op.validate_cached
+    object.__setattr__(op, "validate_cached", lambda *a: (calls.append(1), validate(*a))[1])
+    try:
+        torch.ops.glm5.rms_norm(x, w, 1e-5)  # served: not even the cached validation runs
+    finally:
+        object.__delattr__(op, "validate_cached")
+    assert calls == []
+    out = ops.rms_norm(x, w, 1e-5)  # the same signature, eagerly, with grad enabled
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert x.grad is not None

@@ -19,10 +19,19 @@ NAMESPACE = "glm5"
 _bound: dict[str, Any] = {}
 
 
-def _impl(op: OpDef, call: Callable[[OpDef, dict[str, Any]], Any]) -> Callable[..., Any]:
+# fast(op, args) -> the kernel's output for a call whose signature a kernel already served
+# (glm5.ops: no validation, no selection), or MISS; glm5.ops passes its served-kernel table.
+Fast = Callable[[OpDef, tuple], Any]
+MISS = object()
+
+
+def _impl(op: OpDef, call: Callable[[OpDef, dict[str, Any]], Any],
+          fast: Fast | None = None) -> Callable[..., Any]:
     def impl(*args: Any) -> Any:
-        values = op.validate_cached(args)
-        out = call(op, values)
+        out = MISS if fast is None else fast(op, args)
+        if out is MISS:
+            values = op.validate_cached(args)
+            out = call(op, values)
         # torch.library outputs may not alias inputs.
         if isinstance(out, tuple):
             return tuple(_fresh(o, args) for o in out)
@@ -130,15 +139,17 @@ def _kernel_backward(op: OpDef, ctx: Any, inputs: list, outs: tuple, grads: tupl
 
 
 def bind_all(call: Callable[[OpDef, dict[str, Any]], Any],
-             backward_for: BackwardFor | None = None) -> dict[str, Any]:
+             backward_for: BackwardFor | None = None, fast: Fast | None = None
+             ) -> dict[str, Any]:
     """Define `torch.ops.glm5.<name>` for every op (idempotent). ``backward_for``: the
-    backward of the kernel serving a call (None: always the vjp of the reference)."""
+    backward of the kernel serving a call (None: always the vjp of the reference); ``fast``:
+    tried before validation on every call (see `Fast`)."""
     for op in OPS.values():
         if op.name in _bound:
             continue
         cop = torch.library.custom_op(
             f"{NAMESPACE}::{op.name}",
-            _impl(op, call),
+            _impl(op, call, fast),
             mutates_args=op.mutates,
             schema=op.schema(),
         )
