@@ -273,3 +273,22 @@ def test_the_binding_serves_repeated_signatures_without_validation_and_keeps_aut
     assert out.grad_fn is not None
     out.sum().backward()
     assert x.grad is not None
+
+
+def test_getenv_follows_every_change_made_through_os_environ(monkeypatch):
+    import os
+
+    from glm5.ir.env import getenv
+
+    monkeypatch.delenv("GLM5_TEST_ENV_READ", raising=False)
+    assert getenv("GLM5_TEST_ENV_READ") is None
+    monkeypatch.setenv("GLM5_TEST_ENV_READ", "a,b")
+    assert getenv("GLM5_TEST_ENV_READ") == "a,b"
+    os.environ["GLM5_TEST_ENV_READ"] = "é"  # non-ASCII: decoded as os.environ decodes it
+    assert getenv("GLM5_TEST_ENV_READ") == os.environ["GLM5_TEST_ENV_READ"] == "é"
+    del os.environ["GLM5_TEST_ENV_READ"]
+    assert getenv("GLM5_TEST_ENV_READ") is None
+    monkeypatch.setenv("GLM5_STRICT", "yes")
+    assert opdef.strict_mode() is True
+    monkeypatch.setenv("GLM5_STRICT", "0")
+    assert opdef.strict_mode() is False

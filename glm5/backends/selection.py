@@ -30,6 +30,7 @@ from glm5.backends.api import (
 from glm5.backends.policy import get_policy
 from glm5.backends.registry import get_registry, on_change
 from glm5.ir.catalog import get_op
+from glm5.ir.env import getenv
 from glm5.ir.opdef import OpDef, frozen_strict
 
 log = logging.getLogger("glm5")
@@ -178,7 +179,7 @@ def _env_override() -> tuple[str, ...]:
     frozen = _frozen_env.get()
     if frozen is not None:
         return frozen[0]
-    env = os.environ.get(BACKEND_ENV, "").strip()
+    env = (getenv(BACKEND_ENV) or "").strip()
     return tuple(n.strip() for n in env.split(",") if n.strip()) if env else ()
 
 
@@ -186,8 +187,7 @@ def dispatch_state() -> tuple:
     """Everything besides the call itself that `resolve` selects by: the backend override and
     the plugin file setting (``GLM5_STRICT`` is part of a call's signature)."""
     frozen = _frozen_env.get()
-    return current_override(), (os.environ.get("GLM5_PLUGINS") if frozen is None
-                                else frozen[1])
+    return current_override(), (getenv("GLM5_PLUGINS") if frozen is None else frozen[1])
 
 
 @contextlib.contextmanager
@@ -252,9 +252,8 @@ def preferred_backend(device_type: str) -> Backend | None:
 
 
 def resolve(op: OpDef, device_type: str, dtype: torch.dtype | None) -> Plan:
-    env = os.environ
     override = current_override()
-    key = (op.name, device_type, dtype, override, env.get(STRICT_ENV), env.get("GLM5_PLUGINS"))
+    key = (op.name, device_type, dtype, override, getenv(STRICT_ENV), getenv("GLM5_PLUGINS"))
     plan = _cache.get(key)
     if plan is not None:
         return plan

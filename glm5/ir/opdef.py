@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from glm5.ir.env import getenv
 from glm5.ir.numerics import ErrorTerms, Selection
 from glm5.ir.signature import (
     OpInputError,
@@ -49,7 +49,7 @@ def strict_mode() -> bool:
     frozen = _frozen_strict.get()
     if frozen is not None:
         return frozen
-    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return (getenv(STRICT_ENV) or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @contextlib.contextmanager
@@ -105,7 +105,7 @@ _UNCACHEABLE = object()
 def _arg_key(v: Any) -> Any:
     t = type(v)
     if t is torch.Tensor or t is torch.nn.Parameter:
-        if v.device.type == "meta":
+        if v.is_meta:
             return _UNCACHEABLE
         return (v.dtype, v.device, v.shape, v.stride(), v.requires_grad)
     if v is None or t in (bool, int, float, str):
