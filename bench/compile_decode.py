@@ -51,6 +51,10 @@ model: at --max-model-len 4096 the EagerCapture sparse step was 18.4 ms vs eager
 and 36.0 vs 34.6 (c=8), 7 steps each, one round (noisy); the scoring work grows with
 max_model_len, so recheck on a larger model or longer context before a CPU capture path
 relies on it.
+
+After the binding's served-kernel path and the cheaper environment reads (98ca6e3, same
+machine, quiet, one run): c=1 eager 13.38 / compiled 14.66 ms, c=8 27.24 / 30.07 ms (compile
+8.3 + 1.2 s and 5.8 + 1.1 s with inductor's cache warm): still not faster.
 """
 
 from __future__ import annotations
