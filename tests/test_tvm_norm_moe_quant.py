@@ -308,3 +308,8 @@ def test_rope_lane_tables_follow_the_tables_they_came_from(backend):
     torch.testing.assert_close(fn(x, cos, sin, True), ref(x, cos, sin, True))
     other = sin.clone().add_(1.0)
     torch.testing.assert_close(fn(x, cos, other, True), ref(x, cos, other, True))
+    with torch.inference_mode():  # inference tensors have no version counter: never kept
+        ci, si = cos.clone(), sin.clone()
+        torch.testing.assert_close(fn(x, ci, si, True), ref(x, ci, si, True))
+        ci.mul_(2.0)
+        torch.testing.assert_close(fn(x, ci, si, True), ref(x, ci, si, True))

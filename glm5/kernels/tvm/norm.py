@@ -322,15 +322,18 @@ def _lane_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, to
     """The interleaved kernel's per-lane tables [T, R] fp32 (see build_rope): cos repeated per
     lane pair, sin likewise with -sin on even lanes. A forward passes the same cos / sin to
     every layer's ropes (a dozen calls a decode step), so the last pair's tables are kept
-    (per thread) and reused while both tensors are the same objects, unmodified."""
-    key = (cos._version, sin._version)
+    (per thread) and reused while both tensors are the same objects, unmodified (their
+    version counters unchanged). Inference tensors have no version counter: theirs are
+    built on every call."""
+    track = not (cos.is_inference() or sin.is_inference())
+    key = (cos._version, sin._version) if track else None
     last = getattr(_tables, "last", None)
-    if last is not None and last[0] is cos and last[1] is sin and last[2] == key:
+    if track and last is not None and last[0] is cos and last[1] is sin and last[2] == key:
         return last[3], last[4]
     c = cos.to(torch.float32).repeat_interleave(2, dim=-1)
     s = sin.to(torch.float32).repeat_interleave(2, dim=-1)
     s[..., 0::2].neg_()
-    _tables.last = (cos, sin, key, c, s)
+    _tables.last = (cos, sin, key, c, s) if track else None
     return c, s
 
 
