@@ -20,8 +20,10 @@ token budgets of vLLM's and SGLang's chunked prefill but in seconds rather than 
   time equals the fixed part. Without the floor, a context whose fixed cost alone exceeds the
   bound drives the allowance to ``min_tokens`` and the prompt's time to first token to many
   times its unchunked value; with it, the decodes' bound yields there (the trade is the
-  engine's ``max_decode_slowdown``). Stuck over the bound with every recent step the same
-  size, one step of twice the tokens is tried, so the fit has two points;
+  engine's ``max_decode_slowdown``). The allowance is dithered 10% down and up on alternate
+  steps so that the recent steps always differ in size and the fit follows F and c as the
+  context grows (fits are smoothed; the floor raises the allowance by at most 25% a step);
+  stuck at ``min_tokens`` over the bound, one step of twice the tokens gives the fit a point;
 - without running decodes (or before a decode-only step was seen) there is no allowance: the
   scheduler's fixed chunk size applies, so a lone prompt prefills at full speed.
 
@@ -33,6 +35,10 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+
+
+DITHER_DOWN, DITHER_UP = 0.9, 1.1  # the allowance on alternate steps
+SPREAD = 1.2  # token counts of the recent steps must span this factor for a new fit
 
 
 class PrefillBudget:
@@ -62,17 +68,26 @@ class PrefillBudget:
         self._mixed: deque[tuple[int, float]] = deque(maxlen=window)  # (n_prefill, extra s)
         self._allow = min_tokens  # the allowance after the last mixed step
         self._fit: tuple[float, float] | None = None  # the last valid fit (see `fit`)
+        self._odd = False  # the dither's phase (see `allowance`)
 
     def decode_seconds(self) -> float | None:
         """``d``: the median of the recent decode-only steps (None before the first)."""
         return statistics.median(self._decode_s) if self._decode_s else None
+
+    @property
+    def target(self) -> int:
+        """The allowance before its dither (what the feedback and the floor set)."""
+        return self._allow
 
     def allowance(self, decoding: bool) -> int | None:
         """Prefill tokens the next step may carry: None (no bound: the fixed chunk size
         applies) when no decode runs or no decode-only step was measured yet."""
         if not decoding or not self._decode_s:
             return None
-        return self._allow
+        # Dithered 10% down and up on alternate steps: the recent steps then always differ in
+        # size, which `fit` needs to tell the fixed cost from the tokens' as the context grows.
+        n = round(self._allow * (DITHER_UP if self._odd else DITHER_DOWN))
+        return min(self.max_tokens, max(self.min_tokens, n))
 
     def observe(self, n_decode: int, n_prefill: int, seconds: float) -> None:
         """A step ran ``n_decode`` decoding sequences and ``n_prefill`` prefill tokens in
@@ -87,6 +102,7 @@ class PrefillBudget:
         d = self.decode_seconds()
         if d is None or n_decode == 0:
             return  # nothing to compare against: the allowance stays
+        self._odd = not self._odd
         extra = max(seconds - d, 1e-3 * d)  # the prefill's share (noise can make it < 0)
         want = n_prefill * (self.max_slowdown - 1.0) * d / extra
         lo, hi = max(self.min_tokens, n_prefill // 2), max(self.min_tokens, 2 * n_prefill)
@@ -94,10 +110,10 @@ class PrefillBudget:
             hi = max(hi, self._allow)
         self._mixed.append((n_prefill, extra))
         floor = self.floor()
-        if floor is not None:
-            want = max(want, floor)
-        elif want < lo and n_prefill == self._allow and len(self._mixed) >= 2 and all(
-                n == n_prefill for n, _ in self._mixed):
+        if floor is not None:  # raised toward the floor by at most 25% a step (a fit is noisy)
+            want = max(want, min(floor, 1.25 * n_prefill))
+        elif want < lo and n_prefill <= self.min_tokens * DITHER_UP and len(self._mixed) >= 2 \
+                and max(n for n, _ in self._mixed) < SPREAD * min(n for n, _ in self._mixed):
             # Over the bound at the lower clamp with every recent step the same size: nothing
             # tells the fixed cost from the tokens'. One step of twice the tokens gives the
             # fit its second point.
@@ -107,19 +123,22 @@ class PrefillBudget:
     def fit(self) -> tuple[float, float] | None:
         """(F, c): the fixed and per-token seconds of the prefill share of the recent mixed
         steps (least squares over ``window`` of them) when their token counts span a factor
-        of 2 and the fit is physical (c > 0); else the last such fit (the context, and with it
-        F and c, drifts slowly); None before the first."""
+        of ``SPREAD`` (the dither gives 1.22) and the fit is physical (c > 0); else the last
+        such fit (the context, and with it F and c, drifts slowly); None before the first."""
         if len(self._mixed) < 3:
             return self._fit
         ns = [float(n) for n, _ in self._mixed]
         es = [e for _, e in self._mixed]
-        if max(ns) < 2 * min(ns):  # token counts too alike to separate F from c in the noise
+        if max(ns) < SPREAD * min(ns):  # too alike to separate F from c in the noise
             return self._fit
         mn, me = sum(ns) / len(ns), sum(es) / len(es)
         var = sum((n - mn) ** 2 for n in ns)
         c = sum((n - mn) * (e - me) for n, e in zip(ns, es)) / var
         if c > 0:
-            self._fit = (max(me - c * mn, 0.0), c)
+            new = (max(me - c * mn, 0.0), c)
+            old = self._fit
+            # smoothed over successive fits: each rests on a few noisy steps
+            self._fit = new if old is None else tuple(0.7 * o + 0.3 * v for o, v in zip(old, new))
         return self._fit
 
     def floor(self) -> float | None:
