@@ -62,7 +62,7 @@ class _Served:
     def remember(self, key: tuple | None, values: dict[str, Any]) -> None:
         """After a validation: remember the kernel serving ``values`` natively when the
         validation read no value (`OpDef.validate_cached` cached the signature)."""
-        if key is None or key[0] not in self.op._validated:
+        if key is None or not self.op.shape_only(key[0]):
             return
         entry = selection.serving_entry(self.op, values)
         if entry is not None:

@@ -15,7 +15,7 @@ pytest.importorskip("tvm")
 import glm5  # noqa: E402
 from glm5.ir.catalog import OPS  # noqa: E402
 from glm5.ir.quant_formats import SCHEMES, quantize_weight  # noqa: E402
-from glm5.kernels.tvm import moe, norm, quant, route  # noqa: E402
+from glm5.kernels.tvm import moe, norm, quant, route, tirlib  # noqa: E402
 from glm5.kernels.tvm.build import TVMContext  # noqa: E402
 from glm5.testing.compare import Verdict, assert_matches, check_example  # noqa: E402
 from glm5.testing.parity import format_table, run_parity  # noqa: E402
@@ -181,14 +181,14 @@ def test_claims_and_declines(backend):
 
 
 def _rows_above(D: int) -> int:
-    """Rows of D elements (and of 2D, 4D) at or above every `norm.SERIAL_MAX`: the parallel
+    """Rows of D elements (and of 2D, 4D) at or above every `tirlib.SERIAL_MAX`: the parallel
     builds."""
-    return max(norm.SERIAL_MAX.values()) // D + 1
+    return max(tirlib.SERIAL_MAX.values()) // D + 1
 
 
 def test_symbolic_shapes_build_once(ctx, backend):
     """Rows, D, R, I, M, N, K are runtime values: new shapes reuse the built kernels (both
-    the serial and the parallel build of each row kernel: `norm.serial`)."""
+    the serial and the parallel build of each row kernel: `tirlib.serial`)."""
     g = torch.Generator().manual_seed(9)
     for T, D in ((1, 5), (7, 70), (33, 16), (_rows_above(16), 16)):
         backend.kernels["rms_norm"].fn(torch.randn(T, D, generator=g), torch.randn(D), 1e-5)
@@ -239,7 +239,7 @@ def _both_builds(monkeypatch, limits: dict, key, call):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_serial_builds_bit_identical(ctx, monkeypatch, dtype):
-    """The serial build of each row kernel (`norm.serial`, taken by small calls) gives the
+    """The serial build of each row kernel (`tirlib.serial`, taken by small calls) gives the
     parallel build's bits, on shapes below and at/above its threshold (tails: D, R/2, I not
     multiples of the vector width; interleaved rope's first/last-row scalar path); the
     default pick is the serial build below the threshold and the parallel one above."""
@@ -250,44 +250,45 @@ def test_serial_builds_bit_identical(ctx, monkeypatch, dtype):
         return (torch.randn(*shape, generator=g) * 2).to(dtype)
 
     cases = []
-    for rows, D in ((1, 37), (5, 40), (norm.SERIAL_MAX["rms_norm"] // 37 + 1, 37)):
+    for rows, D in ((1, 37), (5, 40), (tirlib.SERIAL_MAX["rms_norm"] // 37 + 1, 37)):
         x, w, b = rnd(rows, D), rnd(D), rnd(D)
         cases.append(("rms_norm", x.numel(), lambda x=x, w=w: norm.rms_norm(C, x, w, 1e-6)))
         cases.append(("layer_norm", x.numel(),
                       lambda x=x, w=w, b=b: norm.layer_norm(C, x, w, b, 1e-5)))
-    for rows, I in ((1, 19), (6, 24), (norm.SERIAL_MAX["silu_mul"] // 38 + 1, 19)):
+    for rows, I in ((1, 19), (6, 24), (tirlib.SERIAL_MAX["silu_mul"] // 38 + 1, 19)):
         x = rnd(rows, 2 * I)
         cases.append(("silu_mul", x.numel(), lambda x=x: norm.silu_mul(C, x)))
-    for T, H, R in ((1, 1, 40), (3, 2, 40), (norm.SERIAL_MAX["rope"] // 120 + 1, 3, 40)):
+    for T, H, R in ((1, 1, 40), (3, 2, 40), (tirlib.SERIAL_MAX["rope"] // 120 + 1, 3, 40)):
         x, ang = rnd(T, H, R), torch.rand(T, R // 2, generator=g) * 6
         for il in (True, False):
             cases.append(("rope", x.numel(), lambda x=x, ang=ang, il=il: norm.rope(
                 C, x, ang.cos().to(dtype), ang.sin().to(dtype), il)))
     sides = set()
     for op, n, call in cases:
-        ser, par, default = _both_builds(monkeypatch, norm.SERIAL_MAX, op, call)
+        ser, par, default = _both_builds(monkeypatch, tirlib.SERIAL_MAX, op, call)
         assert torch.equal(ser, par), (op, n)
         assert torch.equal(default, par), (op, n)
-        sides.add((op, norm.serial(op, n)))
-    assert sides == {(op, s) for op in norm.SERIAL_MAX for s in (True, False)}
+        sides.add((op, tirlib.serial(op, n)))
+    row_ops = ("rms_norm", "layer_norm", "rope", "silu_mul")  # moe_route: the next test
+    assert sides == {(op, s) for op in row_ops for s in (True, False)}
     picked = {(b["op"], b["key"]["serial"]) for b in ctx.builds if "serial" in b["key"]}
-    assert {(op, s) for op in norm.SERIAL_MAX for s in (True, False)} <= picked
+    assert {(op, s) for op in row_ops for s in (True, False)} <= picked
 
 
 def test_serial_route_bit_identical(ctx, monkeypatch):
-    """moe_route's serial build (few tokens: `route.SERIAL_MAX`) gives the parallel build's
-    weights and ids, with and without the group limit, below and above the threshold."""
+    """moe_route's serial build (few tokens: `SERIAL_MAX["moe_route"]`) gives the parallel
+    build's weights and ids, with and without the group limit, below and above the threshold."""
     g = torch.Generator().manual_seed(12)
     E = 64
-    for T_ in (1, 3, route.SERIAL_MAX // E + 1):
+    for T_ in (1, 3, tirlib.SERIAL_MAX["moe_route"] // E + 1):
         logits, bias = torch.randn(T_, E, generator=g), torch.randn(E, generator=g) * 0.1
         logits[0, :8] = 0.5  # ties: the smaller id first, in every build
         for n_group, topk_group in ((1, 1), (8, 3)):
             def call():
                 return route.moe_route(lambda: ctx, logits, bias, 6, n_group, topk_group,
                                        True, 2.5)
-            (ws, ids), (wp, idp), (wd, idd) = _both_builds(monkeypatch, route, "SERIAL_MAX",
-                                                         call)
+            (ws, ids), (wp, idp), (wd, idd) = _both_builds(monkeypatch, tirlib.SERIAL_MAX,
+                                                         "moe_route", call)
             assert torch.equal(ws, wp) and torch.equal(ids, idp), (T_, n_group)
             assert torch.equal(wd, wp) and torch.equal(idd, idp), (T_, n_group)
     serial_keys = {b["key"].get("serial") for b in ctx.builds if b["op"] == "moe_route"}

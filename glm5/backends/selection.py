@@ -196,7 +196,7 @@ def frozen_dispatch() -> Iterator[None]:
     ``GLM5_STRICT`` — is read once, on entry: an engine step or a forward makes hundreds of
     calls and would otherwise read it three times in each. `use_backend` still applies
     (a context variable, not the environment)."""
-    token = _frozen_env.set((_env_override(), os.environ.get("GLM5_PLUGINS")))
+    token = _frozen_env.set((_env_override(), getenv("GLM5_PLUGINS")))
     try:
         with frozen_strict():
             yield

@@ -375,7 +375,6 @@ def _env(values: dict[str, Any], syms: dict[str, int]) -> dict[str, Any]:
     return env
 
 
-
 def select_form(forms: Sequence[tuple[str, Any]], values: dict[str, Any],
                 syms: dict[str, int]) -> Any:
     """The value of the one form whose condition holds for this call (a call's scalar

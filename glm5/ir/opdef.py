@@ -257,6 +257,11 @@ class OpDef:
                 p.name: values[p.name] for p in self.params if isinstance(p, ScalarArg)})
         return values
 
+    def shape_only(self, signature: tuple) -> bool:
+        """Whether a call of this `signature` passed validation without reading any value
+        (`validate_cached` skips its checks): what may be served without validating."""
+        return signature in self._validated
+
     def symbols(self, values: dict[str, Any]) -> dict[str, int]:
         return bind_shapes(self.name, self.params, dict(values))
 

@@ -130,7 +130,6 @@ def evaluate(expr: str, names: Mapping[str, Any]) -> Any:
     return eval(_compiled(expr), {"__builtins__": {}}, names)  # noqa: S307 - ours
 
 
-
 @dataclass
 class Binding:
     """The result of binding call arguments to a signature."""

@@ -3,8 +3,8 @@ normalisation).
 
 Loop-level TensorIR, one work item per row (``T.parallel``), fp32 math in registers. Each
 kernel has a second build with the row loop ``T.serial`` (otherwise the same TIR, so the same
-bits), which calls on fewer than ``SERIAL_MAX[op]`` elements take: there, waking TVM's thread
-pool costs more than the rows' work (`serial`).
+bits), which calls on fewer than ``tirlib.SERIAL_MAX[op]`` elements take: there, waking TVM's
+thread pool costs more than the rows' work (`tirlib.serial`).
 
 * rms_norm: ``x[N, D]`` (leading dims flattened) — sum of squares in ``VL`` fp32 lanes plus a
   scalar tail, one horizontal sum, ``r = 1 / sqrt(mean + eps)``, then ``y = (x · r) · w`` (the
@@ -35,17 +35,13 @@ from typing import Any, Callable
 
 import torch
 
-from glm5.kernels.tvm.tirlib import bits, cached, fexp, narrow, storage, widen
+from glm5.kernels.tvm.tirlib import bits, cached, fexp, narrow, serial, storage, widen
 
 REV = 3  # bump when the generated code changes (part of the build-cache key)
 VL = 16  # fp32 lanes per vector (one AVX-512 / two AVX2 registers)
 DTYPES = (torch.float32, torch.bfloat16)
 _TVM = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 ALIGN = {"float32": 4, "bfloat16": 2}  # bytes of one element (see build_layer_norm)
-# Input elements (rows × row length: x.numel()) below which a call takes the serial build of
-# its kernel (row loop `T.serial`, no thread-pool launch); measured crossovers at 2 threads in
-# docs/performance.md, "cpu backend: serial row kernels for small batches".
-SERIAL_MAX = {"rms_norm": 2**19, "layer_norm": 2**19, "rope": 2**19, "silu_mul": 2**17}
 
 
 # --------------------------------------------------------------------------- builders
@@ -251,13 +247,6 @@ def build_silu_mul(dt: str, serial: bool = False) -> Any:
                                  * widen(T, X[n, I + i], dt), dt)
 
     return silu_mul
-
-
-def serial(op: str, work: int) -> bool:
-    """Whether a call of ``op`` on ``work`` input elements (rows × row length) takes the serial
-    build of its kernel: below `SERIAL_MAX`, waking TVM's thread pool costs more than the
-    rows' work. Same TIR but the row loop, so both builds give the same bits."""
-    return work < SERIAL_MAX[op]
 
 
 def _fn(context: Callable[[], Any], op: str, dtype: torch.dtype, build: Callable[[], Any],

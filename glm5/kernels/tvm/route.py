@@ -2,7 +2,7 @@
 correction bias, the optional group limit, and the normalised, scaled top-k weights.
 
 One work item per token (``T.parallel``; below ``SERIAL_MAX`` logits a build with the token
-loop ``T.serial``, as `norm.serial`), fp32 throughout, for ``logits[T, E]``, ``bias[E]``:
+loop ``T.serial``, `tirlib.serial`), fp32 throughout, for ``logits[T, E]``, ``bias[E]``:
 
 1. ``s[t, e] = 1 / (1 + exp(−logits[t, e]))`` (libm's expf through llvm, as torch's sigmoid
    computes it), kept in a host-allocated ``s[T, E]`` for the weights;
@@ -25,12 +25,9 @@ from typing import Any, Callable
 
 import torch
 
-from glm5.kernels.tvm.tirlib import cached
+from glm5.kernels.tvm.tirlib import cached, serial
 
 REV = 1  # bump when the generated code changes (part of the build-cache key)
-# logits elements (tokens × experts) below which a call takes the serial build (norm.SERIAL_MAX;
-# docs/performance.md, "cpu backend: serial row kernels for small batches")
-SERIAL_MAX = 4096
 
 
 def build_route(serial: bool = False) -> Any:
@@ -39,7 +36,7 @@ def build_route(serial: bool = False) -> Any:
     no group limit."""
     from tvm.script import tirx as T
 
-    rows = T.serial if serial else T.parallel  # the token loop (`norm.serial`)
+    rows = T.serial if serial else T.parallel  # the token loop (`tirlib.serial`)
 
     @T.prim_func
     def moe_route(l_h: T.handle, b_h: T.handle, s_h: T.handle, g_h: T.handle, w_h: T.handle,
@@ -139,7 +136,7 @@ def moe_route(context: Callable[[], Any], logits: torch.Tensor, bias: torch.Tens
     if T_ == 0 or top_k == 0:
         return w, ids
     ctx = context()
-    ser = T_ * E < SERIAL_MAX
+    ser = serial("moe_route", T_ * E)
     fn = cached(ctx, ("moe_route", REV, ser),
                 lambda: ctx.kernel("moe_route", {"rev": REV, "serial": ser},
                                    lambda: build_route(ser), "moe_route"))

@@ -143,6 +143,20 @@ def unpack_code(T: Any, row: Callable[[Any], Any], u: Any, j: int, bits: int) ->
     return (v ^ 32) - 32
 
 
+# Input elements (rows × row length) below which a call takes the serial build of its kernel
+# (row / token loop `T.serial`: no thread-pool launch); the measured crossovers at 2 threads are
+# in docs/performance.md, "cpu backend: serial row kernels for small batches".
+SERIAL_MAX = {"rms_norm": 2**19, "layer_norm": 2**19, "rope": 2**19, "silu_mul": 2**17,
+              "moe_route": 4096}
+
+
+def serial(op: str, work: int) -> bool:
+    """Whether a call of ``op`` on ``work`` input elements (rows × row length) takes the serial
+    build of its kernel: below `SERIAL_MAX`, waking TVM's thread pool costs more than the
+    rows' work. Same TIR but the row loop, so both builds give the same bits."""
+    return work < SERIAL_MAX[op]
+
+
 def cached(ctx: Any, key: tuple, get: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
     """``get()`` once per (context, key), memoised on the context: `TVMContext.kernel` hashes
     the kernel's source file on every lookup, which costs more than a small kernel call."""
