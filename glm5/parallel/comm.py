@@ -29,7 +29,9 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -51,6 +53,100 @@ _cache: dict[tuple, tuple[str, Callable[..., torch.Tensor]]] = {}
 
 class CommArgumentError(ValueError):
     """Bad input to a collective (shape, counts, dim): raised before anything is sent."""
+
+
+# --------------------------------------------------------------------------- byte counter
+@dataclass(frozen=True)
+class CommCall:
+    """One collective call this rank made while a `count_bytes` block was active.
+
+    ``op``: "all_reduce", "reduce_scatter", "all_gather" or "all_to_all"; ``group_size`` and
+    ``rank`` (this rank's index in the group); ``shape`` / ``dtype``: the caller's ``x``;
+    ``quant``: None or "int8" (all_gather); ``send_counts``: the rows sent to each rank
+    (all_to_all, else None); ``link_bytes``: the bytes this rank put on the links, the
+    `glm5.ir.ops_comm` cost of this call's real shape, dtype and send counts (all_to_all: only
+    the rows for other ranks, never its own); ``wire_bytes``: this rank's buffer as handed to
+    torch.distributed — for all_gather the tensor gathered (int8: the real codes + fp32 scales;
+    link_bytes = (n-1) wire_bytes), for all_to_all the real rows split off for other ranks
+    (link_bytes = wire_bytes), else the reduced tensor's bytes B (link_bytes = 2 (n-1)/n B,
+    (n-1)/n B); None when a backend's own implementation served the call; ``scope``: the record's ``scope`` when the
+    call was made (e.g. a layer index set by a forward pre-hook)."""
+
+    op: str
+    group_size: int
+    rank: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    quant: str | None
+    send_counts: tuple[int, ...] | None
+    link_bytes: float
+    wire_bytes: int | None
+    scope: Any = None
+
+
+@dataclass
+class ByteCount:
+    """What `count_bytes` yields: ``calls`` in the order made; set ``scope`` to tag the calls
+    that follow (the test and bench set it to the layer index from a forward pre-hook)."""
+
+    calls: list[CommCall] = field(default_factory=list)
+    scope: Any = None
+
+    def total(self, scope: Any = ...) -> float:
+        """Link bytes of every call (or of the calls tagged ``scope``)."""
+        return float(sum(c.link_bytes for c in self.calls if scope is ... or c.scope == scope))
+
+    def by_scope(self) -> dict[Any, list[CommCall]]:
+        """scope -> its calls, in order."""
+        out: dict[Any, list[CommCall]] = {}
+        for c in self.calls:
+            out.setdefault(c.scope, []).append(c)
+        return out
+
+
+# the active counters (nested blocks each see every call); empty: the calls pay one test
+_counters: list[ByteCount] = []
+# wire bytes the torch.distributed implementation reports for the call in flight
+_wire: list[int] = []
+
+
+@contextmanager
+def count_bytes() -> Iterator[ByteCount]:
+    """While the block runs, every collective this rank makes over a group of two or more ranks
+    (the identity calls send nothing and are not recorded) appends a `CommCall` to the yielded
+    `ByteCount`. Zero cost outside a block (one truth test of a module list per call)."""
+    rec = ByteCount()
+    _counters.append(rec)
+    try:
+        yield rec
+    finally:
+        _counters.remove(rec)
+
+
+def _note_wire(nbytes: int) -> None:
+    """Called by the torch.distributed implementations with the bytes of the buffer they hand
+    over (only while a counter is active)."""
+    if _counters:
+        _wire.append(int(nbytes))
+
+
+def _record(name: str, g: Group, x: torch.Tensor, args: tuple[Any, ...]) -> None:
+    attrs: dict[str, Any] = {}
+    quant = counts = None
+    if name in ("reduce_scatter", "all_gather"):
+        attrs["dim"] = args[0]
+    if name == "all_gather":
+        quant = attrs["quant"] = args[1]
+    if name == "all_to_all":
+        counts = tuple(args[0])
+        attrs["send_counts"] = counts
+    lb = link_bytes(name, x, g, **attrs)
+    wire = sum(_wire) if _wire else None
+    _wire.clear()
+    call = CommCall(name, g.size, g.rank, tuple(x.shape), x.dtype, quant, counts, lb, wire)
+    for rec in _counters:
+        rec.calls.append(call if rec.scope is None else
+                         CommCall(**{**call.__dict__, "scope": rec.scope}))
 
 
 # --------------------------------------------------------------------------- registry
@@ -153,9 +249,15 @@ def _run(name: str, g: Group, x: torch.Tensor, *args: Any) -> torch.Tensor:
     seq = g.next_seq()
     started = time.monotonic()
     try:
+        if _counters:
+            _wire.clear()
         if name == "all_to_all":
-            return fn(x, args[0], args[1], g)
-        return fn(x, g, *args)
+            y = fn(x, args[0], args[1], g)
+        else:
+            y = fn(x, g, *args)
+        if _counters:  # after the transfer: a failed call moved no accountable bytes
+            _record(name, g, x, args)
+        return y
     except CollectiveError:
         raise
     except RuntimeError as e:
@@ -273,6 +375,7 @@ def _torch_all_reduce(x: torch.Tensor, g: Group) -> torch.Tensor:
     import torch.distributed as dist
 
     y = x.clone(memory_format=torch.contiguous_format)
+    _note_wire(y.nbytes)
     _wait(dist.all_reduce(y, op=dist.ReduceOp.SUM, group=g.pg, async_op=True), g)
     return y
 
@@ -282,6 +385,7 @@ def _torch_reduce_scatter(x: torch.Tensor, g: Group, dim: int = 0) -> torch.Tens
 
     xt = x.movedim(dim, 0).contiguous()
     out = xt.new_empty((xt.shape[0] // g.size, *xt.shape[1:]))
+    _note_wire(xt.nbytes)
     rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     _wait(rs(out, xt, op=dist.ReduceOp.SUM, group=g.pg, async_op=True), g)
     return out.movedim(0, dim)
@@ -292,6 +396,7 @@ def _gather0(xt: torch.Tensor, g: Group) -> torch.Tensor:
     import torch.distributed as dist
 
     out = xt.new_empty((xt.shape[0] * g.size, *xt.shape[1:]))
+    _note_wire(xt.nbytes)  # int8: the codes + scales payload itself
     ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     _wait(ag(out, xt, group=g.pg, async_op=True), g)
     return out
@@ -326,6 +431,8 @@ def _torch_all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list
 
     xc = x.contiguous()
     out = xc.new_empty((sum(recv_counts), *xc.shape[1:]))
+    if _counters:  # the rows really split off for the other ranks (this rank's own stay)
+        _note_wire(sum(p.nbytes for j, p in enumerate(xc.split(send_counts)) if j != g.rank))
     _wait(dist.all_to_all_single(out, xc, output_split_sizes=recv_counts,
                                  input_split_sizes=send_counts, group=g.pg, async_op=True), g)
     return out
