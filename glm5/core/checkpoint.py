@@ -91,6 +91,24 @@ def _has_mtp(names: Iterator[str], L: int) -> bool:
     return False
 
 
+def load_config(p: Path, indexer_dtype: str | None, indexer_hadamard: bool | None,
+                who: str) -> GLM5Config:
+    """The config of the checkpoint directory ``p`` as a loader (``who``) builds the model from
+    it: ``indexer_dtype`` / ``indexer_hadamard`` applied as `load_model` documents them; an
+    msModelSlim directory (not loadable before `glm5 quantize --from msmodelslim`) refused."""
+    cfg = GLM5Config.from_pretrained(p)
+    if indexer_dtype == "bf16" and indexer_hadamard is None:
+        indexer_hadamard = False  # the rotation belongs to the fp8 indexer
+    over = {k: v for k, v in (("dsa_indexer_dtype", indexer_dtype),
+                              ("dsa_indexer_hadamard", indexer_hadamard)) if v is not None}
+    if over:
+        cfg = cfg.replace(**over)
+    if (p / MSMODELSLIM_DESCRIPTION).exists():
+        raise CheckpointError(f"{who}: {p} is an msModelSlim checkpoint; convert it "
+                              f"first with `glm5 quantize --from msmodelslim {p} DST`")
+    return cfg
+
+
 def load_model(path: str | Path, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu",
                indexer_dtype: str | None = None,
@@ -110,18 +128,8 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None,
     """
     from contextlib import ExitStack
 
-
     p = Path(path)
-    cfg = GLM5Config.from_pretrained(p)
-    if indexer_dtype == "bf16" and indexer_hadamard is None:
-        indexer_hadamard = False  # the rotation belongs to the fp8 indexer
-    over = {k: v for k, v in (("dsa_indexer_dtype", indexer_dtype),
-                              ("dsa_indexer_hadamard", indexer_hadamard)) if v is not None}
-    if over:
-        cfg = cfg.replace(**over)
-    if (p / MSMODELSLIM_DESCRIPTION).exists():
-        raise CheckpointError(f"glm5.load_model: {p} is an msModelSlim checkpoint; convert it "
-                              f"first with `glm5 quantize --from msmodelslim {p} DST`")
+    cfg = load_config(p, indexer_dtype, indexer_hadamard, "glm5.load_model")
     files = _files(p)
     L = cfg.num_hidden_layers
     with torch.device("meta"):
@@ -276,7 +284,7 @@ def repack_model(model: torch.nn.Module) -> dict[str, str]:
     act = model.dtype
     out: dict[str, str] = {}
     for name, mod in model.named_modules():
-        if type(mod) is QuantLinear:
+        if isinstance(mod, QuantLinear):  # a tensor-parallel part (a subclass) too
             b = ops.repack_weight("quant_linear", mod.weight_packed, mod.weight_scale,
                                   mod.scheme, act)
         elif type(mod) is QuantExperts:

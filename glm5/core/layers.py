@@ -71,8 +71,9 @@ class QuantLinear(nn.Module):
 
 def apply_linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x·Wᵀ`` through ``mod``: F.linear on an unquantized nn.Linear (the bias-free hot path,
-    no module-call overhead), quant_linear on a QuantLinear."""
-    if type(mod) is QuantLinear:
+    no module-call overhead), quant_linear on a QuantLinear (or a subclass: a tensor-parallel
+    part, glm5.parallel.layouts.RowParallelQuantLinear)."""
+    if isinstance(mod, QuantLinear):
         return mod(x)
     return F.linear(x, mod.weight)
 

@@ -22,8 +22,24 @@
 - **Expert parallel with replicated tokens** (``ep_group`` without dp_attention, tp 1): every
   rank runs the same tokens, owns E/P experts, and the MoE outputs are all-reduced.
 
-Embeddings, the LM head and the final norm are replicated. Quantized layers are refused (not
-split yet). Communication goes through `glm5.parallel.comm` (collectives as ops).
+Embeddings, the LM head and the final norm are replicated. Communication goes through
+`glm5.parallel.comm` (collectives as ops).
+
+**Quantized layers** (`QuantLinear`, `QuantExperts`: a model loaded from a `glm5 quantize`
+checkpoint) are cut along the same dims as their float counterparts, in the packed tensors' own
+coordinates: a column-parallel QuantLinear keeps rows of ``weight_packed`` [N, P],
+``weight_scale`` ([N] or [N, G]) and ``bias``; a row-parallel one (o_proj, down_proj) keeps the
+packed columns of its input range and, for per-group scales [N, ceil(K/128)], the scale columns
+of its groups (per-channel scales [N] stay whole); its bias is kept by rank 0 of the group only
+(the partial sums are added once). A cut that would split a packed byte (int4: 2 codes a byte,
+int6: 4 codes in 3 bytes) or straddle a 128-wide scale group is refused (`ParallelError` naming
+the layer, K, the group size and the parts); a part lying inside one group keeps that group's
+scale. Schemes with quantized activations (w8a8, w4a8, w6a12) quantize per token over the whole
+K in one process; a row-parallel part sees only its 1/T of K, so `RowParallelQuantLinear`
+all-gathers each token's max |x| over the group (M floats) and appends it as one extra input
+column with zero weights: every rank then takes the single process's activation scale, and
+the result equals the single process's up to fp32 summation order. Routed `QuantExperts` are
+split by expert (dim 0 of the four buffers) and run with `ops.moe_experts_quant`.
 """
 
 from __future__ import annotations
@@ -36,18 +52,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5 import ops
-from glm5.core.layers import MLP, Experts, MoE
+from glm5.core.layers import MLP, Experts, MoE, QuantExperts, QuantLinear
 from glm5.deploy.chips import get_chip
 from glm5.deploy.flashcomm import flashcomm_threshold
 from glm5.parallel import comm
 from glm5.parallel.groups import as_group
+from glm5.ir.quant_formats import GROUP, get_scheme, n_groups
 
 FLASHCOMM_MIN_TOKENS = 1000  # vllm-ascend's empirical threshold for dense models (the planner
 # computes one per chip: `glm5 plan`)
 
 
 class ParallelError(ValueError):
-    """A layout that does not fit the model (sizes that do not divide, quantized layers)."""
+    """A layout that does not fit the model (sizes that do not divide, a cut inside a packed
+    byte or a quantization group)."""
 
 
 def flashcomm_min_tokens_for(chip: str, hidden_size: int, tp: int, int8: bool = False) -> int:
@@ -137,86 +155,241 @@ _spec: dict[str, tuple[int, int, int]] | None = None  # the spec being recorded
 
 
 def _record(name: str, dim: int, a: int, b: int) -> None:
+    """Record that this rank keeps [a, b) of dim ``dim`` of checkpoint tensor ``name`` (module
+    name); (0, 0, 0): this rank keeps none of it (a row-parallel bias off tp rank 0)."""
     if _spec is not None:
         _spec[name] = (dim, a, b)
 
 
-def _keep(lin: nn.Module, dim: int, a: int, b: int, where: str) -> None:
-    """Keep rows (dim 0) or columns (dim 1) [a, b) of a linear's weight (``where``: its module
-    name, recorded in the shard spec)."""
+@dataclass(frozen=True)
+class _Cut:
+    """Where a cut happens: the group it is taken over, its size and this rank's index (every
+    cut is into ``parts`` equal ranges, this rank's is the ``rank``-th)."""
+
+    group: Any
+    parts: int
+    rank: int
+
+
+def _keep(lin: nn.Module, dim: int, a: int, b: int, where: str, cut: _Cut) -> nn.Module:
+    """Keep output rows (dim 0) or input columns (dim 1) [a, b) of a linear (``where``: its
+    module name, recorded in the shard spec); returns the module to install (a quantized
+    row-parallel linear becomes a `RowParallelQuantLinear`). A row-parallel linear's bias is
+    kept by rank 0 of the group only: the partial outputs are summed over the group."""
+    if isinstance(lin, QuantLinear):
+        return _keep_quant(lin, dim, a, b, where, cut)
     if not isinstance(lin, nn.Linear):
-        raise ParallelError(f"glm5 parallelize: {where} is {type(lin).__name__}; quantized "
-                            f"layers are not split yet (parallelize the unquantized model)")
+        raise ParallelError(f"glm5 parallelize: {where} is {type(lin).__name__}; expected "
+                            f"nn.Linear or QuantLinear")
     _record(f"{where}.weight", dim, a, b)
     w = lin.weight.detach().narrow(dim, a, b - a).clone()
     lin.weight = nn.Parameter(w, requires_grad=lin.weight.requires_grad)
     if dim == 0:
         lin.out_features = b - a
         if lin.bias is not None:
+            _record(f"{where}.bias", 0, a, b)
             lin.bias = nn.Parameter(lin.bias.detach()[a:b].clone())
     else:
         lin.in_features = b - a
+        if lin.bias is not None and cut.rank != 0:
+            _record(f"{where}.bias", 0, 0, 0)
+            lin.bias = None
+    return lin
+
+
+def _packed_cols(scheme: str, K: int, a: int, b: int, parts: int, where: str
+                 ) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """The packed columns and (per-group scales) the scale columns holding input features
+    [a, b) of a K-wide quantized weight cut into ``parts`` equal ranges. Every part is checked
+    (not only this rank's) so that all ranks refuse alike: a boundary inside a packed unit
+    (int4: 2 codes in a byte, int6: 4 codes in 3 bytes) or a part spanning the border of a
+    128-wide scale group (its local groups would mix two scales) is a ParallelError."""
+    sc = get_scheme(scheme, "parallelize")
+    unit = {8: 1, 4: 2, 6: 4}[sc.weight_bits]
+    step = b - a
+    for i in range(parts):
+        pa, pb = i * step, (i + 1) * step
+        if pa % unit or (pb % unit and pb != K):
+            raise ParallelError(
+                f"glm5 parallelize: {where} ({scheme}): cutting K={K} input features into "
+                f"{parts} parts of {step} puts a boundary inside a packed unit of {unit} "
+                f"codes (part {i}: [{pa}, {pb})); expected part boundaries at multiples of "
+                f"{unit}")
+        aligned = pa % GROUP == 0 and (pb % GROUP == 0 or pb == K)
+        if sc.grouped and not aligned and pa // GROUP != (pb - 1) // GROUP:
+            raise ParallelError(
+                f"glm5 parallelize: {where} ({scheme}): cutting K={K} input features into "
+                f"{parts} parts of {step} splits a quantization group of {GROUP} (part {i}: "
+                f"[{pa}, {pb}) spans groups {pa // GROUP}..{(pb - 1) // GROUP} unaligned); "
+                f"expected parts that are whole groups or lie inside one group")
+    p0 = sc.packed_k(a)  # exact: a is a multiple of the packing unit
+    cols = (p0, p0 + sc.packed_k(b - a))
+    return cols, ((a // GROUP, a // GROUP + n_groups(b - a)) if sc.grouped else None)
+
+
+def _keep_quant(lin: QuantLinear, dim: int, a: int, b: int, where: str, cut: _Cut
+                ) -> QuantLinear:
+    """`_keep` for a QuantLinear: rows of weight_packed / weight_scale / bias, or packed
+    columns and per-group scale columns (`_packed_cols`); recorded in checkpoint coordinates."""
+    if dim == 0:
+        for name in ("weight_packed", "weight_scale", "bias"):
+            t = getattr(lin, name)
+            if t is not None:
+                _record(f"{where}.{name}", 0, a, b)
+                setattr(lin, name, t[a:b].clone())
+        lin.out_features = b - a
+        return lin
+    (c0, c1), groups = _packed_cols(lin.scheme, lin.in_features, a, b, cut.parts, where)
+    _record(f"{where}.weight_packed", 1, c0, c1)
+    lin.weight_packed = lin.weight_packed[:, c0:c1].clone()
+    if groups is not None:
+        _record(f"{where}.weight_scale", 1, *groups)
+        lin.weight_scale = lin.weight_scale[:, groups[0]:groups[1]].clone()
+    if lin.bias is not None and cut.rank != 0:
+        _record(f"{where}.bias", 0, 0, 0)
+        lin.bias = None
+    lin.in_features = b - a
+    if get_scheme(lin.scheme).act_bits is None:
+        return lin  # float activations: the parts are exact as they are
+    return RowParallelQuantLinear(lin, cut.group, cut.parts)
+
+
+class RowParallelQuantLinear(QuantLinear):
+    """A row-parallel part of a QuantLinear whose scheme quantizes activations per token
+    (w8a8, w4a8, w6a12), computing exactly what the whole layer computes on its K range.
+
+    The whole layer takes each token's scale from max |x| over all K; this part sees
+    ``in_features`` = K/T of them. ``forward`` all-gathers each token's local max |x| over
+    ``group`` (M floats a rank) and appends the group max as one extra input column whose
+    weight codes are zero: quant_linear's per-token max is then the whole row's, so are the
+    scale and the codes, and the extra column adds nothing. Buffers: ``weight_packed``
+    [N, P(K/T + 1)] (the checkpoint slice, zero bytes appended), ``weight_scale`` [N] or
+    [N, ceil((K/T + 1)/128)] (the slice, a 1.0 group appended where the extra column starts a
+    new group), ``bias`` [N] fp32 or None (tp rank 0 only)."""
+
+    def __init__(self, lin: QuantLinear, group: Any, parts: int) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features, self.scheme = (lin.in_features, lin.out_features,
+                                                            lin.scheme)
+        self.group, self.parts = group, parts
+        self.register_buffer("weight_packed", self.widen("weight_packed", lin.weight_packed))
+        self.register_buffer("weight_scale", self.widen("weight_scale", lin.weight_scale))
+        self.register_buffer("bias", lin.bias)
+
+    def widen(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Checkpoint slice -> this module's buffer ``name`` (``weight_packed``: zero bytes for
+        the extra column; ``weight_scale``: a 1.0 group if the column starts one; anything else
+        unchanged). `glm5.parallel.loading` passes each slice it reads through here."""
+        sc = get_scheme(self.scheme)
+        K = self.in_features
+        if name == "weight_packed":
+            return F.pad(t, (0, sc.packed_k(K + 1) - sc.packed_k(K)))
+        if name == "weight_scale" and sc.grouped:
+            return F.pad(t, (0, n_groups(K + 1) - n_groups(K)), value=1.0)
+        return t
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, K = x.shape[:-1], self.in_features
+        x2 = x.reshape(-1, K)
+        M = x2.shape[0]
+        amax = x2.abs().amax(-1, keepdim=True)  # [M, 1] (every rank of the group has M rows)
+        amax = comm.all_gather(amax, self.group).reshape(self.parts, M, 1).amax(0)
+        y = ops.quant_linear(torch.cat((x2, amax), -1), self.weight_packed, self.weight_scale,
+                             self.scheme, self.bias)
+        return y.reshape(*lead, self.out_features)
 
 
 # ---------------------------------------------------------------------------- modules
-def _split_mlp(mlp: nn.Module, parts: int, rank: int, where: str) -> None:
-    a, b = _split(mlp.gate_proj.weight.shape[0], parts, rank, f"{where} intermediate size")
-    _keep(mlp.gate_proj, 0, a, b, f"{where}.gate_proj")
-    _keep(mlp.up_proj, 0, a, b, f"{where}.up_proj")
-    _keep(mlp.down_proj, 1, a, b, f"{where}.down_proj")
+def _out_features(lin: nn.Module) -> int:
+    return lin.out_features  # nn.Linear and QuantLinear alike
 
 
-def _split_attention(attn: nn.Module, tp: int, rank: int, where: str) -> None:
+def _split_mlp(mlp: nn.Module, cut: _Cut, where: str) -> None:
+    a, b = _split(_out_features(mlp.gate_proj), cut.parts, cut.rank,
+                  f"{where} intermediate size")
+    mlp.gate_proj = _keep(mlp.gate_proj, 0, a, b, f"{where}.gate_proj", cut)
+    mlp.up_proj = _keep(mlp.up_proj, 0, a, b, f"{where}.up_proj", cut)
+    mlp.down_proj = _keep(mlp.down_proj, 1, a, b, f"{where}.down_proj", cut)
+
+
+def _split_attention(attn: nn.Module, cut: _Cut, where: str) -> None:
     c = attn.cfg
     H = c.num_attention_heads
-    h0, h1 = _split(H, tp, rank, f"{where} attention heads")
-    _keep(attn.q_b_proj, 0, h0 * c.qk_head_dim, h1 * c.qk_head_dim, f"{where}.q_b_proj")
+    h0, h1 = _split(H, cut.parts, cut.rank, f"{where} attention heads")
+    attn.q_b_proj = _keep(attn.q_b_proj, 0, h0 * c.qk_head_dim, h1 * c.qk_head_dim,
+                          f"{where}.q_b_proj", cut)
     per = c.qk_nope_head_dim + c.v_head_dim
-    _keep(attn.kv_b_proj, 0, h0 * per, h1 * per, f"{where}.kv_b_proj")
-    _keep(attn.o_proj, 1, h0 * c.v_head_dim, h1 * c.v_head_dim, f"{where}.o_proj")
+    attn.kv_b_proj = _keep(attn.kv_b_proj, 0, h0 * per, h1 * per, f"{where}.kv_b_proj", cut)
+    attn.o_proj = _keep(attn.o_proj, 1, h0 * c.v_head_dim, h1 * c.v_head_dim,
+                        f"{where}.o_proj", cut)
     # the module computes with its own heads (MLA: as many key/value heads as query heads)
     attn.cfg = c.replace(num_attention_heads=h1 - h0, num_key_value_heads=h1 - h0)
 
 
 class ParallelMoE(nn.Module):
-    """The routed experts this rank owns ([e0, e1) of E) and the shared expert; the router is
-    replicated. Replicated tokens: returns this rank's partial sum (the layer reduces it). Data-
-    parallel attention: dispatches (token, expert) pairs to their owners by all-to-all and
-    combines the results; returns the whole MoE output of this rank's tokens."""
+    """The routed experts this rank owns ([e0, e1) of E; `Experts` or `QuantExperts`) and the
+    shared expert; the router is replicated. Replicated tokens: returns this rank's partial sum
+    (the layer reduces it). Data-parallel attention: dispatches (token, expert) pairs to their
+    owners by all-to-all and combines the results; returns the whole MoE output of this rank's
+    tokens. An empty batch (x [0, D]) is valid in every mode: under data-parallel attention the
+    rank still takes part in the all-to-alls (it sends nothing and runs the pairs others send
+    it), so an idle data-parallel rank keeps the group in step."""
+
+    # the stacked tensors of each kind of routed experts (all cut by expert, dim 0)
+    _STACKED = {Experts: ("gate_up_proj", "down_proj"),
+                QuantExperts: ("gate_up_proj_packed", "gate_up_proj_scale", "down_proj_packed",
+                               "down_proj_scale")}
 
     def __init__(self, moe: nn.Module, layout: ParallelConfig, where: str) -> None:
         super().__init__()
 
-        if type(moe.experts) is not Experts:
+        names = self._STACKED.get(type(moe.experts))
+        if names is None:
             raise ParallelError(f"glm5 parallelize: {where}.experts is "
-                                f"{type(moe.experts).__name__}; quantized experts are not split "
-                                f"yet")
+                                f"{type(moe.experts).__name__}; expected Experts or "
+                                f"QuantExperts")
         self.layout = layout
-        E = moe.experts.gate_up_proj.shape[0]
+        E = getattr(moe.experts, names[0]).shape[0]
         self.e0, self.e1 = _split(E, layout.ep, layout.ep_rank, f"{where} routed experts")
         self.n_local = self.e1 - self.e0
         self.gate = moe.gate
         self.experts = moe.experts
-        for name in ("gate_up_proj", "down_proj"):
+        for name in names:
             _record(f"{where}.experts.{name}", 0, self.e0, self.e1)
             p = getattr(moe.experts, name)
-            setattr(moe.experts, name, nn.Parameter(p.detach()[self.e0:self.e1].clone(),
-                                                    requires_grad=p.requires_grad))
+            kept = p.detach()[self.e0:self.e1].clone()
+            setattr(moe.experts, name, nn.Parameter(kept, requires_grad=p.requires_grad)
+                    if isinstance(p, nn.Parameter) else kept)
         self.shared_experts = moe.shared_experts
         if not layout.dp_attention:  # replicated tokens: the output is summed over the group,
             # so the shared expert is split like a dense MLP (each rank adds its columns' part)
-            _split_mlp(moe.shared_experts, layout.ep, layout.ep_rank, f"{where}.shared_experts")
+            _split_mlp(moe.shared_experts, _Cut(layout.expert_group, layout.ep, layout.ep_rank),
+                       f"{where}.shared_experts")
+
+    def _run_experts(self, x: torch.Tensor, ids: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:
+        """The local experts on x [M, D] with local ids [M, k] (-1: skip) and weights [M, k]."""
+        ex = self.experts
+        if type(ex) is QuantExperts:
+            return ops.moe_experts_quant(x, ids, weights, ex.gate_up_proj_packed,
+                                         ex.gate_up_proj_scale, ex.down_proj_packed,
+                                         ex.down_proj_scale, ex.scheme)
+        return ops.moe_experts(x, ids, weights, ex.gate_up_proj, ex.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        ex = self.experts
         if not self.layout.dp_attention:
+            if x.shape[0] == 0:  # every rank holds the same (no) tokens: nothing to sum
+                return torch.zeros_like(x)
+            weights, ids = self.gate(x)
             local = ids - self.e0
             mine = (ids >= self.e0) & (ids < self.e1)
-            y = ops.moe_experts(x, torch.where(mine, local, torch.full_like(local, -1)),
-                                weights, ex.gate_up_proj, ex.down_proj)
+            y = self._run_experts(x, torch.where(mine, local, torch.full_like(local, -1)),
+                                  weights)
             return y + self.shared_experts(x)
-        return self._dispatch_combine(x, ids, weights) + self.shared_experts(x)
+        weights, ids = self.gate(x)
+        y = self._dispatch_combine(x, ids, weights)
+        # the shared expert is whole here (no collective inside): skipped on no tokens
+        return y + self.shared_experts(x) if x.shape[0] else y
 
     def _dispatch_combine(self, x: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor) -> torch.Tensor:
@@ -237,8 +410,7 @@ class ParallelMoE(nn.Module):
         rx = comm.all_to_all(x[tok], send, recv, g)
         re = comm.all_to_all(e - owner * El, send, recv, g)
         ones = torch.ones(re.shape[0], 1, dtype=x.dtype, device=x.device)
-        ry = ops.moe_experts(rx, re[:, None].to(ids.dtype), ones, self.experts.gate_up_proj,
-                             self.experts.down_proj) if re.numel() else rx
+        ry = self._run_experts(rx, re[:, None].to(ids.dtype), ones) if re.numel() else rx
         y = comm.all_to_all(ry, recv, send, g)
         out = torch.zeros_like(x)
         return out.index_add_(0, tok, y * w[:, None].to(y.dtype))
@@ -320,9 +492,10 @@ def parallelize(model: nn.Module, layout: ParallelConfig) -> nn.Module:
 def _parallelize(model: nn.Module, layout: ParallelConfig) -> None:
     def one(layer: nn.Module, where: str, first: bool, last: bool) -> nn.Module:
         if layout.tp > 1:
-            _split_attention(layer.self_attn, layout.tp, layout.tp_rank, f"{where}.self_attn")
+            cut = _Cut(layout.tp_group, layout.tp, layout.tp_rank)
+            _split_attention(layer.self_attn, cut, f"{where}.self_attn")
             if type(layer.mlp) is MLP:
-                _split_mlp(layer.mlp, layout.tp, layout.tp_rank, f"{where}.mlp")
+                _split_mlp(layer.mlp, cut, f"{where}.mlp")
         if type(layer.mlp) is MoE and layout.ep > 1:
             layer.mlp = ParallelMoE(layer.mlp, layout, f"{where}.mlp")
         elif type(layer.mlp) is MoE and layout.tp > 1:  # pragma: no cover - ep == tp here

@@ -1,0 +1,295 @@
+"""Quantized models across processes (gloo, 2 ranks): `parallelize` and `load_parallel` on the
+`tiny` preset quantized as `glm5 quantize` does it (w8a16, w8a8, w4a8, w6a12) and imported from
+msModelSlim — logits within fp32 rounding of, and greedy tokens equal to, the single-process
+quantized model computed in the same rank; only this rank's slice read; cuts that would split a
+packed byte or a quantization group refused with the sizes; empty MoE batches in every mode
+(an idle data-parallel rank still takes part in the all-to-alls)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from glm5.testing.dist import DistPool, values
+
+TOL = 2e-5  # fp32: only the order of the sums differs from the single process
+SCHEMES = ("w8a16", "w8a8", "w4a8", "w6a12")
+LAYOUTS = {  # name: (tp, ep, dp_attention, flashcomm)
+    "tp2": (2, 2, False, False),
+    "tp2+flashcomm": (2, 2, False, True),
+    "ep2": (1, 2, False, False),
+    "ep2+dp-attention": (1, 2, True, False),
+}
+
+
+def _fp32_model(seed: int = 0):
+    from glm5.core.config import preset
+    from glm5.core.model import GLM5ForCausalLM
+
+    torch.manual_seed(seed)
+    return GLM5ForCausalLM(preset("tiny")).eval()  # with its MTP layer (cut like the others)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, str]:
+    """{"fp32", each scheme, "msmodelslim" (the raw directory), "ms-imported"} -> directory."""
+    from glm5.deploy.quantize import import_msmodelslim, quantize_checkpoint
+    from test_quantize import _write_msmodelslim
+
+    d = tmp_path_factory.mktemp("dist_quant")
+    _fp32_model().save_pretrained(d / "fp32")
+    out = {"fp32": str(d / "fp32")}
+    for s in SCHEMES:
+        quantize_checkpoint(d / "fp32", d / s, s)
+        out[s] = str(d / s)
+    # static W8A8 attention with a nonzero float bias on a row-parallel layer (o_proj)
+    _write_msmodelslim(_fp32_model(seed=1), d / "ms", bias_layer="model.layers.1.self_attn.o_proj")
+    import_msmodelslim(d / "ms", d / "ms-imported")
+    out["msmodelslim"], out["ms-imported"] = str(d / "ms"), str(d / "ms-imported")
+    return out
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with DistPool(2, comm_timeout_s=60) as pool:
+        yield pool
+
+
+def _add_biases(m) -> None:
+    """Random biases (the same on every rank) on a column-parallel (q_b_proj) and two
+    row-parallel quantized linears (o_proj, the dense MLP's down_proj): the row-parallel bias
+    must be added once, not once per rank."""
+    from glm5.core.layers import QuantLinear
+
+    g = torch.Generator().manual_seed(7)
+    layer = m.model.layers[0]
+    for lin in (layer.self_attn.q_b_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert type(lin) is QuantLinear
+        lin.bias = torch.randn(lin.out_features, generator=g) * 0.1
+
+
+def _layouts_equal_single(ctx, path: str, layouts: list[str], bias: bool) -> dict:
+    """On every rank: the single-process quantized model's logits and greedy tokens, then each
+    layout's part's (a fresh copy of the model cut per layout)."""
+    from glm5.core.checkpoint import load_model
+    from glm5.parallel.layouts import ParallelConfig, RowParallelQuantLinear, parallelize
+
+    torch.set_num_threads(1)
+
+    def fresh():
+        m = load_model(path).eval()
+        if bias:
+            _add_biases(m)
+        return m
+
+    m = fresh()
+    ids = torch.randint(0, m.config.vocab_size, (4, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref, gref = m(ids), m.generate(ids[:, :5], 4)
+    out = {}
+    for name in layouts:
+        tp, ep, dp, fc = LAYOUTS[name]
+        cfg = ParallelConfig.from_context(ctx, tp=tp, ep=ep, dp_attention=dp, flashcomm=fc,
+                                          flashcomm_min_tokens=0)
+        m = parallelize(fresh(), cfg)
+        rows = slice(2 * ctx.rank, 2 * ctx.rank + 2) if dp else slice(None)
+        with torch.no_grad():
+            got, gen = m(ids[rows]), m.generate(ids[rows, :5], 4)
+        out[name] = {"err": float((got - ref[rows]).abs().max()),
+                     "scale": float(ref[rows].abs().max()),
+                     "greedy_equal": bool((gen == gref[rows]).all()),
+                     "row_parallel_quant": sum(isinstance(x, RowParallelQuantLinear)
+                                               for x in m.modules())}
+    return out
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_layouts_equal_the_single_process(world2, ckpts, scheme):
+    res = values(world2.run(_layouts_equal_single, ckpts[scheme], list(LAYOUTS),
+                            scheme == "w8a8", timeout_s=240))
+    for r in res:
+        for name, v in r.items():
+            assert v["err"] <= TOL * max(v["scale"], 1.0), (scheme, name, v)
+            assert v["greedy_equal"], (scheme, name, v)
+        # activation-quantizing schemes share the per-token scale across the row-parallel
+        # parts (o_proj and the dense down_proj of 3 layers + MTP; shared experts under ep2)
+        want = 0 if scheme == "w8a16" else 8
+        assert r["tp2"]["row_parallel_quant"] == want, r["tp2"]
+
+
+def _empty_moe_batches(ctx, path: str | None) -> dict:
+    """ep2 + dp-attention: rank 0 runs the model on real tokens while rank 1 calls each MoE
+    layer, in the same order, with 0 tokens; then every mode's MoE layers on 0 tokens."""
+    from glm5.core.checkpoint import load_model
+    from glm5.parallel.layouts import ParallelConfig, ParallelMoE, parallelize
+
+    torch.set_num_threads(1)
+    m = (load_model(path) if path else _fp32_model()).eval()
+    D = m.config.hidden_size
+    ids = torch.randint(0, m.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = m(ids)
+    parallelize(m, ParallelConfig.from_context(ctx, ep=2, dp_attention=True))
+    moes = [layer.mlp for layer in m.model.layers if isinstance(layer.mlp, ParallelMoE)]
+    calls: list[int] = []
+    hooks = [moe.register_forward_hook(lambda mod, _i, _o: calls.append(id(mod)))
+             for moe in moes]
+    out: dict = {}
+    with torch.no_grad():
+        if ctx.rank == 0:
+            out["err"] = float((m(ids) - ref).abs().max())
+            out["scale"] = float(ref.abs().max())
+        else:
+            out["empty_shapes"] = [list(moe(torch.zeros(0, D)).shape) for moe in moes]
+    for h in hooks:
+        h.remove()
+    out["calls_in_layer_order"] = calls == [id(x) for x in moes]
+    shapes = {}
+    for name in ("tp2", "ep2", "ep2+dp-attention"):
+        tp, ep, dp, _ = LAYOUTS[name]
+        mm = (load_model(path) if path else _fp32_model()).eval()
+        parallelize(mm, ParallelConfig.from_context(ctx, tp=tp, ep=ep, dp_attention=dp))
+        with torch.no_grad():
+            shapes[name] = [list(layer.mlp(torch.zeros(0, D)).shape)
+                            for layer in mm.model.layers if isinstance(layer.mlp, ParallelMoE)]
+    out["all_empty"] = shapes
+    return out
+
+
+@pytest.mark.parametrize("scheme", ("float", "w8a8", "w4a8"))
+def test_an_idle_rank_takes_part_in_the_moe_all_to_alls(world2, ckpts, scheme):
+    res = values(world2.run(_empty_moe_batches, None if scheme == "float" else ckpts[scheme],
+                            timeout_s=180))
+    r0, r1 = res
+    assert r0["err"] <= TOL * max(r0["scale"], 1.0), r0
+    assert r0["calls_in_layer_order"] and r1["calls_in_layer_order"], res
+    assert r1["empty_shapes"] == [[0, 64]] * 2, r1  # the 2 MoE layers of the stack
+    for r in res:
+        for name, shapes in r["all_empty"].items():
+            assert shapes == [[0, 64]] * 2, (name, shapes)
+
+
+def _others_experts_bytes(path: str, rank: int, parts: int) -> int:
+    """Bytes of the routed experts (codes and scales) that rank ``rank`` of ``parts`` does not
+    own, from the checkpoint's headers."""
+    import re
+
+    from glm5.core import checkpoint as ck
+
+    files = ck._files(Path(path))
+    E = 8  # tiny's routed experts
+    lo, hi = rank * E // parts, (rank + 1) * E // parts
+    others = {n: f for n, f in files.items()
+              if (m := re.search(r"\.mlp\.experts\.(\d+)\.", n)) and
+              not lo <= int(m.group(1)) < hi}
+    return ck.stored_bytes(others)
+
+
+def _loaded(ctx, path: str, layouts: list[str], kw: dict | None = None) -> dict:
+    from glm5.core.checkpoint import load_model
+    from glm5.parallel.layouts import ParallelConfig
+    from glm5.parallel.loading import load_parallel
+
+    torch.set_num_threads(1)
+    kw = kw or {}
+    full = load_model(path, **kw).eval()
+    ids = torch.randint(0, full.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = full(ids)
+    out = {}
+    for name in layouts:
+        tp, ep, dp, fc = LAYOUTS[name]
+        m = load_parallel(path, ParallelConfig.from_context(ctx, tp=tp, ep=ep, dp_attention=dp,
+                                                            flashcomm=fc), **kw).eval()
+        rows = slice(ctx.rank, ctx.rank + 1) if dp else slice(None)
+        with torch.no_grad():
+            got = m(ids[rows])
+        out[name] = {"err": float((got - ref[rows]).abs().max()),
+                     "scale": float(ref[rows].abs().max()), **m.load_stats,
+                     "others_experts_bytes": _others_experts_bytes(path, ctx.rank, 2),
+                     "indexer": (m.config.dsa_indexer_dtype, m.config.dsa_indexer_hadamard),
+                     "quantization": getattr(m, "quantization", {}).get("scheme")}
+    return out
+
+
+@pytest.mark.parametrize("which", ("w8a8", "w4a8", "w6a12", "ms-imported"))
+def test_load_parallel_reads_only_this_ranks_slice_of_a_quantized_checkpoint(world2, ckpts,
+                                                                            which):
+    res = values(world2.run(_loaded, ckpts[which], ["tp2", "ep2+dp-attention"],
+                            timeout_s=180))
+    for r in res:
+        for name, v in r.items():
+            assert v["err"] <= TOL * max(v["scale"], 1.0), (which, name, v)
+            if name == "tp2":
+                assert v["bytes_read"] < 0.85 * v["checkpoint_bytes"], (which, name, v)
+            else:  # attention is replicated: everything but the other rank's experts (4-bit
+                # experts are a small part of tiny's checkpoint: 0.85 of it under w4a8)
+                assert v["bytes_read"] == v["checkpoint_bytes"] - v["others_experts_bytes"], v
+            assert v["quantization"] == ("mixed" if which == "ms-imported" else which), v
+
+
+def test_load_parallel_indexer_options_and_msmodelslim_refusal(world2, ckpts):
+    res = values(world2.run(_loaded, ckpts["w8a8"], ["tp2"],
+                            {"indexer_dtype": "fp8", "indexer_hadamard": True}, timeout_s=120))
+    for r in res:
+        assert r["tp2"]["indexer"] == ("fp8", True), r
+        assert r["tp2"]["err"] <= TOL * max(r["tp2"]["scale"], 1.0), r
+    from glm5.core.checkpoint import CheckpointError
+    from glm5.parallel.layouts import ParallelConfig
+    from glm5.parallel.loading import load_parallel
+
+    with pytest.raises(CheckpointError, match="glm5 load_parallel: .* is an msModelSlim "
+                                              "checkpoint; convert it first"):
+        load_parallel(ckpts["msmodelslim"], ParallelConfig())
+
+
+def _group_split(ctx, scheme: str, v_head_dim: int) -> str:
+    """o_proj with K = 4 heads x v_head_dim, quantized in ``scheme``, cut 2 ways."""
+    from glm5.core.config import preset
+    from glm5.core.layers import QuantLinear
+    from glm5.core.model import GLM5ForCausalLM
+    from glm5.parallel.layouts import ParallelConfig, ParallelError, parallelize
+
+    cfg = preset("tiny").replace(v_head_dim=v_head_dim, num_nextn_predict_layers=0)
+    m = GLM5ForCausalLM(cfg)
+    for layer in m.model.layers:
+        o = layer.self_attn.o_proj
+        layer.self_attn.o_proj = QuantLinear(o.in_features, o.out_features, scheme)
+    try:
+        parallelize(m, ParallelConfig.from_context(ctx, tp=2, ep=2))
+    except ParallelError as e:
+        return str(e)
+    return "not refused"
+
+
+def test_a_cut_splitting_a_quantization_group_is_refused_with_the_sizes(world2):
+    # K = 192 = one group of 128 + 64; halves of 96: [96, 192) straddles the group border
+    for msg in values(world2.run(_group_split, "w4a8", 48, timeout_s=60)):
+        assert "model.layers.0.self_attn.o_proj (w4a8)" in msg, msg
+        assert "K=192" in msg and "2 parts of 96" in msg and "group of 128" in msg, msg
+        assert "[96, 192)" in msg, msg
+
+
+def test_packed_unit_and_group_rules():
+    from glm5.parallel.layouts import ParallelError, _packed_cols
+
+    # int8 per channel: any cut, packed columns = features, scales whole
+    assert _packed_cols("w8a8", 96, 48, 96, 2, "l") == ((48, 96), None)
+    # int4: 2 codes a byte; groups of 128 whole, or a part inside one group
+    assert _packed_cols("w4a8", 512, 256, 512, 2, "l") == ((128, 256), (2, 4))
+    assert _packed_cols("w4a8", 64, 32, 64, 2, "l") == ((16, 32), (0, 1))
+    assert _packed_cols("w4a8", 130, 0, 130, 1, "l") == ((0, 65), (0, 2))
+    # int6: 4 codes in 3 bytes; K = 300 (not a multiple of 4 nor 128) in 1 part
+    assert _packed_cols("w6a12", 300, 0, 300, 1, "l") == ((0, 225), (0, 3))
+    assert _packed_cols("w6a12", 256, 128, 256, 2, "l") == ((96, 192), (1, 2))
+    with pytest.raises(ParallelError, match=r"l \(w6a12\): cutting K=12 input features into 2 "
+                                            r"parts of 6 puts a boundary inside a packed unit "
+                                            r"of 4 codes"):
+        _packed_cols("w6a12", 12, 6, 12, 2, "l")
+    with pytest.raises(ParallelError, match="packed unit of 2 codes"):
+        _packed_cols("w4a8", 15, 0, 5, 3, "l")
+    with pytest.raises(ParallelError, match=r"K=384 .* 4 parts of 96 splits a quantization "
+                                            r"group of 128 \(part 1: \[96, 192\)"):
+        _packed_cols("w4a8", 384, 0, 96, 4, "l")
