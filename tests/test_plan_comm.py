@@ -218,7 +218,9 @@ def test_step_time_uses_the_chosen_option():
         for o, r in ph.items():
             assert r["total_ms"] == pytest.approx(r["compute_ms"] + r["tp_comm_ms"]
                                                   + r["ep_alltoall_ms"], rel=1e-12)
-            assert r["ep_alltoall_ms"] == ph["allreduce"]["ep_alltoall_ms"] > 0
+            # tp 2 = ep 2: the experts are split over the TP group, whose ranks hold the same
+            # tokens; the model sums the MoE output in the TP reduction, no all-to-all
+            assert r["ep_alltoall_ms"] == 0 and r["comm"]["ep_link_bytes"] == 0
     # decode: 3 sequences on tp 2 (1 attention group) pad to 4; the shard holds 2 of them,
     # so the residual stream a device keeps halves
     d = ps["flashcomm"]["decode"]["comm"]
@@ -233,16 +235,38 @@ def test_step_time_uses_the_chosen_option():
 
 def test_ep_alltoall_by_hand():
     """tiny decode, batch 4 on tp 1 x ep 2 (two attention groups): each device owns 2 tokens and
-    sends each to k = 2 experts: dispatch and combine of 2 * 2 * 64 * 2 bytes, half off-device."""
+    sends each to k = 2 experts, as the model does (glm5.parallel.layouts.ParallelMoE): the
+    pair counts (2 int64, one to the other rank: 8 bytes), the dispatch of 2 * 2 rows of
+    64 bf16 and the combine back (half off-device each: 256 bytes), and the pairs' int64 expert
+    ids (half of 4 * 8 bytes: 16). Before the planner was checked against counted bytes it had
+    only the dispatch and the combine (2 * 256 bytes)."""
     p = plan(TINY, "h200", "bf16", batch=4, context=16, ep=2)
     cm = p["decode"]["comm"]
     moe = next(k for k in cm["kinds"] if k["kind"] == "moe")
     link = 1 / 2 * 2 * 2 * 64 * 2
-    assert moe["ep_alltoall"]["link_bytes"] == 2 * link
-    assert moe["ep_alltoall"]["us"] == pytest.approx(2 * (6 + link / 450e9 * 1e6), rel=1e-12)
+    parts = [8.0, link, 1 / 2 * 2 * 2 * 8, link]
+    assert moe["ep_alltoall"]["collectives"] == ["all_to_all"] * 4
+    assert moe["ep_alltoall"]["link_bytes"] == sum(parts) == 536.0
+    assert moe["ep_alltoall"]["us"] == pytest.approx(sum(6 + b / 450e9 * 1e6 for b in parts),
+                                                     rel=1e-12)
     assert moe["tp"] is None and p["decode"]["comm_option"] == "none"
     assert p["decode"]["ep_alltoall_ms"] == pytest.approx(2 * moe["ep_alltoall"]["us"] / 1e3)
     assert next(k for k in cm["kinds"] if k["kind"] == "dense")["ep_alltoall"] is None
+
+
+def test_ep_replicated_tokens_by_hand():
+    """tiny decode, batch 4 on tp 1 x ep 2 with replicated tokens (no data-parallel attention):
+    every device runs the 4 tokens, and each MoE layer all-reduces its [4, 64] bf16 output over
+    the 2 ranks: 2 * 1/2 * 512 bytes; no all-to-all, the KV cache of all 4 sequences each."""
+    p = plan(TINY, "h200", "bf16", batch=4, context=16, ep=2, dp_attention=False)
+    d = p["decode"]
+    moe = next(k for k in d["comm"]["kinds"] if k["kind"] == "moe")
+    assert moe["ep_alltoall"] is None and moe["ep_allreduce"]["link_bytes"] == 512.0
+    assert p["layout"]["dp"] == 1 and p["layout"]["local_batch"] == 4
+    assert d["ep_allreduce_link_bytes"] == 2 * 512.0 and d["ep_alltoall_ms"] == 0
+    assert d["total_ms"] == pytest.approx(d["compute_ms"] + d["ep_allreduce_ms"], rel=1e-12)
+    with pytest.raises(PlanError, match="dp_attention"):
+        plan(TINY, "h200", "bf16", batch=4, context=16, tp=2, ep=4, dp_attention=False)
 
 
 def test_plan_rejects_flashcomm_without_tp():

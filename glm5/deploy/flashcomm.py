@@ -24,13 +24,14 @@ COMM_CHOICES = (*COMM_OPTIONS, "auto")
 THRESHOLD_MAX_TOKENS = 2 ** 40
 
 
-def link_bytes(op: str, rows: float, width: int, n: int, **attrs: Any) -> float:
+def link_bytes(op: str, rows: float, width: int, n: int, dtype: torch.dtype = torch.bfloat16,
+               **attrs: Any) -> float:
     """Bytes one device sends in the collective ``op`` (the ``glm5.ir.ops_comm`` cost) of its
-    ``[rows, width]`` bf16 input over ``n`` devices: all_reduce 2 (n-1)/n B, reduce_scatter
-    (n-1)/n B (B = the whole input each device holds), all_gather (n-1) B of its shard
-    (``quant="int8"``: (n-1) (numel + 4 rows)); 0 when n is 1."""
-    return 0.0 if n <= 1 else get_comm_op(op).link_bytes((rows, width), torch.bfloat16, n,
-                                                         **attrs)
+    ``[rows, width]`` input of ``dtype`` (bf16 unless told: the model's activations) over ``n``
+    devices: all_reduce 2 (n-1)/n B, reduce_scatter (n-1)/n B (B = the whole input each device
+    holds), all_gather (n-1) B of its shard (``quant="int8"``: (n-1) (numel + 4 rows), whatever
+    ``dtype``); 0 when n is 1."""
+    return 0.0 if n <= 1 else get_comm_op(op).link_bytes((rows, width), dtype, n, **attrs)
 
 
 def all_to_all_link_bytes(nbytes: float, n: int) -> float:
@@ -63,9 +64,12 @@ def _check_comm(option: str, where: str) -> None:
         raise plan_error(where, f"one of {', '.join(COMM_OPTIONS)}", option)
 
 
-def tp_collectives(hidden: int, tp: int, tokens: int, option: str) -> list[tuple[str, float]]:
+def tp_collectives(hidden: int, tp: int, tokens: int, option: str,
+                   dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, float]]:
     """(collective, link bytes one device sends) of one place where a TP group of ``tp`` sums
-    its partial ``[tokens, hidden]`` bf16 outputs, done the ``option`` way:
+    its partial ``[tokens, hidden]`` outputs (bf16 unless ``dtype`` says otherwise), done the
+    ``option`` way, in the order the model issues them (glm5.parallel.layouts: FlashComm's
+    reduce-scatter ends one sub-layer, its all-gather feeds the next):
 
     * allreduce: one all-reduce of tokens * hidden * 2 bytes;
     * flashcomm: a reduce-scatter of the padded ``[P, hidden]`` (P = tokens padded to a multiple
@@ -79,11 +83,11 @@ def tp_collectives(hidden: int, tp: int, tokens: int, option: str) -> list[tuple
     if tp <= 1:
         return []
     if option == "allreduce":
-        return [("all_reduce", link_bytes("all_reduce", tokens, hidden, tp))]
+        return [("all_reduce", link_bytes("all_reduce", tokens, hidden, tp, dtype))]
     P = padded_tokens(tokens, tp)
     quant = None if option == "flashcomm" else "int8"
-    return [("reduce_scatter", link_bytes("reduce_scatter", P, hidden, tp)),
-            ("all_gather", link_bytes("all_gather", P // tp, hidden, tp, quant=quant))]
+    return [("reduce_scatter", link_bytes("reduce_scatter", P, hidden, tp, dtype)),
+            ("all_gather", link_bytes("all_gather", P // tp, hidden, tp, dtype, quant=quant))]
 
 
 def sync_ops(hidden: int, eps: float, tp: int, tokens: int, option: str, norm_label: str,

@@ -62,6 +62,7 @@ from glm5.deploy.info import (
     kv_cache_per_token,
 )
 from glm5.deploy.plan_text import format_comm, format_plan  # noqa: F401  (importable from here too)
+from glm5.ir.ops_comm import get_comm_op
 from glm5.ir.quant_formats import SCHEMES, Scheme
 
 #: the unquantized choice of ``--quant``
@@ -195,6 +196,10 @@ class Layout:
     context: int
     tp: int
     ep: int
+    #: with ep > tp: each of the devices / tp attention groups runs its own sequences and the
+    #: MoE layers dispatch by all-to-all (True), or every device runs every sequence (tp 1) and
+    #: the MoE outputs are all-reduced over the EP group ("replicated tokens", False)
+    dp_attention: bool = True
     devices: int = field(init=False)
     dp: int = field(init=False)
     expert_tp: int = field(init=False)
@@ -202,7 +207,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         self.devices = max(self.tp, self.ep)
-        self.dp = self.devices // self.tp
+        self.dp = self.devices // self.tp if self.dp_attention else 1
         self.expert_tp = self.devices // self.ep
         self.local_batch = -(-self.batch // self.dp)
 
@@ -443,6 +448,107 @@ def expert_load(E: int, k: int, tokens: int, ep: int) -> tuple[int, int]:
     return slots, touched
 
 
+# --------------------------------------------------------------------------- per-layer comm
+#: what the model's all-to-all MoE (glm5.parallel.layouts.ParallelMoE, data-parallel attention)
+#: sends besides the hidden rows: first an all-to-all of one int64 pair count per rank (so every
+#: rank knows what it receives), then, beside the dispatch of the rows, one of each pair's
+#: int64 local expert id
+A2A_COUNT_DTYPE = torch.int64
+A2A_ID_DTYPE = torch.int64
+
+
+def route_pairs(expert_ids: list[torch.Tensor], n_experts: int, ep: int) -> list[list[int]]:
+    """The routing as the all-to-all sees it: ``M[s][r]`` = the (token, expert) pairs EP rank
+    ``s`` sends rank ``r``, from ``expert_ids[s]`` (rank s's router output, [tokens, k] ints;
+    -1 = an empty slot, not sent). Rank r owns experts [r E/ep, (r+1) E/ep)."""
+    if ep <= 0 or n_experts % ep:
+        raise plan_error("ep", f"a divisor of n_experts={n_experts}", ep)
+    if len(expert_ids) != ep:
+        raise plan_error("expert_ids", f"one tensor per EP rank ({ep})", len(expert_ids))
+    per = n_experts // ep
+    out = []
+    for ids in expert_ids:
+        e = torch.as_tensor(ids).reshape(-1).long()
+        e = e[e >= 0]
+        out.append(torch.bincount(e // per, minlength=ep).tolist())
+    return out
+
+
+def moe_all_to_alls(hidden: int, ep: int, tokens: int, k: int,
+                    dtype: torch.dtype = torch.bfloat16, pairs: list[list[int]] | None = None,
+                    rank: int = 0) -> list[tuple[str, float]]:
+    """(collective, link bytes EP rank ``rank`` sends) of one MoE layer with data-parallel
+    attention, in the model's order: the pair counts ([ep] int64, one to each rank), the
+    dispatch of the hidden rows ([pairs, hidden] of ``dtype``), the pairs' local expert ids
+    ([pairs] int64), the combine of the expert outputs (the dispatch reversed). Only rows for
+    other ranks cross a link (the ``all_to_all`` op cost).
+
+    ``pairs`` (`route_pairs`, a measured routing): the exact bytes of rank ``rank``.
+    None: the planner's assumption: ``tokens`` tokens per rank, each to k experts spread
+    uniformly over the ep ranks, (ep-1)/ep of the ``tokens * k`` rows off the device both ways
+    (fractional in general)."""
+    if ep <= 1:
+        return []
+    op = get_comm_op("all_to_all")
+    counts = op.link_bytes((ep,), A2A_COUNT_DTYPE, ep, send_counts=[1] * ep, rank=rank)
+    if pairs is None:
+        rows = tokens * k
+        isz, idsz = (torch.empty((), dtype=d).element_size() for d in (dtype, A2A_ID_DTYPE))
+        x = all_to_all_link_bytes(rows * hidden * isz, ep)
+        return [("all_to_all", counts), ("all_to_all", x),
+                ("all_to_all", all_to_all_link_bytes(rows * idsz, ep)), ("all_to_all", x)]
+    send = list(pairs[rank])
+    recv = [pairs[s][rank] for s in range(ep)]
+    return [("all_to_all", counts),
+            ("all_to_all", op.link_bytes((sum(send), hidden), dtype, ep, send_counts=send,
+                                         rank=rank)),
+            ("all_to_all", op.link_bytes((sum(send),), A2A_ID_DTYPE, ep, send_counts=send,
+                                         rank=rank)),
+            ("all_to_all", op.link_bytes((sum(recv), hidden), dtype, ep, send_counts=recv,
+                                         rank=rank))]
+
+
+def layer_comm(cfg: GLM5Config, tp: int, ep: int, tokens: int, option: str = "allreduce", *,
+               moe: bool, dp_attention: bool = False, last: bool = False,
+               dtype: torch.dtype = torch.bfloat16, pairs: list[list[int]] | None = None,
+               rank: int = 0) -> list[tuple[str, float]]:
+    """(collective, link bytes one device sends) of one decoder layer, in the order the model
+    (glm5.parallel.layouts) issues them, for ``tokens`` tokens on this device's group (the TP
+    group's tokens; with data-parallel attention this rank's own):
+
+    * tp > 1 (the routed experts split over the TP group, ep 1 or tp): the two TP reduction
+      points (:func:`tp_collectives` done the ``option`` way: all-reduce, or FlashComm's
+      all-gather before and reduce-scatter after each sub-layer), the MoE's partial sum
+      reduced with the layer's; ``last`` adds FlashComm's gather of the residual stream (bf16
+      always) at the end of a stack;
+    * tp 1, ep > 1, replicated tokens: an all-reduce of the MoE layer's [tokens, hidden] output
+      over the EP group (the shared expert split by columns, inside that sum);
+    * tp 1, ep > 1, ``dp_attention``: :func:`moe_all_to_alls` of an MoE layer (``pairs`` /
+      ``rank``: a measured routing, else the uniform assumption);
+    * a dense layer under tp 1: nothing.
+
+    ``dtype``: the activations' (the planner costs bf16; the CPU test model runs fp32)."""
+    if tp > 1 and ep not in (1, tp):
+        raise plan_error("ep", f"1 or tp={tp} for the layouts the model runs (experts split "
+                               f"over the TP group)", ep)
+    if dp_attention and tp > 1:
+        raise plan_error("dp_attention", "False with tp > 1", dp_attention)
+    D = cfg.hidden_size
+    if tp > 1:
+        out = [c for _ in range(2) for c in
+               (tp_collectives(D, tp, tokens, option, dtype)[::-1] if option != "allreduce"
+                else tp_collectives(D, tp, tokens, option, dtype))]
+        if last and option != "allreduce":
+            out.append(("all_gather", link_bytes("all_gather", padded_tokens(tokens, tp) // tp,
+                                                 D, tp, dtype)))
+        return out
+    if ep <= 1 or not moe:
+        return []
+    if not dp_attention:
+        return [("all_reduce", link_bytes("all_reduce", tokens, D, ep, dtype))]
+    return moe_all_to_alls(D, ep, tokens, cfg.num_experts_per_tok, dtype, pairs, rank)
+
+
 def phase_cost(cfg: GLM5Config, chip: Chip, scheme: Scheme | None, lay: Layout, phase: str,
                mtp: bool = False, comm: str = "auto") -> dict[str, Any]:
     """Per-device flops, bytes, op list, communication and times of one decode step or one
@@ -494,8 +600,8 @@ def phase_cost(cfg: GLM5Config, chip: Chip, scheme: Scheme | None, lay: Layout, 
                          heads))
     compute_s = sum(o.seconds(chip) for o in ops)
     cm = comm_section(cfg, chip, lay, T, global_tokens, layer_counts, n_mtp, option, thresholds)
-    tp_s, ep_s = cm["tp_ms"] / 1e3, cm["ep_ms"] / 1e3
-    total_s = compute_s + tp_s + ep_s
+    tp_s, ep_s, ar_s = cm["tp_ms"] / 1e3, cm["ep_ms"] / 1e3, cm["ep_allreduce_ms"] / 1e3
+    total_s = compute_s + tp_s + ep_s + ar_s
     res: dict[str, Any] = {
         "tokens_per_device": T,
         "flops": sum(o.flops * o.count for o in ops),
@@ -506,6 +612,8 @@ def phase_cost(cfg: GLM5Config, chip: Chip, scheme: Scheme | None, lay: Layout, 
         "tp_comm_ms": tp_s * 1e3,
         "ep_alltoall_link_bytes": cm["ep_link_bytes"],
         "ep_alltoall_ms": ep_s * 1e3,
+        "ep_allreduce_link_bytes": cm["ep_allreduce_link_bytes"],
+        "ep_allreduce_ms": ar_s * 1e3,
         "total_ms": total_s * 1e3,
         "comm": cm,
         "ops": _summarise(ops, chip),
@@ -526,10 +634,14 @@ def comm_section(cfg: GLM5Config, chip: Chip, lay: Layout, tokens: int, global_t
     the per-layer figures of its two reduction points (:func:`sync_point`, doubled), the EP
     dispatch + combine of an MoE layer, and the phase totals for the chosen ``option``.
 
-    EP all-to-all: each device sends the hidden states of the tokens it owns
-    (global_tokens / devices) to their k experts and gets them back: two all-to-alls of
-    tokens/devices * k * hidden * 2 bytes each. FlashComm also gathers the residual stream once
-    at the end of each stack (the main layers, each MTP block): one bf16 all-gather each.
+    EP (only where ep > tp: the EP group spans attention groups; with ep <= tp the MoE output
+    is summed by the TP reduction): with data-parallel attention each device sends the hidden
+    states of its share of its group's tokens (tokens / tp) to their k experts and gets them
+    back, as the model does (:func:`moe_all_to_alls`: the pair counts, the dispatch, the pairs'
+    expert ids, the combine; uniform routing); with replicated tokens (``lay.dp_attention``
+    False, tp 1) an all-reduce of the MoE output over the EP group. FlashComm also gathers the
+    residual stream once at the end of each stack (the main layers, each MTP block): one bf16
+    all-gather each.
     """
     D, tp, ep = cfg.hidden_size, lay.tp, lay.ep
     eps = cfg.rms_norm_eps
@@ -539,21 +651,35 @@ def comm_section(cfg: GLM5Config, chip: Chip, lay: Layout, tokens: int, global_t
         # two reduction points per layer (after o_proj, after the MLP): the sums double
         per_opt[o] = {**pt, "collectives": pt["collectives"] * 2,
                       **{k: 2 * pt[k] for k in PER_POINT_SUMS}}
-    a2a_payload = (global_tokens / lay.devices) * cfg.num_experts_per_tok * D * 2
-    a2a_link = all_to_all_link_bytes(a2a_payload, ep)
-    a2a = ({"collectives": ["all_to_all", "all_to_all"], "link_bytes": 2 * a2a_link,
-            "us": 2 * collective_seconds(a2a_link, chip) * 1e6} if ep > 1 else None)
+    # EP communication of an MoE layer beyond the TP reduction: only when the EP group spans
+    # several attention groups (ep > tp). With ep <= tp the experts are split over the TP group,
+    # whose ranks hold the same tokens: the MoE's partial output is summed by the layer's TP
+    # reduction, already counted (the model issues no all-to-all there).
+    a2a = ep_ar = None
+    if ep > tp and lay.dp_attention:
+        # each device dispatches its share of its attention group's tokens
+        coll = moe_all_to_alls(D, ep, tokens / tp, cfg.num_experts_per_tok)
+        a2a = {"collectives": [c for c, _ in coll], "link_bytes": sum(b for _, b in coll),
+               "us": sum(collective_seconds(b, chip) for _, b in coll) * 1e6}
+    elif ep > tp:  # replicated tokens (tp 1): the MoE output is all-reduced over the EP group
+        b = link_bytes("all_reduce", tokens, D, ep)
+        ep_ar = {"collectives": ["all_reduce"], "link_bytes": b,
+                 "us": collective_seconds(b, chip) * 1e6}
     kinds = []
-    tp_link = tp_s = ep_link = ep_s = 0.0
+    tp_link = tp_s = ep_link = ep_s = ar_link = ar_s = 0.0
     for kind, (n, n_moe) in layer_counts.items():
         kinds.append({"kind": kind, "layers": n, "tp": per_opt if tp > 1 else None,
-                      "ep_alltoall": a2a if n_moe else None})
+                      "ep_alltoall": a2a if n_moe else None,
+                      "ep_allreduce": ep_ar if n_moe else None})
         if tp > 1:
             tp_link += n * per_opt[option]["link_bytes"]
             tp_s += n * per_opt[option]["comm_us"] * 1e-6
         if a2a is not None:
             ep_link += n_moe * a2a["link_bytes"]
             ep_s += n_moe * a2a["us"] * 1e-6
+        if ep_ar is not None:
+            ar_link += n_moe * ep_ar["link_bytes"]
+            ar_s += n_moe * ep_ar["us"] * 1e-6
     stack_end = None
     if tp > 1 and option in ("flashcomm", "flashcomm-int8"):
         lb = link_bytes("all_gather", padded_tokens(tokens, tp) // tp, D, tp)
@@ -572,6 +698,8 @@ def comm_section(cfg: GLM5Config, chip: Chip, lay: Layout, tokens: int, global_t
         "tp_ms": tp_s * 1e3,
         "ep_link_bytes": ep_link,
         "ep_ms": ep_s * 1e3,
+        "ep_allreduce_link_bytes": ar_link,
+        "ep_allreduce_ms": ar_s * 1e3,
     }
 
 
@@ -664,12 +792,14 @@ def _candidates(cfg: GLM5Config, max_devices: int = 4096) -> list[tuple[int, int
 def plan(cfg: GLM5Config, chip: str | Chip, quant: str, batch: int, context: int, tp: int = 1,
          ep: int = 1, kv_dtype: str = "bf16", reserve_gb: float | None = None,
          mtp: bool = False, suggest: bool = True, comm: str = "auto",
-         indexer_dtype: str | None = None) -> dict[str, Any]:
+         indexer_dtype: str | None = None, dp_attention: bool = True) -> dict[str, Any]:
     """The full plan as a JSON-serializable dict (see docs/planner.md for every field).
     ``comm`` (:data:`COMM_CHOICES`): how TP groups sum partial outputs in the step times;
     FlashComm needs tp > 1. ``indexer_dtype`` (:data:`INDEXER_DTYPES`) overrides the model's
     ``dsa_indexer_dtype``: 'fp8' costs the paged engine's fp8 index cache (key rows of
-    index_head_dim + 4 bytes, selection at the chip's FP8 rate)."""
+    index_head_dim + 4 bytes, selection at the chip's FP8 rate). ``dp_attention`` False (tp 1, ep > 1): every device
+    runs every sequence and the MoE outputs are all-reduced over the EP group (replicated
+    tokens) instead of data-parallel attention with all-to-all dispatch."""
     ch = chip if isinstance(chip, Chip) else get_chip(chip)
     sc = get_quant(quant)
     if indexer_dtype is not None:
@@ -678,6 +808,10 @@ def plan(cfg: GLM5Config, chip: str | Chip, quant: str, batch: int, context: int
         cfg = cfg.replace(dsa_indexer_dtype=indexer_dtype, dsa_indexer_hadamard=(
             cfg.dsa_indexer_hadamard and indexer_dtype == "fp8"))
     check_inputs(cfg, batch, context, tp, ep)
+    if not dp_attention and ep > tp > 1:
+        raise plan_error("dp_attention", f"True with ep {ep} > tp {tp} > 1 (replicated tokens "
+                                         f"over an EP group wider than the TP group is not a "
+                                         f"layout of the model)", dp_attention)
     if comm not in COMM_CHOICES:
         raise plan_error("comm", f"one of {', '.join(COMM_CHOICES)}", comm)
     if tp == 1 and comm in ("flashcomm", "flashcomm-int8"):
@@ -688,7 +822,7 @@ def plan(cfg: GLM5Config, chip: str | Chip, quant: str, batch: int, context: int
     if reserve_gb is not None and not (reserve_gb >= 0):
         raise plan_error("reserve_gb", "a non-negative number of GB", reserve_gb)
     reserve = RESERVE_FRACTION * ch.memory_bytes if reserve_gb is None else reserve_gb * 1e9
-    lay = Layout(batch, context, tp, ep)
+    lay = Layout(batch, context, tp, ep, dp_attention)
     wb = weight_bytes(cfg, sc, mtp)
     mem = memory(cfg, ch, wb, lay, kv_dtype, reserve, mtp)
     p = count_params(cfg)
@@ -696,7 +830,7 @@ def plan(cfg: GLM5Config, chip: str | Chip, quant: str, batch: int, context: int
         "inputs": {"chip": ch.name, "quant": quant, "batch": batch, "context": context,
                    "tp": tp, "ep": ep, "kv_dtype": kv_dtype,
                    "indexer_dtype": cfg.dsa_indexer_dtype, "mtp": mtp,
-                   "reserve_gb": reserve / 1e9, "comm": comm},
+                   "reserve_gb": reserve / 1e9, "comm": comm, "dp_attention": dp_attention},
         "chip": ch.as_dict(),
         "layout": asdict(lay),
         "formula": FORMULA,

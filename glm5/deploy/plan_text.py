@@ -54,6 +54,8 @@ def format_plan(p: dict[str, Any], top: int = 8) -> str:
         f"    (option)      {d['comm_option']:<18} {f['comm_option']}",
         f"  EP all-to-all   {d['ep_alltoall_ms']:<10.3f} ms      "
         f"{f['ep_alltoall_ms'] / 1e3:.3f} s",
+        *([f"  EP all-reduce   {d['ep_allreduce_ms']:<10.3f} ms      "
+           f"{f['ep_allreduce_ms'] / 1e3:.3f} s"] if d.get("ep_allreduce_ms") else []),
         f"  total           {d['total_ms']:<10.3f} ms      {f['time_s']:.3f} s",
         f"  tokens/s        {d['tokens_per_s']:<18,.1f} {f['tokens_per_s']:,.1f}",
         "",
@@ -98,8 +100,9 @@ def format_comm(p: dict[str, Any]) -> list[str]:
             for o in opts:
                 r = k["tp"][o]
                 cells.append(f"{_num(r['link_bytes'])}B {r['total_us']:,.1f} us")
-            a = k["ep_alltoall"]
-            cells.append(f"{_num(a['link_bytes'])}B {a['us']:,.1f} us" if a else "-")
+            a = k["ep_alltoall"] or k.get("ep_allreduce")  # replicated tokens: all-reduce
+            cells.append(f"{_num(a['link_bytes'])}B {a['us']:,.1f} us"
+                         + ("" if a is k["ep_alltoall"] else " (all-reduce)") if a else "-")
             rows.append(tuple(cells))
         lines += _table(rows, "    ")
     th = p["decode"]["comm"]["thresholds"]
