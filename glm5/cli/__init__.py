@@ -92,6 +92,8 @@ def _run(argv: Sequence[str] | None) -> int:
         return 2
     except SystemExit as e:  # --help, --version: argparse printed and exits 0
         return int(e.code or 0)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # as given (glm5 serve
+    # --tp N runs its command line again on each rank)
     command = f"glm5 {args.command}"
     set_wide(bool(getattr(args, "wide", False)))
     try:

@@ -85,6 +85,29 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                 "README, Serving: limits; vLLM sets none of these but keep-alive)")
     for name, kind, what in LIMIT_FLAGS:
         lim.add_argument("--" + name.replace("_", "-"), type=kind, help=what)
+    par = sv.add_argument_group("across devices", "the ranks a GLM-5 deployment splits the "
+                                "model over (README, Serving across devices); glm5 serve "
+                                "starts them with torchrun, rank 0 answers HTTP")
+    par.add_argument("--tp", type=int, default=1,
+                     help="tensor-parallel ranks (attention heads, MLP columns; experts split "
+                          "over them too) (1)")
+    par.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel ranks with tp 1 (each rank holds 1/N of the routed "
+                          "experts) (1)")
+    par.add_argument("--dp-attention", action="store_true",
+                     help="with --ep: each rank runs attention on its own requests and pages "
+                          "(all-to-all MoE); rank 0 routes requests by load and prefix hits")
+    par.add_argument("--flashcomm", action="store_true",
+                     help="with --tp: reduce-scatter / all-gather instead of all-reduce")
+    par.add_argument("--flashcomm-min-tokens", type=int,
+                     help="FlashComm from this many tokens per forward on (1000; `glm5 plan` "
+                          "gives a chip's threshold)")
+    par.add_argument("--rank-timeout", type=float,
+                     help="s a collective may take; a rank lost answers 503 and stops the "
+                          "server within it (60)")
+    par.add_argument("--nnodes", default=None, help="nodes (multi-node: torchrun's rendezvous)")
+    par.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT every node joins")
+    par.add_argument("--rdzv-id", default="glm5-serve", help="the job's rendezvous id")
     sv.add_argument("--log-level", default="info", type=str.lower,
                     choices=("critical", "error", "warning", "info", "debug"),
                     help="uvicorn's log level (default info: one line per request)")
@@ -109,8 +132,104 @@ def _given(args: argparse.Namespace, names) -> dict:
     return got
 
 
+def _parallel(args: argparse.Namespace) -> dict:
+    got = {"tp": args.tp, "ep": args.ep, "dp_attention": args.dp_attention,
+           "flashcomm": args.flashcomm}
+    if args.flashcomm_min_tokens is not None:
+        got["flashcomm_min_tokens"] = args.flashcomm_min_tokens
+    return got
+
+
+def _world(args: argparse.Namespace) -> int:
+    from glm5.serve.ranks import ServeLayout, ServeLayoutError
+
+    try:
+        return ServeLayout(**_parallel(args)).world
+    except ServeLayoutError as e:
+        raise UsageError(option_names(str(e), {})) from None
+
+
+def _start_ranks(args: argparse.Namespace, world: int) -> int:
+    """This command again, on ``world`` processes under torchrun (`glm5 launch`'s command
+    line); SIGINT / SIGTERM go to torchrun, which passes them to the ranks. The exit status
+    is torchrun's (non-zero when a rank failed)."""
+    import os
+    import signal
+    import subprocess
+
+    from glm5.cli.launch import launch_argv
+
+    if args.nnodes is None and args.rdzv_endpoint is not None:
+        raise UsageError("--rdzv-endpoint expected with --nnodes")
+    nnodes = int(str(args.nnodes).split(":")[-1]) if args.nnodes else 1
+    if world % nnodes:
+        raise UsageError(f"--nnodes {args.nnodes}: the layout's {world} ranks expected to "
+                         f"divide evenly over the nodes")
+    la = argparse.Namespace(nproc=world // nnodes, nnodes=args.nnodes, timeout=None,
+                            rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                            cmd=["-m", "glm5.cli", *args.argv])
+    import tempfile
+
+    from glm5.serve.ranks import PIDFILE_ENV
+
+    env = dict(os.environ)
+    if args.rank_timeout is not None:
+        env["GLM5_DIST_TIMEOUT"] = str(args.rank_timeout)
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, said so it is not warned
+    with tempfile.TemporaryDirectory(prefix="glm5-serve-") as tmp:
+        pidfile = os.path.join(tmp, "rank0.pid")
+        env[PIDFILE_ENV] = pidfile
+        # torchrun in a session of its own: a terminal's Ctrl-C reaches this process only,
+        # which hands it to rank 0 (its server drains, then tells the other ranks to stop:
+        # a clean exit 0); torchrun would kill the ranks with a traceback and status 1
+        proc = subprocess.Popen(launch_argv(la), env=env, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+
+        got: list[int] = []
+
+        def forward(sig, _frame) -> None:
+            got.append(sig)
+            try:
+                with open(pidfile) as f:
+                    os.kill(int(f.read()), sig)  # rank 0 serves: it drains and stops the rest
+                return
+            except (OSError, ValueError):  # not serving yet (loading) or gone
+                pass
+            proc.send_signal(sig)
+
+        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            rc = proc.wait()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+    if rc:
+        raise CommandError(f"a rank failed (torchrun exit status {rc}; its error is above)")
+    if got:  # drained and stopped on a signal: end as one process would (uvicorn does so)
+        signal.raise_signal(got[0])
+    return 0
+
+
+def _die_with_parent() -> None:
+    """In torchrun's process: SIGTERM when `glm5 serve` itself dies (even by SIGKILL), so
+    that no rank outlives the command (Linux; elsewhere nothing)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def run(args: argparse.Namespace) -> int:
+    import os
+
     from glm5.serve.server import ServeError, ServeOptionError, serve
+
+    world = _world(args)
+    if world > 1 and "RANK" not in os.environ:  # not one of the ranks yet: start them
+        return _start_ranks(args, world)
 
     engine_options = _given(args, ENGINE_OPTIONS)
     if args.no_prefix_cache:
@@ -121,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
               indexer_hadamard=args.indexer_hadamard,
               served_model_name=args.served_model_name, engine_options=engine_options,
               limits=_given(args, (name for name, _, _ in LIMIT_FLAGS)),
-              allow_weight_updates=args.allow_weight_updates, log_level=args.log_level)
+              allow_weight_updates=args.allow_weight_updates, log_level=args.log_level,
+              parallel=_parallel(args), rank_timeout=args.rank_timeout)
     except ServeOptionError as e:  # name the command line's option, not serve's argument
         raise UsageError(option_names(str(e), {"model_dir": "MODEL_DIR"})) from None
     except ServeError as e:

@@ -42,6 +42,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._accepting = True
+        self.fatal: str | None = None  # why the engine stopped for good (see `_die`)
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self.step_errors = 0
         self.stalled = 0  # requests aborted because their reader fell max_backlog behind
         self._thread = threading.Thread(target=self._loop, name="glm5-engine", daemon=True)
@@ -54,29 +56,43 @@ class AsyncEngine:
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
         while not self._stop:
-            with self._lock:
-                busy = self.engine.has_unfinished()
-            if not busy:
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
             try:
+                with self._lock:
+                    busy = self.engine.has_unfinished()
+                    if not busy and hasattr(self.engine, "idle"):
+                        self.engine.idle()  # e.g. a rank front's heartbeat to its ranks
+                if not busy:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
                 with self._lock:
                     outs = self.engine.step()
             except Exception as e:  # noqa: BLE001 - the engine isolates requests; this is a bug
                 self.step_errors += 1
+                if getattr(e, "fatal_to_step", False):  # the engine cannot step again
+                    self._die(e)
+                    return
                 outs = self._fail_all(f"{type(e).__name__}: {e}")
             for o in outs:
                 self._deliver(o)
 
+    def _die(self, e: BaseException) -> None:
+        """The engine cannot go on (a rank of a multi-rank server was lost): every request ends
+        with the error (and its HTTP status, ``e.http_status``: 503), new ones are refused,
+        and ``on_fatal`` (the server's exit) is called."""
+        self.fatal = f"{type(e).__name__}: {e}"
+        self._accepting = False
+        status = getattr(e, "http_status", 500)
+        outs = self._fail_all(self.fatal)
+        for o in outs:
+            o.error_status = status
+            self._deliver(o)
+        if self.on_fatal is not None:
+            self.on_fatal(e)
+
     def _fail_all(self, msg: str) -> list[RequestOutput]:
-        outs = []
         with self._lock:
-            for req in list(self.engine.requests.values()):
-                req.error = f"glm5 engine step failed: {msg}"
-                self.engine._finish(req, "error")
-            outs, self.engine._outputs = self.engine._outputs, []
-        return outs
+            return self.engine.fail_all(f"glm5 engine step failed: {msg}")
 
     def _deliver(self, o: RequestOutput) -> None:
         entry = self._queues.get(o.request_id)
@@ -129,7 +145,8 @@ class AsyncEngine:
             raise ValueError(f"glm5 AsyncEngine.generate: max_backlog expected None or an int "
                              f">= 1, got {max_backlog!r}")
         if not self._accepting:
-            raise RequestRejected(503, "glm5 engine: the server is shutting down")
+            raise RequestRejected(503, f"glm5 engine: the engine stopped: {self.fatal}"
+                                  if self.fatal else "glm5 engine: the server is shutting down")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         if request_id in self._queues:
@@ -169,14 +186,7 @@ class AsyncEngine:
     def stats(self) -> dict:
         """A consistent snapshot of the engine's gauges and counters."""
         with self._lock:
-            e = self.engine
-            s = e.scheduler.stats
-            return {"waiting": e.num_waiting, "running": e.num_running,
-                    "free_pages": e.allocator.num_free, "num_pages": e.allocator.num_pages,
-                    "cached_pages": e.radix.num_cached_pages,
-                    "prefix_queried_tokens": s.prompt_tokens_queried,
-                    "prefix_hit_tokens": s.prompt_tokens_hit, "prefill_tokens": s.prefill_tokens,
-                    "preemptions": s.preemptions, "stalled": self.stalled, **vars(e.stats)}
+            return {**self.engine.snapshot(), "stalled": self.stalled}
 
     def stop_accepting(self) -> None:
         """From now on `generate` refuses new requests (503); running ones go on."""

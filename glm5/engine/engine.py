@@ -189,6 +189,10 @@ class LLMEngine:
                                      else eos)
         self._aborts: list[str] = []
         self._outputs: list[RequestOutput] = []
+        # A step whose forward raises runs each request alone so that one bad request fails
+        # alone. Ranks in lockstep (glm5.serve.ranks) turn it off: a rank that retries alone
+        # would issue collectives the others never match.
+        self.isolate_failures = True
         # The version of the weights the model holds; every sampled token records it (RL rollouts
         # keep it per token to bound staleness). `set_weights_version` moves it.
         self.weights_version = 0
@@ -223,14 +227,26 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, *,
-                    output_kind: str = "cumulative") -> None:
+                    output_kind: str = "cumulative", rate_limit: bool = True) -> None:
         """Queue a request; raises `RequestRejected` (nothing queued) when it cannot be served.
         ``output_kind``: "cumulative" (every output carries the tokens and text so far) or
-        "delta" (only the final output does; see `RequestOutput`)."""
+        "delta" (only the final output does; see `RequestOutput`). ``rate_limit`` False: a
+        long prompt is not counted against the long-prompt rate (a rank that replays what a
+        front already admitted)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"glm5 engine: params expected SamplingParams, got "
                             f"{type(params).__name__}")
+        ids = self.check_request(request_id, prompt, params, output_kind=output_kind,
+                                 rate_limit=rate_limit)
+        self._add(request_id, ids, params, output_kind)
+
+    def check_request(self, request_id: str, prompt: str | Sequence[int],
+                      params: SamplingParams, *, output_kind: str = "cumulative",
+                      rate_limit: bool = True) -> list[int]:
+        """What `add_request` checks before it queues, without queueing: the prompt's token ids,
+        or `RequestRejected` (a data-parallel front checks here for a rank of the same
+        config). ``rate_limit``: take a long prompt's admission from the rate limit."""
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"glm5 engine add_request: output_kind expected one of "
                              f"{OUTPUT_KINDS}, got {output_kind!r}")
@@ -254,13 +270,17 @@ class LLMEngine:
                                f"{self.cache.page_size} tokens; the cache has "
                                f"{self.cache.num_pages} (raise "
                                f"num_pages / kv_cache_bytes or lower max_tokens)", "max_tokens")
-        if n > self.config.long_prompt_tokens:
+        if rate_limit and n > self.config.long_prompt_tokens:
             wait = self._long.take()
             if wait is not None:
                 raise self._reject(429, f"glm5 engine: prompts longer than "
                                    f"{self.config.long_prompt_tokens} tokens are admitted at "
                                    f"{self.config.long_prompt_qps:g} per second; retry in "
                                    f"{wait:.1f} s", "prompt", retry_after=wait)
+        return ids
+
+    def _add(self, request_id: str, ids: list[int], params: SamplingParams,
+             output_kind: str) -> None:
         gen = (make_generator(params.seed, "cpu") if params.seed is not None
                else make_generator(int(torch.randint(0, 2**62, (1,), generator=self._gen)),
                                    "cpu"))
@@ -268,7 +288,7 @@ class LLMEngine:
         req = Request(request_id, ids, params, gen, time.monotonic(), dec, output_kind)
         self.requests[request_id] = req
         self.scheduler.add(req)
-        self.stats.prompt_tokens += n
+        self.stats.prompt_tokens += len(ids)
 
     def _reject(self, status: int, msg: str, param: str | None,
                 retry_after: float | None = None) -> RequestRejected:
@@ -309,6 +329,25 @@ class LLMEngine:
         """Stop a request (its pages are freed in the next step). Unknown ids are ignored: the
         request may have finished meanwhile."""
         self._aborts.append(request_id)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every request with ``message`` as its error (finish_reason "error"); their
+        final outputs (the engine could not step: its steps cannot go on)."""
+        for req in list(self.requests.values()):
+            req.error = message
+            self._finish(req, "error")
+        out, self._outputs = self._outputs, []
+        return out
+
+    def snapshot(self) -> dict:
+        """The engine's gauges and counters, one consistent dict (what ``/metrics`` shows)."""
+        s = self.scheduler.stats
+        return {"waiting": self.num_waiting, "running": self.num_running,
+                "free_pages": self.allocator.num_free, "num_pages": self.allocator.num_pages,
+                "cached_pages": self.radix.num_cached_pages,
+                "prefix_queried_tokens": s.prompt_tokens_queried,
+                "prefix_hit_tokens": s.prompt_tokens_hit, "prefill_tokens": s.prefill_tokens,
+                "preemptions": s.preemptions, **vars(self.stats)}
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._aborts)
@@ -353,7 +392,9 @@ class LLMEngine:
                 with self._backend():
                     self._run(items)
                 self._observe(items, time.perf_counter() - t0)
-            except Exception:  # noqa: BLE001 - isolate: run each request alone
+            except Exception as e:  # noqa: BLE001 - isolate: run each request alone
+                if not self.isolate_failures or getattr(e, "fatal_to_step", False):
+                    raise
                 for it in items:
                     try:
                         with self._backend():

@@ -54,3 +54,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     token_versions: list[int] = field(default_factory=list)  # weights version per token_ids[i]
     new_token_versions: list[int] = field(default_factory=list)  # per new_token_ids[i]
+    # the HTTP status a server answers a failed request with (None: 500, an engine failure);
+    # 503 when the engine itself was lost (a rank of a multi-rank server died)
+    error_status: int | None = None

@@ -31,6 +31,11 @@ class CollectiveError(RuntimeError):
     dead, hung or still waiting; None when the store could not tell) and ``dead`` (those of
     them known to have exited)."""
 
+    # The serving engine does not retry a step that raised this request by request: the
+    # world is broken, not a request (glm5.engine.engine reads the flag, 503 for the server).
+    fatal_to_step = True
+    http_status = 503
+
     def __init__(self, message: str, *, collective: str, rank: int, group_ranks: tuple[int, ...],
                  timeout_s: float | None, missing: list[int] | None = None,
                  dead: list[int] | None = None) -> None:

@@ -17,6 +17,7 @@ Connection level (uvicorn has none of these):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -226,6 +227,17 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None] | None = None):
         super().__init__(config)
         self._on_shutdown = on_shutdown
+        # uvicorn raises a SIGINT / SIGTERM it shut down for again once it is done (the
+        # process then ends as the signal says); rank 0 of a multi-rank server sets this False
+        # to end cleanly instead (its launcher raises the signal itself, after every rank)
+        self.reraise_signals = True
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        with super().capture_signals():
+            yield
+            if not self.reraise_signals:
+                self._captured_signals.clear()
 
     async def shutdown(self, sockets: Any = None) -> None:
         if self._on_shutdown is not None:

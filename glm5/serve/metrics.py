@@ -42,6 +42,10 @@ glm5_http_connections_open                 gauge      HTTP connections open now
 glm5_http_connections_refused_total        counter    connections over max_connections (a 503)
 glm5_stream_backlog_aborts_total           counter    engine requests aborted because their
                                                       reader fell stream_backlog outputs behind
+glm5_rank_*{rank}                          both       a multi-rank server (--tp / --ep): each
+                                                      rank's waiting / running requests, free
+                                                      and prefix-cache pages, steps, generated
+                                                      tokens, prefix-cache hit tokens
 =========================================  =========  ===========================================
 """
 
@@ -60,6 +64,22 @@ TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4
                 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+# A multi-rank server's per-rank series: (snapshot key, metric, help, type)
+PER_RANK = (
+    ("waiting", "glm5_rank_num_requests_waiting", "Requests queued on this rank.", "gauge"),
+    ("running", "glm5_rank_num_requests_running", "Requests in this rank's running batch.",
+     "gauge"),
+    ("free_pages", "glm5_rank_cache_pages_free", "This rank's free cache pages.", "gauge"),
+    ("cached_pages", "glm5_rank_prefix_cache_pages", "Pages held by this rank's prefix cache.",
+     "gauge"),
+    ("steps", "glm5_rank_engine_steps", "Engine steps this rank ran.", "counter"),
+    ("generation_tokens", "glm5_rank_generation_tokens", "Tokens this rank generated.",
+     "counter"),
+    ("prefix_hit_tokens", "glm5_rank_prefix_cache_hit_tokens", "Prompt tokens served by this "
+     "rank's prefix cache.", "counter"),
+)
 
 
 class _EngineCollector:
@@ -112,6 +132,15 @@ class _EngineCollector:
         yield counter("glm5_engine_steps", "Engine steps run.", s["steps"])
         yield counter("glm5_stream_backlog_aborts", "Engine requests aborted because their "
                       "reader fell stream_backlog outputs behind.", s.get("stalled", 0))
+        per = s.get("per_rank")
+        if per:  # a multi-rank server (glm5.serve.ranks): each rank's own, as of the last round
+            for key, name, doc, kind in PER_RANK:
+                fam = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                    name, doc, labels=["rank"])
+                for r, snap in enumerate(per):
+                    if key in snap:
+                        fam.add_metric([str(r)], snap[key])
+                yield fam
         c = CounterMetricFamily("glm5_requests", "Requests by outcome (rejected: refused by "
                                 "the engine at admission).", labels=["outcome"])
         for outcome in ("finished", "failed", "aborted", "rejected"):

@@ -84,7 +84,8 @@ def serve(model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: str | None = None,
           engine_options: Mapping[str, Any] | None = None,
           limits: Mapping[str, Any] | None = None, allow_weight_updates: bool = False,
-          log_level: str = "info") -> None:
+          log_level: str = "info", parallel: Mapping[str, Any] | None = None,
+          rank_timeout: float | None = None) -> None:
     """Serve the checkpoint ``model_dir`` at ``http://host:port/v1`` until SIGINT / SIGTERM.
 
     ``backend``: the ops' backend (None: the usual selection); ``dtype`` (a torch dtype or its
@@ -93,8 +94,25 @@ def serve(model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
     ``served_model_name``: the model name clients send (default: the directory's name);
     ``engine_options``: `EngineConfig` fields; ``limits``: `ServeLimits` fields;
     ``allow_weight_updates``: accept RL weight updates (`glm5.serve.app.build_app`).
+    ``parallel``: `glm5.serve.ranks.ServeLayout` fields (tp, ep, dp_attention, flashcomm,
+    flashcomm_min_tokens); a layout of more than one rank runs in each of torchrun's processes
+    (`glm5 serve --tp N` starts them): rank 0 serves HTTP, the others follow it
+    (`glm5.serve.ranks`); ``rank_timeout``: seconds a collective may take (default 60).
     Prints what it loads and where it listens; a checkpoint without tokenizer.json serves
     token-id prompts only (said on stderr)."""
+    from glm5.serve import ranks  # the multi-rank front (loads glm5.parallel only when used)
+
+    try:
+        layout = ranks.ServeLayout(**dict(parallel or {}))
+    except ranks.ServeLayoutError as e:
+        raise ServeOptionError(str(e)) from None
+    if rank_timeout is not None and not rank_timeout > 0:
+        raise ServeOptionError(f"argument 'rank_timeout' expected a positive number of "
+                               f"seconds, got {rank_timeout}")
+    if layout.world > 1 and allow_weight_updates:
+        raise ServeOptionError("argument 'allow_weight_updates' is not supported with tp / ep "
+                               "> 1 yet (the weight update endpoint writes whole tensors into "
+                               "one process's model)")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -118,30 +136,49 @@ def serve(model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
         if not ok:
             raise ServeOptionError(f"argument 'backend' {b.name} is unavailable here: {reason}")
     name = served_model_name or Path(model_dir).resolve().name
-    raise_descriptor_limit()  # before the connection cap is derived from it
-    sock = listen_socket(host, port)
+    ctx = ranks.join(layout, rank_timeout) if layout.world > 1 else None
+    rank = ctx.rank if ctx is not None else 0
+    front = None
+    sock = None
     try:
+        if rank == 0:
+            raise_descriptor_limit()  # before the connection cap is derived from it
+            sock = listen_socket(host, port)
         # lazy: fastapi and uvicorn are the serve extra, checked above to say so
         from glm5.serve.app import build_app
         from glm5.serve.http import make_server  # lazy: uvicorn, the serve extra (as above)
 
-        _say(f"glm5 serve: loading {model_dir}")
+        if rank == 0:
+            _say(f"glm5 serve: loading {model_dir}"
+                 + (f" on {layout.world} ranks ({layout.describe()})" if ctx else ""))
         weights = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        model = checkpoint.load_model(model_dir, weights,
-                                      indexer_dtype=indexer_dtype,
-                                      indexer_hadamard=True if indexer_hadamard else None)
+        hadamard = True if indexer_hadamard else None
+        if ctx is None:
+            model = checkpoint.load_model(model_dir, weights, indexer_dtype=indexer_dtype,
+                                          indexer_hadamard=hadamard)
+        else:
+            model = ranks.load_rank_model(model_dir, layout, ctx, weights,
+                                          indexer_dtype=indexer_dtype,
+                                          indexer_hadamard=hadamard)
         try:
             tokenizer = load_tokenizer(Path(model_dir))
         except (OSError, ValueError) as e:  # a broken tokenizer file is a bad input
             raise ServeError(str(e)) from None
-        if tokenizer is None:
+        if tokenizer is None and rank == 0:
             _say(f"glm5 serve: {model_dir} has no tokenizer.json: only token-id prompts are "
                  f"served (no text, no chat)", err=True)
         try:
             engine = LLMEngine(model, engine_config, tokenizer, backend)
+            ranks.check_engine(engine, layout)
         except ValueError as e:
             raise ServeOptionError(str(e).removeprefix("glm5 engine: ")) from None
-        app = build_app(AsyncEngine(engine), name, tokenizer,
+        if ctx is not None and rank != 0:
+            ranks.follow(engine, ctx, layout)  # until rank 0 stops (or a rank is lost)
+            return
+        if ctx is not None:
+            front = ranks.RankFront(engine, ctx, layout)
+        async_engine = AsyncEngine(front if front is not None else engine)
+        app = build_app(async_engine, name, tokenizer,
                         allow_weight_updates=allow_weight_updates, limits=serve_limits)
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
@@ -151,6 +188,23 @@ def serve(model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
         # uvicorn handles SIGINT / SIGTERM: it stops accepting connections, lets the open ones
         # finish (for up to graceful_timeout s: then what is left gets a final error), then
         # the app's lifespan drains the engine (a second Ctrl-C forces the exit).
-        make_server(app, log_level=log_level).run(sockets=[sock])
+        server = make_server(app, log_level=log_level)
+        if front is not None:
+            server.reraise_signals = False  # `glm5 serve` raises it once every rank is done
+            ranks.announce_rank0()
+        # a lost rank: every open request has its 503; the server stops (exit status 1)
+        async_engine.on_fatal = lambda e: setattr(server, "should_exit", True)
+        server.run(sockets=[sock])
+        if async_engine.fatal:
+            raise ServeError(f"stopped: {async_engine.fatal}")
+    except Exception as e:
+        if getattr(e, "fatal_to_step", False):  # RankLost, CollectiveError: a rank was lost
+            raise ServeError(str(e).removeprefix("glm5 serve: ")) from None
+        raise
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
+        if front is not None and not front.lost:
+            front.close()
+        if ctx is not None:
+            ctx.destroy()

@@ -194,7 +194,8 @@ async def unless_disconnected(request: Request, work) -> Any:
 
 def check_failed(out: RequestOutput) -> None:
     if out.finish_reason == "error":
-        raise APIError(500, f"glm5 serve: generation failed in the engine: {out.error}")
+        raise APIError(out.error_status or 500,
+                       f"glm5 serve: generation failed in the engine: {out.error}")
     if out.finish_reason == "abort":
         raise APIError(500, f"glm5 serve: the request was aborted by the engine"
                        f"{': ' + out.error if out.error else ''}")
