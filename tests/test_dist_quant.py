@@ -15,6 +15,14 @@ import torch
 from glm5.testing.dist import DistPool, values
 
 TOL = 2e-5  # fp32: only the order of the sums differs from the single process
+# A quantized model's logits also move where fp32 rounding moves an activation across a
+# rounding boundary of its per-token codes (a whole code step): rare with 8-bit codes, common
+# with w6a12's 12-bit ones (the single-process w6a12 model moves ~2e-4 x max |logit| when its
+# o_proj outputs get 1-ulp noise). Each check measures that sensitivity (`_jitter`) on the
+# single process in the same rank and allows JITTER_MARGIN times it; the exactness of the
+# parallel layers themselves is checked on equal inputs, with TOL, by
+# test_row_parallel_parts_sum_to_the_whole_layer.
+JITTER_MARGIN = 5.0
 SCHEMES = ("w8a16", "w8a8", "w4a8", "w6a12")
 LAYOUTS = {  # name: (tp, ep, dp_attention, flashcomm)
     "tp2": (2, 2, False, False),
@@ -24,12 +32,18 @@ LAYOUTS = {  # name: (tp, ep, dp_attention, flashcomm)
 }
 
 
-def _fp32_model(seed: int = 0):
+def _fp32_model(seed: int = 0, wide: bool = False):
+    """tiny with its MTP layer (cut like the others); ``wide``: o_proj, the dense MLP's and the
+    shared experts' down_proj 256 wide, so a tp2 cut keeps whole 128-wide scale groups (2 of
+    them per row in the whole layer)."""
     from glm5.core.config import preset
     from glm5.core.model import GLM5ForCausalLM
 
+    cfg = preset("tiny")
+    if wide:
+        cfg = cfg.replace(v_head_dim=64, intermediate_size=256, moe_intermediate_size=256)
     torch.manual_seed(seed)
-    return GLM5ForCausalLM(preset("tiny")).eval()  # with its MTP layer (cut like the others)
+    return GLM5ForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +58,10 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
     for s in SCHEMES:
         quantize_checkpoint(d / "fp32", d / s, s)
         out[s] = str(d / s)
+    _fp32_model(wide=True).save_pretrained(d / "fp32-wide")
+    for s in ("w4a8", "w6a12"):  # the grouped schemes, cut at group borders
+        quantize_checkpoint(d / "fp32-wide", d / f"{s}-wide", s)
+        out[f"{s}-wide"] = str(d / f"{s}-wide")
     # static W8A8 attention with a nonzero float bias on a row-parallel layer (o_proj)
     _write_msmodelslim(_fp32_model(seed=1), d / "ms", bias_layer="model.layers.1.self_attn.o_proj")
     import_msmodelslim(d / "ms", d / "ms-imported")
@@ -70,6 +88,31 @@ def _add_biases(m) -> None:
         lin.bias = torch.randn(lin.out_features, generator=g) * 0.1
 
 
+def _jitter(m, ids: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |logit change| of the single-process model ``m`` on ``ids`` when every decoder
+    layer's attention and MLP outputs get relative noise of one fp32 ulp (what a different
+    summation order does to them)."""
+    g = torch.Generator().manual_seed(5)
+
+    def noise(_mod, _inp, out):
+        o = out[0] if isinstance(out, tuple) else out
+        o = o * (1 + 2.0**-23 * torch.randn(o.shape, generator=g))
+        return (o, *out[1:]) if isinstance(out, tuple) else o
+
+    hooks = [mod.register_forward_hook(noise) for layer in m.model.layers
+             for mod in (layer.self_attn, layer.mlp)]
+    try:
+        with torch.no_grad():
+            return float((m(ids) - ref).abs().max())
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _ok(v: dict) -> bool:
+    return v["err"] <= max(TOL * max(v["scale"], 1.0), JITTER_MARGIN * v["jitter"])
+
+
 def _layouts_equal_single(ctx, path: str, layouts: list[str], bias: bool) -> dict:
     """On every rank: the single-process quantized model's logits and greedy tokens, then each
     layout's part's (a fresh copy of the model cut per layout)."""
@@ -88,6 +131,7 @@ def _layouts_equal_single(ctx, path: str, layouts: list[str], bias: bool) -> dic
     ids = torch.randint(0, m.config.vocab_size, (4, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref, gref = m(ids), m.generate(ids[:, :5], 4)
+    jitter = _jitter(m, ids, ref)
     out = {}
     for name in layouts:
         tp, ep, dp, fc = LAYOUTS[name]
@@ -99,7 +143,7 @@ def _layouts_equal_single(ctx, path: str, layouts: list[str], bias: bool) -> dic
             got, gen = m(ids[rows]), m.generate(ids[rows, :5], 4)
         out[name] = {"err": float((got - ref[rows]).abs().max()),
                      "scale": float(ref[rows].abs().max()),
-                     "greedy_equal": bool((gen == gref[rows]).all()),
+                     "greedy_equal": bool((gen == gref[rows]).all()), "jitter": jitter,
                      "row_parallel_quant": sum(isinstance(x, RowParallelQuantLinear)
                                                for x in m.modules())}
     return out
@@ -111,12 +155,68 @@ def test_quantized_layouts_equal_the_single_process(world2, ckpts, scheme):
                             scheme == "w8a8", timeout_s=240))
     for r in res:
         for name, v in r.items():
-            assert v["err"] <= TOL * max(v["scale"], 1.0), (scheme, name, v)
+            assert _ok(v), (scheme, name, v)
             assert v["greedy_equal"], (scheme, name, v)
         # activation-quantizing schemes share the per-token scale across the row-parallel
         # parts (o_proj and the dense down_proj of 3 layers + MTP; shared experts under ep2)
         want = 0 if scheme == "w8a16" else 8
         assert r["tp2"]["row_parallel_quant"] == want, r["tp2"]
+
+
+@pytest.mark.parametrize("scheme", ("w4a8", "w6a12"))
+def test_grouped_schemes_cut_at_group_borders(world2, ckpts, scheme):
+    """Row-parallel parts of 128 of K = 256: packed columns and scale columns of whole groups,
+    by parallelize and by load_parallel."""
+    res = values(world2.run(_layouts_equal_single, ckpts[f"{scheme}-wide"],
+                            ["tp2", "ep2"], False, timeout_s=180))
+    res += values(world2.run(_loaded, ckpts[f"{scheme}-wide"], ["tp2"], timeout_s=120))
+    for r in res:
+        for name, v in r.items():
+            assert _ok(v), (scheme, name, v)
+            assert v.get("greedy_equal", True), (scheme, name, v)
+
+
+def _parts_sum(ctx, path: str, layout: str) -> dict[str, float]:
+    """For every row-parallel quantized linear of ``layout``: max |sum over ranks of the part
+    on its columns of X - the whole layer on X| / max |whole|, X random [7, K]."""
+    import copy
+
+    from glm5.core.checkpoint import load_model
+    from glm5.core.layers import QuantLinear
+    from glm5.parallel import comm
+    from glm5.parallel.layouts import ParallelConfig, parallelize
+
+    torch.set_num_threads(1)
+    whole = load_model(path).eval()
+    tp, ep, dp, fc = LAYOUTS[layout]
+    m = parallelize(copy.deepcopy(whole), ParallelConfig.from_context(ctx, tp=tp, ep=ep,
+                                                                      dp_attention=dp))
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, part in m.named_modules():
+        w = whole.get_submodule(name)
+        if not isinstance(part, QuantLinear) or part.in_features == w.in_features:
+            continue
+        X = torch.randn(7, w.in_features, generator=g)
+        K = part.in_features
+        with torch.no_grad():
+            y = comm.all_reduce(part(X[:, ctx.rank * K:(ctx.rank + 1) * K]),
+                                m.parallel_layout.expert_group)
+            ref = w(X)
+        out[name] = float((y - ref).abs().max() / ref.abs().max())
+    return out
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_row_parallel_parts_sum_to_the_whole_layer(world2, ckpts, scheme):
+    """On equal inputs the parts of a row-parallel quantized linear (o_proj, down_proj; the
+    shared experts' under ep2) add up to the whole layer up to fp32 summation order: the
+    activation scale is the whole row's, the bias is added once."""
+    for path in [ckpts[scheme]] + ([ckpts[f"{scheme}-wide"]] if f"{scheme}-wide" in ckpts
+                                   else []):
+        for layout, n in (("tp2", 8), ("ep2", 3)):
+            for r in values(world2.run(_parts_sum, path, layout, timeout_s=60)):
+                assert len(r) == n and max(r.values()) <= TOL, (path, layout, r)
 
 
 def _empty_moe_batches(ctx, path: str | None) -> dict:
@@ -198,6 +298,7 @@ def _loaded(ctx, path: str, layouts: list[str], kw: dict | None = None) -> dict:
     ids = torch.randint(0, full.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = full(ids)
+    jitter = _jitter(full, ids, ref)
     out = {}
     for name in layouts:
         tp, ep, dp, fc = LAYOUTS[name]
@@ -207,7 +308,7 @@ def _loaded(ctx, path: str, layouts: list[str], kw: dict | None = None) -> dict:
         with torch.no_grad():
             got = m(ids[rows])
         out[name] = {"err": float((got - ref[rows]).abs().max()),
-                     "scale": float(ref[rows].abs().max()), **m.load_stats,
+                     "scale": float(ref[rows].abs().max()), "jitter": jitter, **m.load_stats,
                      "others_experts_bytes": _others_experts_bytes(path, ctx.rank, 2),
                      "indexer": (m.config.dsa_indexer_dtype, m.config.dsa_indexer_hadamard),
                      "quantization": getattr(m, "quantization", {}).get("scheme")}
@@ -221,7 +322,7 @@ def test_load_parallel_reads_only_this_ranks_slice_of_a_quantized_checkpoint(wor
                             timeout_s=180))
     for r in res:
         for name, v in r.items():
-            assert v["err"] <= TOL * max(v["scale"], 1.0), (which, name, v)
+            assert _ok(v), (which, name, v)
             if name == "tp2":
                 assert v["bytes_read"] < 0.85 * v["checkpoint_bytes"], (which, name, v)
             else:  # attention is replicated: everything but the other rank's experts (4-bit
@@ -235,7 +336,7 @@ def test_load_parallel_indexer_options_and_msmodelslim_refusal(world2, ckpts):
                             {"indexer_dtype": "fp8", "indexer_hadamard": True}, timeout_s=120))
     for r in res:
         assert r["tp2"]["indexer"] == ("fp8", True), r
-        assert r["tp2"]["err"] <= TOL * max(r["tp2"]["scale"], 1.0), r
+        assert _ok(r["tp2"]), r
     from glm5.core.checkpoint import CheckpointError
     from glm5.parallel.layouts import ParallelConfig
     from glm5.parallel.loading import load_parallel
