@@ -1,7 +1,8 @@
 """Communication of the model across processes (glm5.parallel, gloo on this CPU), in one run:
 
     python bench/dist_comm.py [--preset small] [--tp 2,4] [--tokens 8,512] [--repeat 5]
-        [--procs 1,2,4] [--skip comm,scaling,plan] [--out bench/results/dist_comm.json]
+        [--procs 1,2,4] [--measured-procs 2] [--measured-tokens 5,512]
+        [--skip comm,scaling,plan,measured] [--out bench/results/dist_comm.json]
     python bench/dist_comm.py --report bench/results/dist_comm.json   # its tables again
 
 * **comm** — per layer, the link bytes and the wall time of each collective kind during one
@@ -25,6 +26,14 @@
 * **plan** — the planner's predicted communication for GLM-5 (w4a8, context 8192; decode at
   batch 64, prefill batch 1) on 8 x H200 and 16 x Ascend 910B (`glm5.deploy.plan.plan`, the
   layouts of docs/planner.md), beside the measurements.
+
+* **measured** — planned against counted link bytes, per layer and per collective, for the
+  layouts the model runs (tp all-reduce, tp FlashComm bf16 / int8, ep with replicated tokens,
+  ep with data-parallel attention) at ``--measured-procs`` ranks and ``--measured-tokens``
+  sequence lengths (one sequence; with DP attention one per rank): every collective is counted
+  on every rank by `glm5.parallel.count_bytes` and tagged with its layer; the prediction is
+  `glm5.deploy.plan.layer_comm` at the model's activation dtype, for the all-to-all with the
+  routing the router produced (`route_pairs`); the planner's uniform-routing expectation beside.
 
 The machine (CPU model, core count, load average before and after each part), the date and the
 command are recorded with the results. With more processes than cores the processes share
@@ -397,6 +406,117 @@ def run_plan() -> list[dict[str, Any]]:
     return rows
 
 
+# --------------------------------------------------------------------------- part 4: measured
+MEASURED_LAYOUTS = {  # name: (tp, ep, dp_attention, flashcomm, comm_quant); "n": the world size
+    "tp": ("n", 1, False, False, None),
+    "tp+flashcomm": ("n", 1, False, True, None),
+    "tp+flashcomm-int8": ("n", 1, False, True, "int8"),
+    "ep": (1, "n", False, False, None),
+    "ep+dp-attention": (1, "n", True, False, None),
+}
+
+
+def measured_task(ctx: Any, preset_name: str, tokens: list[int]) -> dict[str, Any]:
+    """On every rank: per layout of MEASURED_LAYOUTS and sequence length, one forward of one
+    sequence (with DP attention: one per rank) under `glm5.parallel.count_bytes`, each call
+    tagged with its layer (a forward pre-hook); returns each layer's (collective, link bytes),
+    the router's expert ids per MoE layer (the routing the all-to-all followed), the tokens
+    this rank ran and the activations' dtype."""
+    from glm5.parallel import comm
+    from glm5.parallel.layouts import ParallelConfig, parallelize
+
+    n = ctx.world_size
+    out: dict[str, Any] = {}
+    for name, (tp, ep, dp, fc, quant) in MEASURED_LAYOUTS.items():
+        tp, ep = (n if tp == "n" else tp), (n if ep == "n" else ep)
+        model = _model(preset_name)
+        parallelize(model, ParallelConfig.from_context(ctx, tp=tp, ep=ep, dp_attention=dp,
+                                                       flashcomm=fc, flashcomm_min_tokens=0,
+                                                       comm_quant=quant))
+        V = model.config.vocab_size
+        for seq in tokens:
+            ids = torch.randint(0, V, (n, seq), generator=torch.Generator().manual_seed(seq))
+            mine = ids[ctx.rank:ctx.rank + 1] if dp else ids[:1]
+            routes: dict[int, list] = {}
+            hooks = []
+            with comm.count_bytes() as rec:
+                for i, layer in enumerate(model.model.layers):
+                    hooks.append(layer.register_forward_pre_hook(
+                        lambda _m, _a, i=i: setattr(rec, "scope", i)))
+                    gate = getattr(layer.mlp, "gate", None)
+                    if gate is not None:
+                        hooks.append(gate.register_forward_hook(
+                            lambda _m, _i, o, i=i: routes.__setitem__(i, o[1].tolist())))
+                try:
+                    with torch.no_grad():
+                        model(mine)
+                finally:
+                    for h in hooks:
+                        h.remove()
+            out[f"{name}/{seq}"] = {
+                "layout": name, "seq": seq, "tokens": mine.numel(),
+                "dtype": str(model.model.embed_tokens.weight.dtype).replace("torch.", ""),
+                "calls": [(c.scope, c.op + ("_int8" if c.quant else ""), c.link_bytes)
+                          for c in rec.calls],
+                "routes": routes}
+    return out
+
+
+def run_measured(a: argparse.Namespace, task: Any = None) -> list[dict[str, Any]]:
+    """Counted (every rank) against planned (`glm5.deploy.plan.layer_comm` with the measured
+    routing) link bytes per layer, at ``--measured-procs`` ranks; also the planner's
+    uniform-routing expectation for the all-to-all layers. ``task``: `measured_task` unless
+    given (a caller that loaded this file under another module name passes a picklable
+    wrapper)."""
+    from glm5.core.config import preset
+    from glm5.deploy.plan import layer_comm, route_pairs
+    from glm5.testing.dist import DistPool, values
+
+    n = a.measured_procs
+    with DistPool(n, comm_timeout_s=300) as pool:
+        res = values(pool.run(task or measured_task, a.preset, a.measured_tokens,
+                              timeout_s=1800))
+    cfg = preset(a.preset).replace(num_nextn_predict_layers=0)
+    L, E = cfg.num_hidden_layers, cfg.n_routed_experts
+    rows = []
+    for key, r0 in res[0].items():
+        tp, ep, dp, fc, quant = MEASURED_LAYOUTS[r0["layout"]]
+        tp, ep = (n if tp == "n" else tp), (n if ep == "n" else ep)
+        option = "allreduce" if not fc else ("flashcomm-int8" if quant else "flashcomm")
+        dtype = getattr(torch, r0["dtype"])
+        for i in range(L):
+            moe = cfg.mlp_layer_types[i] == "sparse"
+            pairs = (route_pairs([torch.tensor(r[key]["routes"][i]) for r in res], E, ep)
+                     if dp and moe else None)
+            counted, planned = [], []
+            for rank, r in enumerate(res):
+                counted.append([(op, b) for s, op, b in r[key]["calls"] if s == i])
+                planned.append(layer_comm(cfg, tp, ep, r[key]["tokens"], option, moe=moe,
+                                          dp_attention=dp, last=i == L - 1, dtype=dtype,
+                                          pairs=pairs, rank=rank))
+            uniform = layer_comm(cfg, tp, ep, r0["tokens"], option, moe=moe, dp_attention=dp,
+                                 last=i == L - 1, dtype=dtype)
+            rows.append({
+                "procs": n, "layout": r0["layout"], "seq": r0["seq"],
+                "tokens_per_rank": r0["tokens"], "dtype": r0["dtype"], "layer": i,
+                "kind": "moe" if moe else "dense",
+                "collectives": [op for op, _ in counted[0]],
+                "counted_rank0": [b for _, b in counted[0]],
+                "planned_rank0": [b for _, b in planned[0]],
+                "counted_per_rank": [sum(b for _, b in c) for c in counted],
+                "planned_per_rank": [sum(b for _, b in p) for p in planned],
+                "planned_uniform_routing": sum(b for _, b in uniform),
+                "equal": all([(op.replace("_int8", ""), b) for op, b in c] == p
+                             for c, p in zip(counted, planned)),
+            })
+    return rows
+
+
+def _short(op: str) -> str:
+    return {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG",
+            "all_gather_int8": "AG8", "all_to_all": "A2A"}[op]
+
+
 # --------------------------------------------------------------------------- reporting
 def _cores() -> int:
     try:
@@ -457,6 +577,24 @@ def report(res: dict[str, Any]) -> None:
                   f"{r.get('prefill_speedup', 1):.2f} | {r['prefill_cpu_s_all_ranks']:.2f} | "
                   f"{r['decode_tokens_per_s']:.1f} | {r.get('decode_speedup', 1):.2f} | "
                   f"{r['decode_cpu_s_all_ranks']:.2f} |")
+    if res.get("measured"):
+        ms = res["measured"]
+        print(f"\nmeasured vs planned link bytes per layer ({res['preset']}, {ms[0]['procs']} "
+              f"ranks, {ms[0]['dtype']} activations; counted by glm5.parallel.count_bytes, "
+              f"planned by glm5.deploy.plan.layer_comm with the measured routing)")
+        print("| layout | tokens / rank | layer | collectives, rank 0: counted bytes | planned "
+              "| counted / layer, each rank | planned / layer, each rank | planner, uniform "
+              "routing | equal |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in ms:
+            got = ", ".join(f"{_short(op)} {b:,.0f}" for op, b in
+                            zip(r["collectives"], r["counted_rank0"])) or "-"
+            want = ", ".join(f"{b:,.0f}" for b in r["planned_rank0"]) or "-"
+            print(f"| {r['layout']} | {r['tokens_per_rank']} | {r['layer']} ({r['kind']}) | "
+                  f"{got} | {want} | "
+                  f"{' / '.join(f'{b:,.0f}' for b in r['counted_per_rank'])} | "
+                  f"{' / '.join(f'{b:,.0f}' for b in r['planned_per_rank'])} | "
+                  f"{r['planned_uniform_routing']:,.1f} | {'yes' if r['equal'] else 'NO'} |")
     if res.get("plan"):
         print("\nplanner: GLM-5 w4a8, context 8192 (us per MoE layer)")
         print("| chip | tp | ep | phase | tokens / TP group | allreduce | flashcomm | "
@@ -498,7 +636,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-len", type=int, default=128)
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--decode-steps", type=int, default=16)
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: comm,scaling,plan")
+    ap.add_argument("--measured-procs", type=int, default=2,
+                    help="measured: processes (2)")
+    ap.add_argument("--measured-tokens", type=_ints, default=[5, 512],
+                    help="measured: sequence lengths, one sequence per forward (5,512)")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated parts to skip: comm,scaling,plan,measured")
     ap.add_argument("--out", default=None, help="JSON results file")
     ap.add_argument("--report", default=None, metavar="FILE", help="print a results file")
     a = ap.parse_args(argv)
@@ -506,9 +649,12 @@ def main(argv: list[str] | None = None) -> int:
         report(json.loads(Path(a.report).read_text()))
         return 0
     skip = set(filter(None, a.skip.split(",")))
-    bad = skip - {"comm", "scaling", "plan"}
+    bad = skip - {"comm", "scaling", "plan", "measured"}
     if bad:
-        ap.error(f"--skip expected parts among comm, scaling, plan; got {', '.join(sorted(bad))}")
+        ap.error(f"--skip expected parts among comm, scaling, plan, measured; got "
+                 f"{', '.join(sorted(bad))}")
+    if a.measured_procs < 2:
+        ap.error(f"--measured-procs expected at least 2, got {a.measured_procs}")
     if len(a.tokens) != 2:
         ap.error(f"--tokens expected two counts (decode, prefill), got {a.tokens}")
     for P in a.procs:
@@ -530,10 +676,13 @@ def main(argv: list[str] | None = None) -> int:
         "preset": a.preset,
         "settings": {k: getattr(a, k) for k in ("tp", "tokens", "decode_context", "repeat",
                                                   "procs", "prefill_batch", "prefill_len",
-                                                  "decode_batch", "decode_steps")},
+                                                  "decode_batch", "decode_steps",
+                                                  "measured_procs", "measured_tokens")},
     }
     if "plan" not in skip:
         res["plan"] = run_plan()
+    if "measured" not in skip:
+        res["measured"] = run_measured(a)
     if "comm" not in skip:
         res["machine"]["load_before_comm"] = _load()
         res["comm"] = run_comm(a)

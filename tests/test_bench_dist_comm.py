@@ -1,6 +1,7 @@
 """bench/dist_comm.py's accounting at toy sizes: the collectives its wrapper sees in one forward
 of a 2-rank FlashComm-int8 `tiny` model are the calls the layout makes, with the link bytes of
-glm5.ir.ops_comm's formulas; the replay runs the same calls; the planner rows are the plan's."""
+glm5.ir.ops_comm's formulas; the replay runs the same calls; the planner rows are the plan's;
+the measured rows count every collective against `glm5.deploy.plan.layer_comm`."""
 
 from __future__ import annotations
 
@@ -80,3 +81,36 @@ def test_plan_rows_are_the_planners():
     moe = next(k for k in p["comm"]["kinds"] if k["kind"] == "moe")
     assert r["per_moe_layer"]["flashcomm"]["total_us"] == moe["tp"]["flashcomm"]["total_us"]
     assert r["total_ms"] == p["total_ms"] and r["comm_option"] == p["comm_option"]
+
+
+def _measured(ctx, preset_name: str, tokens: list[int]) -> dict:
+    return _bench().measured_task(ctx, preset_name, tokens)
+
+
+def test_measured_rows_are_counted_against_planned():
+    """The measured part at toy size (tiny, 2 ranks, 5 tokens): a row per layout and layer,
+    every one equal, and the report prints the table."""
+    import argparse
+    import contextlib
+    import io
+
+    from glm5.core.config import preset
+
+    b = _bench()
+    rows = b.run_measured(argparse.Namespace(preset="tiny", measured_procs=2,
+                                             measured_tokens=[5]), _measured)
+    L = preset("tiny").num_hidden_layers
+    assert len(rows) == len(b.MEASURED_LAYOUTS) * L
+    assert {r["layout"] for r in rows} == set(b.MEASURED_LAYOUTS)
+    assert all(r["equal"] for r in rows), [r for r in rows if not r["equal"]]
+    assert all(r["counted_per_rank"] == r["planned_per_rank"] for r in rows)
+    fc = next(r for r in rows if r["layout"] == "tp+flashcomm" and r["layer"] == L - 1)
+    # 5 tokens pad to 6: gathers of [3, 64] fp32 shards, reduce-scatters of [6, 64]; + the end
+    assert fc["collectives"] == ["all_gather", "reduce_scatter"] * 2 + ["all_gather"]
+    assert fc["counted_rank0"] == [3 * 64 * 4] * 5
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        b.report({"date": "d", "command": "c", "machine": {"cpu": "x", "cores": 2},
+                  "preset": "tiny", "measured": rows})
+    assert "measured vs planned link bytes per layer" in out.getvalue()
+    assert out.getvalue().count("| yes |") == len(rows)

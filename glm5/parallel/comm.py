@@ -69,8 +69,8 @@ class CommCall:
     torch.distributed — for all_gather the tensor gathered (int8: the real codes + fp32 scales;
     link_bytes = (n-1) wire_bytes), for all_to_all the real rows split off for other ranks
     (link_bytes = wire_bytes), else the reduced tensor's bytes B (link_bytes = 2 (n-1)/n B,
-    (n-1)/n B); None when a backend's own implementation served the call; ``scope``: the record's ``scope`` when the
-    call was made (e.g. a layer index set by a forward pre-hook)."""
+    (n-1)/n B); None when a backend's own implementation served the call; ``scope``: the
+    record's ``scope`` when the call was made (e.g. a layer index set by a forward pre-hook)."""
 
     op: str
     group_size: int
