@@ -16,7 +16,11 @@ the formulas and assumptions; the main ones:
   padded to a multiple of N, residual add + RMSNorm on the local 1/N of them, all-gather before
   the next column-parallel linear); FlashComm with an int8 all-gather (per-token fp32 scales).
   ``auto`` takes FlashComm from the token count where its time line crosses the all-reduce's
-  (:func:`flashcomm_threshold`). EP all-to-all: a dispatch and a combine per MoE layer.
+  (:func:`flashcomm_threshold`). EP beyond the TP group (ep > tp), per MoE layer: with
+  data-parallel attention four all-to-alls (pair counts, dispatch, expert ids, combine:
+  :func:`moe_all_to_alls`), with replicated tokens an all-reduce; with ep <= tp the MoE output
+  is summed by the TP reduction. :func:`layer_comm` lists one layer's collectives as the model
+  (glm5.parallel.layouts) issues them (tests/test_plan_measured.py counts them).
 * parallel layout on ``devices = max(tp, ep)`` devices: attention heads, the dense / shared MLP
   columns and the vocabulary are split ``tp`` ways (the MLA latent cache cannot be split by head,
   so each TP rank keeps the whole latent cache of its sequences); ``devices / tp`` data-parallel
