@@ -114,7 +114,8 @@ _wire: list[int] = []
 def count_bytes() -> Iterator[ByteCount]:
     """While the block runs, every collective this rank makes over a group of two or more ranks
     (the identity calls send nothing and are not recorded) appends a `CommCall` to the yielded
-    `ByteCount`. Zero cost outside a block (one truth test of a module list per call)."""
+    `ByteCount`. Next to no cost outside a block: a truth test of a module-level list before
+    and after the transfer."""
     rec = ByteCount()
     _counters.append(rec)
     try:
