@@ -125,19 +125,25 @@ class ServeLayout:
 
 
 # --------------------------------------------------------------------------- joining
-def join(layout: ServeLayout, timeout_s: float | None = None) -> Any:
-    """Join the world torchrun started (`glm5.parallel.init_distributed`); its size must be
-    the layout's. Returns the `DistContext`."""
-    from glm5.parallel import init_distributed
+def join(layout: ServeLayout, timeout_s: float | None = None) -> tuple[Any, bool]:
+    """Join the world torchrun started (`glm5.parallel.init_distributed`), or take the one
+    this process joined already (`glm5.parallel.get_context`); its size must be the
+    layout's. Returns the `DistContext` and whether this call made it (then the caller
+    destroys it)."""
+    from glm5.parallel import get_context, init_distributed
 
-    ctx = init_distributed(timeout_s=timeout_s)
+    ctx = get_context()
+    made = ctx is None
+    if made:
+        ctx = init_distributed(timeout_s=timeout_s)
     if ctx.world_size != layout.world:
         ws = ctx.world_size
-        ctx.destroy()
+        if made:
+            ctx.destroy()
         raise ServeLayoutError(f"argument 'tp'/'ep': the layout ({layout.describe()}) needs "
                                f"{layout.world} ranks; this world has {ws} (torchrun "
                                f"--nproc-per-node x --nnodes)")
-    return ctx
+    return ctx, made
 
 
 def load_rank_model(model_dir: str | Path, layout: ServeLayout, ctx: Any,

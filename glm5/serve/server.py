@@ -136,7 +136,7 @@ def serve(model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
         if not ok:
             raise ServeOptionError(f"argument 'backend' {b.name} is unavailable here: {reason}")
     name = served_model_name or Path(model_dir).resolve().name
-    ctx = ranks.join(layout, rank_timeout) if layout.world > 1 else None
+    ctx, own_ctx = ranks.join(layout, rank_timeout) if layout.world > 1 else (None, False)
     rank = ctx.rank if ctx is not None else 0
     front = None
     sock = None
@@ -206,5 +206,5 @@ def serve(model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
             sock.close()
         if front is not None and not front.lost:
             front.close()
-        if ctx is not None:
+        if own_ctx:
             ctx.destroy()

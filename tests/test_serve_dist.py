@@ -1,0 +1,454 @@
+"""`glm5 serve` across ranks (gloo, 2 and 4 processes): the OpenAI API's greedy tokens against
+the single-process engine for TP, TP + FlashComm, EP and EP + DP attention, with float, w8a8
+and w4a8 weights; DP attention's routing (64 requests at once: spread over the ranks, none
+lost); per-rank metrics; a rank that diverges is caught; the real command line under torchrun:
+a SIGKILLed rank gives the open request a 503 and the server exits non-zero, SIGTERM drains
+and stops every rank."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from glm5.serve.ranks import BALANCE_SLACK, ServeLayout, ServeLayoutError
+from glm5.testing.dist import DistPool, values
+
+ENGINE = {"page_size": 16, "num_pages": 64, "max_num_seqs": 16}
+MAX_TOKENS = 5
+PROMPTS = [[(7 * i + 3 * j) % 100 + 1 for j in range(18 + i)] for i in range(8)]
+LAYOUTS = {  # name: ServeLayout fields
+    "tp": {"tp": 2},
+    "tp+flashcomm": {"tp": 2, "flashcomm": True, "flashcomm_min_tokens": 0},
+    "ep": {"ep": 2},
+    "ep+dp-attention": {"ep": 2, "dp_attention": True},
+}
+
+
+# --------------------------------------------------------------------------- checkpoints
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from glm5.core.config import preset
+    from glm5.core.model import GLM5ForCausalLM
+    from glm5.deploy.quantize import quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("serve_dist")
+    torch.manual_seed(0)
+    GLM5ForCausalLM(preset("tiny").replace(num_nextn_predict_layers=0)).eval() \
+        .save_pretrained(root / "float")
+    for scheme in ("w8a8", "w4a8"):
+        quantize_checkpoint(root / "float", root / scheme, scheme)
+    return {k: str(root / k) for k in ("float", "w8a8", "w4a8")}
+
+
+def _reference(model_dir: str, prompts) -> list[list[int]]:
+    """Greedy tokens of the single-process engine."""
+    from glm5.core import checkpoint
+    from glm5.engine.engine import EngineConfig, LLMEngine
+    from glm5.engine.sampling import SamplingParams
+
+    eng = LLMEngine(checkpoint.load_model(model_dir), EngineConfig(**ENGINE))
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                  ignore_eos=True))
+    done = {o.request_id: o.token_ids for o in eng.run_to_completion()}
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    return {k: _reference(d, PROMPTS) for k, d in checkpoints.items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- in a DistPool
+async def _complete(client: httpx.AsyncClient, url: str, prompt: list[int]) -> tuple[int, dict]:
+    r = await client.post(url + "/v1/completions", json={
+        "model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True}, timeout=120)
+    return r.status_code, r.json()
+
+
+def _serve_rank(ctx, model_dir: str, parallel: dict, port: int, burst: int) -> dict | None:
+    """Every rank runs `glm5.serve.server.serve` (the command's code, under the pool's world);
+    rank 0's client thread sends each prompt alone (one rank idle at a time under DP
+    attention), then ``burst`` requests at once (the prompts over and over), reads /metrics,
+    and stops the server as SIGTERM does."""
+    from glm5.serve.server import serve
+
+    result: dict = {}
+    url = f"http://127.0.0.1:{port}"
+
+    def client() -> None:
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if httpx.get(url + "/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.1)
+
+            async def run() -> None:
+                async with httpx.AsyncClient(limits=httpx.Limits(max_connections=128)) as c:
+                    result["alone"] = [await _complete(c, url, p) for p in PROMPTS]
+                    result["burst"] = await asyncio.gather(*[
+                        _complete(c, url, PROMPTS[i % len(PROMPTS)]) for i in range(burst)])
+            asyncio.run(run())
+            result["metrics"] = httpx.get(url + "/metrics", timeout=10).text
+        except BaseException as e:  # noqa: BLE001 - reported to the test, never a hang
+            result["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn drains; rank 0 stops the others
+
+    t = None
+    if ctx.rank == 0:
+        t = threading.Thread(target=client, daemon=True)
+        t.start()
+    serve(model_dir, host="127.0.0.1", port=port, engine_options=ENGINE, parallel=parallel,
+          served_model_name="m",
+          log_level="warning", limits={"graceful_timeout": 5.0})
+    if t is not None:
+        t.join(60)
+        return result
+    return None
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with DistPool(2, comm_timeout_s=60) as pool:
+        yield pool
+
+
+def _tokens(answers) -> list[list[int]]:
+    out = []
+    for status, body in answers:
+        assert status == 200, body
+        out.append(body["choices"][0]["token_ids"])
+    return out
+
+
+def _rank_series(metrics: str, name: str) -> dict[int, float]:
+    return {int(r): float(v) for r, v in re.findall(rf'^{name}{{rank="(\d+)"}} (\S+)$', metrics,
+                                                    re.M)}
+
+
+@pytest.mark.parametrize("weights", ["float", "w8a8", "w4a8"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_served_tokens_equal_the_single_process(world2, checkpoints, references, layout,
+                                                weights):
+    burst = 16
+    res = values(world2.run(_serve_rank, checkpoints[weights], LAYOUTS[layout], _free_port(),
+                            burst, timeout_s=240))[0]
+    assert "error" not in res, res["error"]
+    ref = references[weights]
+    assert _tokens(res["alone"]) == ref
+    assert _tokens(res["burst"]) == [ref[i % len(ref)] for i in range(burst)]
+    gen = _rank_series(res["metrics"], "glm5_rank_generation_tokens_total")
+    assert set(gen) == {0, 1}
+    if LAYOUTS[layout].get("dp_attention"):  # each rank generated for its own requests
+        assert sum(gen.values()) == (len(PROMPTS) + burst) * MAX_TOKENS
+        assert min(gen.values()) > 0
+    else:  # every rank ran every request
+        assert gen[0] == gen[1] == (len(PROMPTS) + burst) * MAX_TOKENS
+
+
+def test_dp_attention_spreads_64_requests_over_4_ranks_and_loses_none(checkpoints, references):
+    with DistPool(4, comm_timeout_s=60) as pool:
+        res = values(pool.run(_serve_rank, checkpoints["float"], {"ep": 4, "dp_attention": True},
+                              _free_port(), 64, timeout_s=300))[0]
+    assert "error" not in res, res["error"]
+    ref = references["float"]
+    assert _tokens(res["alone"]) == ref
+    assert _tokens(res["burst"]) == [ref[i % len(ref)] for i in range(64)]
+    gen = _rank_series(res["metrics"], "glm5_rank_generation_tokens_total")
+    per = [gen[r] / MAX_TOKENS for r in range(4)]  # requests each rank served
+    assert sum(per) == len(PROMPTS) + 64
+    assert min(per) >= 10, per  # spread: no rank starved (16 each when even)
+
+
+# --------------------------------------------------------------------------- divergence
+def _diverge(ctx, model_dir: str) -> str | None:
+    """Rank 1's engine reports a different token at its third step: rank 0 must raise."""
+    from glm5.engine.engine import EngineConfig, LLMEngine
+    from glm5.engine.sampling import SamplingParams
+    from glm5.serve import ranks
+
+    layout = ServeLayout(tp=2)
+    model = ranks.load_rank_model(model_dir, layout, ctx, None)
+    eng = LLMEngine(model, EngineConfig(**ENGINE))
+    if ctx.rank == 1:
+        real, n = eng.step, [0]
+
+        def step():
+            outs = real()
+            n[0] += 1
+            if n[0] == 3 and outs:
+                outs[0].new_token_ids = [t + 1 for t in outs[0].new_token_ids]
+            return outs
+        eng.step = step
+        try:
+            ranks.follow(eng, ctx, layout)
+        except ranks.RankLost:
+            pass
+        return None
+    front = ranks.RankFront(eng, ctx, layout)
+    front.add_request("a", PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0,
+                                                      ignore_eos=True))
+    try:
+        while front.has_unfinished():
+            front.step()
+        return "no divergence seen"
+    except ranks.RankDiverged as e:
+        assert front.lost
+        return str(e)
+    finally:
+        front._ch.send({"kind": "stop"})  # release rank 1 (a real server would exit)
+
+
+def test_a_rank_that_samples_other_tokens_is_an_error(world2, checkpoints):
+    msg = values(world2.run(_diverge, checkpoints["float"], timeout_s=120))[0]
+    assert "rank 1 sampled other tokens than rank 0" in msg and "request 'a'" in msg
+
+
+# --------------------------------------------------------------------------- routing, settings
+class _FakeLocal:
+    page_size = 4
+
+
+def _front(world: int):
+    from glm5.serve.ranks import RankFront
+
+    f = RankFront.__new__(RankFront)
+    f.local, f.world = _FakeLocal(), world
+    f.held, f.routed = [0] * world, [0] * world
+    from collections import OrderedDict
+    f._prefixes = [OrderedDict() for _ in range(world)]
+    return f
+
+
+def test_route_prefers_the_prefix_holder_within_the_slack_else_the_least_loaded():
+    f = _front(3)
+    shared = list(range(12))
+    first = f.route(shared + [50])
+    f.held[first] += 1
+    # the same 3 pages again: the same rank while its load is within the slack
+    for _ in range(BALANCE_SLACK):
+        assert f.route(shared + [60]) == first
+        f.held[first] += 1
+    # now it holds BALANCE_SLACK + 1 more than the others: the least loaded takes it
+    other = f.route(shared + [70])
+    assert other != first
+    # no shared page (a prompt shorter than a page): the least loaded, fewest routed first
+    g = _front(3)
+    got = []
+    for _ in range(6):
+        r = g.route([1, 2])
+        g.held[r] += 1
+        g.routed[r] += 1
+        got.append(r)
+    assert sorted(got) == [0, 0, 1, 1, 2, 2]
+
+
+def test_prefix_keys_are_page_aligned_chains():
+    f = _front(2)
+    k = f._prefix_keys(list(range(10)))
+    assert len(k) == 2  # two whole pages of 4; the last 2 tokens are no page
+    assert f._prefix_keys(list(range(8)) + [99, 98])[:2] == k
+    assert f._prefix_keys([0, 1, 2, 9] + list(range(4, 8)))[1] != k[1]  # page 0 differs
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"tp": 2, "ep": 4}, "argument 'ep' expected 1 or tp=2"),
+    ({"dp_attention": True}, "argument 'dp_attention' expected with ep > 1 and tp 1"),
+    ({"tp": 2, "dp_attention": True}, "argument 'dp_attention'"),
+    ({"ep": 2, "flashcomm": True}, "argument 'flashcomm' expected with tp > 1"),
+    ({"tp": 0}, "argument 'tp' expected an int >= 1"),
+    ({"tp": 2, "flashcomm": True, "flashcomm_min_tokens": -1},
+     "argument 'flashcomm_min_tokens'"),
+])
+def test_bad_layouts_are_refused(kw, msg):
+    with pytest.raises(ServeLayoutError, match=re.escape(msg)):
+        ServeLayout(**kw)
+
+
+def test_layout_world_sizes():
+    assert ServeLayout().world == 1
+    assert ServeLayout(tp=4).world == ServeLayout(tp=4, ep=4).world == 4
+    assert ServeLayout(ep=2, dp_attention=True).world == 2
+
+
+def test_cli_names_the_options(checkpoints, capsys):
+    from glm5.cli import main
+
+    assert main(["serve", checkpoints["float"], "--dp-attention"]) == 2
+    assert "--dp-attention expected with ep > 1" in capsys.readouterr().err
+    assert main(["serve", checkpoints["float"], "--tp", "2", "--ep", "4"]) == 2
+    assert "--ep expected 1 or tp=2" in capsys.readouterr().err
+
+
+def test_weight_updates_are_refused_across_ranks(checkpoints):
+    from glm5.serve.server import ServeOptionError, serve
+
+    with pytest.raises(ServeOptionError, match="allow_weight_updates"):
+        serve(checkpoints["float"], parallel={"tp": 2}, allow_weight_updates=True)
+
+
+def test_mtp_drafts_are_refused_with_dp_attention():
+    from types import SimpleNamespace
+
+    from glm5.serve.ranks import check_engine
+
+    eng = SimpleNamespace(config=SimpleNamespace(num_speculative_tokens=2))
+    with pytest.raises(ServeLayoutError, match="num_speculative_tokens"):
+        check_engine(eng, ServeLayout(ep=2, dp_attention=True))
+    check_engine(eng, ServeLayout(tp=2))  # replicated tokens: every rank drafts the same
+
+
+# --------------------------------------------------------------------------- the command line
+class _Cmd:
+    """`glm5 serve ...` as a user runs it (torchrun underneath), its output read as it comes."""
+
+    def __init__(self, args: list[str]) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "glm5.cli", "serve", *args,
+                                      "--port", "0", "--log-level", "warning"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=env)
+        self.lines: list[str] = []
+        self.url: str | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.monotonic() + 180
+        while self.url is None:
+            assert self.proc.poll() is None, "".join(self.lines)
+            assert time.monotonic() < deadline, "".join(self.lines)
+            time.sleep(0.1)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            m = re.search(r" at (http://\S+)/v1 ", line)
+            if m:
+                self.url = m.group(1)
+
+    def ranks(self) -> dict[int, int]:
+        """{rank: pid} of this server's ranks (children of its torchrun)."""
+        out = {}
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                env = (d / "environ").read_bytes().split(b"\0")
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"glm5.cli" not in cmd or b"torch.distributed.run" in cmd:
+                continue
+            vals = dict(e.split(b"=", 1) for e in env if b"=" in e)
+            pf = vals.get(b"GLM5_SERVE_PIDFILE", b"")
+            if b"RANK" in vals and self._mine(pf):
+                out[int(vals[b"RANK"])] = int(d.name)
+        return out
+
+    def _mine(self, pidfile: bytes) -> bool:
+        try:  # the launcher's pidfile variable is in its torchrun's environment too
+            torchrun = [c for c in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+                        .read_text().split()]
+        except OSError:
+            return False
+        for t in torchrun:
+            try:
+                env = Path(f"/proc/{t}/environ").read_bytes()
+            except OSError:
+                continue
+            if pidfile and b"GLM5_SERVE_PIDFILE=" + pidfile in env:
+                return True
+        return False
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        for pid in self.ranks().values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _post(url: str, prompt, max_tokens: int, timeout: float = 120) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={
+        "model": "float", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True}, timeout=timeout)
+
+
+def test_cli_tp2_a_killed_rank_gives_503_and_a_non_zero_exit(checkpoints, references):
+    cmd = _Cmd([checkpoints["float"], "--tp", "2", "--rank-timeout", "20", "--page-size", "16",
+                "--num-pages", "64"])
+    try:
+        r = _post(cmd.url, PROMPTS[0], MAX_TOKENS)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == \
+            references["float"][0]
+        pids = cmd.ranks()
+        assert sorted(pids) == [0, 1], cmd.lines
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.setdefault("r", _post(cmd.url, PROMPTS[1],
+                                                                       900)))
+        t.start()
+        time.sleep(1.0)  # the long request is running
+        t0 = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        t.join(40)
+        assert not t.is_alive(), "the open request hung"
+        assert box["r"].status_code == 503, box["r"].text
+        assert "rank" in box["r"].json()["error"]["message"]
+        rc = cmd.proc.wait(40)
+        assert rc not in (0, None) and time.monotonic() - t0 < 40, "".join(cmd.lines)
+        assert "a rank failed" in "".join(cmd.lines)
+        time.sleep(0.5)
+        assert not any(_alive(p) for p in pids.values())
+    finally:
+        cmd.kill()
+
+
+def test_cli_dp_attention_sigterm_drains_and_stops_every_rank(checkpoints, references):
+    cmd = _Cmd([checkpoints["float"], "--ep", "2", "--dp-attention", "--page-size", "16",
+                "--num-pages", "64"])
+    try:
+        for i in (2, 3):
+            r = _post(cmd.url, PROMPTS[i], MAX_TOKENS)
+            assert r.json()["choices"][0]["token_ids"] == references["float"][i]
+        pids = cmd.ranks()
+        assert sorted(pids) == [0, 1]
+        cmd.proc.send_signal(signal.SIGTERM)
+        assert cmd.proc.wait(60) == -signal.SIGTERM, "".join(cmd.lines)  # as one process ends
+        time.sleep(0.5)
+        assert not any(_alive(p) for p in pids.values())
+        assert "Traceback" not in "".join(cmd.lines), "".join(cmd.lines)
+    finally:
+        cmd.kill()
