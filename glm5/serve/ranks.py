@@ -57,6 +57,9 @@ import torch
 from glm5.engine.engine import LLMEngine, RequestRejected
 from glm5.engine.outputs import RequestOutput
 from glm5.engine.sampling import SamplingParams
+from glm5.parallel import get_context, init_distributed
+from glm5.parallel.layouts import ParallelConfig, ParallelMoE
+from glm5.parallel.loading import load_parallel
 
 PIDFILE_ENV = "GLM5_SERVE_PIDFILE"  # where rank 0 writes its pid (glm5 serve signals it)
 HEARTBEAT_S = 1.0  # an idle front's round period (well under any collective timeout)
@@ -130,8 +133,6 @@ def join(layout: ServeLayout, timeout_s: float | None = None) -> tuple[Any, bool
     this process joined already (`glm5.parallel.get_context`); its size must be the
     layout's. Returns the `DistContext` and whether this call made it (then the caller
     destroys it)."""
-    from glm5.parallel import get_context, init_distributed
-
     ctx = get_context()
     made = ctx is None
     if made:
@@ -149,9 +150,6 @@ def join(layout: ServeLayout, timeout_s: float | None = None) -> tuple[Any, bool
 def load_rank_model(model_dir: str | Path, layout: ServeLayout, ctx: Any,
                     dtype: torch.dtype | None, **load_options: Any) -> torch.nn.Module:
     """This rank's part of the checkpoint (only its slice is read)."""
-    from glm5.parallel.layouts import ParallelConfig
-    from glm5.parallel.loading import load_parallel
-
     kw: dict[str, Any] = {"flashcomm": layout.flashcomm}
     if layout.flashcomm_min_tokens is not None:
         kw["flashcomm_min_tokens"] = layout.flashcomm_min_tokens
@@ -218,8 +216,6 @@ class _MoECount:
 
 def moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The main model's routed MoE modules, in forward order (the ones that communicate)."""
-    from glm5.parallel.layouts import ParallelMoE
-
     return [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, ParallelMoE)]
 
 

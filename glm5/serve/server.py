@@ -100,7 +100,8 @@ def serve(model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
     (`glm5.serve.ranks`); ``rank_timeout``: seconds a collective may take (default 60).
     Prints what it loads and where it listens; a checkpoint without tokenizer.json serves
     token-id prompts only (said on stderr)."""
-    from glm5.serve import ranks  # the multi-rank front (loads glm5.parallel only when used)
+    # a server of one process never needs glm5.parallel (torch.distributed), which ranks imports
+    from glm5.serve import ranks  # lazy: see the line above
 
     try:
         layout = ranks.ServeLayout(**dict(parallel or {}))
