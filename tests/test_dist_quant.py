@@ -128,8 +128,9 @@ def _ok(v: dict) -> bool:
 
 
 def _layouts_equal_single(ctx, path: str, layouts: list[str], bias: bool) -> dict:
-    """On every rank: the single-process quantized model's logits and greedy tokens, then each
-    layout's part's (a fresh copy of the model cut per layout)."""
+    """On every rank: the single-process quantized model's logits and greedy tokens on 4
+    sequences of 11 tokens (5 + 4 generated), then each layout's part's (a fresh copy of the
+    model cut per layout; under DP attention this rank's sequences). ``bias``: `_add_biases`."""
     from glm5.core.checkpoint import load_model
     from glm5.parallel.layouts import ParallelConfig, RowParallelQuantLinear, parallelize
 
@@ -310,7 +311,8 @@ def _loaded(ctx, path: str, layouts: list[str], kw: dict | None = None) -> dict:
     torch.set_num_threads(1)
     kw = kw or {}
     full = load_model(path, **kw).eval()
-    ids = torch.randint(0, full.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, full.config.vocab_size, (2, 7),
+                        generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = full(ids)
     jitter = _jitter(full, ids, ref)

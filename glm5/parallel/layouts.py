@@ -55,9 +55,9 @@ from glm5 import ops
 from glm5.core.layers import MLP, Experts, MoE, QuantExperts, QuantLinear
 from glm5.deploy.chips import get_chip
 from glm5.deploy.flashcomm import flashcomm_threshold
+from glm5.ir.quant_formats import GROUP, get_scheme, n_groups
 from glm5.parallel import comm
 from glm5.parallel.groups import as_group
-from glm5.ir.quant_formats import GROUP, get_scheme, n_groups
 
 FLASHCOMM_MIN_TOKENS = 1000  # vllm-ascend's empirical threshold for dense models (the planner
 # computes one per chip: `glm5 plan`)
@@ -470,8 +470,12 @@ class ParallelDecoderLayer(nn.Module):
 def parallelize(model: nn.Module, layout: ParallelConfig) -> nn.Module:
     """Make ``model`` (a GLM5ForCausalLM) this rank's part of ``layout``, in place; returns it.
     Every rank must call it with the same model (same weights) and its own groups. Sets
-    ``model.parallel_layout`` and ``model.shard_spec`` ({parameter name: (dim, start, end)} of
-    every parameter cut from the whole model's: what `glm5.parallel.loading` reads)."""
+    ``model.parallel_layout`` and ``model.shard_spec`` ({tensor name: (dim, start, end)} of
+    every parameter or buffer cut from the whole model's, in the checkpoint tensor's own
+    coordinates — packed code columns, scale columns —: what `glm5.parallel.loading` reads;
+    (0, 0, 0): this rank keeps none of it, a row-parallel bias off rank 0). A quantized layer
+    whose cut would split a packed byte or a scale group raises `ParallelError` on every rank
+    (module docstring)."""
 
     global _spec
 
