@@ -110,6 +110,11 @@ def _serve_rank(ctx, model_dir: str, parallel: dict, port: int, burst: int) -> d
             async def run() -> None:
                 async with httpx.AsyncClient(limits=httpx.Limits(max_connections=128)) as c:
                     result["alone"] = [await _complete(c, url, p) for p in PROMPTS]
+                    # sampled, unseeded: every replicated rank must draw what rank 0 draws
+                    r = await c.post(url + "/v1/completions", json={
+                        "model": "m", "prompt": PROMPTS[0], "max_tokens": 8, "n": 2,
+                        "temperature": 1.0, "ignore_eos": True}, timeout=120)
+                    result["sampled"] = (r.status_code, r.text)
                     result["burst"] = await asyncio.gather(*[
                         _complete(c, url, PROMPTS[i % len(PROMPTS)]) for i in range(burst)])
             asyncio.run(run())
@@ -160,15 +165,17 @@ def test_served_tokens_equal_the_single_process(world2, checkpoints, references,
                             burst, timeout_s=240))[0]
     assert "error" not in res, res["error"]
     ref = references[weights]
+    assert res["sampled"][0] == 200, res["sampled"][1]
     assert _tokens(res["alone"]) == ref
     assert _tokens(res["burst"]) == [ref[i % len(ref)] for i in range(burst)]
     gen = _rank_series(res["metrics"], "glm5_rank_generation_tokens_total")
     assert set(gen) == {0, 1}
+    total = (len(PROMPTS) + burst) * MAX_TOKENS + 2 * 8  # + the sampled request's n=2 x 8
     if LAYOUTS[layout].get("dp_attention"):  # each rank generated for its own requests
-        assert sum(gen.values()) == (len(PROMPTS) + burst) * MAX_TOKENS
+        assert sum(gen.values()) == total
         assert min(gen.values()) > 0
     else:  # every rank ran every request
-        assert gen[0] == gen[1] == (len(PROMPTS) + burst) * MAX_TOKENS
+        assert gen[0] == gen[1] == total
 
 
 def test_dp_attention_spreads_64_requests_over_4_ranks_and_loses_none(checkpoints, references):
@@ -180,8 +187,8 @@ def test_dp_attention_spreads_64_requests_over_4_ranks_and_loses_none(checkpoint
     assert _tokens(res["alone"]) == ref
     assert _tokens(res["burst"]) == [ref[i % len(ref)] for i in range(64)]
     gen = _rank_series(res["metrics"], "glm5_rank_generation_tokens_total")
-    per = [gen[r] / MAX_TOKENS for r in range(4)]  # requests each rank served
-    assert sum(per) == len(PROMPTS) + 64
+    per = [gen[r] / MAX_TOKENS for r in range(4)]  # requests each rank served (+ the sampled
+    assert sum(per) == len(PROMPTS) + 64 + 2 * 8 / MAX_TOKENS  # n=2 x 8 tokens)
     assert min(per) >= 10, per  # spread: no rank starved (16 each when even)
 
 
@@ -227,6 +234,55 @@ def _diverge(ctx, model_dir: str) -> str | None:
 def test_a_rank_that_samples_other_tokens_is_an_error(world2, checkpoints):
     msg = values(world2.run(_diverge, checkpoints["float"], timeout_s=120))[0]
     assert "rank 1 sampled other tokens than rank 0" in msg and "request 'a'" in msg
+
+
+def _fail_mid_round(ctx, model_dir: str) -> str | None:
+    """Rank 0's engine raises in its second step (after the round's broadcast): the front
+    must stop for good (RankLost), never start another round out of step."""
+    from glm5.engine.engine import EngineConfig, LLMEngine
+    from glm5.engine.sampling import SamplingParams
+    from glm5.serve import ranks
+
+    layout = ServeLayout(ep=2, dp_attention=True)
+    eng = LLMEngine(ranks.load_rank_model(model_dir, layout, ctx, None), EngineConfig(**ENGINE))
+    if ctx.rank == 1:
+        try:
+            ranks.follow(eng, ctx, layout)
+        except Exception as e:  # noqa: BLE001 - the lost world, as a follower sees it
+            return type(e).__name__
+        return "stopped"
+    real, n = eng.step, [0]
+
+    def step():
+        n[0] += 1
+        if n[0] == 2:
+            raise RuntimeError("planted")
+        return real()
+    eng.step = step
+    front = ranks.RankFront(eng, ctx, layout)
+    for i in range(2):  # one request per rank
+        front.add_request(str(i), PROMPTS[i], SamplingParams(max_tokens=4, temperature=0.0))
+    try:
+        while front.has_unfinished():
+            front.step()
+        return "no error"
+    except ranks.RankLost as e:
+        assert front.lost and e.fatal_to_step and e.http_status == 503
+        return str(e)
+    finally:
+        ctx.world.pg = None  # as the server: no further round (rank 1 times out or is killed)
+
+
+def test_a_step_that_fails_mid_round_stops_the_front(checkpoints):
+    from glm5.testing.dist import RankError
+
+    with DistPool(2, comm_timeout_s=5) as pool:
+        res = pool.run(_fail_mid_round, checkpoints["float"], timeout_s=60)
+    assert isinstance(res[0], str) and "rank 0's step failed mid-round" in res[0], res[0]
+    assert "planted" in res[0] and "out of step" in res[0]
+    # rank 1 waited in its forward's all-to-all (or the gather): it fails instead of hanging
+    lost = ("RankLost", "CollectiveTimeout", "PeerLost")
+    assert res[1] in lost or isinstance(res[1], RankError), res[1]
 
 
 # --------------------------------------------------------------------------- routing, settings
@@ -303,6 +359,14 @@ def test_cli_names_the_options(checkpoints, capsys):
     assert "--dp-attention expected with ep > 1" in capsys.readouterr().err
     assert main(["serve", checkpoints["float"], "--tp", "2", "--ep", "4"]) == 2
     assert "--ep expected 1 or tp=2" in capsys.readouterr().err
+
+
+def test_cli_checks_the_model_dir_before_starting_ranks(tmp_path, capsys):
+    from glm5.cli import main
+
+    t0 = time.monotonic()
+    assert main(["serve", str(tmp_path / "nope"), "--tp", "2"]) == 2
+    assert "MODEL_DIR" in capsys.readouterr().err and time.monotonic() - t0 < 10
 
 
 def test_weight_updates_are_refused_across_ranks(checkpoints):

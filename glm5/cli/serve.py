@@ -159,6 +159,11 @@ def _start_ranks(args: argparse.Namespace, world: int) -> int:
 
     from glm5.cli.launch import launch_argv
 
+    from glm5.core.config import missing_config
+
+    why = missing_config(args.model_dir)  # said once here, not by every rank
+    if why:
+        raise UsageError(f"MODEL_DIR {args.model_dir}: {why}")
     if args.nnodes is None and args.rdzv_endpoint is not None:
         raise UsageError("--rdzv-endpoint expected with --nnodes")
     nnodes = int(str(args.nnodes).split(":")[-1]) if args.nnodes else 1

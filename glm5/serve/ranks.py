@@ -417,10 +417,16 @@ class RankFront:
     def step(self) -> list[RequestOutput]:
         try:
             return self._step()
-        except BaseException as e:
-            if getattr(e, "fatal_to_step", False):
-                self.lost = True  # no goodbye to a broken world (it would wait its timeout)
+        except RankLost:
+            self.lost = True  # no goodbye to a broken world (it would wait its timeout)
             raise
+        except Exception as e:
+            # Whatever failed mid-round (a forward, a collective, this code), the ranks are no
+            # longer at the same point of the round: another round would pair the wrong
+            # collectives. The server stops (503), it never serves from an unknown state.
+            self.lost = True
+            raise RankLost(f"glm5 serve: rank 0's step failed mid-round ({type(e).__name__}: "
+                           f"{e}); the ranks are out of step") from e
 
     def _step(self) -> list[RequestOutput]:
         with self._ops_lock:
