@@ -320,8 +320,13 @@ def test_communication_only_with_parallelism():
     # [16 tokens, 6144] bf16: 2(N-1)/N of it sent per device, each 6 us + bytes / (900/2 GB/s)
     assert d["comm_option"] == "allreduce"
     link = 2 * 7 / 8 * 16 * 6144 * 2
-    assert d["tp_comm_link_bytes"] == 2 * 78 * link
-    assert d["tp_comm_ms"] == pytest.approx(2 * 78 * (6e-6 + link / 450e9) * 1e3)
+    # w4a8 quantizes activations per token: the row-parallel o_proj and down_proj each gather
+    # every token's max |x| first (one fp32 per token from each of the 7 others)
+    act = 7 * 16 * 4
+    assert d["tp_comm_link_bytes"] == 2 * 78 * (link + act)
+    assert d["comm"]["act_scale_link_bytes"] == 2 * 78 * act
+    assert d["tp_comm_ms"] == pytest.approx(2 * 78 * (6e-6 + link / 450e9 + 6e-6 + act / 450e9)
+                                            * 1e3)
     # ep == tp: the experts are split over the TP group and the MoE output rides the layer's
     # TP reduction (no all-to-all), as glm5.parallel.layouts runs it
     assert d["ep_alltoall_ms"] == 0 and ch.link_gbs_per_direction == 450

@@ -21,18 +21,27 @@ all-to-all rows a rank keeps) must make the comparison fail.
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 
 import pytest
 import torch
 
 from glm5.testing.dist import DistPool, values
 
-CASES = {  # name: (tp, ep, dp_attention, flashcomm, comm_quant); sizes are the world's
-    "tp": ("n", 1, False, False, None),
-    "tp+flashcomm": ("n", 1, False, True, None),
-    "tp+flashcomm-int8": ("n", 1, False, True, "int8"),
-    "ep": (1, "n", False, False, None),
-    "ep+dp-attention": (1, "n", True, False, None),
+CASES = {  # name: (tp, ep, dp_attention, flashcomm, comm_quant, weights); sizes are the world's
+    "tp": ("n", 1, False, False, None, "float"),
+    "tp+flashcomm": ("n", 1, False, True, None, "float"),
+    "tp+flashcomm-int8": ("n", 1, False, True, "int8", "float"),
+    "ep": (1, "n", False, False, None, "float"),
+    "ep+dp-attention": (1, "n", True, False, None, "float"),
+    # quantized weights whose activations are quantized per token: every row-parallel linear
+    # all-gathers each token's max |x| (glm5.parallel.layouts.RowParallelQuantLinear)
+    "tp-w8a8": ("n", 1, False, False, None, "w8a8"),
+    "tp+flashcomm-w4a8": ("n", 1, False, True, None, "w4a8"),
+    "ep-w8a8": (1, "n", False, False, None, "w8a8"),
+    "ep+dp-attention-w4a8": (1, "n", True, False, None, "w4a8"),
+    "tp-w8a16": ("n", 1, False, False, None, "w8a16"),  # float activations: nothing more
 }
 TOKENS = (5, 8)  # sequence lengths: 5 is not a multiple of 2 or 4 (FlashComm pads), 8 is
 
@@ -53,10 +62,21 @@ def _count(ctx, cases: dict, tokens: tuple[int, ...]) -> dict:
     n = ctx.world_size
     cfg = preset("tiny").replace(num_nextn_predict_layers=0)
     out: dict = {}
-    for name, (tp, ep, dp, fc, quant) in cases.items():
+    tmp = tempfile.mkdtemp(prefix=f"glm5-plan-measured-{ctx.rank}-")
+    for name, (tp, ep, dp, fc, quant, weights) in cases.items():
         tp, ep = (n if tp == "n" else tp), (n if ep == "n" else ep)
         torch.manual_seed(0)
         m = GLM5ForCausalLM(cfg).eval()
+        if weights != "float":  # quantized as `glm5 quantize` does it, loaded whole
+            from glm5.core.checkpoint import load_model
+            from glm5.deploy.quantize import quantize_checkpoint
+
+            src, dst = os.path.join(tmp, "float"), os.path.join(tmp, weights)
+            if not os.path.exists(src):
+                m.save_pretrained(src)
+            if not os.path.exists(dst):
+                quantize_checkpoint(src, dst, weights)
+            m = load_model(dst).eval()
         lay = ParallelConfig.from_context(ctx, tp=tp, ep=ep, dp_attention=dp, flashcomm=fc,
                                           flashcomm_min_tokens=0, comm_quant=quant)
         parallelize(m, lay)
@@ -113,7 +133,7 @@ def planned(n: int, case: str, seq: int, per_rank: list[dict]) -> list[list[list
     from glm5.deploy.plan import layer_comm, route_pairs
 
     cfg = _cfg()
-    tp, ep, dp, fc, quant = CASES[case]
+    tp, ep, dp, fc, quant, weights = CASES[case]
     tp, ep = (n if tp == "n" else tp), (n if ep == "n" else ep)
     L = cfg.num_hidden_layers
     res = per_rank
@@ -128,7 +148,8 @@ def planned(n: int, case: str, seq: int, per_rank: list[dict]) -> list[list[list
                                      for s in range(n)], cfg.n_routed_experts, ep)
             rows.append(layer_comm(cfg, tp, ep, res[r][(case, seq)]["tokens"],
                                    _option(fc, quant), moe=moe, dp_attention=dp,
-                                   last=i == L - 1, dtype=torch.float32, pairs=pairs, rank=r))
+                                   last=i == L - 1, dtype=torch.float32, pairs=pairs, rank=r,
+                                   quant=None if weights == "float" else weights))
         out.append(rows)
     return out
 
@@ -233,6 +254,49 @@ def test_planted_bugs_are_caught(counted, monkeypatch):
         bad = mismatches(4, res)
         assert bad and all("dp-attention" in b for b in bad), bad
     assert mismatches(4, res) == []
+
+
+def test_quantized_cases_gather_activation_scales(counted):
+    """The quantized cases do issue the activation-scale gathers the planner adds: [tokens, 1]
+    fp32 all-gathers, 2 per TP layer (o_proj, down_proj), 1 per MoE layer under replicated-
+    token EP (the shared expert), none with DP attention or float activations."""
+    res = counted[2][0]
+    L = _cfg().num_hidden_layers
+    n_moe = _cfg().mlp_layer_types.count("sparse")
+    for case, want in (("tp-w8a8", 2 * L), ("tp+flashcomm-w4a8", 2 * L), ("ep-w8a8", n_moe),
+                       ("ep+dp-attention-w4a8", 0), ("tp-w8a16", 0), ("tp", 0)):
+        calls = res[(case, 5)]["calls"]
+        scales = [c for c in calls if c[1] == "all_gather" and c[4] == 1 * 4 * 5]
+        assert len(scales) == want, (case, len(scales))
+
+
+def test_planted_no_activation_scale_gathers_is_caught(counted, monkeypatch):
+    import glm5.deploy.plan as plan_mod
+
+    with monkeypatch.context() as mp:
+        mp.setattr(plan_mod, "act_scale_gathers", lambda *a: ((), 1))
+        bad = mismatches(2, counted[2])
+    assert bad and all(c in ("tp-w8a8", "tp+flashcomm-w4a8", "ep-w8a8")
+                       for c in {b.split(" seq")[0] for b in bad}), bad
+
+
+@pytest.mark.parametrize("option", ["allreduce", "flashcomm"])
+def test_quantized_layer_comm_is_what_plan_reports(option):
+    """With w8a8 the plan's per-layer TP figure plus its activation-scale gathers is
+    ``layer_comm(quant="w8a8")``."""
+    from glm5.core.config import preset
+    from glm5.deploy.plan import layer_comm, plan
+
+    cfg = preset("tiny")
+    cm = plan(cfg, "h200", "w8a8", batch=3, context=16, tp=2, ep=2, comm=option)["prefill"][
+        "comm"]
+    T = cm["tokens_per_tp_group"]
+    for k in cm["kinds"]:
+        got = layer_comm(cfg, 2, 2, T, option, moe=k["kind"] == "moe", quant="w8a8")
+        act = k["act_scale_gathers"]
+        assert act is not None and act["all_gathers"] == 2
+        assert sum(b for _, b in got) == k["tp"][option]["link_bytes"] + act["link_bytes"]
+    assert cm["act_scale_link_bytes"] > 0
 
 
 @pytest.mark.parametrize("option", ["allreduce", "flashcomm", "flashcomm-int8"])

@@ -512,10 +512,40 @@ def moe_all_to_alls(hidden: int, ep: int, tokens: int, k: int,
                                          rank=rank))]
 
 
+# Row-parallel linears of a layer that a split quantized model cuts by input columns (the TP
+# group's o_proj and the MLP's down_proj — the dense MLP's or, in an MoE layer, the shared
+# expert's; under EP with replicated tokens the shared expert's down_proj over the EP group).
+ACT_SCALE_DTYPE = torch.float32  # each token's max |x|, all-gathered (glm5.parallel.layouts)
+_ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight",
+                 "mlp.shared_experts.down_proj.weight")
+
+
+def act_scale_gathers(scheme: str | Scheme | None, tp: int, ep: int, dp_attention: bool,
+                      moe: bool) -> tuple[tuple[bool, ...], int]:
+    """One layer's activation-scale all-gathers in a split quantized model: for each of the
+    layer's reduction points (TP: after attention, after the MLP; EP with replicated tokens:
+    after the MoE), whether its row-parallel linear gathers; and the group's size.
+
+    A scheme that quantizes activations per token (w8a8, w4a8, w6a12) takes each token's scale
+    from max |x| over the whole input width; a rank holding K/n of a row-parallel linear's
+    columns all-gathers each token's partial max (one ``ACT_SCALE_DTYPE`` per token and rank)
+    so that every part quantizes as the whole layer does (`RowParallelQuantLinear`). w8a16
+    (float activations), float weights, and layers cut by rows or by expert gather nothing."""
+    sc = SCHEMES[scheme] if isinstance(scheme, str) else scheme
+    if sc is None or sc.act_bits is None:
+        return (), 1
+    if tp > 1:  # o_proj, and the dense MLP's or the shared expert's down_proj
+        names = (_ROW_PARALLEL[0], _ROW_PARALLEL[2] if moe else _ROW_PARALLEL[1])
+        return tuple(is_quantized(f"model.layers.0.{n}") for n in names), tp
+    if ep > 1 and moe and not dp_attention:  # the shared expert split over the EP group
+        return (is_quantized(f"model.layers.0.{_ROW_PARALLEL[2]}"),), ep
+    return (), 1
+
+
 def layer_comm(cfg: GLM5Config, tp: int, ep: int, tokens: int, option: str = "allreduce", *,
                moe: bool, dp_attention: bool = False, last: bool = False,
                dtype: torch.dtype = torch.bfloat16, pairs: list[list[int]] | None = None,
-               rank: int = 0) -> list[tuple[str, float]]:
+               rank: int = 0, quant: str | Scheme | None = None) -> list[tuple[str, float]]:
     """(collective, link bytes one device sends) of one decoder layer, in the order the model
     (glm5.parallel.layouts) issues them, for ``tokens`` tokens on this device's group (the TP
     group's tokens; with data-parallel attention this rank's own):
@@ -531,17 +561,29 @@ def layer_comm(cfg: GLM5Config, tp: int, ep: int, tokens: int, option: str = "al
       ``rank``: a measured routing, else the uniform assumption);
     * a dense layer under tp 1: nothing.
 
-    ``dtype``: the activations' (the planner costs bf16; the CPU test model runs fp32)."""
+    ``dtype``: the activations' (the planner costs bf16; the CPU test model runs fp32).
+    ``quant``: the weights' scheme; one that quantizes activations adds, before each reduction
+    of a row-parallel quantized linear, the all-gather of each token's max |x|
+    (:func:`act_scale_gathers`; ``tokens`` rows of one fp32 — under FlashComm the gathered,
+    unpadded tokens the sub-layer runs on)."""
     if tp > 1 and ep not in (1, tp):
         raise plan_error("ep", f"1 or tp={tp} for the layouts the model runs (experts split "
                                f"over the TP group)", ep)
     if dp_attention and tp > 1:
         raise plan_error("dp_attention", "False with tp > 1", dp_attention)
     D = cfg.hidden_size
+    gathers, g = act_scale_gathers(quant, tp, ep, dp_attention, moe)
+    act = [("all_gather", link_bytes("all_gather", tokens, 1, g, ACT_SCALE_DTYPE))]
+
+    def scale(point: int) -> list[tuple[str, float]]:
+        return act if point < len(gathers) and gathers[point] else []
+
     if tp > 1:
-        out = [c for _ in range(2) for c in
-               (tp_collectives(D, tp, tokens, option, dtype)[::-1] if option != "allreduce"
-                else tp_collectives(D, tp, tokens, option, dtype))]
+        red = (tp_collectives(D, tp, tokens, option, dtype)[::-1] if option != "allreduce"
+               else tp_collectives(D, tp, tokens, option, dtype))
+        # the linear's own gather runs inside the sub-layer: after FlashComm's all-gather of
+        # its input, before the reduction of its output
+        out = [c for i in range(2) for c in red[:-1] + scale(i) + red[-1:]]
         if last and option != "allreduce":
             out.append(("all_gather", link_bytes("all_gather", padded_tokens(tokens, tp) // tp,
                                                  D, tp, dtype)))
@@ -549,7 +591,7 @@ def layer_comm(cfg: GLM5Config, tp: int, ep: int, tokens: int, option: str = "al
     if ep <= 1 or not moe:
         return []
     if not dp_attention:
-        return [("all_reduce", link_bytes("all_reduce", tokens, D, ep, dtype))]
+        return scale(0) + [("all_reduce", link_bytes("all_reduce", tokens, D, ep, dtype))]
     return moe_all_to_alls(D, ep, tokens, cfg.num_experts_per_tok, dtype, pairs, rank)
 
 
@@ -603,7 +645,8 @@ def phase_cost(cfg: GLM5Config, chip: Chip, scheme: Scheme | None, lay: Layout, 
     ops.append(co.linear("lm_head", "lm_head.weight", out_rows, cfg.vocab_size // lay.tp, D,
                          heads))
     compute_s = sum(o.seconds(chip) for o in ops)
-    cm = comm_section(cfg, chip, lay, T, global_tokens, layer_counts, n_mtp, option, thresholds)
+    cm = comm_section(cfg, chip, lay, T, global_tokens, layer_counts, n_mtp, option, thresholds,
+                      scheme)
     tp_s, ep_s, ar_s = cm["tp_ms"] / 1e3, cm["ep_ms"] / 1e3, cm["ep_allreduce_ms"] / 1e3
     total_s = compute_s + tp_s + ep_s + ar_s
     res: dict[str, Any] = {
@@ -633,7 +676,8 @@ def phase_cost(cfg: GLM5Config, chip: Chip, scheme: Scheme | None, lay: Layout, 
 
 def comm_section(cfg: GLM5Config, chip: Chip, lay: Layout, tokens: int, global_tokens: int,
                  layer_counts: dict[str, list[int]], stacks_extra: int, option: str,
-                 thresholds: dict[str, int | None]) -> dict[str, Any]:
+                 thresholds: dict[str, int | None],
+                 scheme: Scheme | None = None) -> dict[str, Any]:
     """Communication of one phase per layer kind ('dense', 'moe', 'mtp'): for each TP option
     the per-layer figures of its two reduction points (:func:`sync_point`, doubled), the EP
     dispatch + combine of an MoE layer, and the phase totals for the chosen ``option``.
@@ -645,7 +689,9 @@ def comm_section(cfg: GLM5Config, chip: Chip, lay: Layout, tokens: int, global_t
     expert ids, the combine; uniform routing); with replicated tokens (``lay.dp_attention``
     False, tp 1) an all-reduce of the MoE output over the EP group. FlashComm also gathers the
     residual stream once at the end of each stack (the main layers, each MTP block): one bf16
-    all-gather each.
+    all-gather each. A ``scheme`` that quantizes activations adds the row-parallel linears'
+    activation-scale all-gathers (:func:`act_scale_gathers`) to the TP figures (or, EP with
+    replicated tokens, to the EP all-reduce's).
     """
     D, tp, ep = cfg.hidden_size, lay.tp, lay.ep
     eps = cfg.rms_norm_eps
@@ -671,10 +717,19 @@ def comm_section(cfg: GLM5Config, chip: Chip, lay: Layout, tokens: int, global_t
                  "us": collective_seconds(b, chip) * 1e6}
     kinds = []
     tp_link = tp_s = ep_link = ep_s = ar_link = ar_s = 0.0
+    act_link = act_s = 0.0
     for kind, (n, n_moe) in layer_counts.items():
+        moe = n_moe > 0  # a kind's layers are all MoE or all dense (plan._kinds)
+        gathers, g = act_scale_gathers(scheme, tp, ep, lay.dp_attention, moe)
+        lb = link_bytes("all_gather", tokens, 1, g, ACT_SCALE_DTYPE)
+        act = {"all_gathers": sum(gathers), "link_bytes": sum(gathers) * lb,
+               "us": sum(gathers) * collective_seconds(lb, chip) * 1e6} if any(gathers) else None
         kinds.append({"kind": kind, "layers": n, "tp": per_opt if tp > 1 else None,
                       "ep_alltoall": a2a if n_moe else None,
-                      "ep_allreduce": ep_ar if n_moe else None})
+                      "ep_allreduce": ep_ar if n_moe else None, "act_scale_gathers": act})
+        if act is not None:
+            act_link += n * act["link_bytes"]
+            act_s += n * act["us"] * 1e-6
         if tp > 1:
             tp_link += n * per_opt[option]["link_bytes"]
             tp_s += n * per_opt[option]["comm_us"] * 1e-6
@@ -684,6 +739,10 @@ def comm_section(cfg: GLM5Config, chip: Chip, lay: Layout, tokens: int, global_t
         if ep_ar is not None:
             ar_link += n_moe * ep_ar["link_bytes"]
             ar_s += n_moe * ep_ar["us"] * 1e-6
+    if tp > 1:
+        tp_link, tp_s = tp_link + act_link, tp_s + act_s
+    else:
+        ar_link, ar_s = ar_link + act_link, ar_s + act_s
     stack_end = None
     if tp > 1 and option in ("flashcomm", "flashcomm-int8"):
         lb = link_bytes("all_gather", padded_tokens(tokens, tp) // tp, D, tp)
@@ -704,6 +763,8 @@ def comm_section(cfg: GLM5Config, chip: Chip, lay: Layout, tokens: int, global_t
         "ep_ms": ep_s * 1e3,
         "ep_allreduce_link_bytes": ar_link,
         "ep_allreduce_ms": ar_s * 1e3,
+        "act_scale_link_bytes": act_link,  # included in the tp (or ep all-reduce) figures
+        "act_scale_ms": act_s * 1e3,
     }
 
 
