@@ -20,17 +20,14 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shlex
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 
 import httpx
 import torch
+
+from glm5.testing.serve_process import ServeProcess
 
 
 def _checkpoint(preset: str, root: str) -> str:
@@ -42,33 +39,6 @@ def _checkpoint(preset: str, root: str) -> str:
     GLM5ForCausalLM(get_preset(preset).replace(num_nextn_predict_layers=0)).eval() \
         .save_pretrained(path)
     return path
-
-
-class _Server:
-    def __init__(self, model_dir: str, extra: list[str], engine: list[str]) -> None:
-        argv = [sys.executable, "-m", "glm5.cli", "serve", model_dir, "--port", "0",
-                "--log-level", "warning", *engine, *extra]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self.url: str | None = None
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.monotonic() + 600
-        while self.url is None:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start:\n" + "".join(self.lines))
-            time.sleep(0.1)
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            m = re.search(r" at (http://\S+)/v1 ", line)
-            if m:
-                self.url = m.group(1)
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(120)
 
 
 async def _load(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int
@@ -115,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows = []
         for lay in a.layouts:
             extra = [] if lay.strip() == "1" else shlex.split(lay)
-            srv = _Server(model_dir, extra, engine)
+            srv = ServeProcess([model_dir, *engine, *extra], start_timeout=600)
             try:
                 asyncio.run(_load(srv.url, prompts[:a.warmup], a.max_tokens, a.concurrency))
                 n, s = asyncio.run(_load(srv.url, prompts[a.warmup:], a.max_tokens,

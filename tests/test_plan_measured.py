@@ -230,7 +230,7 @@ def test_planted_bugs_are_caught(counted, monkeypatch):
     """The comparison fails for a planner that forgets FlashComm's padding, the int8 scales, or
     counts the all-to-all rows a rank keeps."""
     import glm5.deploy.flashcomm as fcm
-    import glm5.deploy.plan as plan_mod
+    import glm5.deploy.plan_comm as plan_mod
     import glm5.ir.ops_comm as oc
 
     res = counted[4]
@@ -271,7 +271,7 @@ def test_quantized_cases_gather_activation_scales(counted):
 
 
 def test_planted_no_activation_scale_gathers_is_caught(counted, monkeypatch):
-    import glm5.deploy.plan as plan_mod
+    import glm5.deploy.plan_comm as plan_mod
 
     with monkeypatch.context() as mp:
         mp.setattr(plan_mod, "act_scale_gathers", lambda *a: ((), 1))

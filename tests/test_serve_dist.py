@@ -12,11 +12,8 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -24,6 +21,7 @@ import torch
 
 from glm5.serve.ranks import BALANCE_SLACK, ServeLayout, ServeLayoutError
 from glm5.testing.dist import DistPool, values
+from glm5.testing.serve_process import ServeProcess, alive
 
 ENGINE = {"page_size": 16, "num_pages": 64, "max_num_seqs": 16}
 MAX_TOKENS = 5
@@ -369,6 +367,28 @@ def test_cli_checks_the_model_dir_before_starting_ranks(tmp_path, capsys):
     assert "MODEL_DIR" in capsys.readouterr().err and time.monotonic() - t0 < 10
 
 
+def test_the_ranks_command_line(checkpoints):
+    from glm5.cli import build_parser
+    from glm5.cli.errors import UsageError
+    from glm5.cli.serve import ranks_argv
+
+    def argv(*a):
+        args = build_parser().parse_args(["serve", checkpoints["float"], *a])
+        args.argv = ["serve", checkpoints["float"], *a]
+        return ranks_argv(args, 4)
+
+    one = argv("--tp", "4")
+    assert "--nproc-per-node=4" in one and "--standalone" in one
+    assert one[-6:] == ["--module", "glm5.cli", "serve", checkpoints["float"], "--tp", "4"]
+    two = argv("--tp", "4", "--nnodes", "2", "--rdzv-endpoint", "h:29500", "--rdzv-id", "j")
+    assert "--nproc-per-node=2" in two and "--nnodes=2" in two and "--standalone" not in two
+    assert "--rdzv-endpoint=h:29500" in two and "--rdzv-id=j" in two
+    with pytest.raises(UsageError, match="divide evenly"):
+        argv("--tp", "4", "--nnodes", "3", "--rdzv-endpoint", "h:1")
+    with pytest.raises(UsageError, match="--rdzv-endpoint expected with --nnodes"):
+        argv("--tp", "4", "--rdzv-endpoint", "h:1")
+
+
 def test_weight_updates_are_refused_across_ranks(checkpoints):
     from glm5.serve.server import ServeOptionError, serve
 
@@ -388,83 +408,6 @@ def test_mtp_drafts_are_refused_with_dp_attention():
 
 
 # --------------------------------------------------------------------------- the command line
-class _Cmd:
-    """`glm5 serve ...` as a user runs it (torchrun underneath), its output read as it comes."""
-
-    def __init__(self, args: list[str]) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "glm5.cli", "serve", *args,
-                                      "--port", "0", "--log-level", "warning"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env)
-        self.lines: list[str] = []
-        self.url: str | None = None
-        threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.monotonic() + 180
-        while self.url is None:
-            assert self.proc.poll() is None, "".join(self.lines)
-            assert time.monotonic() < deadline, "".join(self.lines)
-            time.sleep(0.1)
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            m = re.search(r" at (http://\S+)/v1 ", line)
-            if m:
-                self.url = m.group(1)
-
-    def ranks(self) -> dict[int, int]:
-        """{rank: pid} of this server's ranks (children of its torchrun)."""
-        out = {}
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
-                continue
-            try:
-                env = (d / "environ").read_bytes().split(b"\0")
-                cmd = (d / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"glm5.cli" not in cmd or b"torch.distributed.run" in cmd:
-                continue
-            vals = dict(e.split(b"=", 1) for e in env if b"=" in e)
-            pf = vals.get(b"GLM5_SERVE_PIDFILE", b"")
-            if b"RANK" in vals and self._mine(pf):
-                out[int(vals[b"RANK"])] = int(d.name)
-        return out
-
-    def _mine(self, pidfile: bytes) -> bool:
-        try:  # the launcher's pidfile variable is in its torchrun's environment too
-            torchrun = [c for c in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
-                        .read_text().split()]
-        except OSError:
-            return False
-        for t in torchrun:
-            try:
-                env = Path(f"/proc/{t}/environ").read_bytes()
-            except OSError:
-                continue
-            if pidfile and b"GLM5_SERVE_PIDFILE=" + pidfile in env:
-                return True
-        return False
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        for pid in self.ranks().values():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _post(url: str, prompt, max_tokens: int, timeout: float = 120) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json={
         "model": "float", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -472,7 +415,7 @@ def _post(url: str, prompt, max_tokens: int, timeout: float = 120) -> httpx.Resp
 
 
 def test_cli_tp2_a_killed_rank_gives_503_and_a_non_zero_exit(checkpoints, references):
-    cmd = _Cmd([checkpoints["float"], "--tp", "2", "--rank-timeout", "20", "--page-size", "16",
+    cmd = ServeProcess([checkpoints["float"], "--tp", "2", "--rank-timeout", "20", "--page-size", "16",
                 "--num-pages", "64"])
     try:
         r = _post(cmd.url, PROMPTS[0], MAX_TOKENS)
@@ -488,20 +431,20 @@ def test_cli_tp2_a_killed_rank_gives_503_and_a_non_zero_exit(checkpoints, refere
         t0 = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
         t.join(40)
-        assert not t.is_alive(), "the open request hung"
+        assert not t.isalive(), "the open request hung"
         assert box["r"].status_code == 503, box["r"].text
         assert "rank" in box["r"].json()["error"]["message"]
         rc = cmd.proc.wait(40)
-        assert rc not in (0, None) and time.monotonic() - t0 < 40, "".join(cmd.lines)
-        assert "a rank failed" in "".join(cmd.lines)
+        assert rc not in (0, None) and time.monotonic() - t0 < 40, cmd.output
+        assert "a rank failed" in cmd.output
         time.sleep(0.5)
-        assert not any(_alive(p) for p in pids.values())
+        assert not any(alive(p) for p in pids.values())
     finally:
         cmd.kill()
 
 
 def test_cli_dp_attention_sigterm_drains_and_stops_every_rank(checkpoints, references):
-    cmd = _Cmd([checkpoints["float"], "--ep", "2", "--dp-attention", "--page-size", "16",
+    cmd = ServeProcess([checkpoints["float"], "--ep", "2", "--dp-attention", "--page-size", "16",
                 "--num-pages", "64"])
     try:
         for i in (2, 3):
@@ -510,9 +453,9 @@ def test_cli_dp_attention_sigterm_drains_and_stops_every_rank(checkpoints, refer
         pids = cmd.ranks()
         assert sorted(pids) == [0, 1]
         cmd.proc.send_signal(signal.SIGTERM)
-        assert cmd.proc.wait(60) == -signal.SIGTERM, "".join(cmd.lines)  # as one process ends
+        assert cmd.proc.wait(60) == -signal.SIGTERM, cmd.output  # as one process ends
         time.sleep(0.5)
-        assert not any(_alive(p) for p in pids.values())
-        assert "Traceback" not in "".join(cmd.lines), "".join(cmd.lines)
+        assert not any(alive(p) for p in pids.values())
+        assert "Traceback" not in cmd.output, cmd.output
     finally:
         cmd.kill()

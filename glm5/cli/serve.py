@@ -149,33 +149,42 @@ def _world(args: argparse.Namespace) -> int:
         raise UsageError(option_names(str(e), {})) from None
 
 
-def _start_ranks(args: argparse.Namespace, world: int) -> int:
-    """This command again, on ``world`` processes under torchrun (`glm5 launch`'s command
-    line); SIGINT / SIGTERM go to torchrun, which passes them to the ranks. The exit status
-    is torchrun's (non-zero when a rank failed)."""
-    import os
-    import signal
-    import subprocess
-
+def ranks_argv(args: argparse.Namespace, world: int) -> list[str]:
+    """The torchrun command line that runs this command again on ``world`` ranks (``world /
+    nnodes`` on this node; `glm5 launch`'s rendezvous options)."""
     from glm5.cli.launch import launch_argv
 
-    from glm5.core.config import missing_config
-
-    why = missing_config(args.model_dir)  # said once here, not by every rank
-    if why:
-        raise UsageError(f"MODEL_DIR {args.model_dir}: {why}")
     if args.nnodes is None and args.rdzv_endpoint is not None:
         raise UsageError("--rdzv-endpoint expected with --nnodes")
-    nnodes = int(str(args.nnodes).split(":")[-1]) if args.nnodes else 1
-    if world % nnodes:
+    try:
+        nnodes = int(str(args.nnodes).split(":")[-1]) if args.nnodes else 1
+    except ValueError:
+        raise UsageError(f"--nnodes expected N or MIN:MAX, got {args.nnodes!r}") from None
+    if nnodes < 1 or world % nnodes:
         raise UsageError(f"--nnodes {args.nnodes}: the layout's {world} ranks expected to "
                          f"divide evenly over the nodes")
     la = argparse.Namespace(nproc=world // nnodes, nnodes=args.nnodes, timeout=None,
                             rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
                             cmd=["-m", "glm5.cli", *args.argv])
+    return launch_argv(la)
+
+
+def _start_ranks(args: argparse.Namespace, world: int) -> int:
+    """This command again, on ``world`` processes under torchrun (`ranks_argv`); SIGINT /
+    SIGTERM go to rank 0 once it serves (it drains, then stops the others), to torchrun
+    before. The exit status is torchrun's (non-zero when a rank failed)."""
+    import os
+    import signal
+    import subprocess
     import tempfile
 
+    from glm5.core.config import missing_config
     from glm5.serve.ranks import PIDFILE_ENV
+
+    why = missing_config(args.model_dir)  # said once here, not by every rank
+    if why:
+        raise UsageError(f"MODEL_DIR {args.model_dir}: {why}")
+    argv = ranks_argv(args, world)
 
     env = dict(os.environ)
     if args.rank_timeout is not None:
@@ -187,7 +196,7 @@ def _start_ranks(args: argparse.Namespace, world: int) -> int:
         # torchrun in a session of its own: a terminal's Ctrl-C reaches this process only,
         # which hands it to rank 0 (its server drains, then tells the other ranks to stop:
         # a clean exit 0); torchrun would kill the ranks with a traceback and status 1
-        proc = subprocess.Popen(launch_argv(la), env=env, start_new_session=True,
+        proc = subprocess.Popen(argv, env=env, start_new_session=True,
                                 preexec_fn=_die_with_parent)
 
         got: list[int] = []

@@ -54,7 +54,7 @@ from typing import Any, Sequence
 
 import torch
 
-from glm5.engine.engine import LLMEngine, RequestRejected
+from glm5.engine.engine import LLMEngine
 from glm5.engine.outputs import RequestOutput
 from glm5.engine.sampling import SamplingParams
 from glm5.parallel import get_context, init_distributed
