@@ -431,7 +431,7 @@ def test_cli_tp2_a_killed_rank_gives_503_and_a_non_zero_exit(checkpoints, refere
         t0 = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
         t.join(40)
-        assert not t.isalive(), "the open request hung"
+        assert not t.is_alive(), "the open request hung"
         assert box["r"].status_code == 503, box["r"].text
         assert "rank" in box["r"].json()["error"]["message"]
         rc = cmd.proc.wait(40)

@@ -239,11 +239,43 @@ def _die_with_parent() -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from glm5.serve.server import ServeError, ServeOptionError, serve
-
     world = _world(args)
     if world > 1 and "RANK" not in os.environ:  # not one of the ranks yet: start them
         return _start_ranks(args, world)
+    if world > 1:
+        _exit_rank(args)
+    return _serve(args)
+
+
+def _exit_rank(args: argparse.Namespace) -> None:
+    """A rank serves, then leaves with os._exit once its server drained and its process group
+    is destroyed: the interpreter's teardown can free gloo's worker threads while a peer closes
+    its connections, and abort the process (SIGABRT, seen about once in 10 clean shutdowns)
+    after everything was done. Its status is the command's (errors said as `glm5` says
+    them)."""
+    import os
+    import sys
+
+    from glm5.cli.errors import classify, err, one_line
+
+    try:
+        code = _serve(args)
+    except KeyboardInterrupt:
+        err("glm5 serve: interrupted")
+        code = 130
+    except Exception as e:  # noqa: BLE001 - said, then the status, as glm5.cli.main does
+        code, msg = classify(e)
+        err(f"glm5 serve: {one_line(msg)}")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from glm5.serve.server import ServeError, ServeOptionError, serve
 
     engine_options = _given(args, ENGINE_OPTIONS)
     if args.no_prefix_cache:
