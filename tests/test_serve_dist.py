@@ -229,6 +229,37 @@ def _diverge(ctx, model_dir: str) -> str | None:
         front._ch.send({"kind": "stop"})  # release rank 1 (a real server would exit)
 
 
+def _budgets(ctx, model_dir: str, dp: bool) -> list[float]:
+    """The decode-step times each rank's prefill budget holds after a few requests."""
+    from glm5.engine.engine import EngineConfig, LLMEngine
+    from glm5.engine.sampling import SamplingParams
+    from glm5.serve import ranks
+
+    layout = ServeLayout(ep=2, dp_attention=dp)
+    eng = LLMEngine(ranks.load_rank_model(model_dir, layout, ctx, None), EngineConfig(**ENGINE))
+    if ctx.rank == 1:
+        ranks.follow(eng, ctx, layout)
+    else:
+        front = ranks.RankFront(eng, ctx, layout)
+        for i in range(4):
+            front.add_request(str(i), PROMPTS[i], SamplingParams(max_tokens=6, temperature=0.0))
+        while front.has_unfinished():
+            front.step()
+        front.close()
+    return list(eng.scheduler.budget._decode_s)
+
+
+@pytest.mark.parametrize("dp", [False, True])
+def test_the_prefill_budget_follows_rank_0_with_replicated_tokens_only(world2, checkpoints, dp):
+    """Replicated tokens: every rank's budget holds rank 0's measured times (so every rank
+    schedules alike); DP attention: each rank's its own."""
+    r0, r1 = values(world2.run(_budgets, checkpoints["float"], dp, timeout_s=120))
+    assert r0 and r1
+    # rank 0's last step is observed after its round: the others get it with the next one
+    same = r1 == r0[:len(r1)] and len(r0) - len(r1) <= 1
+    assert same is (not dp), (r0, r1)
+
+
 def test_a_rank_that_samples_other_tokens_is_an_error(world2, checkpoints):
     msg = values(world2.run(_diverge, checkpoints["float"], timeout_s=120))[0]
     assert "rank 1 sampled other tokens than rank 0" in msg and "request 'a'" in msg

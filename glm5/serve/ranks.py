@@ -295,7 +295,9 @@ def follow(engine: LLMEngine, ctx: Any, layout: ServeLayout) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     me = _Rank(engine, layout, ctx.rank)
-    if me.observe is not None:  # this rank's own step times never move its budget
+    if me.observe is not None and not layout.dp_attention:
+        # replicated tokens: rank 0's step times move this rank's budget, never its own (a DP
+        # rank schedules its own requests by its own times)
         engine.scheduler.budget.observe = lambda *a: None
     ch = _Channel(ctx)
     while True:
