@@ -19,7 +19,8 @@ import httpx
 import pytest
 import torch
 
-from glm5.serve.ranks import BALANCE_SLACK, ServeLayout, ServeLayoutError
+from glm5.engine.lockstep import BALANCE_SLACK
+from glm5.serve.ranks import ServeLayout, ServeLayoutError
 from glm5.testing.dist import DistPool, values
 from glm5.testing.serve_process import ServeProcess, alive
 
@@ -211,11 +212,11 @@ def _diverge(ctx, model_dir: str) -> str | None:
             return outs
         eng.step = step
         try:
-            ranks.follow(eng, ctx, layout)
+            ranks.follow(eng, layout)
         except ranks.RankLost:
             pass
         return None
-    front = ranks.RankFront(eng, ctx, layout)
+    front = ranks.front(eng, layout)
     front.add_request("a", PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0,
                                                       ignore_eos=True))
     try:
@@ -238,9 +239,9 @@ def _budgets(ctx, model_dir: str, dp: bool) -> list[float]:
     layout = ServeLayout(ep=2, dp_attention=dp)
     eng = LLMEngine(ranks.load_rank_model(model_dir, layout, ctx, None), EngineConfig(**ENGINE))
     if ctx.rank == 1:
-        ranks.follow(eng, ctx, layout)
+        ranks.follow(eng, layout)
     else:
-        front = ranks.RankFront(eng, ctx, layout)
+        front = ranks.front(eng, layout)
         for i in range(4):
             front.add_request(str(i), PROMPTS[i], SamplingParams(max_tokens=6, temperature=0.0))
         while front.has_unfinished():
@@ -276,7 +277,7 @@ def _fail_mid_round(ctx, model_dir: str) -> str | None:
     eng = LLMEngine(ranks.load_rank_model(model_dir, layout, ctx, None), EngineConfig(**ENGINE))
     if ctx.rank == 1:
         try:
-            ranks.follow(eng, ctx, layout)
+            ranks.follow(eng, layout)
         except Exception as e:  # noqa: BLE001 - the lost world, as a follower sees it
             return type(e).__name__
         return "stopped"
@@ -288,7 +289,7 @@ def _fail_mid_round(ctx, model_dir: str) -> str | None:
             raise RuntimeError("planted")
         return real()
     eng.step = step
-    front = ranks.RankFront(eng, ctx, layout)
+    front = ranks.front(eng, layout)
     for i in range(2):  # one request per rank
         front.add_request(str(i), PROMPTS[i], SamplingParams(max_tokens=4, temperature=0.0))
     try:
@@ -320,7 +321,7 @@ class _FakeLocal:
 
 
 def _front(world: int):
-    from glm5.serve.ranks import RankFront
+    from glm5.engine.lockstep import RankFront
 
     f = RankFront.__new__(RankFront)
     f.local, f.world = _FakeLocal(), world

@@ -190,7 +190,7 @@ class LLMEngine:
         self._aborts: list[str] = []
         self._outputs: list[RequestOutput] = []
         # A step whose forward raises runs each request alone so that one bad request fails
-        # alone. Ranks in lockstep (glm5.serve.ranks) turn it off: a rank that retries alone
+        # alone. Ranks in lockstep (glm5.engine.lockstep) turn it off: a rank that retries alone
         # would issue collectives the others never match.
         self.isolate_failures = True
         # The version of the weights the model holds; every sampled token records it (RL rollouts
@@ -234,9 +234,6 @@ class LLMEngine:
         long prompt is not counted against the long-prompt rate (a rank that replays what a
         front already admitted)."""
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"glm5 engine: params expected SamplingParams, got "
-                            f"{type(params).__name__}")
         ids = self.check_request(request_id, prompt, params, output_kind=output_kind,
                                  rate_limit=rate_limit)
         self._add(request_id, ids, params, output_kind)
@@ -247,6 +244,9 @@ class LLMEngine:
         """What `add_request` checks before it queues, without queueing: the prompt's token ids,
         or `RequestRejected` (a data-parallel front checks here for a rank of the same
         config). ``rate_limit``: take a long prompt's admission from the rate limit."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"glm5 engine: params expected SamplingParams, got "
+                            f"{type(params).__name__}")
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"glm5 engine add_request: output_kind expected one of "
                              f"{OUTPUT_KINDS}, got {output_kind!r}")

@@ -133,7 +133,7 @@ class _EngineCollector:
         yield counter("glm5_stream_backlog_aborts", "Engine requests aborted because their "
                       "reader fell stream_backlog outputs behind.", s.get("stalled", 0))
         per = s.get("per_rank")
-        if per:  # a multi-rank server (glm5.serve.ranks): each rank's own, as of the last round
+        if per:  # a multi-rank server (glm5.engine.lockstep): each rank's own, as of the last round
             for key, name, doc, kind in PER_RANK:
                 fam = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
                     name, doc, labels=["rank"])

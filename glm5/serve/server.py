@@ -174,10 +174,10 @@ def serve(model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
         except ValueError as e:
             raise ServeOptionError(str(e).removeprefix("glm5 engine: ")) from None
         if ctx is not None and rank != 0:
-            ranks.follow(engine, ctx, layout)  # until rank 0 stops (or a rank is lost)
+            ranks.follow(engine, layout)  # until rank 0 stops (or a rank is lost)
             return
         if ctx is not None:
-            front = ranks.RankFront(engine, ctx, layout)
+            front = ranks.front(engine, layout)
         async_engine = AsyncEngine(front if front is not None else engine)
         app = build_app(async_engine, name, tokenizer,
                         allow_weight_updates=allow_weight_updates, limits=serve_limits)
