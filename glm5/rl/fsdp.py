@@ -1,0 +1,100 @@
+"""The RL trainer's model across ranks (WIP, issue 37): FSDP2 sharding and Muon on whole
+matrices.
+
+`shard_model(model, mesh)` applies `torch.distributed.fsdp.fully_shard` to each decoder layer
+and to the root: parameters, gradients and optimizer state live as row shards (DTensor
+``Shard(0)``) on the data-parallel ranks; a forward all-gathers a layer's parameters and a
+backward reduce-scatters its gradients (the mean over ranks: the whole batch's loss).
+
+Muon orthogonalises each weight matrix's momentum with Newton–Schulz; torch.optim.Muon on row
+shards would orthogonalise each shard alone (measured: a 9e-4 error after one step at lr 1e-2
+on `tiny`, against ~1e-6 for AdamW). `WholeMatrixMuon` keeps torch's update exactly: each
+matrix has an owner rank (round-robin over the matrices by decreasing size, so the Newton–Schulz
+work and the momentum memory spread evenly); at `step` every rank gathers the matrix's gradient,
+the owner updates its momentum and runs Newton–Schulz (torch.optim._muon's), broadcasts the
+orthogonalised update, and every rank applies it to its own shard (decoupled weight decay and
+the adjusted learning rate as torch applies them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+
+def shard_model(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """FSDP2 over ``mesh`` (a 1-D DeviceMesh of the data-parallel ranks): each decoder layer
+    (and each MTP block) its own unit, then the root (embeddings, final norm, LM head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    for m in model.mtp or ():
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+_MUON_DEFAULTS = {k: v for k, v in torch.optim.Muon([torch.nn.Parameter(torch.zeros(2, 2))])
+                  .defaults.items()}
+
+
+class WholeMatrixMuon(torch.optim.Optimizer):
+    """torch.optim.Muon's update on whole matrices of FSDP2-sharded (or plain) 2-D parameters;
+    the same hyperparameters and defaults as torch.optim.Muon. Momentum lives on each matrix's
+    owner only (``owner``: parameter -> global rank)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], **kw: Any) -> None:
+        unknown = set(kw) - set(_MUON_DEFAULTS)
+        if unknown:
+            raise TypeError(f"glm5 WholeMatrixMuon: unexpected arguments {sorted(unknown)}")
+        super().__init__(params, {**_MUON_DEFAULTS, **kw})
+        ps = [p for g in self.param_groups for p in g["params"]]
+        for p in ps:
+            if p.dim() != 2:
+                raise ValueError(f"glm5 WholeMatrixMuon: parameters expected 2-D matrices, got "
+                                 f"shape {list(p.shape)}")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        order = sorted(range(len(ps)), key=lambda i: (-ps[i].numel(), i))
+        self.owner = {ps[i]: k % world for k, i in enumerate(order)}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("glm5 WholeMatrixMuon: closure is not supported")
+        me = dist.get_rank() if dist.is_initialized() else 0
+        for group in self.param_groups:
+            lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:  # every rank sees the same None (FSDP reduces grads)
+                    continue
+                sharded = isinstance(p, DTensor)
+                g = p.grad.full_tensor() if sharded else p.grad
+                owner = self.owner[p]
+                if owner == me:
+                    st = self.state[p]
+                    if "momentum_buffer" not in st:
+                        st["momentum_buffer"] = torch.zeros_like(g)
+                    buf = st["momentum_buffer"]
+                    buf.lerp_(g, 1 - mom)
+                    upd = g.lerp(buf, mom) if group["nesterov"] else buf
+                    u = _zeropower_via_newtonschulz(upd, group["ns_coefficients"],
+                                                    group["ns_steps"], group["eps"]).to(g.dtype)
+                    u = u.contiguous()  # NS transposes tall matrices: a view gloo cannot send
+                else:
+                    u = torch.empty_like(g)
+                if sharded:
+                    dist.broadcast(u, src=owner)
+                    u = DTensor.from_local(u, p.device_mesh, [Replicate()] * p.device_mesh.ndim,
+                                           run_check=False).redistribute(
+                        p.device_mesh, p.placements).to_local()
+                    local = p.to_local()
+                else:
+                    local = p
+                adj = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
+                local.mul_(1 - lr * wd)
+                local.add_(u, alpha=-adj)

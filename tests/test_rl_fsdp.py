@@ -1,0 +1,80 @@
+"""WIP (issue 37): the RL trainer's model under FSDP2 on 2 gloo ranks — one AdamW step against the
+single process on the whole batch, and Muon on whole matrices (`glm5.rl.fsdp.WholeMatrixMuon`)
+exactly torch.optim.Muon's update given the same gradients, where torch.optim.Muon on the row
+shards is not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm5.testing.dist import DistPool, values
+
+
+def _build():
+    from glm5.core.config import preset
+    from glm5.core.model import GLM5ForCausalLM
+
+    torch.manual_seed(0)
+    return GLM5ForCausalLM(preset("tiny").replace(num_nextn_predict_layers=0)).train()
+
+
+def _loss(m, ids):
+    out = m(ids)
+    return torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]).float(),
+                                             ids[:, 1:].reshape(-1))
+
+
+def _step(ctx, opt: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from glm5.rl.fsdp import WholeMatrixMuon, shard_model
+
+    torch.set_num_threads(1)
+    ids = torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(1))
+    n = ctx.world_size
+    m = shard_model(_build(), init_device_mesh("cpu", (n,)))
+    mine = ids[ctx.rank * (4 // n):(ctx.rank + 1) * (4 // n)]
+    _loss(m, mine).backward()
+    ref = _build()
+    # the single process, given the very gradients FSDP reduced (the mean over the batch)
+    for (name, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        q.grad = None if p.grad is None else p.grad.full_tensor().clone()
+    if opt == "adamw":
+        a = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        b = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    else:
+        mats = [p for p in m.parameters() if p.dim() == 2]
+        a = (WholeMatrixMuon(mats, lr=1e-2, adjust_lr_fn="match_rms_adamw") if opt == "muon"
+             else torch.optim.Muon(mats, lr=1e-2, adjust_lr_fn="match_rms_adamw"))
+        b = torch.optim.Muon([p for p in ref.parameters() if p.dim() == 2], lr=1e-2,
+                             adjust_lr_fn="match_rms_adamw")
+    a.step()
+    b.step()
+    want = dict(ref.named_parameters())
+    err = max(float((p.full_tensor() - want[name]).detach().abs().max())
+              for name, p in m.named_parameters())
+    owned = sum(1 for o in getattr(a, "owner", {}).values() if o == ctx.rank)
+    return {"err": err, "owned": owned, "state": len(a.state)}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with DistPool(2, comm_timeout_s=60) as pool:
+        yield pool
+
+
+def test_adamw_on_shards_is_the_single_process_step(world2):
+    for r in values(world2.run(_step, "adamw", timeout_s=120)):
+        assert r["err"] <= 1e-7, r
+
+
+def test_whole_matrix_muon_is_torch_muon_and_shard_muon_is_not(world2):
+    got = values(world2.run(_step, "muon", timeout_s=120))
+    for r in got:
+        assert r["err"] == 0.0, r  # the same Newton-Schulz on the same matrix: bit-exact
+    assert got[0]["owned"] > 0 and got[1]["owned"] > 0  # the work is spread
+    for r in got:  # momentum only where the matrix is owned (and has a gradient)
+        assert 0 < r["state"] <= r["owned"], r
+    naive = values(world2.run(_step, "torch-muon-on-shards", timeout_s=120))
+    assert all(r["err"] > 1e-5 for r in naive), naive
