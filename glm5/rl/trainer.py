@@ -98,9 +98,11 @@ def token_logprobs(model: torch.nn.Module, batch: PackedBatch
     return lp, ent, h
 
 
-def build_optimizers(model: torch.nn.Module, cfg: TrainerConfig) -> list[torch.optim.Optimizer]:
+def build_optimizers(model: torch.nn.Module, cfg: TrainerConfig, sharded: bool = False
+                     ) -> list[torch.optim.Optimizer]:
     """Muon for the hidden weight matrices; AdamW for embeddings, the LM head, norms and biases
-    (and for everything with optimizer: adamw). Frozen parameters are left out."""
+    (and for everything with optimizer: adamw). Frozen parameters are left out. ``sharded``
+    (FSDP2 parameters): Muon on whole matrices (`glm5.rl.fsdp.WholeMatrixMuon`)."""
     matrices, rest = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -109,8 +111,14 @@ def build_optimizers(model: torch.nn.Module, cfg: TrainerConfig) -> list[torch.o
         (matrices if cfg.optimizer == "muon" and hidden_matrix else rest).append(p)
     opts: list[torch.optim.Optimizer] = []
     if matrices:
-        opts.append(torch.optim.Muon(matrices, lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
-                                     adjust_lr_fn="match_rms_adamw"))
+        if sharded:
+            from glm5.rl.fsdp import WholeMatrixMuon  # lazy: torch.distributed's tensor types
+
+            muon = WholeMatrixMuon
+        else:
+            muon = torch.optim.Muon
+        opts.append(muon(matrices, lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
+                         adjust_lr_fn="match_rms_adamw"))
     if rest:
         decay = [p for p in rest if p.dim() >= 2]
         no_decay = [p for p in rest if p.dim() < 2]
@@ -133,19 +141,29 @@ class GRPOTrainer:
     """Trains ``model`` in place on batches of finished trajectories (advantages set)."""
 
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig,
-                 teacher: torch.nn.Module | None = None, total_steps: int = 0) -> None:
-        self.model, self.cfg = model, cfg
+                 teacher: torch.nn.Module | None = None, total_steps: int = 0,
+                 mesh: Any = None) -> None:
+        """``mesh`` (a 1-D DeviceMesh of the data-parallel ranks; None: one process): the model
+        (and the reference / teacher copies) are sharded with FSDP2 (`glm5.rl.fsdp`), each
+        rank trains on its own trajectories and the update is the whole batch's."""
+        self.model, self.cfg, self.mesh = model, cfg, mesh
         if cfg.freeze_indexer:
             model.freeze_indexer()
         model.train()
-        self.optimizers = build_optimizers(model, cfg)
-        self.total_steps = total_steps
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, self._lr_factor)
-                           for o in self.optimizers]
         self.ref = _frozen_copy(model) if cfg.kl_coef > 0 else None
         self.teacher = None
         if cfg.distill.enabled:
             self.teacher = _frozen_copy(teacher if teacher is not None else model)
+        if mesh is not None:
+            from glm5.rl.fsdp import shard_model  # lazy: torch.distributed's FSDP
+
+            for m in (model, self.ref, self.teacher):
+                if m is not None:
+                    shard_model(m, mesh)
+        self.optimizers = build_optimizers(model, cfg, sharded=mesh is not None)
+        self.total_steps = total_steps
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, self._lr_factor)
+                           for o in self.optimizers]
         self.step_count = 0
 
     def _lr_factor(self, step: int) -> float:
@@ -168,9 +186,12 @@ class GRPOTrainer:
         w = [1.0] * len(trajs) if weights is None else list(weights)
         batches = [pack([trajs[i] for i in c], [w[i] for i in c], device=self.model.device)
                    for c in chunks]
-        total = sum(b.num_tokens for b in batches)
+        total = self._all_sum(float(sum(b.num_tokens for b in batches)))
         if total == 0:
             raise ValueError("glm5 rl trainer: the batch has no completion token")
+        if self.mesh is not None and self._all_max(len(batches)) != len(batches):
+            raise ValueError("glm5 rl trainer: every data-parallel rank expected the same number "
+                             "of micro-batches (FSDP's collectives pair up per forward)")
         old = None
         if cfg.ppo_epochs > 1:
             with torch.no_grad():
@@ -187,7 +208,10 @@ class GRPOTrainer:
             params = [p for p in self.model.parameters() if p.requires_grad]
             gnorm = torch.nn.utils.clip_grad_norm_(
                 params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+            if hasattr(gnorm, "full_tensor"):  # sharded grads: the norm is a DTensor
+                gnorm = gnorm.full_tensor()
             if epoch == 0:
+                sums = {k: self._all_sum(v) for k, v in sums.items()}
                 sums["grad_norm"] = float(gnorm)
             if not math.isfinite(float(gnorm)):
                 raise FloatingPointError(f"glm5 rl trainer: step {self.step_count}: the gradient "
@@ -203,6 +227,19 @@ class GRPOTrainer:
         sums["trajectories"] = float(len(trajs))
         sums["train_s"] = time.perf_counter() - t0
         return sums
+
+    def _all_sum(self, v: float) -> float:
+        if self.mesh is None:
+            return v
+        t = torch.tensor([v], dtype=torch.float64)
+        torch.distributed.all_reduce(t, group=self.mesh.get_group())
+        return float(t)
+
+    def _all_max(self, v: int) -> int:
+        t = torch.tensor([v], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
+                                     group=self.mesh.get_group())
+        return int(t)
 
     def _micro(self, b: PackedBatch, old: torch.Tensor | None, share: float) -> dict[str, float]:
         cfg = self.cfg
@@ -237,7 +274,10 @@ class GRPOTrainer:
             dist = self.distill_loss(h, b)
             total = total + cfg.distill.weight * dist
             out["distill_kl"] = float(dist.detach())
-        (total * share).backward()
+        # FSDP averages the ranks' gradients; each rank's loss is its share of the whole
+        # batch's token mean, so the sum is wanted: x ranks (a divide factor of 1 would need
+        # PREMUL_SUM, which gloo lacks)
+        (total * share * (1 if self.mesh is None else self.mesh.size())).backward()
         out["loss"] = float(total.detach())
         return out
 
