@@ -12,10 +12,14 @@ from glm5.testing.dist import DistPool, values
 
 
 def _build():
+    return _build_seeded(0)
+
+
+def _build_seeded(seed: int):
     from glm5.core.config import preset
     from glm5.core.model import GLM5ForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return GLM5ForCausalLM(preset("tiny").replace(num_nextn_predict_layers=0)).train()
 
 
@@ -91,35 +95,53 @@ TRAJS = [([3, 5, 7], [9, 11, 2], 1.0), ([4, 4], [6, 8, 10, 12], -0.5),
          ([1, 2, 3, 4], [5], 0.7), ([9, 8], [7, 6, 5], -1.2)]
 
 
-def _rl_step(ctx, optimizer: str) -> dict:
+def _rl_step(ctx, optimizer: str, extra: str = "") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from glm5.rl.config import TrainerConfig
+    from glm5.rl.config import DistillConfig, TrainerConfig
     from glm5.rl.trainer import GRPOTrainer
 
     torch.set_num_threads(1)
-    cfg = TrainerConfig(optimizer=optimizer, lr=1e-2, muon_lr=1e-2, micro_batch_size=2)
+    kw = {}
+    if extra == "distill":
+        kw["distill"] = DistillConfig(enabled=True, weight=0.5, temperature=2.0)
+    elif extra == "kl":
+        kw["kl_coef"] = 0.1
+    cfg = TrainerConfig(optimizer=optimizer, lr=1e-2, muon_lr=1e-2, micro_batch_size=2,
+                        ppo_epochs=2 if extra == "epochs" else 1, **kw)
     trajs = [_traj(i, *t) for i, t in enumerate(TRAJS)]
-    ref = GRPOTrainer(_build(), cfg)
-    mr = ref.train_step(trajs)
+
+    def teacher():  # another model than the student: the distillation KL is not zero
+        torch.manual_seed(7)
+        return _build_seeded(7)
+
+    ref = GRPOTrainer(_build(), cfg, teacher=teacher() if extra == "distill" else None)
+    for _ in range(2):  # two steps: the ratio and the momentum move
+        mr = ref.train_step(trajs)
     n = ctx.world_size
-    tr = GRPOTrainer(_build(), cfg, mesh=init_device_mesh("cpu", (n,)))
+    tr = GRPOTrainer(_build(), cfg, teacher=teacher() if extra == "distill" else None,
+                     mesh=init_device_mesh("cpu", (n,)))
     per = len(trajs) // n
-    m = tr.train_step(trajs[ctx.rank * per:(ctx.rank + 1) * per])
+    for _ in range(2):
+        m = tr.train_step(trajs[ctx.rank * per:(ctx.rank + 1) * per])
     want = dict(ref.model.named_parameters())
     errs = {name: float((p.full_tensor() - want[name]).detach().abs().max())
             for name, p in tr.model.named_parameters()}
     mats = {k for k, p in ref.model.named_parameters() if p.dim() == 2 and p.requires_grad
             and "embed" not in k and "lm_head" not in k}
-    return {"metrics": (m["loss"], m["grad_norm"], m["policy_loss"]),
-            "ref": (mr["loss"], mr["grad_norm"], mr["policy_loss"]),
+    keys = ("loss", "grad_norm", "policy_loss", "distill_kl", "kl_ref")
+    return {"metrics": tuple(m.get(k, 0.0) for k in keys),
+            "ref": tuple(mr.get(k, 0.0) for k in keys),
             "err_matrices": max((v for k, v in errs.items() if k in mats), default=0.0),
             "err_rest": max(v for k, v in errs.items() if k not in mats)}
 
 
+@pytest.mark.parametrize("extra", ["", "distill", "kl", "epochs"])
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_one_rl_step_on_two_ranks_is_the_single_process_step(world2, optimizer):
-    for r in values(world2.run(_rl_step, optimizer, timeout_s=120)):
+def test_rl_steps_on_two_ranks_are_the_single_process_steps(world2, optimizer, extra):
+    """Two steps (with distillation from another model, KL to the reference, or two PPO
+    epochs): metrics and weights as one process on the whole batch."""
+    for r in values(world2.run(_rl_step, optimizer, extra, timeout_s=120)):
         for a, b in zip(r["metrics"], r["ref"]):
             assert a == pytest.approx(b, rel=1e-5, abs=1e-6), r
         assert r["err_rest"] <= 1e-6, r
