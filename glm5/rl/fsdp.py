@@ -8,12 +8,13 @@ backward reduce-scatters its gradients (the mean over ranks: the whole batch's l
 
 Muon orthogonalises each weight matrix's momentum with Newton–Schulz; torch.optim.Muon on row
 shards would orthogonalise each shard alone (measured: a 9e-4 error after one step at lr 1e-2
-on `tiny`, against ~1e-6 for AdamW). `WholeMatrixMuon` keeps torch's update exactly: each
-matrix has an owner rank (round-robin over the matrices by decreasing size, so the Newton–Schulz
-work and the momentum memory spread evenly); at `step` every rank gathers the matrix's gradient,
-the owner updates its momentum and runs Newton–Schulz (torch.optim._muon's), broadcasts the
-orthogonalised update, and every rank applies it to its own shard (decoupled weight decay and
-the adjusted learning rate as torch applies them).
+on `tiny`, against ~1e-6 for AdamW). `WholeMatrixMuon` keeps torch's update exactly: the
+momentum is elementwise, so each rank keeps and updates its own rows of it (sharded like the
+parameter: DCP saves and reshards it like any FSDP optimizer state); the Nesterov update is
+gathered whole, each matrix's owner rank (round-robin over the matrices by decreasing size, so
+the Newton–Schulz work spreads evenly) runs torch.optim._muon's Newton–Schulz on it and
+broadcasts the result, and every rank applies its rows (decoupled weight decay and the adjusted
+learning rate as torch applies them).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ _MUON_DEFAULTS = {k: v for k, v in torch.optim.Muon([torch.nn.Parameter(torch.ze
 
 class WholeMatrixMuon(torch.optim.Optimizer):
     """torch.optim.Muon's update on whole matrices of FSDP2-sharded (or plain) 2-D parameters;
-    the same hyperparameters and defaults as torch.optim.Muon. Momentum lives on each matrix's
-    owner only (``owner``: parameter -> global rank)."""
+    the same hyperparameters and defaults as torch.optim.Muon. ``owner``: parameter -> the
+    global rank that runs its Newton-Schulz."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], **kw: Any) -> None:
         unknown = set(kw) - set(_MUON_DEFAULTS)
@@ -78,29 +79,33 @@ class WholeMatrixMuon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:  # every rank sees the same None (FSDP reduces grads)
                     continue
-                sharded = isinstance(p, DTensor)
-                g = p.grad.full_tensor() if sharded else p.grad
-                owner = self.owner[p]
-                if owner == me:
-                    st = self.state[p]
-                    if "momentum_buffer" not in st:
-                        st["momentum_buffer"] = torch.zeros_like(g)
-                    buf = st["momentum_buffer"]
-                    buf.lerp_(g, 1 - mom)
-                    upd = g.lerp(buf, mom) if group["nesterov"] else buf
+                g = p.grad
+                st = self.state[p]
+                if "momentum_buffer" not in st:  # sharded like the parameter (DCP reshards it)
+                    st["momentum_buffer"] = torch.zeros_like(g)
+                buf = st["momentum_buffer"]
+                # the momentum is elementwise: each rank updates its own rows
+                buf.lerp_(g, 1 - mom)
+                upd = g.lerp(buf, mom) if group["nesterov"] else buf
+                if not isinstance(p, DTensor):
                     u = _zeropower_via_newtonschulz(upd, group["ns_coefficients"],
-                                                    group["ns_steps"], group["eps"]).to(g.dtype)
-                    u = u.contiguous()  # NS transposes tall matrices: a view gloo cannot send
+                                                    group["ns_steps"], group["eps"])
+                    local = p
                 else:
-                    u = torch.empty_like(g)
-                if sharded:
+                    full = upd.full_tensor()  # Newton-Schulz needs the whole matrix
+                    owner = self.owner[p]
+                    if owner == me:
+                        u = _zeropower_via_newtonschulz(full, group["ns_coefficients"],
+                                                        group["ns_steps"], group["eps"])
+                        # NS transposes tall matrices: a view gloo cannot send
+                        u = u.to(full.dtype).contiguous()
+                    else:
+                        u = torch.empty_like(full)
                     dist.broadcast(u, src=owner)
                     u = DTensor.from_local(u, p.device_mesh, [Replicate()] * p.device_mesh.ndim,
                                            run_check=False).redistribute(
                         p.device_mesh, p.placements).to_local()
                     local = p.to_local()
-                else:
-                    local = p
                 adj = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
                 local.mul_(1 - lr * wd)
                 local.add_(u, alpha=-adj)

@@ -305,6 +305,49 @@ class GRPOTrainer:
                 "teacher": None if self.teacher is None else self.teacher.state_dict(),
                 "step": self.step_count}
 
+    def save_sharded(self, path: str) -> None:
+        """A torch.distributed.checkpoint of the trainer (model, optimizers, schedulers, step;
+        the reference and the teacher): each rank writes its shards; `load_sharded` reads it
+        at any number of ranks (1 included). Collective when sharded."""
+        import torch.distributed.checkpoint as dcp  # lazy: torch.distributed
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizers)
+        sd: dict[str, Any] = {"model": msd, "optim": osd, "step": self.step_count,
+                              "schedulers": [s.state_dict() for s in self.schedulers]}
+        for name in ("ref", "teacher"):
+            m = getattr(self, name)
+            if m is not None:
+                sd[name] = get_model_state_dict(m)
+        dcp.save(sd, checkpoint_id=path, no_dist=self.mesh is None)
+
+    def load_sharded(self, path: str) -> None:
+        """Resume from `save_sharded`'s checkpoint, whatever the number of ranks that wrote
+        it."""
+        import torch.distributed.checkpoint as dcp  # lazy: torch.distributed
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                             get_state_dict,
+                                                             set_model_state_dict,
+                                                             set_state_dict)
+
+        msd, osd = get_state_dict(self.model, self.optimizers)
+        sd: dict[str, Any] = {"model": msd, "optim": osd, "step": 0,
+                              "schedulers": [s.state_dict() for s in self.schedulers]}
+        for name in ("ref", "teacher"):
+            m = getattr(self, name)
+            if m is not None:
+                sd[name] = get_model_state_dict(m)
+        dcp.load(sd, checkpoint_id=path, no_dist=self.mesh is None)
+        set_state_dict(self.model, self.optimizers, model_state_dict=sd["model"],
+                       optim_state_dict=sd["optim"])
+        for name in ("ref", "teacher"):
+            m = getattr(self, name)
+            if m is not None:
+                set_model_state_dict(m, sd[name])
+        for sch, s in zip(self.schedulers, sd["schedulers"]):
+            sch.load_state_dict(s)
+        self.step_count = int(sd["step"])
+
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.model.load_state_dict(sd["model"])
         if len(sd["optimizers"]) != len(self.optimizers):
