@@ -39,7 +39,7 @@ from torch import nn
 __all__ = [
     "WeightSyncError", "StaleUpdateError", "ChecksumMismatchError", "WeightUpdate",
     "WeightPublisher", "WeightReceiver", "apply_to_engine", "tensor_checksum",
-    "state_checksums", "weights_equal",
+    "state_checksums", "weights_equal", "row_checksums", "checksum_matches",
 ]
 
 FORMAT = "glm5-weight-update"
@@ -95,6 +95,49 @@ def tensor_checksum(t: torch.Tensor) -> str:
     not hashed, only the bytes)."""
     flat = _flat_cpu(t)
     return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
+
+
+Checksum = Union[str, list]  # a sha256 hex, or [[start_row, stop_row, sha256 hex], ...]
+
+
+def row_checksums(t: torch.Tensor, bounds: Sequence[int]) -> list[list]:
+    """Checksums of row ranges of ``t`` (dim 0; a 0-d tensor has one row): ``bounds`` the
+    ascending row boundaries ``[0, b1, ..., rows]``; returns ``[[b0, b1, sha], ...]``. What a
+    trainer whose ranks each hold a row shard (FSDP's ``Shard(0)``) can compute without
+    gathering the tensor."""
+    rows = t.reshape(1, -1) if t.dim() == 0 else t
+    return [[int(a), int(b), tensor_checksum(rows[a:b])] for a, b in zip(bounds, bounds[1:])]
+
+
+def _check_checksum_form(name: str, c: Any, shape: tuple[int, ...]) -> None:
+    if isinstance(c, str):
+        return
+    rows = shape[0] if shape else 1
+    ok = isinstance(c, list) and len(c) > 0
+    at = 0
+    for r in c if ok else ():
+        if not (isinstance(r, (list, tuple)) and len(r) == 3 and isinstance(r[2], str)
+                and r[0] == at and isinstance(r[1], int) and r[1] >= r[0]):
+            ok = False
+            break
+        at = r[1]
+    if not ok or at != rows:
+        raise WeightSyncError(f"glm5 WeightUpdate: checksums[{name!r}] expected a sha256 hex or "
+                              f"[start_row, stop_row, sha256] ranges covering rows 0..{rows} in "
+                              f"order, got {str(c)[:120]}")
+
+
+def checksum_matches(c: Checksum, new: torch.Tensor, shape: Sequence[int]) -> str | None:
+    """None when tensor ``new`` (any layout, reshaped to ``shape``) has checksum ``c`` (whole,
+    or row ranges); otherwise a description of the first mismatch."""
+    if isinstance(c, str):
+        got = tensor_checksum(new)
+        return None if got == c else f"sha256 {got[:16]}..., the trainer's is {c[:16]}..."
+    t = new.reshape(tuple(shape))
+    for (a, b, want), (_, _, got) in zip(c, row_checksums(t, [c[0][0]] + [r[1] for r in c])):
+        if got != want:
+            return (f"rows {a}:{b} sha256 {got[:16]}..., the trainer's are {want[:16]}...")
+    return None
 
 
 def state_checksums(model: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, str]:
@@ -171,7 +214,7 @@ class WeightUpdate:
     version: int
     mode: str
     tensors: dict[str, torch.Tensor]
-    checksums: dict[str, str]
+    checksums: dict[str, Checksum]
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, torch.dtype]
     modes: dict[str, str] = field(default_factory=dict)
@@ -194,6 +237,8 @@ class WeightUpdate:
                 raise WeightSyncError(f"glm5 WeightUpdate: tensors and {k} expected the same "
                                       f"names; {odd!r} is in only one")
         self.shapes = {n: tuple(int(x) for x in s) for n, s in self.shapes.items()}
+        for n, c in self.checksums.items():
+            _check_checksum_form(n, c, self.shapes[n])
 
     @property
     def names(self) -> list[str]:
@@ -479,12 +524,11 @@ class WeightReceiver:
                 new = (_bits(old, name) ^ pay).view(old.dtype)
             else:
                 new = old + pay
-            got = tensor_checksum(new)
-            if got != update.checksums[name]:
+            bad = checksum_matches(update.checksums[name], new, update.shapes[name])
+            if bad is not None:
                 raise ChecksumMismatchError(
                     f"glm5 WeightReceiver.apply: tensor {name!r} computed from the update "
-                    f"({update.base_version} -> {update.version}, {mode}) has sha256 "
-                    f"{got[:16]}..., the trainer's is {update.checksums[name][:16]}...; nothing "
+                    f"({update.base_version} -> {update.version}, {mode}) has {bad}; nothing "
                     f"was applied (version stays {self._version})")
             olds[name], news[name] = old, new
         tried: list[str] = []
