@@ -66,7 +66,7 @@ class ChecksumMismatchError(WeightSyncError):
 
 
 # ---------------------------------------------------------------------------- tensor helpers
-def _flat_cpu(t: torch.Tensor) -> torch.Tensor:
+def flat_cpu(t: torch.Tensor) -> torch.Tensor:
     """A contiguous 1-D CPU tensor with t's elements (a copy unless t already is one)."""
     return t.detach().to("cpu").contiguous().reshape(-1)
 
@@ -79,21 +79,21 @@ def _int_dtype(dtype: torch.dtype, where: str) -> torch.dtype:
     return _INT_OF_WIDTH[width]
 
 
-def _bits(flat: torch.Tensor, where: str = "a tensor") -> torch.Tensor:
+def tensor_bits(flat: torch.Tensor, where: str = "a tensor") -> torch.Tensor:
     """The bits of a contiguous 1-D tensor as a 1-D integer tensor (a view, no copy)."""
     return flat.view(_int_dtype(flat.dtype, where))
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality of two contiguous 1-D tensors of one dtype (NaN == NaN of the same bits,
     -0.0 != +0.0: what a checksum sees)."""
-    return torch.equal(_bits(a), _bits(b))
+    return torch.equal(tensor_bits(a), tensor_bits(b))
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
     """sha256 hex of a tensor's bytes in row-major order (on any device; dtype and shape are
     not hashed, only the bytes)."""
-    flat = _flat_cpu(t)
+    flat = flat_cpu(t)
     return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
 
 
@@ -174,8 +174,8 @@ def weights_equal(a: _WeightsLike, b: _WeightsLike) -> bool:
     for name, x in sa.items():
         y = sb[name]
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            if x.dtype != y.dtype or x.shape != y.shape or not _same_bits(_flat_cpu(x),
-                                                                          _flat_cpu(y)):
+            if x.dtype != y.dtype or x.shape != y.shape or not same_bits(flat_cpu(x),
+                                                                          flat_cpu(y)):
                 return False
         else:
             cx = x if isinstance(x, str) else tensor_checksum(x)
@@ -310,7 +310,7 @@ def _safetensors_metadata(b: bytes) -> dict[str, str] | None:
 
 
 # ---------------------------------------------------------------------------- trainer side
-def _encode_sub(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor | None:
+def encode_sub(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor | None:
     """``new - old`` when ``old + (new - old)`` gives ``new`` bit for bit, else None.
 
     The subtraction is exact when old and new are within a factor 2 of each other (Sterbenz),
@@ -321,7 +321,7 @@ def _encode_sub(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor | None:
     failing elements), so the caller sends that tensor as xor.
     """
     d = new - old
-    return d if _same_bits(old + d, new) else None
+    return d if same_bits(old + d, new) else None
 
 
 class WeightPublisher:
@@ -343,7 +343,7 @@ class WeightPublisher:
         self._snap: dict[str, torch.Tensor] = {}  # flat CPU copies
         for name, t in model.state_dict().items():
             self._shapes[name] = tuple(t.shape)
-            self._snap[name] = _flat_cpu(t).clone()
+            self._snap[name] = flat_cpu(t).clone()
         self._sums = {n: tensor_checksum(t) for n, t in self._snap.items()}
         self._version = 0
 
@@ -359,7 +359,7 @@ class WeightPublisher:
     def full_update(self) -> WeightUpdate:
         """Every tensor of the state at `version` (not the live model's unpublished changes),
         mode ``"full"``: brings a fresh or lagging receiver to `version` whatever it held."""
-        tensors = {n: _bits(t, n).clone() for n, t in self._snap.items()}
+        tensors = {n: tensor_bits(t, n).clone() for n, t in self._snap.items()}
         return WeightUpdate(base_version=self._version, version=self._version, mode="full",
                             tensors=tensors, checksums=dict(self._sums),
                             shapes=dict(self._shapes),
@@ -384,18 +384,18 @@ class WeightPublisher:
                                       f"from {self._shapes[name]} {old.dtype} to "
                                       f"{tuple(t.shape)} {t.dtype}; a weight update keeps shapes "
                                       f"and dtypes")
-            new = _flat_cpu(t)
+            new = flat_cpu(t)
             if new.data_ptr() == t.data_ptr():
                 new = new.clone()  # a view of the live parameter: the snapshot must not move
-            if _same_bits(new, old):
+            if same_bits(new, old):
                 continue
             payload = None
             if self.mode == "sub" and new.is_floating_point():
-                payload = _encode_sub(old, new)
+                payload = encode_sub(old, new)
             if payload is not None:
                 modes[name] = "sub"
             else:
-                payload, modes[name] = _bits(new, name) ^ _bits(old, name), "xor"
+                payload, modes[name] = tensor_bits(new, name) ^ tensor_bits(old, name), "xor"
             tensors[name], sums[name] = payload, tensor_checksum(new)
             dtypes[name], shapes[name], new_snap[name] = new.dtype, self._shapes[name], new
         if not tensors:
@@ -513,7 +513,7 @@ class WeightReceiver:
         olds: dict[str, torch.Tensor] = {}
         news: dict[str, torch.Tensor] = {}
         for name, payload in update.tensors.items():
-            old = _flat_cpu(live[name])
+            old = flat_cpu(live[name])
             if old.data_ptr() == live[name].data_ptr():
                 old = old.clone()  # kept for the rollback: must not alias the parameter
             mode = update.modes[name]
@@ -521,7 +521,7 @@ class WeightReceiver:
             if mode == "full":
                 new = pay.view(old.dtype).clone()
             elif mode == "xor":
-                new = (_bits(old, name) ^ pay).view(old.dtype)
+                new = (tensor_bits(old, name) ^ pay).view(old.dtype)
             else:
                 new = old + pay
             bad = checksum_matches(update.checksums[name], new, update.shapes[name])
