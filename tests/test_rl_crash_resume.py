@@ -119,7 +119,9 @@ def _lineage(out: Path) -> list[dict]:
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out / "checkpoint.pt", weights_only=False)["trainer"]["trainer"]["model"]
+    from glm5.rl.loop import policy_state
+
+    return policy_state(out)
 
 
 def _kill_and_resume(cfg: Path, out: Path, kills: list[tuple[str, int]], timed: int,

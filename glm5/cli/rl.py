@@ -32,6 +32,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "holds a checkpoint (its metrics.csv is started over)")
     rt.add_argument("--seed", type=int, help="run.seed: prompts and sampling (the model's "
                     "initialisation keeps model.init_seed)")
+    rt.add_argument("--nproc", type=int, metavar="N", help="trainer.nproc: train on N "
+                    "data-parallel ranks with FSDP2 (parameters, gradients and optimizer state "
+                    "sharded); the command runs again under torchrun, rank 0 runs the loop "
+                    "(with --ray: N trainer actors in a placement group)")
+    rt.add_argument("--nnodes", metavar="N|MIN:MAX", help="nodes of the trainer's world "
+                    "(torchrun rendezvous at --rdzv-endpoint, as `glm5 launch`)")
+    rt.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the rendezvous every node "
+                    "joins (with --nnodes)")
+    rt.add_argument("--rdzv-id", default="glm5", help="the job id of the rendezvous")
     rt.set_defaults(func=train)
     rp = rl_sub.add_parser("plot", help="reward, exact match, rollout throughput and trainer "
                            "idle fraction of one or more runs, one line per run")
@@ -66,6 +75,8 @@ def rl_config(args: argparse.Namespace):
         raise UsageError(f"--steps expected a positive integer, got {args.steps}")
     if args.seed is not None and args.seed < 0:
         raise UsageError(f"--seed expected an integer >= 0, got {args.seed}")
+    if args.nproc is not None and args.nproc < 1:
+        raise UsageError(f"--nproc expected a positive integer, got {args.nproc}")
     try:
         cfg = RLConfig.from_yaml(args.config)
         d = cfg.to_dict()
@@ -76,6 +87,8 @@ def rl_config(args: argparse.Namespace):
                 run[key] = value
         if args.ray:
             run["ray"] = True
+        if args.nproc is not None:
+            d["trainer"]["nproc"] = args.nproc
         return RLConfig.from_dict(d)
     except RLConfigError as e:
         raise UsageError(f"{args.config}: {str(e).removeprefix('glm5 rl config: ')}") from None
@@ -93,6 +106,18 @@ def train(args: argparse.Namespace) -> int:
     from glm5.rl.metrics import MetricsLogger
 
     cfg = rl_config(args)
+    n = cfg.trainer.nproc
+    if n > 1 and not cfg.run.ray:
+        import os
+
+        if "RANK" not in os.environ:  # not yet under torchrun: this command again, on n ranks
+            return _start_ranks(args, n)
+        from glm5.parallel import init_distributed
+
+        if init_distributed().rank != 0:
+            return _follow()
+    elif args.nnodes is not None:
+        raise UsageError("--nnodes expected with --nproc N > 1 (the trainer's ranks)")
     if cfg.run.ray:
         try:
             import ray  # noqa: F401
@@ -147,8 +172,12 @@ def train(args: argparse.Namespace) -> int:
 
             summary = run.train(target, progress=on_step)
     finally:
-        run.close()
+        run.close()  # releases the trainer's other ranks (torchrun mode)
         metrics.close()
+        if n > 1 and not cfg.run.ray:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     done = summary.steps - start
     print(f"glm5 rl train: {done} step(s) in {summary.wall_s:.1f} s (now at step "
           f"{summary.steps}); final reward {summary.final_reward:.3f} (mean of the last 10% of "
@@ -158,6 +187,33 @@ def train(args: argparse.Namespace) -> int:
     ckpt = out / CHECKPOINT
     print(f"checkpoint: {ckpt}" if ckpt.exists() else
           f"checkpoint: none written (run.checkpoint_every = {cfg.run.checkpoint_every})")
+    return 0
+
+
+def _start_ranks(args: argparse.Namespace, world: int) -> int:
+    """This command again on ``world`` ranks under torchrun (`glm5 serve`'s command line);
+    the status is torchrun's: non-zero when a rank failed (the run resumes from its last
+    checkpoint when the command is run again, at any --nproc)."""
+    import os
+    import subprocess
+
+    from glm5.cli.serve import ranks_argv
+
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, said so it is not warned
+    return subprocess.call(ranks_argv(args, world), env=env)
+
+
+def _follow() -> int:
+    """Ranks 1..N-1: a trainer shard driven by rank 0's loop until it stops."""
+    import torch.distributed as dist
+
+    from glm5.rl.trainer_ranks import run_follower
+
+    try:
+        run_follower()
+    finally:
+        dist.destroy_process_group()
     return 0
 
 

@@ -120,6 +120,9 @@ class TrainerConfig:
     std_normalize: bool = True
     kl_coef: float = 0.0  # KL to the reference (initial) policy; 0: no reference kept
     freeze_indexer: bool = True
+    # data-parallel trainer ranks (FSDP2: parameters, gradients and optimizer state sharded);
+    # > 1 runs under `glm5 rl train --nproc N` (torchrun) or as Ray actors with run.ray
+    nproc: int = 1
     distill: DistillConfig = field(default_factory=DistillConfig)
 
 
@@ -129,6 +132,9 @@ class SyncConfig:
     max_staleness: int = 2  # versions (weight pushes) a token may lag the trainer
     stale_policy: str = "drop"  # "drop" | "downweight" (weight 0.5 ** excess versions)
     mode: str = "xor"  # delta encoding: "xor" (bit-exact) | "sub" (new - old, float)
+    # with trainer.nproc > 1: "shards" (each rank diffs and checksums its rows; rank 0 joins
+    # the pieces) | "gathered" (the whole state all-gathered to rank 0, diffed there)
+    publish: str = "shards"
 
 
 @dataclass
@@ -227,6 +233,7 @@ _CHOICES = {
     "trainer.ratio_base": ("trainer", "rollout"),
     "sync.stale_policy": ("drop", "downweight"),
     "sync.mode": ("xor", "sub"),
+    "sync.publish": ("shards", "gathered"),
     "pool.backend": ("memory", "sqlite", "redis"),
     "pool.sample_mode": ("proportional", "greedy"),
     "run.mode": ("async", "sync"),
@@ -235,7 +242,7 @@ _CHOICES = {
 _OPTIONAL = ("rollout.max_tokens",)  # None: a default resolved when the run starts
 _POSITIVE = ("rollout.num_workers", "rollout.group_size", "rollout.groups_per_step",
              "rollout.max_tokens", "rollout.max_num_seqs", "rollout.in_flight_groups",
-             "trainer.micro_batch_size", "trainer.ppo_epochs", "sync.interval",
+             "trainer.micro_batch_size", "trainer.ppo_epochs", "trainer.nproc", "sync.interval",
              "pool.memory_capacity", "pool.decay_period_s", "sampler.window",
              "run.steps", "rollout.temperature", "trainer.tis_cap", "pool.min_task_types",
              "rollout.max_turns", "rollout.max_episode_tokens", "rollout.max_prompt_tokens",

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -59,6 +60,20 @@ log = logging.getLogger("glm5.rl")
 
 CHECKPOINT = "checkpoint.pt"
 JOURNAL = "journal.jsonl"
+TRAINER_DIR = "trainer"
+
+
+def policy_state(run_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The trained policy's weights (a state dict of whole tensors) at a run's last checkpoint,
+    whatever number of trainer ranks wrote it."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    st = torch.load(Path(run_dir) / CHECKPOINT, weights_only=False)["trainer"]
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(Path(run_dir) / st["path"], os.path.join(tmp, "t.pt"))
+        return torch.load(os.path.join(tmp, "t.pt"), weights_only=False)["model"]
 
 
 @dataclass
@@ -129,15 +144,15 @@ class RLRun:
         # As actors, one torch thread each: the trainer and the workers share the machine's cores
         ckpt = self.out / CHECKPOINT
         state = torch.load(ckpt, weights_only=False) if resume and ckpt.exists() else None
-        self.trainer = handle(TrainerService, cfg_dict, threads=1 if self.use_ray else None,
-                              warm_start=state is None, name="trainer")
+        self.trainer = self._trainer_handle(cfg_dict, warm_start=state is None)
         self.warm_start = self.trainer.call("warm_start_report")
         if self.warm_start:
             (self.out / "warm_start.json").write_text(json.dumps(self.warm_start, indent=1))
         pool_path = cfg.pool.path or str(self.out / "pool.sqlite")
         self.pool = handle(ExperiencePool, cfg.pool, pool_path, seed=cfg.run.seed, name="pool")
         if state is not None:
-            self.trainer.call("load_state_dict", state["trainer"])
+            self.trainer.call("restore", {**state["trainer"], "path": str(
+                (self.out / state["trainer"]["path"]).resolve())})
         self._full = self.trainer.call("full_update")
         self.version = self.trainer.call("version")
         self.workers = [self._new_worker(i) for i in range(cfg.rollout.num_workers)]
@@ -152,13 +167,37 @@ class RLRun:
     # ------------------------------------------------------------------ services
     def _handle(self, factory: Callable, *args: Any, name: str = "", **kwargs: Any) -> Any:
         if self.use_ray:
-            import ray
-
-            if not ray.is_initialized():
-                ray.init(num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False,
-                         log_to_driver=False)
+            self._ray_init()
             return RayHandle(factory, *args, **kwargs)
         return LocalHandle(factory(*args, **kwargs))
+
+    def _ray_init(self) -> None:
+        import ray
+
+        if not ray.is_initialized():  # the trainer's ranks take a CPU each (a placement group)
+            ray.init(num_cpus=max(os.cpu_count() or 1, 2, self.cfg.trainer.nproc),
+                     include_dashboard=False, log_to_driver=False)
+
+    def _trainer_handle(self, cfg_dict: dict[str, Any], warm_start: bool) -> Any:
+        """The trainer: one service, or ``trainer.nproc`` ranks (`glm5.rl.trainer_ranks`): Ray
+        actors in a placement group, or — in a torchrun world this process is rank 0 of —
+        the front that drives the other ranks (they run `trainer_ranks.follow`)."""
+        n = self.cfg.trainer.nproc
+        if n == 1:
+            return self._handle(TrainerService, cfg_dict, threads=1 if self.use_ray else None,
+                                warm_start=warm_start, name="trainer")
+        from glm5.rl import trainer_ranks  # lazy: torch.distributed's FSDP and Ray
+
+        if self.use_ray:
+            self._ray_init()
+            return trainer_ranks.RayTrainerGroup(cfg_dict, n, warm_start)
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_rank() != 0:
+            raise ValueError(f"glm5 rl: trainer.nproc is {n}: run `glm5 rl train --nproc {n}` "
+                             f"(the trainer's ranks under torchrun) or with run.ray")
+        self._front = trainer_ranks.start_front(cfg_dict, warm_start)
+        return LocalHandle(self._front)
 
     def _new_worker(self, i: int) -> Any:
         rc = self.cfg.rollout
@@ -511,7 +550,9 @@ class RLRun:
             self._journal.flush()
             os.fsync(self._journal.fileno())
             state = {
-                "trainer": self.trainer.call("state_dict"),
+                # the run directory may move: checkpoint.pt names the trainer's relative to it
+                "trainer": {**self.trainer.call("checkpoint", str(self._trainer_dir().resolve())),
+                            "path": str(self._trainer_dir().relative_to(self.out))},
                 "pool": self.pool.call("state_dict"),
                 "sampler": self.sampler.state_dict(),
                 "rng": self._rng.getstate(),
@@ -534,7 +575,16 @@ class RLRun:
             crash_points.die()
         torch.save(state, tmp)
         os.replace(tmp, path)
+        keep = self._trainer_dir()
+        for d in (self.out / TRAINER_DIR).glob("step-*"):  # older (or a crash's partial) ones
+            if d != keep:
+                shutil.rmtree(d, ignore_errors=True)
         return path
+
+    def _trainer_dir(self) -> Path:
+        """The trainer's sharded checkpoint of this step (beside checkpoint.pt, which names it;
+        the previous one is removed only once checkpoint.pt names the new one)."""
+        return self.out / TRAINER_DIR / f"step-{self.step:06d}"
 
     def _restore(self, st: dict[str, Any]) -> None:
         self.pool.call("load_state_dict", st["pool"])
@@ -642,6 +692,9 @@ class RLRun:
             self.pool.call("close")
         except ServiceDied:
             pass
+        front = getattr(self, "_front", None)
+        if front is not None:
+            front.stop()
         if self.use_ray:
             for h in [*self.workers, self.pool, self.trainer]:
                 try:

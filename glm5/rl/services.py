@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import contextlib
+import shutil
 import threading
 from typing import Any
 
@@ -19,9 +20,10 @@ from glm5.engine.engine import EngineConfig, LLMEngine
 from glm5.rl.config import ModelConfig, RLConfig, model_config
 from glm5.rl.episodes import EnvTask, EpisodePlayer, env_task_names, episode_limits, load_dialogue
 from glm5.rl.rollout import RolloutWorker
+from glm5.rl.sharded_sync import make_publisher
 from glm5.rl.trainer import GRPOTrainer
 from glm5.rl.warmstart import demonstrations, supervised_warm_start
-from glm5.rl.weight_sync import WeightPublisher, WeightReceiver, WeightUpdate, state_checksums
+from glm5.rl.weight_sync import WeightReceiver, WeightUpdate, state_checksums
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -100,24 +102,32 @@ class WorkerService:
 
 
 class TrainerService:
-    """The policy, its GRPO trainer and the weight publisher."""
+    """The policy, its GRPO trainer and the weight publisher. ``mesh`` (a 1-D DeviceMesh of the
+    trainer's data-parallel ranks, `glm5.rl.trainer_ranks`): this is one rank's service — the
+    policy FSDP2-sharded, each call made on every rank; None: one process."""
 
     def __init__(self, cfg_dict: dict[str, Any], threads: int | None = None,
-                 warm_start: bool = False) -> None:
+                 warm_start: bool = False, mesh: Any = None) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
         self.cfg = RLConfig.from_dict(cfg_dict)
+        self.mesh = mesh
+        self.rank = 0 if mesh is None else mesh.get_local_rank()
         policy = build_policy(self.cfg.model)
         self.warm_report: dict[str, float] = {}
-        if warm_start and self.cfg.warm_start.demos > 0:
+        if warm_start and self.cfg.warm_start.demos > 0 and self.rank == 0:
             self.warm_report = self._warm_start(policy)
+        if mesh is not None:  # every rank starts from rank 0's weights (warm-started or loaded)
+            _broadcast_module(policy, mesh.get_group())
         teacher = None
         dc = self.cfg.trainer.distill
         if dc.enabled and dc.teacher_path is not None:
             teacher = load_model(dc.teacher_path, dtype=policy.dtype)
         self.trainer = GRPOTrainer(policy, self.cfg.trainer, teacher=teacher,
-                                   total_steps=self.cfg.run.steps)
-        self.publisher = WeightPublisher(policy, mode=self.cfg.sync.mode)
+                                   total_steps=self.cfg.run.steps, mesh=mesh)
+        self.publisher = make_publisher(policy, self.cfg.sync.mode,
+                                        None if mesh is None else self.cfg.sync.publish,
+                                        None if mesh is None else mesh.get_group())
 
     def _warm_start(self, policy: GLM5ForCausalLM) -> dict[str, float]:
         """Supervised training on the environment tasks' demonstrations (before the trainer,
@@ -142,6 +152,13 @@ class TrainerService:
         return dict(self.warm_report)
 
     def train_step(self, trajs: list, weights: list[float] | None = None) -> dict[str, float]:
+        """One step on the whole batch ``trajs`` (with ranks: this rank trains its
+        `dp_slice`)."""
+        if self.mesh is not None:
+            from glm5.rl.trainer_ranks import dp_slice  # lazy: trainer_ranks imports this module
+
+            s = dp_slice(len(trajs), self.rank, self.mesh.size())
+            trajs, weights = trajs[s], None if weights is None else weights[s]
         b = self.cfg.model.backend
         with ops.use_backend(b) if b else contextlib.nullcontext():
             return self.trainer.train_step(trajs, weights)
@@ -150,22 +167,45 @@ class TrainerService:
         up = self.publisher.publish()
         return self.publisher.version, (None if up is None else up.to_bytes())
 
-    def full_update(self) -> bytes:
-        return self.publisher.full_update().to_bytes()
+    def full_update(self) -> bytes | None:
+        up = self.publisher.full_update()
+        return None if up is None else up.to_bytes()
 
     def version(self) -> int:
         return self.publisher.version
 
-    def checksums(self) -> dict[str, str]:
+    def checksums(self) -> dict[str, str] | None:
         """Checksums of the last published weights (what every synced worker holds)."""
         return self.publisher.checksums()
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"trainer": self.trainer.state_dict(), "publisher": self.publisher.state_dict()}
+    def checkpoint(self, path: str) -> dict[str, Any]:
+        """Write the trainer (policy, optimizers, schedulers, reference, teacher) to the
+        directory ``path`` as a torch.distributed.checkpoint (each rank its shards; any rank
+        count reads it) and return what the run's checkpoint file holds: that path and the
+        publisher's state (rank 0's)."""
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)  # a crashed run's partial write
+        if self.mesh is not None:
+            torch.distributed.barrier(group=self.mesh.get_group())
+        self.trainer.save_sharded(path)
+        return {"format": "dcp", "path": path, "publisher": self.publisher.state_dict()}
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.trainer.load_state_dict(sd["trainer"])
-        self.publisher.load_state_dict(sd["publisher"])
+    def restore(self, state: dict[str, Any]) -> None:
+        """Resume from `checkpoint`'s state, written at any rank count (with ranks, rank 0's
+        ``publisher`` entry is the one read)."""
+        if state.get("format") != "dcp":
+            raise ValueError("glm5 rl: the trainer checkpoint expected format 'dcp' (written by "
+                             "TrainerService.checkpoint); this one predates sharded checkpoints")
+        self.trainer.load_sharded(state["path"])
+        self.publisher.load_state_dict(state["publisher"])
+
+
+def _broadcast_module(m: torch.nn.Module, group: Any) -> None:
+    """Rank 0's parameters and buffers to every rank of ``group``, in place."""
+    src = torch.distributed.get_global_rank(group, 0)
+    with torch.no_grad():
+        for t in [*m.parameters(), *m.buffers()]:
+            torch.distributed.broadcast(t.data, src=src, group=group)
 
 
 # ---------------------------------------------------------------------- handles
@@ -193,7 +233,7 @@ class ServiceDied(RuntimeError):
     """A service (rollout worker, pool, trainer) is gone: its process died or it was killed."""
 
 
-class _Actor:
+class ServiceActor:
     """The Ray actor body: holds any service and forwards calls to it."""
 
     def __init__(self, factory: Any, *args: Any, **kwargs: Any) -> None:
@@ -210,7 +250,7 @@ class RayHandle:
         import ray
 
         self._ray = ray
-        actor_cls = ray.remote(num_cpus=0)(_Actor)
+        actor_cls = ray.remote(num_cpus=0)(ServiceActor)
         self.actor = actor_cls.options(name=name or None).remote(factory, *args, **kwargs)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

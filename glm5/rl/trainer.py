@@ -84,6 +84,14 @@ def pack(trajs: Sequence[Trajectory], weights: Sequence[float] | None = None,
                        torch.tensor(own, dtype=torch.long, device=device), temps.pop())
 
 
+def _empty_batch(device: torch.device | str = "cpu") -> PackedBatch:
+    """One token of context predicting one token, advantage 0: a data-parallel rank's forward
+    and backward that contribute nothing (its loss share is 0) but pair FSDP's collectives."""
+    i64, d = torch.zeros(1, dtype=torch.long, device=device), device
+    return PackedBatch(i64.view(1, 1), i64, torch.zeros(1, dtype=torch.int32, device=d),
+                       torch.zeros(1, device=d), torch.zeros(1, device=d), i64, 1.0)
+
+
 def completion_hidden(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     """The final normed hidden states [N, D] that predict each completion token."""
     h = model.model.norm(model.hidden_states(batch.input_ids))
@@ -189,9 +197,11 @@ class GRPOTrainer:
         total = self._all_sum(float(sum(b.num_tokens for b in batches)))
         if total == 0:
             raise ValueError("glm5 rl trainer: the batch has no completion token")
-        if self.mesh is not None and self._all_max(len(batches)) != len(batches):
-            raise ValueError("glm5 rl trainer: every data-parallel rank expected the same number "
-                             "of micro-batches (FSDP's collectives pair up per forward)")
+        real = len(batches)
+        if self.mesh is not None:
+            # FSDP's collectives pair up forward by forward: a rank with fewer micro-batches
+            # (or none) runs empty ones, whose loss counts 0 (`_empty_batch`)
+            batches += [_empty_batch(self.model.device)] * (self._all_max(real) - real)
         old = None
         if cfg.ppo_epochs > 1:
             with torch.no_grad():
@@ -201,8 +211,9 @@ class GRPOTrainer:
             for o in self.optimizers:
                 o.zero_grad(set_to_none=True)
             for i, b in enumerate(batches):
-                m = self._micro(b, None if old is None else old[i], b.num_tokens / total)
-                if epoch == 0:
+                m = self._micro(b, None if old is None else old[i],
+                                b.num_tokens / total if i < real else 0.0)
+                if epoch == 0 and i < real:
                     for k, v in m.items():
                         sums[k] = sums.get(k, 0.0) + v * b.num_tokens / total
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -224,7 +235,7 @@ class GRPOTrainer:
         sums["lr_factor"] = self._lr_factor(self.step_count)
         self._maybe_refresh_teacher()
         sums["tokens"] = float(total)
-        sums["trajectories"] = float(len(trajs))
+        sums["trajectories"] = self._all_sum(float(len(trajs)))
         sums["train_s"] = time.perf_counter() - t0
         return sums
 
