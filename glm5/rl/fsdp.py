@@ -1,4 +1,4 @@
-"""The RL trainer's model across ranks (WIP, issue 37): FSDP2 sharding and Muon on whole
+"""The RL trainer's model across data-parallel ranks: FSDP2 sharding and Muon on whole
 matrices.
 
 `shard_model(model, mesh)` applies `torch.distributed.fsdp.fully_shard` to each decoder layer
@@ -19,6 +19,7 @@ learning rate as torch applies them).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -43,6 +44,9 @@ def shard_model(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     # the head's included, are reduce-scattered at the end of backward (measured: every grad
     # within 3e-8 of the single process at 2 ranks; unregistered, embedding fails on DTensors).
     register_fsdp_forward_method(model, "hidden_states")
+    # FSDP warns that hidden_states returns a view (an in-place op on it would skip the
+    # pre-backward hook): its consumers (trainer.completion_hidden, the MTP head) only read it
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     return model
 
 

@@ -213,16 +213,17 @@ class GRPOTrainer:
             for i, b in enumerate(batches):
                 m = self._micro(b, None if old is None else old[i],
                                 b.num_tokens / total if i < real else 0.0)
-                if epoch == 0 and i < real:
+                if epoch == 0:  # an empty micro-batch adds its keys (every rank reduces
+                    w = b.num_tokens / total if i < real else 0.0  # the same) but no value
                     for k, v in m.items():
-                        sums[k] = sums.get(k, 0.0) + v * b.num_tokens / total
+                        sums[k] = sums.get(k, 0.0) + (v * w if w else 0.0)
             params = [p for p in self.model.parameters() if p.requires_grad]
             gnorm = torch.nn.utils.clip_grad_norm_(
                 params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
             if hasattr(gnorm, "full_tensor"):  # sharded grads: the norm is a DTensor
                 gnorm = gnorm.full_tensor()
             if epoch == 0:
-                sums = {k: self._all_sum(v) for k, v in sums.items()}
+                sums = self._all_sum_dict(sums)
                 sums["grad_norm"] = float(gnorm)
             if not math.isfinite(float(gnorm)):
                 raise FloatingPointError(f"glm5 rl trainer: step {self.step_count}: the gradient "
@@ -245,6 +246,15 @@ class GRPOTrainer:
         t = torch.tensor([v], dtype=torch.float64)
         torch.distributed.all_reduce(t, group=self.mesh.get_group())
         return float(t)
+
+    def _all_sum_dict(self, d: dict[str, float]) -> dict[str, float]:
+        """Each value summed over the ranks (one all-reduce; every rank has the same keys)."""
+        if self.mesh is None:
+            return d
+        keys = sorted(d)
+        t = torch.tensor([d[k] for k in keys], dtype=torch.float64)
+        torch.distributed.all_reduce(t, group=self.mesh.get_group())
+        return dict(zip(keys, t.tolist()))
 
     def _all_max(self, v: int) -> int:
         t = torch.tensor([v], dtype=torch.int64)
