@@ -421,13 +421,6 @@ def test_the_ranks_command_line(checkpoints):
         argv("--tp", "4", "--rdzv-endpoint", "h:1")
 
 
-def test_weight_updates_are_refused_across_ranks(checkpoints):
-    from glm5.serve.server import ServeOptionError, serve
-
-    with pytest.raises(ServeOptionError, match="allow_weight_updates"):
-        serve(checkpoints["float"], parallel={"tp": 2}, allow_weight_updates=True)
-
-
 def test_mtp_drafts_are_refused_with_dp_attention():
     from types import SimpleNamespace
 

@@ -30,6 +30,14 @@ forward: a rank whose step ran no forward (no requests, or none schedulable) run
 pass (each MoE layer over 0 tokens) so the others' all-to-alls complete. Each rank's prefill
 budget follows its own step times.
 
+**Other rounds**: a front built with a ``weights`` handler (``glm5 serve
+--allow-weight-updates``: `glm5.serve.rank_weights`) runs `RankFront.weights_round`: rank 0
+broadcasts ``{"kind": "weights", "op", "data"}`` (e.g. a weight update's bytes) between two
+steps, and every rank calls ``weights(op, data)``, which does its own collectives (the handler
+owns the whole exchange). A refusal the handler raises alike on every rank after they agreed
+on it (an exception with ``every_rank`` set) leaves the world in step: followers go on, rank 0
+raises it to its caller. Anything else is a broken round (`RankLost`).
+
 **Faults**: a rank that dies breaks the next round (or the model's next collective) within the
 collective timeout; any failure mid-round is `RankLost` (``fatal_to_step``: the `AsyncEngine`
 fails every open request with ``http_status`` 503 and stops). While idle, rank 0 runs a round
@@ -46,7 +54,7 @@ import signal
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -170,12 +178,22 @@ def digest(outs: Sequence[RequestOutput]) -> list[tuple[str, tuple[int, ...], bo
     """What replicated ranks must agree on after a step: each output's new tokens and end."""
     return [(o.request_id, tuple(o.new_token_ids), o.finished) for o in outs]
 
-def follow(engine: LLMEngine, dp: bool = False, moes: Sequence[torch.nn.Module] = ()) -> None:
+WeightsHandler = Callable[[str, Any], Any]  # (op, data) -> result; collective over the world
+
+
+def agreed(e: BaseException) -> bool:
+    """``e`` was raised alike on every rank after they agreed on it (the round completed)."""
+    return bool(getattr(e, "every_rank", False))
+
+
+def follow(engine: LLMEngine, dp: bool = False, moes: Sequence[torch.nn.Module] = (),
+           weights: WeightsHandler | None = None) -> None:
     """A rank other than 0: apply rank 0's messages until it says stop. ``dp``: data-parallel
     attention (this rank's own requests), ``moes``: the model's communicating MoE modules in
-    forward order (for the empty pass). Raises `RankLost` when rank 0 (or another rank) is
-    gone. A terminal's Ctrl-C is rank 0's to act on (it drains, then says stop): ignored
-    here."""
+    forward order (for the empty pass), ``weights``: this rank's handler of weights rounds
+    (see the module docstring; None: rank 0 sends none). Raises `RankLost` when rank 0 (or
+    another rank) is gone. A terminal's Ctrl-C is rank 0's to act on (it drains, then says
+    stop): ignored here."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     me = _Rank(engine, dp, moes, dist.get_rank())
@@ -188,8 +206,24 @@ def follow(engine: LLMEngine, dp: bool = False, moes: Sequence[torch.nn.Module] 
         msg = ch.send()
         if msg["kind"] == "stop":
             return
+        if msg["kind"] == "weights":
+            _follow_weights(weights, msg, ch)
+            continue
         outs = me.apply(msg) if msg["kind"] == "step" else []
         ch.gather(me.answer(outs))
+
+
+def _follow_weights(weights: WeightsHandler | None, msg: dict, ch: "_Channel") -> None:
+    """A follower's part of a weights round; an agreed refusal is rank 0's to report."""
+    if weights is None:
+        raise RankLost(f"glm5 serve: rank {ch.rank} got a weights round ({msg['op']!r}) but "
+                       f"was started without a weights handler (rank 0 and this rank disagree "
+                       f"on --allow-weight-updates)")
+    try:
+        weights(msg["op"], msg["data"])
+    except Exception as e:  # noqa: BLE001 - sorted: agreed refusals only are survivable
+        if not agreed(e):
+            raise
 
 
 class RankFront:
@@ -198,8 +232,10 @@ class RankFront:
     not define (config, max_model_len, allocator, tokenizer, ...) are rank 0's engine's."""
 
     def __init__(self, engine: LLMEngine, dp: bool = False,
-                 moes: Sequence[torch.nn.Module] = ()) -> None:
+                 moes: Sequence[torch.nn.Module] = (),
+                 weights: WeightsHandler | None = None) -> None:
         self.local, self.dp = engine, dp
+        self.weights = weights  # rank 0's handler of weights rounds (None: no such rounds)
         self._me = _Rank(engine, dp, moes, 0)
         self._ch = _Channel()
         self.world = self._ch.world
@@ -347,6 +383,32 @@ class RankFront:
                 raise
             self.rank_snapshots = [a[1] for a in answers]
             self._last_round = time.monotonic()
+
+    def weights_round(self, op: str, data: Any = None) -> Any:
+        """One round between steps in which every rank runs its weights handler on ``(op,
+        data)`` (rank 0 broadcasts them); returns rank 0's result. An agreed refusal (see
+        `agreed`) is raised as it is, the world in step; any other failure is `RankLost` (the
+        front is lost). Call it while no step runs (`AsyncEngine.between_steps`)."""
+        if self.weights is None:
+            raise RuntimeError("glm5 RankFront.weights_round: this front has no weights handler "
+                               "(build it with weights=...; glm5 serve does with "
+                               "--allow-weight-updates)")
+        if self.lost:
+            raise RankLost("glm5 serve: the ranks were lost; no weights round can run")
+        try:
+            self._ch.send({"kind": "weights", "op": op, "data": data})
+            out = self.weights(op, data)
+        except Exception as e:
+            if agreed(e):
+                self._last_round = time.monotonic()
+                raise
+            self.lost = True
+            if isinstance(e, RankLost):
+                raise
+            raise RankLost(f"glm5 serve: a weights round ({op!r}) failed on rank 0 "
+                           f"({type(e).__name__}: {e}); the ranks are out of step") from e
+        self._last_round = time.monotonic()
+        return out
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         outs = self.local.fail_all(message)

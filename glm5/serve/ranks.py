@@ -5,7 +5,8 @@ Every rank (a process started by torchrun; `glm5 serve` starts them) joins the w
 (`join`), loads its part of the checkpoint (`load_rank_model`: `glm5.parallel.loading`, only its
 slice) and builds its own `LLMEngine` over it. Rank 0 answers HTTP with its engine behind a
 `glm5.engine.lockstep.RankFront` (`front`); the others `follow` it (the rounds, the routing,
-the faults: glm5/engine/lockstep.py). Rank 0 writes its pid where the `glm5 serve` command
+the faults: glm5/engine/lockstep.py), and with ``--allow-weight-updates`` each applies RL weight
+updates to its own cut (`weights`: glm5/serve/rank_weights.py). Rank 0 writes its pid where the `glm5 serve` command
 looks for it (`announce_rank0`), so that SIGINT / SIGTERM reach the rank that drains.
 """
 
@@ -24,6 +25,7 @@ from glm5.engine.lockstep import RankDiverged, RankLost  # noqa: F401  (importab
 from glm5.parallel import get_context, init_distributed
 from glm5.parallel.layouts import ParallelConfig, ParallelMoE
 from glm5.parallel.loading import load_parallel
+from glm5.serve.rank_weights import RankWeights, RankWeightsError  # noqa: F401  (as above)
 
 PIDFILE_ENV = "GLM5_SERVE_PIDFILE"  # where rank 0 writes its pid (glm5 serve signals it)
 
@@ -133,11 +135,22 @@ def announce_rank0() -> None:
         os.replace(tmp, path)
 
 
-def follow(engine: LLMEngine, layout: ServeLayout) -> None:
-    """A rank other than 0 of ``layout``: `glm5.engine.lockstep.follow` until rank 0 stops."""
-    lockstep.follow(engine, layout.dp_attention, moe_layers(engine.model))
+def weights(engine: LLMEngine) -> RankWeights:
+    """This rank's side of RL weight updates (`glm5.serve.rank_weights`); every rank builds
+    it (collective). Raises `RankWeightsError` on every rank for a model it cannot update."""
+    return RankWeights(engine)
 
 
-def front(engine: LLMEngine, layout: ServeLayout) -> lockstep.RankFront:
-    """Rank 0's engine as the `AsyncEngine` steps it under ``layout``."""
-    return lockstep.RankFront(engine, layout.dp_attention, moe_layers(engine.model))
+def follow(engine: LLMEngine, layout: ServeLayout, updates: RankWeights | None = None) -> None:
+    """A rank other than 0 of ``layout``: `glm5.engine.lockstep.follow` until rank 0 stops
+    (``updates``: this rank's side of weight updates; None: rank 0 takes none)."""
+    lockstep.follow(engine, layout.dp_attention, moe_layers(engine.model),
+                    None if updates is None else updates.handle)
+
+
+def front(engine: LLMEngine, layout: ServeLayout,
+          updates: RankWeights | None = None) -> lockstep.RankFront:
+    """Rank 0's engine as the `AsyncEngine` steps it under ``layout`` (``updates``: rank 0's
+    side of weight updates, run in `RankFront.weights_round`)."""
+    return lockstep.RankFront(engine, layout.dp_attention, moe_layers(engine.model),
+                              None if updates is None else updates.handle)

@@ -93,7 +93,8 @@ def serve(model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
     DSA indexer's precision and rotation (None / False: the checkpoint's config);
     ``served_model_name``: the model name clients send (default: the directory's name);
     ``engine_options``: `EngineConfig` fields; ``limits``: `ServeLimits` fields;
-    ``allow_weight_updates``: accept RL weight updates (`glm5.serve.app.build_app`).
+    ``allow_weight_updates``: accept RL weight updates (`glm5.serve.app.build_app`; across
+    ranks every rank applies each update to its own cut: `glm5.serve.rank_weights`).
     ``parallel``: `glm5.serve.ranks.ServeLayout` fields (tp, ep, dp_attention, flashcomm,
     flashcomm_min_tokens); a layout of more than one rank runs in each of torchrun's processes
     (`glm5 serve --tp N` starts them): rank 0 serves HTTP, the others follow it
@@ -110,10 +111,6 @@ def serve(model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
     if rank_timeout is not None and not rank_timeout > 0:
         raise ServeOptionError(f"argument 'rank_timeout' expected a positive number of "
                                f"seconds, got {rank_timeout}")
-    if layout.world > 1 and allow_weight_updates:
-        raise ServeOptionError("argument 'allow_weight_updates' is not supported with tp / ep "
-                               "> 1 yet (the weight update endpoint writes whole tensors into "
-                               "one process's model)")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -173,11 +170,17 @@ def serve(model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
             ranks.check_engine(engine, layout)
         except ValueError as e:
             raise ServeOptionError(str(e).removeprefix("glm5 engine: ")) from None
+        updates = None
+        if ctx is not None and allow_weight_updates:
+            try:  # every rank: each applies an update to its own cut
+                updates = ranks.weights(engine)
+            except ranks.RankWeightsError as e:
+                raise ServeOptionError(str(e).removeprefix("glm5 RankWeights: ")) from None
         if ctx is not None and rank != 0:
-            ranks.follow(engine, layout)  # until rank 0 stops (or a rank is lost)
+            ranks.follow(engine, layout, updates)  # until rank 0 stops (or a rank is lost)
             return
         if ctx is not None:
-            front = ranks.front(engine, layout)
+            front = ranks.front(engine, layout, updates)
         async_engine = AsyncEngine(front if front is not None else engine)
         app = build_app(async_engine, name, tokenizer,
                         allow_weight_updates=allow_weight_updates, limits=serve_limits)
