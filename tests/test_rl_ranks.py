@@ -248,15 +248,23 @@ def test_nproc2_run_is_the_single_process_run(tmp_path, optimizer):
 
     cfg = _write(tmp_path, "c.yaml", _cfg(trainer__optimizer=optimizer))
     _train(cfg, tmp_path / "one")
+    # the single process's own sensitivity to the order its gradients are summed in: the same
+    # run with the batch in one micro-batch (Muon's bf16 Newton-Schulz amplifies the last bits)
+    _train(_write(tmp_path, "m.yaml", _cfg(trainer__optimizer=optimizer,
+                                           trainer__micro_batch_size=8)), tmp_path / "one-mb")
+    sens = _max_diff(policy_state(tmp_path / "one"), policy_state(tmp_path / "one-mb"))
     text = _train(cfg, tmp_path / "two", nproc=2)
     assert "steps 1..4" in text
     a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [r["reward"] for r in a] == [r["reward"] for r in b]
     assert [r["trajectories"] for r in b] == [8.0] * 4  # the whole batch, counted over ranks
+    # Muon's Newton-Schulz runs in bf16: a gradient's last fp32 bits (summed in another order
+    # on two ranks) can round differently there, and the difference carries into later steps
+    rel = 1e-4 if optimizer == "adamw" else 1e-3
     for x, y in zip(a, b):
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=rel)
     err = _max_diff(policy_state(tmp_path / "one"), policy_state(tmp_path / "two"))
-    assert err <= (1e-5 if optimizer == "adamw" else 5e-4), err
+    assert err <= max(1e-6, 3 * sens), (err, sens)
     saved = yaml.safe_load((tmp_path / "two" / "config.yaml").read_text())
     assert saved["trainer"]["nproc"] == 2
 

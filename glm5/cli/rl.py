@@ -32,7 +32,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "holds a checkpoint (its metrics.csv is started over)")
     rt.add_argument("--seed", type=int, help="run.seed: prompts and sampling (the model's "
                     "initialisation keeps model.init_seed)")
-    rt.add_argument("--nproc", type=int, metavar="N", help="trainer.nproc: train on N "
+    rt.add_argument("--nproc", "--trainer-nproc", type=int, metavar="N", help="trainer.nproc: train on N "
                     "data-parallel ranks with FSDP2 (parameters, gradients and optimizer state "
                     "sharded); the command runs again under torchrun, rank 0 runs the loop "
                     "(with --ray: N trainer actors in a placement group)")
@@ -201,6 +201,11 @@ def _start_ranks(args: argparse.Namespace, world: int) -> int:
 
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, said so it is not warned
+    # torchrun's parser reads every "--x" of the command line and finds "--nproc" ambiguous
+    # (its --nproc-per-node): the ranks get the same option by its other name
+    args = argparse.Namespace(**vars(args))
+    args.argv = [("--trainer-nproc" + a[len("--nproc"):]) if a.split("=")[0] == "--nproc" else a
+                 for a in args.argv]
     return subprocess.call(ranks_argv(args, world), env=env)
 
 

@@ -21,7 +21,7 @@ from glm5.rl.config import ModelConfig, RLConfig, model_config
 from glm5.rl.episodes import EnvTask, EpisodePlayer, env_task_names, episode_limits, load_dialogue
 from glm5.rl.rollout import RolloutWorker
 from glm5.rl.sharded_sync import make_publisher
-from glm5.rl.trainer import GRPOTrainer
+from glm5.rl.trainer import GRPOTrainer, dp_slice
 from glm5.rl.warmstart import demonstrations, supervised_warm_start
 from glm5.rl.weight_sync import WeightReceiver, WeightUpdate, state_checksums
 
@@ -155,8 +155,6 @@ class TrainerService:
         """One step on the whole batch ``trajs`` (with ranks: this rank trains its
         `dp_slice`)."""
         if self.mesh is not None:
-            from glm5.rl.trainer_ranks import dp_slice  # lazy: trainer_ranks imports this module
-
             s = dp_slice(len(trajs), self.rank, self.mesh.size())
             trajs, weights = trajs[s], None if weights is None else weights[s]
         b = self.cfg.model.backend

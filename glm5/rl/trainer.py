@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -82,6 +83,13 @@ def pack(trajs: Sequence[Trajectory], weights: Sequence[float] | None = None,
                        torch.tensor(rl, dtype=f, device=device),
                        torch.tensor(adv, dtype=f, device=device),
                        torch.tensor(own, dtype=torch.long, device=device), temps.pop())
+
+
+def dp_slice(n: int, rank: int, world: int) -> slice:
+    """Rank ``rank``'s contiguous share of ``n`` trajectories: sizes differ by at most one."""
+    q, r = divmod(n, world)
+    start = rank * q + min(rank, r)
+    return slice(start, start + q + (rank < r))
 
 
 def _empty_batch(device: torch.device | str = "cpu") -> PackedBatch:
@@ -340,7 +348,9 @@ class GRPOTrainer:
             m = getattr(self, name)
             if m is not None:
                 sd[name] = get_model_state_dict(m)
-        dcp.save(sd, checkpoint_id=path, no_dist=self.mesh is None)
+        with warnings.catch_warnings():  # one process: no_dist is meant, not "assumed"
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(sd, checkpoint_id=path, no_dist=self.mesh is None)
 
     def load_sharded(self, path: str) -> None:
         """Resume from `save_sharded`'s checkpoint, whatever the number of ranks that wrote
@@ -358,7 +368,9 @@ class GRPOTrainer:
             m = getattr(self, name)
             if m is not None:
                 sd[name] = get_model_state_dict(m)
-        dcp.load(sd, checkpoint_id=path, no_dist=self.mesh is None)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(sd, checkpoint_id=path, no_dist=self.mesh is None)
         set_state_dict(self.model, self.optimizers, model_state_dict=sd["model"],
                        optim_state_dict=sd["optim"])
         for name in ("ref", "teacher"):

@@ -24,7 +24,11 @@ from typing import Any
 import torch.distributed as dist
 
 from glm5.rl.config import RLConfig
-from glm5.rl.services import ServiceDied, TrainerService
+from glm5.rl.services import ServiceActor, ServiceDied, TrainerService
+from glm5.rl.trainer import dp_slice
+
+__all__ = ["TrainerFront", "follow", "start_front", "run_follower", "RayTrainerGroup",
+           "TrainerRank", "TrainerRankError", "trainer_mesh", "dp_slice", "CALLS"]
 
 # the calls the orchestrator makes of its trainer (each one collective across the ranks)
 CALLS = ("warm_start_report", "train_step", "publish", "full_update", "version", "checksums",
@@ -38,19 +42,12 @@ class TrainerRankError(RuntimeError):
     """A trainer rank failed a call (or the ranks lost each other)."""
 
 
-def dp_slice(n: int, rank: int, world: int) -> slice:
-    """Rank ``rank``'s contiguous share of ``n`` trajectories: sizes differ by at most one."""
-    q, r = divmod(n, world)
-    start = rank * q + min(rank, r)
-    return slice(start, start + q + (rank < r))
-
-
 def trainer_mesh(world: int) -> Any:
     """The 1-D device mesh of the trainer's ranks: the whole world, which must have ``world``
     ranks (joined by `glm5.parallel.init_distributed`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from glm5.parallel import get_context
+    from glm5.parallel import get_context  # lazy: torch.distributed's groups
 
     ctx = get_context()
     if ctx.world_size != world:
@@ -206,7 +203,7 @@ class TrainerRank:
         return f"tcp://{host}:{port}"
 
     def join(self, init_method: str, rank: int, world: int) -> int:
-        from glm5.parallel import init_distributed
+        from glm5.parallel import init_distributed  # lazy: torch.distributed's groups
 
         return init_distributed(rank=rank, world_size=world, init_method=init_method).rank
 
@@ -229,8 +226,6 @@ class RayTrainerGroup:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from glm5.rl.services import ServiceActor  # the same actor body as any service
 
         self._ray = ray
         self.pg = placement_group([{"CPU": 1}] * world, strategy="PACK")
