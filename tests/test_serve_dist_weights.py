@@ -267,3 +267,24 @@ def test_a_quantized_tp_server_takes_updates_of_its_packed_tensors(world2, case,
     assert res["version"] == 1
     assert res["sums"] == state_checksums(model)
     assert res["tokens"] == _greedy(model)
+
+
+# --------------------------------------------------------------------------- the whole table
+def test_whole_table_assembles_shapes_and_refuses_what_cannot_be_one_tensor():
+    from glm5.serve.rank_weights import RankWeightsError, whole_table
+
+    f = torch.float32
+    t = whole_table([
+        {"norm": (None, (8,), f), "w": ((0, 0, 4), (4, 6), f), "o": ((1, 0, 3), (5, 4), f),
+         "bias": (None, (5,), f)},  # o: a widened row-parallel part (3 columns + 1)
+        {"norm": (None, (8,), f), "w": ((0, 4, 8), (4, 6), f), "o": ((1, 3, 6), (5, 4), f)}])
+    assert t["norm"].shape == (8,) and t["norm"].local_on_rank0
+    assert t["w"].shape == (8, 6) and t["w"].cuts == {0: (0, 0, 4), 1: (0, 4, 8)}
+    assert t["o"].shape == (5, 6) and not t["o"].local_on_rank0
+    assert t["bias"].cuts == {0: None}  # held by rank 0 only
+    with pytest.raises(RankWeightsError, match="'w'.*uncovered"):
+        whole_table([{"w": ((0, 0, 4), (4, 6), f)}, {"w": ((0, 5, 8), (3, 6), f)}])
+    with pytest.raises(RankWeightsError, match="'n' has dtypes"):
+        whole_table([{"n": (None, (8,), f)}, {"n": (None, (8,), torch.bfloat16)}])
+    with pytest.raises(RankWeightsError, match="'n' makes whole shapes"):
+        whole_table([{"n": (None, (8,), f)}, {"n": (None, (9,), f)}])
