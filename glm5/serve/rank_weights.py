@@ -15,9 +15,9 @@ shapes). Rank 0 receives it over HTTP and sends its bytes to every rank in a wei
    result is the result of the cut; a tensor without a cut (replicated: norms, router,
    embeddings) is computed whole on every rank that holds it;
 2. agree: any rank's failure so far is every rank's (an all-gather of errors);
-3. verify: each cut tensor's new cuts are gathered to rank 0 (one tensor at a time), assembled into the whole tensor
-   and checked with `glm5.engine.weight_sync.checksum_matches` against the trainer's checksum
-   (whole sha256 or row ranges); rank 0 broadcasts the verdict;
+3. verify: each cut tensor's new cuts are gathered to rank 0 (one tensor at a time),
+   assembled into the whole tensor and checked with `glm5.engine.weight_sync.checksum_matches`
+   against the trainer's checksum (whole sha256 or row ranges); rank 0 broadcasts the verdict;
 4. commit: every rank copies its temporaries into its parameters and buffers (a rank that
    fails restores its own and tells the others, who restore theirs: all or nothing), then
    sets its engine's weights version (`LLMEngine.set_weights_version`: tokens carry it, the
