@@ -7,7 +7,8 @@ slice) and builds its own `LLMEngine` over it. Rank 0 answers HTTP with its engi
 `glm5.engine.lockstep.RankFront` (`front`); the others `follow` it (the rounds, the routing,
 the faults: glm5/engine/lockstep.py), and with ``--allow-weight-updates`` each applies RL
 weight updates to its own cut (`weights`: glm5/serve/rank_weights.py). Rank 0 writes its pid
-where the `glm5 serve` command looks for it (`announce_rank0`), so that SIGINT / SIGTERM reach the rank that drains.
+where the `glm5 serve` command looks for it (`announce_rank0`), so that SIGINT / SIGTERM
+reach the rank that drains.
 """
 
 from __future__ import annotations
