@@ -20,23 +20,14 @@ import yaml
 
 from glm5.rl.metrics import read_metrics
 from glm5.testing.dist import DistPool, values
+from glm5.testing.serve_process import rank_pids
+from test_rl_crash_resume import CFG as CRASH_CFG
 
-# the crash-resume test's run: tiny model, two digit tasks, sync mode
-MODEL = {"preset": "tiny", "overrides": {
-    "vocab_size": 19, "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 48,
-    "moe_intermediate_size": 16, "n_routed_experts": 4, "indexer_types": ["full", "shared"],
-    "index_topk": 16, "num_nextn_predict_layers": 0}}
-CFG = {
-    "model": MODEL,
-    "tasks": [{"name": "reverse", "params": {"length": 2, "base": 4}},
-              {"name": "sort", "params": {"length": 2, "base": 4}}],
-    "rollout": {"group_size": 4, "groups_per_step": 2, "max_tokens": 3, "max_num_seqs": 16,
-                "in_flight_groups": 2},
-    "trainer": {"optimizer": "adamw", "lr": 1.0e-3, "micro_batch_size": 3},
-    "sync": {"interval": 1, "max_staleness": 2},
-    "pool": {"min_task_types": 2},
-    "run": {"steps": 4, "mode": "sync", "checkpoint_every": 2, "tensorboard": False},
-}
+# the crash-resume test's run (tiny model, two digit tasks, sync mode), 4 steps, micro-batches
+# of 3 (so two ranks group a batch of 8 otherwise than one process does)
+CFG = json.loads(json.dumps(CRASH_CFG))
+CFG["trainer"]["micro_batch_size"] = 3
+CFG["run"]["steps"] = 4
 
 
 def _cfg(**changes) -> dict:
@@ -269,24 +260,6 @@ def test_nproc2_run_is_the_single_process_run(tmp_path, optimizer):
     assert saved["trainer"]["nproc"] == 2
 
 
-def _rank_pids(tag: str) -> dict[int, int]:
-    """{RANK: pid} of the torchrun workers started with GLM5_TEST_ROOT=``tag``."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            env = (d / "environ").read_bytes().split(b"\0")
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        if f"GLM5_TEST_ROOT={tag}".encode() in env:
-            for e in env:
-                if e.startswith(b"RANK=") and "torch.distributed.run" not in stat:
-                    out[int(e[5:])] = int(d.name)
-    return out
-
-
 def test_a_killed_trainer_rank_resumes_at_another_rank_count(tmp_path):
     """SIGKILL trainer rank 1 of a --nproc 2 run once a sharded checkpoint exists: the command
     fails; the same command at --nproc 1 resumes from that checkpoint (written by 2 ranks) and
@@ -308,7 +281,7 @@ def test_a_killed_trainer_rank_resumes_at_another_rank_count(tmp_path):
         while time.monotonic() < deadline and p.poll() is None:
             rows = read_metrics(out) if (out / "metrics.csv").exists() else []
             if (out / "checkpoint.pt").exists() and len(rows) >= 3:
-                ranks = _rank_pids(tag)
+                ranks = rank_pids({f"GLM5_TEST_ROOT={tag}".encode()})
                 if 1 in ranks:
                     os.kill(ranks[1], signal.SIGKILL)
                     killed = True

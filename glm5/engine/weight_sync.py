@@ -39,7 +39,7 @@ from torch import nn
 __all__ = [
     "WeightSyncError", "StaleUpdateError", "ChecksumMismatchError", "WeightUpdate",
     "WeightPublisher", "WeightReceiver", "apply_to_engine", "tensor_checksum",
-    "state_checksums", "weights_equal", "row_checksums", "checksum_matches",
+    "state_checksums", "weights_equal", "row_checksums", "checksum_matches", "check_update",
 ]
 
 FORMAT = "glm5-weight-update"
@@ -430,6 +430,51 @@ class WeightPublisher:
 
 
 # ---------------------------------------------------------------------------- engine side
+def check_update(update: WeightUpdate, held: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                 version: int, who: str, holder: str) -> None:
+    """Every structural check of ``update`` against the tensors a receiver holds (``held``:
+    name -> (whole shape, dtype)) at ``version``, before any arithmetic: the base version
+    (`StaleUpdateError`), a full update naming every tensor, names, shapes, dtypes, encodings
+    and payload sizes (`WeightSyncError`). ``who`` / ``holder`` name the caller in errors."""
+    if update.mode != "full" and update.base_version != version:
+        raise StaleUpdateError(
+            f"{who}: the update goes from version {update.base_version} to {update.version}, "
+            f"{holder} holds version {version} (apply the updates in order, or a full update)")
+    if update.mode == "full":
+        missing = sorted(set(held) - set(update.tensors))
+        if missing:
+            raise WeightSyncError(f"{who}: a full update lacks tensor {missing[0]!r} (and "
+                                  f"{len(missing) - 1} more) of the model")
+    allowed = {"xor": ("xor",), "sub": ("sub", "xor"), "full": ("full",)}[update.mode]
+    for name, payload in update.tensors.items():
+        if name not in held:
+            raise WeightSyncError(f"{who}: tensor {name!r} of the update is not in the model's "
+                                  f"state_dict")
+        (have_shape, have_dtype), shape, dtype = held[name], update.shapes[name], \
+            update.dtypes[name]
+        if tuple(have_shape) != shape or have_dtype != dtype:
+            raise WeightSyncError(f"{who}: tensor {name!r} is {tuple(have_shape)} {have_dtype} in "
+                                  f"the model, the update has {shape} {dtype}")
+        mode = update.modes[name]
+        if mode not in allowed:
+            raise WeightSyncError(f"{who}: tensor {name!r} has encoding {mode!r}; an update of "
+                                  f"mode {update.mode!r} allows {list(allowed)}")
+        numel = torch.Size(shape).numel()
+        if mode == "sub":
+            want_dtype, want_n = dtype, numel
+            if not dtype.is_floating_point:
+                raise WeightSyncError(f"{who}: tensor {name!r} is {dtype}; a 'sub' encoding "
+                                      f"needs a floating dtype")
+        else:
+            want_dtype = _int_dtype(dtype, name)
+            want_n = numel * torch.empty((), dtype=dtype).element_size() // torch.empty(
+                (), dtype=want_dtype).element_size()
+        if payload.dtype != want_dtype or payload.dim() != 1 or payload.numel() != want_n:
+            raise WeightSyncError(f"{who}: tensor {name!r}: the {mode!r} payload expected "
+                                  f"{want_n} elements of {want_dtype} (1-D), got "
+                                  f"{tuple(payload.shape)} {payload.dtype}")
+
+
 class WeightReceiver:
     """The rollout engine's side: applies `WeightUpdate`s to ``model`` atomically.
 
@@ -455,48 +500,11 @@ class WeightReceiver:
         return state_checksums(self.model)
 
     def _check(self, update: WeightUpdate, live: dict[str, torch.Tensor]) -> None:
-        """Every structural check, before any arithmetic."""
         if not isinstance(update, WeightUpdate):
             raise TypeError(f"glm5 WeightReceiver.apply: update expected a WeightUpdate, got "
                             f"{type(update).__name__}")
-        if update.mode != "full" and update.base_version != self._version:
-            raise StaleUpdateError(
-                f"glm5 WeightReceiver.apply: the update goes from version {update.base_version} "
-                f"to {update.version}, this receiver holds version {self._version} (apply the "
-                f"updates in order, or a full update)")
-        if update.mode == "full":
-            missing = sorted(set(live) - set(update.tensors))
-            if missing:
-                raise WeightSyncError(f"glm5 WeightReceiver.apply: a full update lacks tensor "
-                                      f"{missing[0]!r} (and {len(missing) - 1} more) of the model")
-        allowed = {"xor": ("xor",), "sub": ("sub", "xor"), "full": ("full",)}[update.mode]
-        for name, payload in update.tensors.items():
-            if name not in live:
-                raise WeightSyncError(f"glm5 WeightReceiver.apply: tensor {name!r} of the update "
-                                      f"is not in the model's state_dict")
-            t, shape, dtype = live[name], update.shapes[name], update.dtypes[name]
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                raise WeightSyncError(f"glm5 WeightReceiver.apply: tensor {name!r} is "
-                                      f"{tuple(t.shape)} {t.dtype} in the model, the update has "
-                                      f"{shape} {dtype}")
-            mode = update.modes[name]
-            if mode not in allowed:
-                raise WeightSyncError(f"glm5 WeightReceiver.apply: tensor {name!r} has encoding "
-                                      f"{mode!r}; an update of mode {update.mode!r} allows "
-                                      f"{list(allowed)}")
-            if mode == "sub":
-                want_dtype, want_n = dtype, t.numel()
-                if not dtype.is_floating_point:
-                    raise WeightSyncError(f"glm5 WeightReceiver.apply: tensor {name!r} is "
-                                          f"{dtype}; a 'sub' encoding needs a floating dtype")
-            else:
-                want_dtype = _int_dtype(dtype, name)
-                want_n = t.numel() * t.element_size() // torch.empty(
-                    (), dtype=want_dtype).element_size()
-            if payload.dtype != want_dtype or payload.dim() != 1 or payload.numel() != want_n:
-                raise WeightSyncError(f"glm5 WeightReceiver.apply: tensor {name!r}: the {mode!r} "
-                                      f"payload expected {want_n} elements of {want_dtype} (1-D), "
-                                      f"got {tuple(payload.shape)} {payload.dtype}")
+        check_update(update, {n: (tuple(t.shape), t.dtype) for n, t in live.items()},
+                     self._version, "glm5 WeightReceiver.apply", "this receiver")
 
     def apply(self, update: WeightUpdate) -> int:
         """Apply ``update`` to the model; returns the new version.

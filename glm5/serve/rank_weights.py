@@ -46,12 +46,12 @@ import torch.distributed as dist
 
 from glm5.engine.engine import LLMEngine
 from glm5.engine.weight_sync import (ChecksumMismatchError, StaleUpdateError, WeightSyncError,
-                                     WeightUpdate, checksum_matches, tensor_checksum)
+                                     WeightUpdate, check_update, checksum_matches,
+                                     tensor_checksum)
 
 _WHO = "glm5 RankWeights"
 _ERRORS = {c.__name__: c for c in (WeightSyncError, StaleUpdateError, ChecksumMismatchError)}
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_ALLOWED = {"xor": ("xor",), "sub": ("sub", "xor"), "full": ("full",)}
 
 Cut = Optional[tuple[int, int, int]]  # (dim, start, stop) of the whole tensor; None: all of it
 
@@ -273,40 +273,8 @@ class RankWeights:
     # ------------------------------------------------------------------ the parts
     def _check(self, update: WeightUpdate) -> None:
         """What `glm5.engine.weight_sync.WeightReceiver` checks, against the whole tensors."""
-        if update.mode != "full" and update.base_version != self.version:
-            raise StaleUpdateError(
-                f"{_WHO}.apply: the update goes from version {update.base_version} to "
-                f"{update.version}, this server holds version {self.version} (apply the updates "
-                f"in order, or a full update)")
-        if update.mode == "full":
-            missing = [n for n in self.table if n not in update.tensors]
-            if missing:
-                raise WeightSyncError(f"{_WHO}.apply: a full update lacks tensor {missing[0]!r} "
-                                      f"(and {len(missing) - 1} more) of the model")
-        for name, payload in update.tensors.items():
-            w = self.table.get(name)
-            if w is None:
-                raise WeightSyncError(f"{_WHO}.apply: tensor {name!r} of the update is not in "
-                                      f"the model's state_dict")
-            shape, dtype, mode = update.shapes[name], update.dtypes[name], update.modes[name]
-            if shape != w.shape or dtype != w.dtype:
-                raise WeightSyncError(f"{_WHO}.apply: tensor {name!r} is {w.shape} {w.dtype} in "
-                                      f"the model, the update has {shape} {dtype}")
-            if mode not in _ALLOWED[update.mode]:
-                raise WeightSyncError(f"{_WHO}.apply: tensor {name!r} has encoding {mode!r}; an "
-                                      f"update of mode {update.mode!r} allows "
-                                      f"{list(_ALLOWED[update.mode])}")
-            n = 1
-            for s in shape:
-                n *= s
-            if mode == "sub" and not dtype.is_floating_point:
-                raise WeightSyncError(f"{_WHO}.apply: tensor {name!r} is {dtype}; a 'sub' "
-                                      f"encoding needs a floating dtype")
-            want = dtype if mode == "sub" else _int_dtype(dtype, name)
-            if payload.dtype != want or payload.dim() != 1 or payload.numel() != n:
-                raise WeightSyncError(f"{_WHO}.apply: tensor {name!r}: the {mode!r} payload "
-                                      f"expected {n} elements of {want} (1-D), got "
-                                      f"{tuple(payload.shape)} {payload.dtype}")
+        check_update(update, {n: (w.shape, w.dtype) for n, w in self.table.items()},
+                     self.version, f"{_WHO}.apply", "this server")
 
     def _compute(self, update: WeightUpdate, live: dict[str, torch.Tensor],
                  olds: dict[str, torch.Tensor], news: dict[str, torch.Tensor]) -> None:

@@ -71,22 +71,7 @@ class ServeProcess:
             except OSError:
                 continue
             mine |= {e for e in env if e.startswith(PIDFILE_VAR)}
-        out = {}
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
-                continue
-            try:
-                env = (d / "environ").read_bytes().split(b"\0")
-                cmd = (d / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"glm5.cli" not in cmd or b"torch.distributed.run" in cmd or \
-                    not mine.intersection(env):
-                continue
-            rank = [e for e in env if e.startswith(b"RANK=")]
-            if rank:
-                out[int(rank[0][5:])] = int(d.name)
-        return out
+        return rank_pids(mine)
 
     def stop(self, timeout: float = 120.0) -> int:
         """SIGTERM (the server drains, then stops every rank); its exit status."""
@@ -114,3 +99,24 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def rank_pids(markers: set[bytes]) -> dict[int, int]:
+    """{RANK: pid} of the `glm5` commands torchrun runs (not torchrun itself) whose environment
+    holds one of ``markers`` (``b"NAME=value"`` entries)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"glm5.cli" not in cmd or b"torch.distributed.run" in cmd or \
+                not markers.intersection(env):
+            continue
+        rank = [e for e in env if e.startswith(b"RANK=")]
+        if rank:
+            out[int(rank[0][5:])] = int(d.name)
+    return out
