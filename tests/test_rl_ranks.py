@@ -358,3 +358,42 @@ def test_ray_places_trainer_ranks_in_a_placement_group(tmp_path):
         run.close()
         ray.shutdown()
     assert got == want
+
+
+def test_two_trainer_ranks_feed_a_tp2_server(tmp_path):
+    """`glm5 rl train --nproc 2` whose rollout worker is a `glm5 serve --tp 2
+    --allow-weight-updates` server: the sharded trainer's updates (row-range checksums) reach
+    the split server, which then holds the trained policy (whole tensors' checksums equal) and
+    tags its tokens with that version."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from glm5.core.checkpoint import save_pretrained
+    from glm5.engine.weight_sync import state_checksums
+    from glm5.rl.config import RLConfig
+    from glm5.rl.loop import policy_state
+    from glm5.rl.services import build_policy
+    from glm5.testing.serve_process import ServeProcess
+
+    d = _cfg(run__steps=3)
+    save_pretrained(build_policy(RLConfig.from_dict(d).model), tmp_path / "ckpt")
+    srv = ServeProcess([str(tmp_path / "ckpt"), "--tp", "2", "--allow-weight-updates",
+                        "--page-size", "16", "--num-pages", "256"])
+    try:
+        d["rollout"].update(transport="http", urls=[srv.url], num_workers=1)
+        d["run"]["checkpoint_every"] = 2
+        out = tmp_path / "run"
+        _train(_write(tmp_path, "c.yaml", d), out, nproc=2)
+        journal = [json.loads(x) for x in (out / "journal.jsonl").read_text().splitlines()]
+        published = [r["version"] for r in journal if r["kind"] == "publish"]
+        # step 1's batch has no reward: no weight changes, no version; steps 2 and 3 publish
+        assert published == [0, 1, 2], published
+        # an update reaches a worker before its next rollout: the run ends with version 2
+        # pushed but not yet applied; the server holds version 1, what step 2 trained (the
+        # checkpoint at step 2), and sampled step 3's batch with it
+        got = httpx.get(srv.url + "/glm5/v1/weights", timeout=60).json()
+        assert got["version"] == 1
+        assert got["checksums"] == state_checksums(policy_state(out))
+        step3 = [r["traj"] for r in journal if r["kind"] == "traj"][-8:]
+        assert {v for t in step3 for v in t["versions"]} == {1}
+    finally:
+        assert srv.stop() in (0, -signal.SIGTERM), srv.output
