@@ -197,16 +197,22 @@ def _start_ranks(args: argparse.Namespace, world: int) -> int:
     import os
     import subprocess
 
-    from glm5.cli.serve import ranks_argv
-
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, said so it is not warned
+    return subprocess.call(ranks_command(args, world), env=env)
+
+
+def ranks_command(args: argparse.Namespace, world: int) -> list[str]:
+    """The torchrun command line that runs this `glm5 rl train` again on ``world`` ranks
+    (``world / nnodes`` per node; `glm5 launch`'s rendezvous options)."""
+    from glm5.cli.serve import ranks_argv
+
     # torchrun's parser reads every "--x" of the command line and finds "--nproc" ambiguous
     # (its --nproc-per-node): the ranks get the same option by its other name
     args = argparse.Namespace(**vars(args))
     args.argv = [("--trainer-nproc" + a[len("--nproc"):]) if a.split("=")[0] == "--nproc" else a
                  for a in args.argv]
-    return subprocess.call(ranks_argv(args, world), env=env)
+    return ranks_argv(args, world)
 
 
 def _follow() -> int:
