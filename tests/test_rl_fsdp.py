@@ -217,3 +217,38 @@ def test_a_sharded_checkpoint_resumes_at_any_rank_count(world2, tmp_path, save_n
                           timeout_s=120))[0]
     assert r["step"] == 2
     assert r["err"] <= 1e-6, r
+
+
+def _odd_rows(ctx) -> dict:
+    """Matrices whose rows do not split evenly (7 and 3 rows over 2 ranks: FSDP's shards differ
+    by a row, and a 1-row matrix leaves rank 1 empty): WholeMatrixMuon pads the gather and
+    scatter, and stays torch.optim.Muon's update bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from glm5.rl.fsdp import WholeMatrixMuon
+
+    torch.set_num_threads(1)
+
+    def build():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(torch.nn.Linear(5, 7, bias=False),
+                                   torch.nn.Linear(7, 3, bias=False),
+                                   torch.nn.Linear(3, 1, bias=False))
+
+    m, ref = fully_shard(build(), mesh=init_device_mesh("cpu", (ctx.world_size,))), build()
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(4))
+    m(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    a = WholeMatrixMuon(list(m.parameters()), lr=1e-2, adjust_lr_fn="match_rms_adamw")
+    b = torch.optim.Muon(list(ref.parameters()), lr=1e-2, adjust_lr_fn="match_rms_adamw")
+    for _ in range(2):
+        a.step()
+        b.step()
+    return {"err": max(float((p.full_tensor() - q).abs().max())
+                       for p, q in zip(m.parameters(), ref.parameters()))}
+
+
+def test_whole_matrix_muon_with_uneven_row_shards(world2):
+    for r in values(world2.run(_odd_rows, timeout_s=60)):
+        assert r["err"] == 0.0, r

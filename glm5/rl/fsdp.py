@@ -10,11 +10,14 @@ Muon orthogonalises each weight matrix's momentum with Newton–Schulz; torch.op
 shards would orthogonalise each shard alone (measured: a 9e-4 error after one step at lr 1e-2
 on `tiny`, against ~1e-6 for AdamW). `WholeMatrixMuon` keeps torch's update exactly: the
 momentum is elementwise, so each rank keeps and updates its own rows of it (sharded like the
-parameter: DCP saves and reshards it like any FSDP optimizer state); the Nesterov update is
-gathered whole, each matrix's owner rank (round-robin over the matrices by decreasing size, so
-the Newton–Schulz work spreads evenly) runs torch.optim._muon's Newton–Schulz on it and
-broadcasts the result, and every rank applies its rows (decoupled weight decay and the adjusted
-learning rate as torch applies them).
+parameter: DCP saves and reshards it like any FSDP optimizer state). Each matrix has an owner
+rank (round-robin over the matrices by decreasing size); the ranks' rows of its Nesterov update
+are gathered to the owner only, every owner runs torch.optim._muon's Newton–Schulz on all its
+matrices (the ranks' work side by side), and scatters each rank's rows of the result back;
+every rank applies its rows (decoupled weight decay and the adjusted learning rate as torch
+applies them). Why not a sharded Newton–Schulz (an all-reduce of the Gram matrix per
+iteration): bench/rl_ranks.py measured it 2.7x the bytes and 3-4x the compute at `tiny` widths
+(docs/rl.md, "The trainer on several ranks").
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 
@@ -77,9 +80,9 @@ class WholeMatrixMuon(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("glm5 WholeMatrixMuon: closure is not supported")
-        me = dist.get_rank() if dist.is_initialized() else 0
+        work = []  # (parameter, its group, this rank's rows of its Nesterov update)
         for group in self.param_groups:
-            lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
+            mom = group["momentum"]
             for p in group["params"]:
                 if p.grad is None:  # every rank sees the same None (FSDP reduces grads)
                     continue
@@ -91,25 +94,57 @@ class WholeMatrixMuon(torch.optim.Optimizer):
                 # the momentum is elementwise: each rank updates its own rows
                 buf.lerp_(g, 1 - mom)
                 upd = g.lerp(buf, mom) if group["nesterov"] else buf
-                if not isinstance(p, DTensor):
-                    u = _zeropower_via_newtonschulz(upd, group["ns_coefficients"],
-                                                    group["ns_steps"], group["eps"])
-                    local = p
+                if isinstance(p, DTensor):
+                    work.append((p, group, upd.to_local()))
                 else:
-                    full = upd.full_tensor()  # Newton-Schulz needs the whole matrix
-                    owner = self.owner[p]
-                    if owner == me:
-                        u = _zeropower_via_newtonschulz(full, group["ns_coefficients"],
-                                                        group["ns_steps"], group["eps"])
-                        # NS transposes tall matrices: a view gloo cannot send
-                        u = u.to(full.dtype).contiguous()
-                    else:
-                        u = torch.empty_like(full)
-                    dist.broadcast(u, src=owner)
-                    u = DTensor.from_local(u, p.device_mesh, [Replicate()] * p.device_mesh.ndim,
-                                           run_check=False).redistribute(
-                        p.device_mesh, p.placements).to_local()
-                    local = p.to_local()
-                adj = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
-                local.mul_(1 - lr * wd)
-                local.add_(u, alpha=-adj)
+                    self._apply(p, group, self._orthogonalise(upd, group))
+        if not work:
+            return
+        pg = work[0][0].device_mesh.get_group()
+        me, world = dist.get_rank(pg), dist.get_world_size(pg)
+        # 1. each matrix's rows to its owner (a gather: only the owner holds the whole matrix)
+        whole: dict[int, torch.Tensor] = {}
+        for k, (p, _, local) in enumerate(work):
+            owner, chunk = self.owner[p] % world, -(-p.shape[0] // world)
+            got = [torch.empty((chunk, *p.shape[1:]), dtype=local.dtype, device=local.device)
+                   for _ in range(world)] if me == owner else None
+            dist.gather(_pad_rows(local, chunk), got, dst=dist.get_global_rank(pg, owner),
+                        group=pg)
+            if me == owner:
+                whole[k] = torch.cat(got)[:p.shape[0]]
+        # 2. every owner orthogonalises its matrices: the ranks' Newton-Schulz run side by side
+        for k, m in whole.items():
+            whole[k] = self._orthogonalise(m, work[k][1])
+        # 3. each rank's rows of the result back from the owner
+        for k, (p, group, local) in enumerate(work):
+            owner, chunk = self.owner[p] % world, -(-p.shape[0] // world)
+            out = torch.empty((chunk, *p.shape[1:]), dtype=local.dtype, device=local.device)
+            parts = list(_pad_rows(whole.pop(k), chunk * world).split(chunk)) \
+                if me == owner else None
+            dist.scatter(out, parts, src=dist.get_global_rank(pg, owner), group=pg)
+            self._apply(p, group, out[:local.shape[0]])
+
+    @staticmethod
+    def _orthogonalise(m: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        u = _zeropower_via_newtonschulz(m, group["ns_coefficients"], group["ns_steps"],
+                                        group["eps"])
+        return u.to(m.dtype).contiguous()  # NS transposes tall matrices: a view gloo cannot send
+
+    @staticmethod
+    def _apply(p: torch.Tensor, group: dict[str, Any], u: torch.Tensor) -> None:
+        """torch.optim.Muon's decoupled weight decay and adjusted step, on this rank's rows."""
+        lr, wd = group["lr"], group["weight_decay"]
+        adj = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
+        local = p.to_local() if isinstance(p, DTensor) else p
+        local.mul_(1 - lr * wd)
+        local.add_(u, alpha=-adj)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` (FSDP's shards of one tensor differ by up
+    to a row; gather and scatter need equal sizes)."""
+    if t.shape[0] == rows:
+        return t.contiguous()
+    out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    out[:t.shape[0]] = t
+    return out
