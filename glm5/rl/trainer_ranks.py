@@ -116,6 +116,7 @@ class TrainerFront:
         try:
             dist.broadcast_object_list([(method, sent)], src=0)
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistError kinds
+            self._lost = e
             raise TrainerRankError(f"glm5 rl: the trainer ranks are lost (sending {method}: "
                                    f"{_say(e)})") from e
         err: BaseException | None = None
@@ -128,6 +129,7 @@ class TrainerFront:
         try:
             dist.gather_object(None if err is None else _say(err), statuses, dst=0)
         except Exception as e:  # noqa: BLE001
+            self._lost = e
             raise TrainerRankError(f"glm5 rl: the trainer ranks are lost ({method}: "
                                    f"{_say(e)})") from (err or e)
         if err is not None:
@@ -144,7 +146,10 @@ class TrainerFront:
             if not self._stopped:
                 self._stopped = True
                 if self._lost is None:
-                    dist.broadcast_object_list([("stop", ())], src=0)
+                    try:
+                        dist.broadcast_object_list([("stop", ())], src=0)
+                    except Exception:  # noqa: BLE001 - a lost rank: torchrun stops the rest
+                        pass
 
 
 def follow(service: TrainerService) -> None:
