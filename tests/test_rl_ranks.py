@@ -417,3 +417,50 @@ def test_two_trainer_ranks_feed_a_tp2_server(tmp_path):
         assert {v for t in step3 for v in t["versions"]} == {1}
     finally:
         assert srv.stop() in (0, -signal.SIGTERM), srv.output
+
+
+class _Fake:
+    """A trainer service stand-in: train_step fails on rank 1; version answers the rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.calls = rank, 0
+
+    def train_step(self, trajs, weights=None):
+        self.calls += 1
+        if self.rank == 1:
+            raise ValueError("boom on rank 1")
+        return {"loss": 0.0}
+
+    def version(self) -> int:
+        self.calls += 1
+        return self.rank
+
+
+def _front(ctx, idle_s: float) -> dict:
+    from glm5.rl.trainer_ranks import TrainerFront, TrainerRankError, follow
+
+    svc = _Fake(ctx.rank)
+    if ctx.rank != 0:
+        follow(svc)
+        return {"calls": svc.calls}
+    front = TrainerFront(svc)
+    out = {}
+    try:
+        front.train_step([])
+        out["error"] = None
+    except TrainerRankError as e:
+        out["error"] = str(e)
+    time.sleep(idle_s)  # rank 0 rolls out: the others wait inside a collective
+    out["version"] = front.version()
+    front.stop()
+    out["calls"] = svc.calls
+    return out
+
+
+def test_front_raises_a_rank_error_and_keeps_idle_ranks_alive():
+    """A follower's failure is raised on rank 0 naming the rank; an idle front's heartbeat keeps
+    the followers' collectives (timeout 3 s here) alive through 8 s without a call."""
+    with DistPool(2, comm_timeout_s=3) as pool:
+        r0, r1 = values(pool.run(_front, 8.0, timeout_s=60))
+    assert "trainer rank 1 of 2 failed train_step: ValueError: boom on rank 1" in r0["error"]
+    assert r0["version"] == 0 and r0["calls"] == 2 and r1["calls"] == 2
