@@ -350,7 +350,8 @@ class GRPOTrainer:
                 sd[name] = get_model_state_dict(m)
         with warnings.catch_warnings():  # one process: no_dist is meant, not "assumed"
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(sd, checkpoint_id=path, no_dist=self.mesh is None)
+            dcp.save(sd, checkpoint_id=path, no_dist=self.mesh is None,
+                     process_group=None if self.mesh is None else self.mesh.get_group())
 
     def load_sharded(self, path: str) -> None:
         """Resume from `save_sharded`'s checkpoint, whatever the number of ranks that wrote
@@ -370,7 +371,8 @@ class GRPOTrainer:
                 sd[name] = get_model_state_dict(m)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(sd, checkpoint_id=path, no_dist=self.mesh is None)
+            dcp.load(sd, checkpoint_id=path, no_dist=self.mesh is None,
+                     process_group=None if self.mesh is None else self.mesh.get_group())
         set_state_dict(self.model, self.optimizers, model_state_dict=sd["model"],
                        optim_state_dict=sd["optim"])
         for name in ("ref", "teacher"):
