@@ -233,16 +233,22 @@ def _time_muon(trainer: Any, reps: int, world: int, group: Any) -> dict[str, Any
 
     me, owner = dist.get_rank(), opt.owner
 
-    def owner_comm() -> None:  # WholeMatrixMuon's collectives alone, matrix by matrix
+    def owner_comm() -> None:
+        """WholeMatrixMuon's collectives alone: each matrix's rows gathered to its owner, the
+        rows scattered back (padded to equal chunks, as FSDP pads)."""
         for p in mats:
-            full = p.grad.full_tensor()
-            u = full.contiguous() if owner[p] == me else torch.empty_like(full)
-            dist.broadcast(u, src=owner[p])
+            loc = _local(p.grad)
+            chunk = -(-p.shape[0] // world)
+            pad = torch.zeros((chunk, *p.shape[1:]), dtype=loc.dtype)
+            pad[:loc.shape[0]] = loc
+            got = [torch.empty_like(pad) for _ in range(world)] if owner[p] == me else None
+            dist.gather(pad, got, dst=owner[p])
+            out = torch.empty_like(pad)
+            dist.scatter(out, got, src=owner[p])
 
     def owner_batched() -> None:
-        """The same gather-to-owner design with the owners' Newton-Schulz overlapped: gather
-        every update, each owner orthogonalises its matrices, then the broadcasts (in
-        WholeMatrixMuon.step the ranks wait for each matrix's owner in turn)."""
+        """The first design, for comparison: every update all-gathered to every rank, each
+        owner orthogonalises its matrices, the results broadcast whole."""
         fulls = [p.grad.full_tensor() for p in mats]
         us = [_zeropower_via_newtonschulz(f, coeffs, NS_STEPS, eps).to(f.dtype).contiguous()
               if owner[p] == me else torch.empty_like(f) for p, f in zip(mats, fulls)]
@@ -440,7 +446,7 @@ def _table(rows: list[dict]) -> str:
             if r["world"] == 1}
     cols = ["opt", "N", "params+grads+opt / rank (MiB)", "vs N=1",
             "publisher snapshot rank 0 (MiB)", "RSS rank 0 start/after steps (MiB)",
-            "train_step (s)", "Muon opt.step (s)", "owner comm (s)", "owner batched (s)",
+            "train_step (s)", "Muon opt.step (s)", "owner comm (s)", "all-gather variant (s)",
             "sharded NS comm (s)", "sharded NS (s)", "publish (s)", "update nbytes (MiB)"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -475,12 +481,12 @@ def _conclusion(rows: list[dict]) -> list[str]:
         gb, ar = mu["gather_broadcast_payload_bytes"], mu["gram_allreduce_payload_bytes"]
         oc, sc = mu["owner_comm_s_median"], mu["sharded_ns_comm_s_median"]
         out.append(
-            f"Muon N={r['world']}: communication: gather-to-owner (all-gather + broadcast of "
+            f"Muon N={r['world']}: communication: gather-to-owner (gather + scatter of "
             f"each matrix, {gb / MB:.1f} MiB payload) {oc:.3f} s vs sharded NS ({NS_STEPS} "
             f"[cols, cols] all-reduces per matrix, {ar / MB:.1f} MiB payload, x{ar / gb:.2f}) "
             f"{sc:.3f} s -> {'gather-to-owner' if oc <= sc else 'sharded NS'} moves less; "
-            f"whole step: WholeMatrixMuon {mu['step_s_median']:.3f} s (owners serialised), "
-            f"batched owners {mu['owner_batched_s_median']:.3f} s, sharded NS "
+            f"whole step: WholeMatrixMuon {mu['step_s_median']:.3f} s, the all-gather + "
+            f"broadcast variant {mu['owner_batched_s_median']:.3f} s, sharded NS "
             f"{mu['sharded_ns_s_median']:.3f} s")
     for r in rows:
         p = r["publish"]
