@@ -54,10 +54,17 @@ def checkpoints(tmp_path_factory):
 def _reference(model_dir: str, prompts) -> list[list[int]]:
     """Greedy tokens of the single-process engine."""
     from glm5.core import checkpoint
+
+    return greedy_tokens(checkpoint.load_model(model_dir), prompts, ENGINE)
+
+
+def greedy_tokens(model: torch.nn.Module, prompts: list[list[int]], engine: dict
+                  ) -> list[list[int]]:
+    """Each prompt's MAX_TOKENS greedy tokens from a single-process engine over ``model``."""
     from glm5.engine.engine import EngineConfig, LLMEngine
     from glm5.engine.sampling import SamplingParams
 
-    eng = LLMEngine(checkpoint.load_model(model_dir), EngineConfig(**ENGINE))
+    eng = LLMEngine(model, EngineConfig(**engine))
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                                   ignore_eos=True))
@@ -84,17 +91,17 @@ async def _complete(client: httpx.AsyncClient, url: str, prompt: list[int]) -> t
     return r.status_code, r.json()
 
 
-def _serve_rank(ctx, model_dir: str, parallel: dict, port: int, burst: int) -> dict | None:
+def serve_in_world(ctx, model_dir: str, port: int, client, **serve_kw) -> dict | None:
     """Every rank runs `glm5.serve.server.serve` (the command's code, under the pool's world);
-    rank 0's client thread sends each prompt alone (one rank idle at a time under DP
-    attention), then ``burst`` requests at once (the prompts over and over), reads /metrics,
-    and stops the server as SIGTERM does."""
+    on rank 0 a thread waits for /health, runs ``client(url, result)``, then stops the server
+    as SIGTERM does (uvicorn drains; rank 0 stops the others). Rank 0 returns ``result`` (an
+    exception in the client as ``result["error"]``, never a hang), the others None."""
     from glm5.serve.server import serve
 
     result: dict = {}
     url = f"http://127.0.0.1:{port}"
 
-    def client() -> None:
+    def run_client() -> None:
         try:
             deadline = time.monotonic() + 120
             while True:
@@ -105,35 +112,44 @@ def _serve_rank(ctx, model_dir: str, parallel: dict, port: int, burst: int) -> d
                     pass
                 assert time.monotonic() < deadline, "the server did not start"
                 time.sleep(0.1)
-
-            async def run() -> None:
-                async with httpx.AsyncClient(limits=httpx.Limits(max_connections=128)) as c:
-                    result["alone"] = [await _complete(c, url, p) for p in PROMPTS]
-                    # sampled, unseeded: every replicated rank must draw what rank 0 draws
-                    r = await c.post(url + "/v1/completions", json={
-                        "model": "m", "prompt": PROMPTS[0], "max_tokens": 8, "n": 2,
-                        "temperature": 1.0, "ignore_eos": True}, timeout=120)
-                    result["sampled"] = (r.status_code, r.text)
-                    result["burst"] = await asyncio.gather(*[
-                        _complete(c, url, PROMPTS[i % len(PROMPTS)]) for i in range(burst)])
-            asyncio.run(run())
-            result["metrics"] = httpx.get(url + "/metrics", timeout=10).text
+            client(url, result)
         except BaseException as e:  # noqa: BLE001 - reported to the test, never a hang
             result["error"] = f"{type(e).__name__}: {e}"
         finally:
-            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn drains; rank 0 stops the others
+            os.kill(os.getpid(), signal.SIGTERM)
 
     t = None
     if ctx.rank == 0:
-        t = threading.Thread(target=client, daemon=True)
+        t = threading.Thread(target=run_client, daemon=True)
         t.start()
-    serve(model_dir, host="127.0.0.1", port=port, engine_options=ENGINE, parallel=parallel,
-          served_model_name="m",
-          log_level="warning", limits={"graceful_timeout": 5.0})
+    serve(model_dir, host="127.0.0.1", port=port, served_model_name="m", log_level="warning",
+          limits={"graceful_timeout": 5.0}, **serve_kw)
     if t is not None:
         t.join(60)
         return result
     return None
+
+
+def _serve_rank(ctx, model_dir: str, parallel: dict, port: int, burst: int) -> dict | None:
+    """Rank 0's client sends each prompt alone (one rank idle at a time under DP attention),
+    then ``burst`` requests at once (the prompts over and over), reads /metrics."""
+
+    def client(url: str, result: dict) -> None:
+        async def run() -> None:
+            async with httpx.AsyncClient(limits=httpx.Limits(max_connections=128)) as c:
+                result["alone"] = [await _complete(c, url, p) for p in PROMPTS]
+                # sampled, unseeded: every replicated rank must draw what rank 0 draws
+                r = await c.post(url + "/v1/completions", json={
+                    "model": "m", "prompt": PROMPTS[0], "max_tokens": 8, "n": 2,
+                    "temperature": 1.0, "ignore_eos": True}, timeout=120)
+                result["sampled"] = (r.status_code, r.text)
+                result["burst"] = await asyncio.gather(*[
+                    _complete(c, url, PROMPTS[i % len(PROMPTS)]) for i in range(burst)])
+        asyncio.run(run())
+        result["metrics"] = httpx.get(url + "/metrics", timeout=10).text
+
+    return serve_in_world(ctx, model_dir, port, client, engine_options=ENGINE,
+                          parallel=parallel)
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import os
-import signal
-import socket
-import threading
-import time
 
 import httpx
 import pytest
@@ -23,6 +18,7 @@ import torch
 from glm5.engine.weight_sync import (WeightPublisher, WeightUpdate, row_checksums,
                                      state_checksums)
 from glm5.testing.dist import DistPool, values
+from test_serve_dist import _free_port, greedy_tokens, serve_in_world
 
 ENGINE = {"page_size": 16, "num_pages": 32, "max_num_seqs": 8}
 MAX_TOKENS = 5
@@ -32,22 +28,8 @@ WEIGHTS = "/glm5/v1/weights"
 CORRUPT = "model.layers.1.mlp.experts.gate_up_proj"  # cut on either layout (by expert)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _greedy(model: torch.nn.Module) -> list[list[int]]:
-    from glm5.engine.engine import EngineConfig, LLMEngine
-    from glm5.engine.sampling import SamplingParams
-
-    eng = LLMEngine(copy.deepcopy(model), EngineConfig(**ENGINE))
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(str(i), p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                  ignore_eos=True))
-    done = {o.request_id: o.token_ids for o in eng.run_to_completion()}
-    return [done[str(i)] for i in range(len(PROMPTS))]
+    return greedy_tokens(copy.deepcopy(model), PROMPTS, ENGINE)
 
 
 def _perturb(model: torch.nn.Module, seed: int) -> None:
@@ -121,55 +103,29 @@ async def _complete(c: httpx.AsyncClient, url: str, prompt: list[int]) -> dict:
 
 def _serve_updates(ctx, model_dir: str, parallel: dict, port: int,
                    posts: list[tuple[str, bytes]]) -> dict | None:
-    """Every rank serves (`glm5.serve.server.serve`); rank 0's client reads tokens, version and
-    checksums before the posts and after each, then stops the server as SIGTERM does."""
-    from glm5.serve.server import serve
+    """Every rank serves; rank 0's client reads tokens, version and checksums before the posts
+    and after each."""
 
-    result: dict = {}
-    url = f"http://127.0.0.1:{port}"
+    def client(url: str, result: dict) -> None:
+        with httpx.Client(timeout=120) as c:
+            def look(what: str) -> None:
+                async def run() -> list[dict]:
+                    async with httpx.AsyncClient() as ac:  # at once: DP attention spreads them
+                        return await asyncio.gather(*[_complete(ac, url, p) for p in PROMPTS])
+                result[what] = {"completions": asyncio.run(run()),
+                                "version": c.get(url + WEIGHTS,
+                                                 params={"checksums": "false"}).json(),
+                                "weights": c.get(url + WEIGHTS).json()}
 
-    def look(c: httpx.Client, what: str) -> None:
-        async def run() -> list[dict]:
-            async with httpx.AsyncClient() as ac:  # at once: DP attention spreads them
-                return await asyncio.gather(*[_complete(ac, url, p) for p in PROMPTS])
-        result[what] = {"completions": asyncio.run(run()),
-                        "version": c.get(url + WEIGHTS, params={"checksums": "false"}).json(),
-                        "weights": c.get(url + WEIGHTS).json()}
+            look("start")
+            for name, data in posts:
+                r = c.post(url + WEIGHTS, content=data,
+                           headers={"content-type": "application/octet-stream"})
+                result["post " + name] = (r.status_code, r.json())
+                look(name)
 
-    def client() -> None:
-        try:
-            with httpx.Client(timeout=120) as c:
-                deadline = time.monotonic() + 120
-                while True:
-                    try:
-                        if c.get(url + "/health", timeout=5).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    assert time.monotonic() < deadline, "the server did not start"
-                    time.sleep(0.1)
-                look(c, "start")
-                for name, data in posts:
-                    r = c.post(url + WEIGHTS, content=data,
-                               headers={"content-type": "application/octet-stream"})
-                    result["post " + name] = (r.status_code, r.json())
-                    look(c, name)
-        except BaseException as e:  # noqa: BLE001 - reported to the test, never a hang
-            result["error"] = f"{type(e).__name__}: {e}"
-        finally:
-            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn drains; rank 0 stops the others
-
-    t = None
-    if ctx.rank == 0:
-        t = threading.Thread(target=client, daemon=True)
-        t.start()
-    serve(model_dir, host="127.0.0.1", port=port, engine_options=ENGINE, parallel=parallel,
-          served_model_name="m", allow_weight_updates=True, log_level="warning",
-          limits={"graceful_timeout": 5.0})
-    if t is not None:
-        t.join(60)
-        return result
-    return None
+    return serve_in_world(ctx, model_dir, port, client, engine_options=ENGINE,
+                          parallel=parallel, allow_weight_updates=True)
 
 
 @pytest.fixture(scope="module")

@@ -39,44 +39,28 @@ whole tensors assembled from the ranks' cuts, and a lost rank is a 503."""
         app.add_api_route(WEIGHTS_PATH, off, methods=["GET", "POST"])
         return
 
-    if getattr(engine.engine, "weights", None) is not None:  # a RankFront that takes updates
-        _rank_routes(app, engine)
-        return
-    receiver = WeightReceiver(engine.engine.model, engine.engine.weights_version)
+    if getattr(engine.engine, "weights", None) is not None:
+        # a RankFront: an update, or a checksum read, is a weights round over the ranks
+        def applier(data: bytes) -> Callable[[Any], int]:
+            return lambda f: f.weights_round("apply", data)
 
-    @app.post(WEIGHTS_PATH)
-    async def post_weights(request: Request) -> Response:
-        data = await request.body()
+        def checksums_of(f: Any) -> dict[str, str]:
+            return f.weights_round("checksums")
+    else:
+        receiver = WeightReceiver(engine.engine.model, engine.engine.weights_version)
 
-        def apply() -> int:  # parsing and checking a large update takes a while: off the loop
-            return apply_to_engine(engine, receiver, WeightUpdate.from_bytes(data))
+        def applier(data: bytes) -> Callable[[Any], int]:
+            up = WeightUpdate.from_bytes(data)  # parsed and checked before the engine waits
+            return lambda e: apply_to_engine(e, receiver, up)
 
+        def checksums_of(e: Any) -> dict[str, str]:
+            return state_checksums(e.model)
+
+    def between(make: Callable[[], Callable[[Any], Any]]) -> Any:
+        """``make()``'s function run between two engine steps (off the event loop: a large
+        update takes a while), its errors as the endpoint's status."""
         try:
-            version = await asyncio.to_thread(apply)
-        except StaleUpdateError as e:
-            raise APIError(409, str(e)) from None
-        except WeightSyncError as e:
-            raise APIError(400, str(e)) from None
-        return JSONResponse({"version": version})
-
-    @app.get(WEIGHTS_PATH)
-    async def get_weights(checksums: bool = True) -> Response:
-        def read(e: Any) -> dict[str, Any]:  # both from one moment between steps
-            out: dict[str, Any] = {"version": e.weights_version}
-            if checksums:
-                out["checksums"] = state_checksums(e.model)
-            return out
-
-        return JSONResponse(await asyncio.to_thread(engine.between_steps, read))
-
-
-def _rank_routes(app: FastAPI, engine: AsyncEngine) -> None:
-    """`weight_routes` for a `RankFront`: the same answers, each update or checksum read a
-    weights round between two steps."""
-
-    def between(fn: Callable[[Any], Any]) -> Any:
-        try:
-            return engine.between_steps(fn)
+            return engine.between_steps(make())
         except StaleUpdateError as e:
             raise APIError(409, str(e)) from None
         except WeightSyncError as e:
@@ -89,15 +73,15 @@ def _rank_routes(app: FastAPI, engine: AsyncEngine) -> None:
     @app.post(WEIGHTS_PATH)
     async def post_weights(request: Request) -> Response:
         data = await request.body()
-        version = await asyncio.to_thread(between, lambda f: f.weights_round("apply", data))
+        version = await asyncio.to_thread(between, lambda: applier(data))
         return JSONResponse({"version": version})
 
     @app.get(WEIGHTS_PATH)
     async def get_weights(checksums: bool = True) -> Response:
-        def read(f: Any) -> dict[str, Any]:  # both from one moment between steps
-            out: dict[str, Any] = {"version": f.weights_version}
+        def read(e: Any) -> dict[str, Any]:  # both from one moment between steps
+            out: dict[str, Any] = {"version": e.weights_version}
             if checksums:
-                out["checksums"] = f.weights_round("checksums")
+                out["checksums"] = checksums_of(e)
             return out
 
-        return JSONResponse(await asyncio.to_thread(between, read))
+        return JSONResponse(await asyncio.to_thread(between, lambda: read))
